@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One entry point for building, testing, demoing and benchmarking the plugin.
+#   ./build.sh            build the plugin .wasm (same as ./build.sh wasm)
+#   ./build.sh wasm       build target/wasm32-wasip1/wasm-release/ai_load_balancer.wasm
+#   ./build.sh native     build the gateway host, pod simulator, load generator and bench runner (release)
+#   ./build.sh test       all tests: plugin unit tests (native and as wasm in node), gateway fidelity
+#                         tests, end-to-end tests of the .wasm with real Redis and HTTP, packaging tests
+#   ./build.sh demo       route a multi-turn conversation through the gateway to simulated pods, with Redis
+#   ./build.sh bench S    run benchmark scenario S (seed, shared-prefix, cache-pressure, replicas)
+#   ./build.sh package    build the Higress marketplace artefact directory (higress/dist)
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$(pwd)
+WASM="$ROOT/target/wasm32-wasip1/wasm-release/ai_load_balancer.wasm"
+export AI_LB_WASM="${AI_LB_WASM:-$WASM}"
+export GATEWAY_BIN="${GATEWAY_BIN:-$ROOT/target/release/gateway}"
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else "$@"; fi; }
+
+apt_install() {
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "installing Debian packages: ${missing[*]}"
+  as_root apt-get update -qq
+  as_root apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+ensure_wasm_target() {
+  rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1 || {
+    log "adding rustup target wasm32-wasip1"; rustup target add wasm32-wasip1; }
+}
+
+docker_reachable() { command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; }
+
+# Redis for tests, demo and bench: a real redis-server. Through testcontainers with a locally built image
+# when a Docker engine is reachable (no registry is reachable here), else as a local process.
+ensure_redis() {
+  apt_install redis-server
+  if docker_reachable; then
+    bash "$ROOT/testkit/redis-image.sh"
+  fi
+}
+
+build_wasm() {
+  ensure_wasm_target
+  log "building the plugin (wasm32-wasip1, wasm-release profile)"
+  cargo build --target wasm32-wasip1 --profile wasm-release -p ai-load-balancer
+  ls -l "$WASM" >&2
+}
+
+build_native() {
+  log "building gateway, pod simulator, load generator, bench runner (release)"
+  cargo build --release --workspace --bins
+}
+
+run_tests() {
+  build_wasm
+  build_native
+  ensure_redis
+  command -v node >/dev/null 2>&1 || apt_install nodejs
+  log "unit, fidelity, end-to-end and packaging tests (native, release)"
+  cargo test --release --workspace --no-fail-fast
+  log "plugin unit tests compiled to wasm32-wasip1, run in node's WASI"
+  CARGO_TARGET_WASM32_WASIP1_RUNNER="node $ROOT/scripts/wasm-test-runner.mjs" \
+    cargo test --release --target wasm32-wasip1 -p ai-load-balancer --lib
+}
+
+cmd="${1:-wasm}"
+shift || true
+case "$cmd" in
+  wasm) build_wasm ;;
+  native) build_native ;;
+  test) run_tests ;;
+  demo)
+    build_wasm; build_native; ensure_redis
+    log "demo: a multi-turn conversation through the gateway host with the prefix_cache policy"
+    "$ROOT/target/release/bench" demo "$@" ;;
+  bench)
+    build_wasm; build_native; ensure_redis
+    "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
+  package)
+    build_wasm
+    bash "$ROOT/higress/build-artifact.sh" "$WASM" "$ROOT/higress/dist" ;;
+  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|package)" >&2; exit 2 ;;
+esac
