@@ -1,1 +1,11 @@
-//! podsim (placeholder)
+//! podsim: simulated OpenAI-compatible LLM pods for benchmarking the load-balancing plugin.
+//!
+//! - [`tokenizer`]: deterministic tokenizer + chat template (shared with `loadgen`).
+//! - [`radix`]: RadixAttention-style prefix cache over tokens.
+//! - [`engine`]: continuous-batching scheduler and step latency model.
+//! - [`server`]: HTTP endpoints, SSE streaming, /metrics flavours, fault injection.
+
+pub mod engine;
+pub mod radix;
+pub mod server;
+pub mod tokenizer;

@@ -1,0 +1,271 @@
+//! Sends the sessions: bounded concurrency, full history each turn, streamed replies,
+//! client-side timings, and the oracle hit rate.
+
+use crate::workload::SessionPlan;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+use podsim::tokenizer::{chat_prompt_tokens, tokenize, Message};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+/// Where and how to send.
+#[derive(Debug, Clone)]
+pub struct Target {
+    /// Base URLs (e.g. `http://127.0.0.1:8080`); session i goes to `urls[i % len]` (one
+    /// client per gateway replica).
+    pub urls: Vec<String>,
+    /// `model` field.
+    pub model: String,
+    /// Per-request timeout.
+    pub timeout: Duration,
+    /// KV page size used by the oracle (same as the pods').
+    pub page: usize,
+}
+
+/// Outcome of one request.
+#[derive(Debug, Clone, Serialize, Deserialize, Default, PartialEq)]
+pub struct RequestRecord {
+    /// Session index.
+    pub session: usize,
+    /// Turn index within the session.
+    pub turn: usize,
+    /// Start time since the run began (s, wall clock).
+    pub start_s: f64,
+    /// Time to first non-empty content token (wall ms).
+    pub ttft_ms: Option<f64>,
+    /// End-to-end latency (wall ms).
+    pub e2e_ms: f64,
+    /// Generated tokens.
+    pub output_tokens: usize,
+    /// Prompt tokens (pod usage, or the client's own count).
+    pub prompt_tokens: usize,
+    /// Cached prompt tokens reported by the pod (`usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: usize,
+    /// Tokens an all-knowing router could have served from cache.
+    pub oracle_cached_tokens: usize,
+    /// `x-pod-name` of the pod that served.
+    pub pod: Option<String>,
+    /// Client time to response headers minus the pod's own (`x-pod-time-ms`), wall ms.
+    pub gateway_added_ms: Option<f64>,
+    /// Error text, if the request failed.
+    pub error: Option<String>,
+}
+
+/// Remembers what every finished request put in the pods' caches, per session and group.
+#[derive(Default)]
+struct Oracle {
+    seen: HashMap<(u8, usize), Vec<Arc<Vec<u32>>>>,
+}
+
+impl Oracle {
+    fn keys(s: &SessionPlan) -> Vec<(u8, usize)> {
+        let mut k = vec![(0, s.id)];
+        if let Some(g) = s.group {
+            k.push((1, g));
+        }
+        k
+    }
+    fn best(&self, s: &SessionPlan, prompt: &[u32]) -> usize {
+        let mut best = 0;
+        for k in Self::keys(s) {
+            for seq in self.seen.get(&k).map(|v| v.as_slice()).unwrap_or(&[]) {
+                let l = seq.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+                best = best.max(l);
+            }
+        }
+        best
+    }
+    fn add(&mut self, s: &SessionPlan, seq: Vec<u32>) {
+        let seq = Arc::new(seq);
+        for k in Self::keys(s) {
+            self.seen.entry(k).or_default().push(seq.clone());
+        }
+    }
+}
+
+/// Same rule as the pods: whole pages, at least the last prompt token recomputed.
+pub fn cacheable(hit: usize, prompt_len: usize, page: usize) -> usize {
+    let page = page.max(1);
+    hit.min(prompt_len.saturating_sub(1)) / page * page
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+struct Reply {
+    text: String,
+    ttft: Option<Duration>,
+    usage: Option<Value>,
+    pod: Option<String>,
+    gateway_added_ms: Option<f64>,
+}
+
+async fn send(client: &HttpClient, url: &str, body: Value, t0: Instant) -> Result<Reply, String> {
+    let req = hyper::Request::post(format!("{url}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| e.to_string())?;
+    let resp = client.request(req).await.map_err(|e| format!("connect: {e}"))?;
+    let headers_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    let status = resp.status();
+    let h = resp.headers();
+    let pod = h.get("x-pod-name").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let pod_ms = h.get("x-pod-time-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<f64>().ok());
+    let mut body = resp.into_body();
+    if !status.is_success() {
+        let b = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        return Err(format!("HTTP {}: {}", status.as_u16(), String::from_utf8_lossy(&b).chars().take(200).collect::<String>()));
+    }
+    let mut reply = Reply { text: String::new(), ttft: None, usage: None, pod, gateway_added_ms: pod_ms.map(|p| headers_ms - p) };
+    let mut buf: Vec<u8> = Vec::new();
+    let mut done = false;
+    while !done {
+        let Some(frame) = body.frame().await else { break };
+        let frame = frame.map_err(|e| format!("body: {e}"))?;
+        let Ok(data) = frame.into_data() else { continue };
+        buf.extend_from_slice(&data);
+        while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..pos + 2).collect();
+            for line in event.split(|b| *b == b'\n') {
+                let Some(payload) = line.strip_prefix(b"data:") else { continue };
+                let payload = payload.trim_ascii();
+                if payload == b"[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let Ok(v) = serde_json::from_slice::<Value>(payload) else { continue };
+                let piece = v.pointer("/choices/0/delta/content").and_then(Value::as_str).unwrap_or("");
+                if !piece.is_empty() {
+                    if reply.ttft.is_none() {
+                        reply.ttft = Some(t0.elapsed());
+                    }
+                    reply.text.push_str(piece);
+                }
+                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                    reply.usage = Some(u.clone());
+                }
+            }
+        }
+    }
+    Ok(reply)
+}
+
+async fn run_session(
+    client: HttpClient,
+    target: Arc<Target>,
+    s: SessionPlan,
+    oracle: Arc<Mutex<Oracle>>,
+    started: Instant,
+    progress: Arc<AtomicU64>,
+) -> Vec<RequestRecord> {
+    let url = &target.urls[s.id % target.urls.len()];
+    let mut history: Vec<Message> = Vec::new();
+    if let Some(sys) = &s.system {
+        history.push(Message { role: "system".into(), content: sys.clone() });
+    }
+    let mut out = Vec::new();
+    for (t, turn) in s.turns.iter().enumerate() {
+        history.push(Message { role: "user".into(), content: turn.user.clone() });
+        let prompt = chat_prompt_tokens(&history, None);
+        let oracle_hit = oracle.lock().map(|o| o.best(&s, &prompt)).unwrap_or(0);
+        let messages: Vec<Value> = history.iter().map(|m| json!({"role": m.role, "content": m.content})).collect();
+        let body = json!({
+            "model": target.model, "messages": messages, "max_tokens": turn.max_tokens,
+            "stream": true, "stream_options": {"include_usage": true},
+        });
+        let t0 = Instant::now();
+        let res = tokio::time::timeout(target.timeout, send(&client, url, body, t0)).await.unwrap_or_else(|_| Err("timeout".into()));
+        let e2e_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let mut rec = RequestRecord {
+            session: s.id,
+            turn: t,
+            start_s: (t0 - started).as_secs_f64(),
+            e2e_ms,
+            prompt_tokens: prompt.len(),
+            oracle_cached_tokens: cacheable(oracle_hit, prompt.len(), target.page),
+            ..Default::default()
+        };
+        let reply_text = match res {
+            Ok(r) => {
+                let gen = tokenize(&r.text);
+                rec.ttft_ms = r.ttft.map(|d| d.as_secs_f64() * 1000.0);
+                rec.pod = r.pod;
+                rec.gateway_added_ms = r.gateway_added_ms;
+                let u = r.usage.unwrap_or(Value::Null);
+                rec.output_tokens = u.get("completion_tokens").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(gen.len());
+                rec.prompt_tokens = u.get("prompt_tokens").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(prompt.len());
+                rec.cached_tokens =
+                    u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
+                let mut seq = prompt;
+                seq.extend(gen);
+                if let Ok(mut o) = oracle.lock() {
+                    o.add(&s, seq);
+                }
+                r.text
+            }
+            Err(e) => {
+                rec.error = Some(e);
+                String::new()
+            }
+        };
+        history.push(Message { role: "assistant".into(), content: reply_text });
+        out.push(rec);
+        progress.fetch_add(1, Ordering::Relaxed);
+    }
+    out
+}
+
+/// Runs all sessions against `target` with at most `concurrency` sessions in flight; returns
+/// one record per request, in completion order of sessions. `progress` counts finished requests.
+pub async fn run(sessions: Vec<SessionPlan>, target: Target, concurrency: usize, progress: Arc<AtomicU64>) -> Vec<RequestRecord> {
+    // Nagle + delayed ACK would add ~40 ms to the first byte of each request.
+    let mut conn = HttpConnector::new();
+    conn.set_nodelay(true);
+    let client: HttpClient = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build(conn);
+    let target = Arc::new(target);
+    let oracle = Arc::new(Mutex::new(Oracle::default()));
+    let sem = Arc::new(Semaphore::new(concurrency.max(1)));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for s in sessions {
+        let Ok(permit) = sem.clone().acquire_owned().await else { break };
+        let (client, target, oracle, progress) = (client.clone(), target.clone(), oracle.clone(), progress.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = run_session(client, target, s, oracle, started, progress).await;
+            drop(permit);
+            r
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        if let Ok(r) = t.await {
+            all.extend(r);
+        }
+    }
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn oracle_counts_same_session_and_group_only() {
+        let mk = |id, group| SessionPlan { id, group, system: None, turns: vec![] };
+        let mut o = Oracle::default();
+        let a = mk(0, Some(1));
+        o.add(&a, (0..100).collect());
+        let prompt: Vec<u32> = (0..120).collect();
+        assert_eq!(o.best(&mk(0, None), &prompt), 100, "same session");
+        assert_eq!(o.best(&mk(5, Some(1)), &prompt), 100, "same group");
+        assert_eq!(o.best(&mk(5, Some(2)), &prompt), 0, "other session, other group");
+        assert_eq!(cacheable(100, 120, 16), 96);
+        assert_eq!(cacheable(120, 120, 16), 112);
+    }
+}

@@ -1,0 +1,544 @@
+//! OpenAI-compatible HTTP front end of a simulated pod, its scheduler driver and /metrics.
+
+use crate::engine::{EngineConfig, Event, Scheduler, Usage};
+use crate::tokenizer::{chat_prompt_tokens, hash_tokens, tokenize, Message, Rng};
+use bytes::Bytes;
+use http_body_util::{combinators::BoxBody, BodyExt, Full};
+use hyper::body::{Body, Frame, Incoming};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify};
+
+/// /metrics flavour of a pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// vLLM V0 names (`vllm:gpu_cache_usage_perc`, `vllm:gpu_prefix_cache_hit_rate`).
+    VllmV0,
+    /// vLLM V1 names (`vllm:kv_cache_usage_perc`, prefix cache counters).
+    VllmV1,
+    /// SGLang names (`sglang:num_running_reqs`, `sglang:token_usage`, ...).
+    Sglang,
+}
+
+impl std::str::FromStr for Flavor {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm-v0" | "vllm_v0" | "v0" => Ok(Flavor::VllmV0),
+            "vllm-v1" | "vllm_v1" | "v1" | "vllm" => Ok(Flavor::VllmV1),
+            "sglang" => Ok(Flavor::Sglang),
+            _ => Err(format!("unknown metrics flavour {s:?} (vllm-v0, vllm-v1, sglang)")),
+        }
+    }
+}
+
+/// Fault injection settings of a pod.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Faults {
+    /// Share of completion requests answered with HTTP 500 (0..1).
+    pub error_rate: f64,
+    /// /health (and completions) answer 503 for this many seconds after start.
+    pub slow_start_s: f64,
+    /// After this many seconds the pod stops answering anything (connections hang).
+    pub hang_after_s: Option<f64>,
+}
+
+/// Everything that defines one simulated pod.
+#[derive(Debug, Clone)]
+pub struct PodConfig {
+    /// Pod index (in the process).
+    pub index: usize,
+    /// Name reported in `x-pod-name`.
+    pub name: String,
+    /// Served model name.
+    pub model: String,
+    /// /metrics flavour.
+    pub flavor: Flavor,
+    /// Scheduler and latency model.
+    pub engine: EngineConfig,
+    /// Real seconds per simulated second (0.25 = 4x faster than real time).
+    pub time_scale: f64,
+    /// API/tokenizer overhead added before scheduling, in simulated ms.
+    pub api_overhead_ms: f64,
+    /// LoRA adapter names served (requests whose `model` is one of them use it).
+    pub loras: Vec<String>,
+    /// vLLM --max-loras.
+    pub max_lora: usize,
+    /// Faults.
+    pub faults: Faults,
+}
+
+struct Shared {
+    sched: Scheduler,
+    senders: HashMap<u64, mpsc::UnboundedSender<Event>>,
+    next_id: u64,
+    error_rng: Rng,
+    error_rate: f64,
+}
+
+/// A running pod: shared state between HTTP handlers and the scheduler loop.
+pub struct Pod {
+    cfg: PodConfig,
+    state: Mutex<Shared>,
+    notify: Notify,
+    started: Instant,
+    hang: AtomicBool,
+}
+
+type RespBody = BoxBody<Bytes, Infallible>;
+
+fn full(s: impl Into<Bytes>) -> RespBody {
+    Full::new(s.into()).boxed()
+}
+
+fn scaled(ms: f64, scale: f64) -> Duration {
+    Duration::from_secs_f64((ms * scale / 1000.0).max(0.0))
+}
+
+impl Pod {
+    /// Creates a pod (call [`serve`] to run it).
+    pub fn new(cfg: PodConfig) -> Arc<Pod> {
+        let error_rate = cfg.faults.error_rate;
+        Arc::new(Pod {
+            state: Mutex::new(Shared {
+                sched: Scheduler::new(cfg.engine),
+                senders: HashMap::new(),
+                next_id: 1,
+                error_rng: Rng::new(0x5eed ^ cfg.index as u64),
+                error_rate,
+            }),
+            cfg,
+            notify: Notify::new(),
+            started: Instant::now(),
+            hang: AtomicBool::new(false),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn hanging(&self) -> bool {
+        if self.hang.load(Ordering::Relaxed) {
+            return true;
+        }
+        matches!(self.cfg.faults.hang_after_s, Some(s) if self.started.elapsed().as_secs_f64() >= s)
+    }
+
+    fn starting(&self) -> bool {
+        self.started.elapsed().as_secs_f64() < self.cfg.faults.slow_start_s
+    }
+
+    /// The scheduler loop: one step at a time, sleeping each step's scaled duration.
+    async fn drive(self: Arc<Self>) {
+        let mut deadline = Instant::now();
+        loop {
+            let step = self.lock().sched.begin_step();
+            let Some(ms) = step else {
+                self.notify.notified().await;
+                deadline = Instant::now();
+                continue;
+            };
+            deadline += scaled(ms, self.cfg.time_scale);
+            // Catch up after a late wake-up, but only a little: bursts would distort TTFT.
+            let now = Instant::now();
+            if now > deadline + Duration::from_millis(20) {
+                deadline = now;
+            }
+            tokio::time::sleep_until(deadline.into()).await;
+            let mut st = self.lock();
+            let events = st.sched.end_step();
+            let mut gone = Vec::new();
+            for (id, ev) in events {
+                let done = matches!(ev, Event::Done(_));
+                if let Some(tx) = st.senders.get(&id) {
+                    if tx.send(ev).is_err() {
+                        gone.push(id);
+                    }
+                }
+                if done {
+                    st.senders.remove(&id);
+                }
+            }
+            for id in gone {
+                st.senders.remove(&id);
+                st.sched.abort(id);
+            }
+        }
+    }
+
+    /// Prometheus text in this pod's flavour (plus `podsim_*` counters the bench reads).
+    pub fn metrics_text(&self) -> String {
+        let st = self.lock();
+        let s = &st.sched;
+        let c = s.counters();
+        let m = &self.cfg.model;
+        let usage = s.used_tokens() as f64 / s.capacity_tokens().max(1) as f64;
+        let hit_rate = if c.prompt_tokens > 0 { c.cached_tokens as f64 / c.prompt_tokens as f64 } else { 0.0 };
+        let mut o = String::new();
+        let g = |o: &mut String, name: &str, kind: &str, v: String| {
+            let _ = writeln!(o, "# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {v}");
+        };
+        match self.cfg.flavor {
+            Flavor::VllmV0 | Flavor::VllmV1 => {
+                g(&mut o, "vllm:num_requests_running", "gauge", format!("{:.1}", s.num_running() as f64));
+                g(&mut o, "vllm:num_requests_waiting", "gauge", format!("{:.1}", s.num_waiting() as f64));
+                if self.cfg.flavor == Flavor::VllmV0 {
+                    g(&mut o, "vllm:gpu_cache_usage_perc", "gauge", format!("{usage}"));
+                    g(&mut o, "vllm:gpu_prefix_cache_hit_rate", "gauge", format!("{hit_rate}"));
+                } else {
+                    g(&mut o, "vllm:kv_cache_usage_perc", "gauge", format!("{usage}"));
+                    g(&mut o, "vllm:prefix_cache_queries_total", "counter", format!("{:.1}", c.prompt_tokens as f64));
+                    g(&mut o, "vllm:prefix_cache_hits_total", "counter", format!("{:.1}", c.cached_tokens as f64));
+                }
+                g(&mut o, "vllm:prompt_tokens_total", "counter", format!("{:.1}", c.prompt_tokens as f64));
+                g(&mut o, "vllm:generation_tokens_total", "counter", format!("{:.1}", c.generation_tokens as f64));
+                let blocks = s.capacity_tokens() / self.cfg.engine.page.max(1);
+                let _ = writeln!(
+                    o,
+                    "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",num_gpu_blocks=\"{blocks}\"}} 1.0",
+                    self.cfg.engine.page
+                );
+                if !self.cfg.loras.is_empty() {
+                    let (run, wait) = s.adapters();
+                    let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+                    let _ = writeln!(
+                        o,
+                        "# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {ts:.9e}",
+                        self.cfg.max_lora,
+                        run.join(","),
+                        wait.join(",")
+                    );
+                }
+            }
+            Flavor::Sglang => {
+                g(&mut o, "sglang:num_running_reqs", "gauge", format!("{:.1}", s.num_running() as f64));
+                g(&mut o, "sglang:num_queue_reqs", "gauge", format!("{:.1}", s.num_waiting() as f64));
+                g(&mut o, "sglang:token_usage", "gauge", format!("{usage}"));
+                g(&mut o, "sglang:num_used_tokens", "gauge", format!("{:.1}", s.used_tokens() as f64));
+                g(&mut o, "sglang:max_total_num_tokens", "gauge", format!("{:.1}", s.capacity_tokens() as f64));
+                g(&mut o, "sglang:cache_hit_rate", "gauge", format!("{hit_rate}"));
+                g(&mut o, "sglang:prompt_tokens_total", "counter", format!("{:.1}", c.prompt_tokens as f64));
+                g(&mut o, "sglang:generation_tokens_total", "counter", format!("{:.1}", c.generation_tokens as f64));
+                g(&mut o, "sglang:cached_tokens_total", "counter", format!("{:.1}", c.cached_tokens as f64));
+                g(&mut o, "sglang:num_requests_total", "counter", format!("{:.1}", c.requests as f64));
+            }
+        }
+        let _ = writeln!(o, "# TYPE podsim_prompt_tokens_total counter\npodsim_prompt_tokens_total {}", c.prompt_tokens);
+        let _ = writeln!(o, "# TYPE podsim_cached_tokens_total counter\npodsim_cached_tokens_total {}", c.cached_tokens);
+        let _ = writeln!(o, "# TYPE podsim_generation_tokens_total counter\npodsim_generation_tokens_total {}", c.generation_tokens);
+        let _ = writeln!(o, "# TYPE podsim_requests_total counter\npodsim_requests_total {}", c.requests);
+        let _ = writeln!(o, "# TYPE podsim_peak_inflight gauge\npodsim_peak_inflight {}", c.peak_inflight);
+        let _ = writeln!(o, "# TYPE podsim_cache_tree_tokens gauge\npodsim_cache_tree_tokens {}", s.cached_tree_tokens());
+        o
+    }
+
+    fn json_response(&self, status: StatusCode, v: &Value) -> Response<RespBody> {
+        let mut r = Response::new(full(v.to_string()));
+        *r.status_mut() = status;
+        let h = r.headers_mut();
+        h.insert("content-type", hyper::header::HeaderValue::from_static("application/json"));
+        self.name_header(h);
+        r
+    }
+
+    fn name_header(&self, h: &mut hyper::HeaderMap) {
+        if let Ok(v) = self.cfg.name.parse() {
+            h.insert("x-pod-name", v);
+        }
+    }
+
+    fn error(&self, status: StatusCode, msg: &str) -> Response<RespBody> {
+        self.json_response(status, &json!({"error": {"message": msg, "type": "server_error", "code": status.as_u16()}}))
+    }
+
+    async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<RespBody> {
+        let t0 = Instant::now();
+        if self.hanging() {
+            std::future::pending::<()>().await;
+        }
+        let path = req.uri().path().to_string();
+        match (req.method().clone(), path.as_str()) {
+            (Method::GET, "/health") | (Method::GET, "/health/ready") => {
+                if self.starting() {
+                    self.error(StatusCode::SERVICE_UNAVAILABLE, "starting")
+                } else {
+                    let mut r = Response::new(full("OK"));
+                    self.name_header(r.headers_mut());
+                    r
+                }
+            }
+            (Method::GET, "/metrics") => {
+                let mut r = Response::new(full(self.metrics_text()));
+                r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"));
+                self.name_header(r.headers_mut());
+                r
+            }
+            (Method::GET, "/v1/models") => {
+                let mut data = vec![json!({"id": self.cfg.model, "object": "model", "owned_by": "podsim"})];
+                for l in &self.cfg.loras {
+                    data.push(json!({"id": l, "object": "model", "owned_by": "podsim", "parent": self.cfg.model}));
+                }
+                self.json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+            }
+            (Method::POST, "/admin/flush") | (Method::POST, "/flush_cache") => {
+                self.lock().sched.flush_cache();
+                self.json_response(StatusCode::OK, &json!({"flushed": true}))
+            }
+            (Method::POST, "/admin/fault") => {
+                let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                if let Some(r) = v.get("error_rate").and_then(Value::as_f64) {
+                    self.lock().error_rate = r;
+                }
+                if let Some(h) = v.get("hang").and_then(Value::as_bool) {
+                    self.hang.store(h, Ordering::Relaxed);
+                }
+                self.json_response(StatusCode::OK, &json!({"ok": true}))
+            }
+            (Method::POST, "/v1/chat/completions") => self.completion(req, true, t0).await,
+            (Method::POST, "/v1/completions") => self.completion(req, false, t0).await,
+            _ => self.error(StatusCode::NOT_FOUND, "not found"),
+        }
+    }
+
+    async fn completion(self: Arc<Self>, req: Request<Incoming>, chat: bool, t0: Instant) -> Response<RespBody> {
+        if self.starting() {
+            return self.error(StatusCode::SERVICE_UNAVAILABLE, "starting");
+        }
+        let body = match req.into_body().collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(_) => return self.error(StatusCode::BAD_REQUEST, "unreadable body"),
+        };
+        let v: Value = match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => return self.error(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}")),
+        };
+        let prompt = if chat {
+            let Some(msgs) = v.get("messages").and_then(Value::as_array) else {
+                return self.error(StatusCode::BAD_REQUEST, "messages missing");
+            };
+            let messages: Vec<Message> = msgs
+                .iter()
+                .map(|m| Message {
+                    role: m.get("role").and_then(Value::as_str).unwrap_or("user").to_string(),
+                    content: content_text(m.get("content")),
+                })
+                .collect();
+            let tools = v.get("tools").filter(|t| !t.is_null()).map(|t| t.to_string());
+            chat_prompt_tokens(&messages, tools.as_deref())
+        } else {
+            match v.get("prompt") {
+                Some(Value::String(s)) => tokenize(s),
+                Some(Value::Array(a)) => tokenize(&a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("\n")),
+                _ => return self.error(StatusCode::BAD_REQUEST, "prompt missing"),
+            }
+        };
+        let max_tokens = v
+            .get("max_completion_tokens")
+            .or_else(|| v.get("max_tokens"))
+            .and_then(Value::as_u64)
+            .unwrap_or(128) as usize;
+        let seed = v.get("seed").and_then(Value::as_u64).unwrap_or_else(|| hash_tokens(&prompt));
+        let model = v.get("model").and_then(Value::as_str).unwrap_or(&self.cfg.model).to_string();
+        let adapter = self.cfg.loras.iter().find(|l| **l == model).cloned();
+        let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let include_usage = v.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
+
+        {
+            let mut st = self.lock();
+            let rate = st.error_rate;
+            if rate > 0.0 && st.error_rng.next_f64() < rate {
+                drop(st);
+                return self.error(StatusCode::INTERNAL_SERVER_ERROR, "injected server error");
+            }
+        }
+        tokio::time::sleep(scaled(self.cfg.api_overhead_ms, self.cfg.time_scale)).await;
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let id = {
+            let mut st = self.lock();
+            let id = st.next_id;
+            st.next_id += 1;
+            st.senders.insert(id, tx);
+            st.sched.submit(id, prompt, max_tokens, seed, adapter);
+            id
+        };
+        self.notify.notify_one();
+        let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let rid = format!("{}-{}-{id}", if chat { "chatcmpl" } else { "cmpl" }, self.cfg.name);
+        if stream {
+            let mut r = Response::new(
+                SseBody { rx, chat, include_usage, id: rid, model, created, first: true, finished: false }.boxed(),
+            );
+            let h = r.headers_mut();
+            h.insert("content-type", hyper::header::HeaderValue::from_static("text/event-stream"));
+            h.insert("cache-control", hyper::header::HeaderValue::from_static("no-cache"));
+            self.name_header(h);
+            self.time_header(h, t0);
+            return r;
+        }
+        let mut text = String::new();
+        let mut usage = Usage::default();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Token(t) => text.push_str(&t),
+                Event::Done(u) => {
+                    usage = u;
+                    break;
+                }
+            }
+        }
+        let choice = if chat {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+        } else {
+            json!({"index": 0, "text": text, "finish_reason": "length"})
+        };
+        let v = json!({
+            "id": rid, "object": if chat { "chat.completion" } else { "text_completion" },
+            "created": created, "model": model, "choices": [choice], "usage": usage_json(&usage),
+        });
+        let mut r = self.json_response(StatusCode::OK, &v);
+        self.time_header(r.headers_mut(), t0);
+        r
+    }
+
+    fn time_header(&self, h: &mut hyper::HeaderMap, t0: Instant) {
+        let ms = t0.elapsed().as_secs_f64() * 1000.0;
+        if let Ok(v) = format!("{ms:.3}").parse() {
+            h.insert("x-pod-time-ms", v);
+        }
+    }
+}
+
+fn content_text(c: Option<&Value>) -> String {
+    match c {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("\n")
+        }
+        _ => String::new(),
+    }
+}
+
+fn usage_json(u: &Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    })
+}
+
+/// Server-sent events body fed by the scheduler; coalesces tokens that are already queued.
+struct SseBody {
+    rx: mpsc::UnboundedReceiver<Event>,
+    chat: bool,
+    include_usage: bool,
+    id: String,
+    model: String,
+    created: u64,
+    first: bool,
+    finished: bool,
+}
+
+impl SseBody {
+    fn chunk(&self, out: &mut String, choices: Value, usage: Option<Value>) {
+        let mut v = json!({
+            "id": self.id,
+            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created, "model": self.model, "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        out.push_str("data: ");
+        out.push_str(&v.to_string());
+        out.push_str("\n\n");
+    }
+
+    fn format(&mut self, ev: Event, out: &mut String) {
+        match ev {
+            Event::Token(t) => {
+                let choice = if self.chat {
+                    let delta = if self.first { json!({"role": "assistant", "content": t}) } else { json!({"content": t}) };
+                    json!([{"index": 0, "delta": delta, "finish_reason": null}])
+                } else {
+                    json!([{"index": 0, "text": t, "finish_reason": null}])
+                };
+                self.first = false;
+                self.chunk(out, choice, None);
+            }
+            Event::Done(u) => {
+                let choice = if self.chat {
+                    json!([{"index": 0, "delta": {}, "finish_reason": "length"}])
+                } else {
+                    json!([{"index": 0, "text": "", "finish_reason": "length"}])
+                };
+                self.chunk(out, choice, None);
+                if self.include_usage {
+                    self.chunk(out, json!([]), Some(usage_json(&u)));
+                }
+                out.push_str("data: [DONE]\n\n");
+                self.finished = true;
+            }
+        }
+    }
+}
+
+impl Body for SseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let this = self.get_mut();
+        let mut buf = String::new();
+        while !this.finished && buf.len() < 64 * 1024 {
+            match this.rx.poll_recv(cx) {
+                Poll::Ready(Some(ev)) => this.format(ev, &mut buf),
+                Poll::Ready(None) => this.finished = true,
+                Poll::Pending => break,
+            }
+        }
+        if !buf.is_empty() {
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
+        } else if this.finished {
+            Poll::Ready(None)
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+/// Binds `addr` and serves `pod` on it; returns the bound address. Spawns the scheduler loop
+/// and the accept loop on the current tokio runtime.
+pub async fn serve(pod: Arc<Pod>, addr: SocketAddr) -> std::io::Result<SocketAddr> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tokio::spawn(pod.clone().drive());
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            let _ = stream.set_nodelay(true);
+            let pod = pod.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |req| {
+                    let pod = pod.clone();
+                    async move { Ok::<_, Infallible>(pod.handle(req).await) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    Ok(local)
+}

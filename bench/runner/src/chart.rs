@@ -1,0 +1,153 @@
+//! PNG chart: TTFT distribution (CDF) per policy, and prefix hit rate (pods vs oracle).
+//!
+//! Text uses a TTF font read at run time (DejaVu Sans from Debian's fonts-dejavu-core, or
+//! $BENCH_FONT); without one the chart is drawn without text and the legend is printed.
+
+use crate::{label, Report};
+use anyhow::{anyhow, Result};
+use plotters::prelude::*;
+use std::path::Path;
+
+const FONT_CANDIDATES: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/System/Library/Fonts/Supplemental/Arial.ttf",
+];
+
+static FONT_OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Registers a font for plotters once; false when none could be loaded.
+fn load_font() -> bool {
+    *FONT_OK.get_or_init(|| {
+        let env = std::env::var("BENCH_FONT").ok();
+        for p in env.iter().map(String::as_str).chain(FONT_CANDIDATES.iter().copied()) {
+            if let Ok(bytes) = std::fs::read(p) {
+                // plotters keeps the font for the life of the process.
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                    return true;
+                }
+            }
+        }
+        false
+    })
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+];
+
+/// Draws the chart for `rep` into `out` (PNG).
+pub fn draw(rep: &Report, out: &Path) -> Result<()> {
+    let (w, h) = (1400u32, 560u32);
+    let mut buf = vec![255u8; (w * h * 3) as usize];
+    let text = load_font();
+    {
+        let root = BitMapBackend::with_buffer(&mut buf, (w, h)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| anyhow!("{e:?}"))?;
+        let (left, right) = root.split_horizontally(820);
+        draw_cdf(rep, &left, text).map_err(|e| anyhow!("{e:?}"))?;
+        draw_hits(rep, &right, text).map_err(|e| anyhow!("{e:?}"))?;
+        root.present().map_err(|e| anyhow!("{e:?}"))?;
+    }
+    let file = std::fs::File::create(out)?;
+    let mut enc = png::Encoder::new(std::io::BufWriter::new(file), w, h);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    let mut wr = enc.write_header()?;
+    wr.write_image_data(&buf)?;
+    wr.finish()?;
+    if !text {
+        eprintln!("chart drawn without text (no TTF font found; set BENCH_FONT); colours in policy order:");
+        for (i, r) in rep.policies.iter().enumerate() {
+            eprintln!("  colour {i}: {}", label(r, rep.config.gateway_replicas.len() > 1));
+        }
+    }
+    Ok(())
+}
+
+type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
+
+fn draw_cdf(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn std::error::Error>> {
+    let multi = rep.config.gateway_replicas.len() > 1;
+    // x range: up to the largest p99 so the tails stay readable.
+    let xmax = rep.policies.iter().map(|r| r.ttft_ms.p99).fold(1.0, f64::max) * 1.05;
+    let mut b = ChartBuilder::on(area);
+    b.margin(15);
+    if text {
+        b.caption(format!("{}: TTFT distribution (simulated ms)", rep.scenario), ("sans-serif", 22))
+            .x_label_area_size(40)
+            .y_label_area_size(55);
+    }
+    let mut chart = b.build_cartesian_2d(0.0..xmax, 0.0..1.0)?;
+    let mut mesh = chart.configure_mesh();
+    if text {
+        mesh.x_desc("TTFT (ms)").y_desc("share of requests").label_style(("sans-serif", 14));
+    } else {
+        mesh.x_labels(0).y_labels(0);
+    }
+    mesh.draw()?;
+    for (i, r) in rep.policies.iter().enumerate() {
+        let mut v = r.ttfts.clone();
+        v.sort_by(|a, b| a.total_cmp(b));
+        let n = v.len().max(1) as f64;
+        let pts: Vec<(f64, f64)> = v.iter().enumerate().map(|(k, x)| (x.min(xmax), (k + 1) as f64 / n)).collect();
+        let c = COLORS[i % COLORS.len()];
+        let s = chart.draw_series(LineSeries::new(pts, c.stroke_width(3)))?;
+        if text {
+            let name = format!("{} (mean {:.0} ms)", label(r, multi), r.ttft_ms.mean);
+            s.label(name).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+        }
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 15))
+            .draw()?;
+    }
+    Ok(())
+}
+
+fn draw_hits(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn std::error::Error>> {
+    let multi = rep.config.gateway_replicas.len() > 1;
+    let n = rep.policies.len().max(1);
+    let mut b = ChartBuilder::on(area);
+    b.margin(15);
+    if text {
+        b.caption("prefix cache hit rate (pods / oracle)", ("sans-serif", 22)).x_label_area_size(40).y_label_area_size(45);
+    }
+    let mut chart = b.build_cartesian_2d(0.0..n as f64, 0.0..100.0)?;
+    let mut mesh = chart.configure_mesh();
+    mesh.disable_x_mesh().x_labels(0);
+    if text {
+        mesh.y_desc("% of prompt tokens").label_style(("sans-serif", 14));
+    } else {
+        mesh.y_labels(0);
+    }
+    mesh.draw()?;
+    for (i, r) in rep.policies.iter().enumerate() {
+        let c = COLORS[i % COLORS.len()];
+        let x = i as f64;
+        let hit = r.prefix_hit_rate * 100.0;
+        let oracle = r.oracle_hit_rate * 100.0;
+        chart.draw_series(std::iter::once(Rectangle::new([(x + 0.12, 0.0), (x + 0.52, hit)], c.filled())))?;
+        chart.draw_series(std::iter::once(Rectangle::new([(x + 0.52, 0.0), (x + 0.88, oracle)], c.mix(0.35).filled())))?;
+        if text {
+            chart.draw_series(std::iter::once(Text::new(format!("{hit:.0}%"), (x + 0.14, (hit + 6.0).min(99.0)), ("sans-serif", 15))))?;
+            let short: String = label(r, multi).replace("global_least_request", "least_req").replace("endpoint_metrics", "metrics");
+            chart.draw_series(std::iter::once(Text::new(short, (x + 0.05, 3.0), ("sans-serif", 13).into_font().color(&BLACK))))?;
+        }
+    }
+    Ok(())
+}

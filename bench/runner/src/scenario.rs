@@ -1,0 +1,102 @@
+//! Scenario files (bench/scenarios/*.yaml).
+
+use loadgen::Workload;
+use serde::{Deserialize, Serialize};
+
+fn one() -> Vec<usize> {
+    vec![1]
+}
+fn all_policies() -> Vec<String> {
+    ["round_robin", "global_least_request", "prefix_cache", "endpoint_metrics"].iter().map(|s| s.to_string()).collect()
+}
+fn default_scale() -> f64 {
+    0.25
+}
+fn default_model() -> String {
+    "llama-3.1-8b".into()
+}
+fn default_workers() -> usize {
+    2
+}
+
+/// The simulated pods of a scenario.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Pods {
+    /// Number of pods.
+    pub count: usize,
+    /// Metrics flavours (comma-separated, in turn): vllm-v0, vllm-v1, sglang.
+    #[serde(default = "default_flavor")]
+    pub flavor: String,
+    /// KV capacity per pod, tokens.
+    #[serde(default = "default_capacity")]
+    pub kv_capacity_tokens: usize,
+    /// Max running sequences per pod.
+    #[serde(default = "default_running")]
+    pub max_running: usize,
+    /// Extra podsim arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+}
+fn default_flavor() -> String {
+    "vllm-v1".into()
+}
+fn default_capacity() -> usize {
+    400_000
+}
+fn default_running() -> usize {
+    128
+}
+
+/// A benchmark scenario.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Scenario {
+    /// Name (results file stem).
+    pub name: String,
+    /// One line for humans.
+    #[serde(default)]
+    pub description: String,
+    /// Pods' time scale (real s per simulated s).
+    #[serde(default = "default_scale")]
+    pub time_scale: f64,
+    /// Model name.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// Pods.
+    pub pods: Pods,
+    /// Gateway replica counts to run (each with every policy), sharing one Redis.
+    #[serde(default = "one")]
+    pub gateway_replicas: Vec<usize>,
+    /// Gateway worker threads per replica.
+    #[serde(default = "default_workers")]
+    pub gateway_workers: usize,
+    /// Policies: round_robin (no plugin), global_least_request, prefix_cache, endpoint_metrics.
+    #[serde(default = "all_policies")]
+    pub policies: Vec<String>,
+    /// Extra plugin `lb_config` keys per policy (merged over the defaults).
+    #[serde(default)]
+    pub lb_config: serde_json::Map<String, serde_json::Value>,
+    /// The load.
+    pub workload: Workload,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_shipped_scenario_parses() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../scenarios");
+        let mut n = 0;
+        for e in std::fs::read_dir(dir).expect("scenarios dir") {
+            let p = e.expect("entry").path();
+            if p.extension().and_then(|x| x.to_str()) != Some("yaml") {
+                continue;
+            }
+            let s: Scenario = serde_yaml::from_str(&std::fs::read_to_string(&p).expect("read")).expect("parse");
+            assert_eq!(Some(s.name.as_str()), p.file_stem().and_then(|x| x.to_str()), "name matches file");
+            assert!(!s.workload.plan().is_empty());
+            n += 1;
+        }
+        assert!(n >= 4, "seed, shared-prefix, cache-pressure, replicas");
+    }
+}
