@@ -1,1 +1,27 @@
-//! Higress-compatible `ai-load-balancer` plugin (placeholder while the crate is being written).
+//! Higress-compatible `ai-load-balancer` plugin for LLM inference traffic (proxy-wasm, ABI 0_2_100).
+//!
+//! Layout: `abi` (the only unsafe module: hostcalls, exported callbacks) drives `filter` (the
+//! request flow / dispatcher) over the narrow [`host::Host`] trait; `policy` holds the four
+//! policies; `config` the config types; `redis` RESP encoding and the Lua scripts.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+#[cfg(all(target_arch = "wasm32", not(test)))]
+pub mod abi;
+pub mod config;
+pub mod filter;
+pub mod host;
+pub mod metrics;
+pub mod pairs;
+pub mod policy;
+pub mod redis;
+
+#[cfg(test)]
+mod testutil;
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod lua_tests;
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+#[path = "wasm_exports_test.rs"]
+mod wasm_exports_test;

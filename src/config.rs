@@ -1,0 +1,643 @@
+//! Plugin configuration: the same JSON shape, keys and defaults as Higress's Go `ai-load-balancer`,
+//! plus a few keys of ours (camelCase like the Go `lb_config` keys). These types are the
+//! documentation of the config; README "## Plugin configuration" lists every key with its default.
+//!
+//! Parsing is manual over `serde_json::Value` so that every error names the field and the accepted
+//! values (one clear log line when the plugin refuses to start).
+
+use serde_json::{Map, Value};
+
+/// Default Redis operation timeout (ms), as in Go.
+pub const DEFAULT_REDIS_TIMEOUT_MS: u32 = 3000;
+/// Default TTL of prefix keys (s), as in Go.
+pub const DEFAULT_REDIS_KEY_TTL_S: u64 = 1800;
+/// Default interval between cleanups of hosts that left the cluster (minutes), as in Go.
+pub const DEFAULT_CLEAN_INTERVAL_MIN: u64 = 60;
+/// Default largest request body the plugin buffers to route on (ours). Larger bodies pass through
+/// to normal balancing: hashing or parsing more would cost more than it saves.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+/// Default cluster header for `cluster_metrics`, as in the current Go code (its README says
+/// `x-envoy-target-cluster`; set `cluster_header` explicitly to use that).
+pub const DEFAULT_CLUSTER_HEADER: &str = "x-higress-target-cluster";
+/// Default latency sample queue size for `cluster_metrics`, as in Go.
+pub const DEFAULT_QUEUE_SIZE: usize = 100;
+/// Default sliding window size (requests) for `endpoint_metrics` `rate_limit`, as in Go.
+pub const DEFAULT_WINDOW_SIZE: usize = 100;
+/// Default sliding window length (s) for `endpoint_metrics` `rate_limit`, as in Go.
+pub const DEFAULT_WINDOW_SECONDS: u64 = 60;
+/// Default `prefix_cache` hit load guard (ours): a prefix hit is not taken when the hit host has
+/// more than `hitLoadFactor` × (least in-flight + 1) requests in flight. 0 disables the guard.
+pub const DEFAULT_HIT_LOAD_FACTOR: f64 = 0.0;
+/// Default age (ms) after which scraped metrics count as unknown (ours).
+pub const DEFAULT_METRICS_STALE_MS: u64 = 5000;
+/// Default scrape interval (ms) when the host list carries no metrics (ours).
+pub const DEFAULT_SCRAPE_INTERVAL_MS: u32 = 1000;
+
+/// A configuration error: which field, and what was wrong (including the accepted values).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// Dotted path of the offending field, e.g. `lb_config.servicePort` or `_rules_[1]._match_route_`.
+    pub field: String,
+    /// What is wrong and what is accepted.
+    pub message: String,
+}
+
+impl core::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "invalid ai-load-balancer config: {}: {}", self.field, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(field: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError { field: field.to_string(), message: message.into() }
+}
+
+/// `lb_type`: where the plugin balances.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LbType {
+    /// `endpoint` (default): pick a host (pod) inside the route's cluster.
+    Endpoint,
+    /// `cluster`: pick a cluster (service) by writing `cluster_header`.
+    Cluster,
+}
+
+/// Redis connection settings shared by the Redis-backed policies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisConfig {
+    /// `serviceFQDN` (required): e.g. `redis.static`, `redis.dns`, `redis.default.svc.cluster.local`.
+    pub service_fqdn: String,
+    /// `servicePort` (required): e.g. 6379.
+    pub service_port: u16,
+    /// `username` (default empty).
+    pub username: String,
+    /// `password` (default empty).
+    pub password: String,
+    /// `timeout` in ms (default 3000; 0 means default, as in Go).
+    pub timeout_ms: u32,
+    /// `database` (default 0).
+    pub database: u32,
+    /// `bufferFlushTimeout` (ours, ms, default 0): Envoy Redis client batching delay, sent as
+    /// `buffer_flush_timeout` on `proxy_redis_init`. 0 with `maxBufferSizeBeforeFlush` 0 sends each
+    /// command at once (Envoy's default would add up to 3 ms per request).
+    pub buffer_flush_timeout_ms: u32,
+    /// `maxBufferSizeBeforeFlush` (ours, bytes, default 0): sent as `max_buffer_size_before_flush`.
+    pub max_buffer_size_before_flush: u32,
+}
+
+impl RedisConfig {
+    /// The Envoy cluster name used for `proxy_redis_init`/`proxy_redis_call`:
+    /// `outbound|{servicePort}||{serviceFQDN}`, plus `?db=N` when `database` != 0.
+    pub fn cluster(&self) -> String {
+        let mut c = format!("outbound|{}||{}", self.service_port, self.service_fqdn);
+        if self.database != 0 {
+            c.push_str(&format!("?db={}", self.database));
+        }
+        c
+    }
+}
+
+/// `global_least_request` settings (`lb_config`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlobalLeastRequestConfig {
+    /// Redis connection.
+    pub redis: RedisConfig,
+    /// `maxRequestCount` (default 0 = unlimited): above this many in-flight requests on the least
+    /// loaded host, answer 429.
+    pub max_request_count: u64,
+    /// `cleanInterval` in minutes (default 60; 0 disables): hosts that left the cluster are removed
+    /// from the in-flight table this often.
+    pub clean_interval_min: u64,
+    /// `enableDetailLog` (default true): log each pick with the counts.
+    pub enable_detail_log: bool,
+}
+
+/// `prefix_cache` settings (`lb_config`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefixCacheConfig {
+    /// Redis connection and the least-request settings used on a miss (same keys as
+    /// `global_least_request`).
+    pub least_request: GlobalLeastRequestConfig,
+    /// `redisKeyTTL` in seconds (default 1800).
+    pub redis_key_ttl_s: u64,
+    /// `hitLoadFactor` (ours, default 0 = off): see [`DEFAULT_HIT_LOAD_FACTOR`].
+    pub hit_load_factor: f64,
+    /// `splitSystemPrompt` (ours, default false): also cut a block after the leading
+    /// system/developer messages (and `tools`), so conversations that share only a system prompt
+    /// share the first key. Pair it with `hitLoadFactor`: one app's requests all share that key.
+    pub split_system_prompt: bool,
+}
+
+/// `endpoint_metrics` `metric_policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricPolicy {
+    /// `default`: the Gateway API Inference Extension filter chain.
+    Default,
+    /// `least`: the host with the smallest `target_metric`.
+    Least,
+    /// `most`: the host with the largest `target_metric`.
+    Most,
+}
+
+/// `endpoint_metrics` (alias `metrics_based`) settings (`lb_config`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointMetricsConfig {
+    /// `metric_policy` (default `default`).
+    pub metric_policy: MetricPolicy,
+    /// `target_metric` (required for `least`/`most`): metric name in the pods' Prometheus text.
+    pub target_metric: Option<String>,
+    /// `rate_limit` (default 1.0): largest share of the recent requests one host may get.
+    pub rate_limit: f64,
+    /// `window_size` (default 100): requests remembered for `rate_limit`.
+    pub window_size: usize,
+    /// `window_seconds` (default 60): how long a request stays in the window.
+    pub window_seconds: u64,
+    /// `scrapeIntervalMs` (ours, default 1000): when the host list carries no metrics the plugin
+    /// scrapes each pod's `/metrics` this often.
+    pub scrape_interval_ms: u32,
+    /// `scrapePath` (ours, default `/metrics`).
+    pub scrape_path: String,
+    /// `metricsStaleMs` (ours, default 5000): older metrics count as unknown.
+    pub metrics_stale_ms: u64,
+}
+
+/// `cluster_metrics` `mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterMode {
+    /// `LeastBusy`: fewest in-flight requests.
+    LeastBusy,
+    /// `LeastTotalLatency`: lowest mean total latency.
+    LeastTotalLatency,
+    /// `LeastFirstTokenLatency`: lowest mean time to first token.
+    LeastFirstTokenLatency,
+    /// No `mode` given: random service (Go behaviour), still subject to `rate_limit`.
+    Random,
+}
+
+/// `cluster_metrics` settings (`lb_config`, with `lb_type: cluster`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterMetricsConfig {
+    /// `mode` (default: random, as Go when absent).
+    pub mode: ClusterMode,
+    /// `service_list` (required, non-empty): the cluster names to choose from.
+    pub service_list: Vec<String>,
+    /// `cluster_header` (default `x-higress-target-cluster`): request header written with the choice.
+    pub cluster_header: String,
+    /// `rate_limit` (default 1.0): largest share of requests one service may get.
+    pub rate_limit: f64,
+    /// `queue_size` (default 100): latency samples kept per service.
+    pub queue_size: usize,
+}
+
+/// The policy chosen by `lb_policy` with its settings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PolicyConfig {
+    /// `global_least_request`.
+    GlobalLeastRequest(GlobalLeastRequestConfig),
+    /// `prefix_cache`.
+    PrefixCache(PrefixCacheConfig),
+    /// `endpoint_metrics` (or `metrics_based`).
+    EndpointMetrics(EndpointMetricsConfig),
+    /// `cluster_metrics`.
+    ClusterMetrics(ClusterMetricsConfig),
+}
+
+/// One complete load-balancer config (the top level, or one `_rules_` entry).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LbConfig {
+    /// `lb_type` (default `endpoint`).
+    pub lb_type: LbType,
+    /// `lb_policy` with its `lb_config`.
+    pub policy: PolicyConfig,
+    /// `lb_config.maxBodyBytes` (ours, default 4 MiB): larger bodies pass through.
+    pub max_body_bytes: usize,
+}
+
+/// What a `_rules_` entry matches on. A rule may combine kinds: all given kinds must match
+/// (any entry within a kind).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RuleMatch {
+    /// `_match_route_`: exact route names (property `route_name`).
+    pub routes: Vec<String>,
+    /// `_match_route_prefix_`: route name prefixes.
+    pub route_prefixes: Vec<String>,
+    /// `_match_domain_`: `:authority` without port; `*.example.com` and `example.*` wildcards.
+    pub domains: Vec<String>,
+    /// `_match_service_`: `fqdn` or `fqdn:port`, compared with the cluster name
+    /// `outbound|port|subset|fqdn` (or the whole cluster name).
+    pub services: Vec<String>,
+}
+
+/// One `_rules_` entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    /// What it matches.
+    pub matcher: RuleMatch,
+    /// The config that applies when it matches.
+    pub config: LbConfig,
+}
+
+/// The whole plugin configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PluginConfig {
+    /// The top-level config; `None` when only `_rules_` configure the plugin (Higress
+    /// `defaultConfigDisable`): unmatched requests then pass through.
+    pub default: Option<LbConfig>,
+    /// Per-route rules, first match wins.
+    pub rules: Vec<Rule>,
+}
+
+/// Identity of a request used to pick a rule.
+#[derive(Debug, Clone, Default)]
+pub struct MatchInput<'a> {
+    /// Property `route_name`.
+    pub route: &'a str,
+    /// `:authority` (port allowed; it is stripped).
+    pub authority: &'a str,
+    /// Property `cluster_name`.
+    pub cluster: &'a str,
+}
+
+const MATCH_KEYS: [&str; 4] = ["_match_route_", "_match_domain_", "_match_service_", "_match_route_prefix_"];
+
+impl PluginConfig {
+    /// Parses the plugin configuration (JSON text as delivered to `proxy_on_configure`).
+    pub fn from_json(bytes: &[u8]) -> Result<PluginConfig, ConfigError> {
+        let v: Value = serde_json::from_slice(bytes)
+            .map_err(|e| err("(root)", format!("not valid JSON: {e}")))?;
+        let root = match v {
+            Value::Object(m) => m,
+            Value::Null => Map::new(),
+            other => return Err(err("(root)", format!("expected a JSON object, got {}", type_name(&other)))),
+        };
+        let mut rules = Vec::new();
+        if let Some(rv) = root.get("_rules_") {
+            let arr = rv.as_array().ok_or_else(|| err("_rules_", "expected an array of rule objects"))?;
+            for (i, r) in arr.iter().enumerate() {
+                let path = format!("_rules_[{i}]");
+                let obj = r.as_object().ok_or_else(|| err(&path, "expected an object"))?;
+                let matcher = parse_matcher(obj, &path)?;
+                // A rule carries its own complete config; top-level keys it does not set are
+                // inherited (so a rule may only change e.g. lb_config).
+                let mut merged = root.clone();
+                merged.remove("_rules_");
+                for (k, val) in obj {
+                    if !MATCH_KEYS.contains(&k.as_str()) {
+                        merged.insert(k.clone(), val.clone());
+                    }
+                }
+                let config = parse_lb(&merged, &format!("{path}."))?;
+                rules.push(Rule { matcher, config });
+            }
+        }
+        let has_top = root.keys().any(|k| k != "_rules_");
+        let default = if has_top || rules.is_empty() { Some(parse_lb(&root, "")?) } else { None };
+        Ok(PluginConfig { default, rules })
+    }
+
+    /// The config for a request: the first matching rule, else the top-level config.
+    pub fn select(&self, input: &MatchInput<'_>) -> Option<(usize, &LbConfig)> {
+        for (i, r) in self.rules.iter().enumerate() {
+            if r.matcher.matches(input) {
+                return Some((i, &r.config));
+            }
+        }
+        self.default.as_ref().map(|d| (self.rules.len(), d))
+    }
+}
+
+impl RuleMatch {
+    /// True when every given kind has a matching entry.
+    pub fn matches(&self, input: &MatchInput<'_>) -> bool {
+        let route_ok = (self.routes.is_empty() && self.route_prefixes.is_empty())
+            || self.routes.iter().any(|r| r == input.route)
+            || self.route_prefixes.iter().any(|p| input.route.starts_with(p.as_str()));
+        let domain_ok = self.domains.is_empty() || {
+            let host = strip_port(input.authority).to_ascii_lowercase();
+            self.domains.iter().any(|d| domain_matches(&d.to_ascii_lowercase(), &host))
+        };
+        let service_ok = self.services.is_empty() || self.services.iter().any(|s| service_matches(s, input.cluster));
+        route_ok && domain_ok && service_ok
+    }
+}
+
+fn strip_port(authority: &str) -> &str {
+    if authority.starts_with('[') {
+        // IPv6 literal: keep up to the closing bracket.
+        return match authority.find(']') {
+            Some(i) => authority.get(..=i).unwrap_or(authority),
+            None => authority,
+        };
+    }
+    match authority.rfind(':') {
+        Some(i) if authority.get(i + 1..).is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit())) => {
+            authority.get(..i).unwrap_or(authority)
+        }
+        _ => authority,
+    }
+}
+
+fn domain_matches(pattern: &str, host: &str) -> bool {
+    if let Some(suffix) = pattern.strip_prefix('*') {
+        host.ends_with(suffix)
+    } else if let Some(prefix) = pattern.strip_suffix('*') {
+        host.starts_with(prefix)
+    } else {
+        pattern == host
+    }
+}
+
+fn service_matches(service: &str, cluster: &str) -> bool {
+    if service == cluster {
+        return true;
+    }
+    // cluster: outbound|port|subset|fqdn
+    let mut parts = cluster.split('|');
+    let (_dir, port, _subset, fqdn) = (parts.next(), parts.next(), parts.next(), parts.next());
+    let (Some(port), Some(fqdn)) = (port, fqdn) else { return false };
+    match service.rsplit_once(':') {
+        Some((name, p)) if p.bytes().all(|b| b.is_ascii_digit()) => name == fqdn && p == port,
+        _ => service == fqdn,
+    }
+}
+
+fn parse_matcher(obj: &Map<String, Value>, path: &str) -> Result<RuleMatch, ConfigError> {
+    let mut m = RuleMatch::default();
+    for key in MATCH_KEYS {
+        if let Some(v) = obj.get(key) {
+            let field = format!("{path}.{key}");
+            let list = string_list(v, &field)?;
+            match key {
+                "_match_route_" => m.routes = list,
+                "_match_domain_" => m.domains = list,
+                "_match_service_" => m.services = list,
+                _ => m.route_prefixes = list,
+            }
+        }
+    }
+    if m.routes.is_empty() && m.domains.is_empty() && m.services.is_empty() && m.route_prefixes.is_empty() {
+        return Err(err(
+            path,
+            "a rule needs a non-empty _match_route_, _match_domain_, _match_service_ or _match_route_prefix_",
+        ));
+    }
+    Ok(m)
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn string_list(v: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
+    let arr = v.as_array().ok_or_else(|| err(field, format!("expected an array of strings, got {}", type_name(v))))?;
+    arr.iter()
+        .map(|x| x.as_str().map(str::to_string).ok_or_else(|| err(field, format!("expected strings, got {}", type_name(x)))))
+        .collect()
+}
+
+/// Reads optional typed values from an object, naming the field on error.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    prefix: String,
+}
+
+impl Fields<'_> {
+    fn path(&self, key: &str) -> String {
+        format!("{}{}", self.prefix, key)
+    }
+    fn present(&self, key: &str) -> Option<&Value> {
+        match self.obj.get(key) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v),
+        }
+    }
+    fn string(&self, key: &str) -> Result<Option<String>, ConfigError> {
+        match self.present(key) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            // YAML may turn a numeric password into a number; accept it as text like Go's gjson.
+            Some(Value::Number(n)) => Ok(Some(n.to_string())),
+            Some(v) => Err(err(&self.path(key), format!("expected a string, got {}", type_name(v)))),
+        }
+    }
+    /// Non-negative integer in `0..=max`; numeric strings are accepted (Go's gjson does).
+    fn uint(&self, key: &str, max: u64) -> Result<Option<u64>, ConfigError> {
+        let bad = |v: &Value| err(&self.path(key), format!("expected an integer between 0 and {max}, got {v}"));
+        match self.present(key) {
+            None => Ok(None),
+            Some(v @ Value::Number(n)) => {
+                let x = n.as_u64().or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0).map(|f| f as u64));
+                match x {
+                    Some(x) if x <= max => Ok(Some(x)),
+                    _ => Err(bad(v)),
+                }
+            }
+            Some(v @ Value::String(s)) => match s.trim().parse::<u64>() {
+                Ok(x) if x <= max => Ok(Some(x)),
+                _ => Err(bad(v)),
+            },
+            Some(v) => Err(bad(v)),
+        }
+    }
+    fn float(&self, key: &str) -> Result<Option<f64>, ConfigError> {
+        let bad = |v: &Value| err(&self.path(key), format!("expected a non-negative number, got {v}"));
+        match self.present(key) {
+            None => Ok(None),
+            Some(v @ Value::Number(n)) => n.as_f64().filter(|f| f.is_finite() && *f >= 0.0).map(Some).ok_or_else(|| bad(v)),
+            Some(v @ Value::String(s)) => match s.trim().parse::<f64>() {
+                Ok(f) if f.is_finite() && f >= 0.0 => Ok(Some(f)),
+                _ => Err(bad(v)),
+            },
+            Some(v) => Err(bad(v)),
+        }
+    }
+    fn boolean(&self, key: &str) -> Result<Option<bool>, ConfigError> {
+        match self.present(key) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(Value::String(s)) if s == "true" => Ok(Some(true)),
+            Some(Value::String(s)) if s == "false" => Ok(Some(false)),
+            Some(v) => Err(err(&self.path(key), format!("expected true or false, got {v}"))),
+        }
+    }
+}
+
+fn parse_lb(root: &Map<String, Value>, prefix: &str) -> Result<LbConfig, ConfigError> {
+    let top = Fields { obj: root, prefix: prefix.to_string() };
+    let lb_type = match top.string("lb_type")?.as_deref() {
+        None | Some("") | Some("endpoint") => LbType::Endpoint,
+        Some("cluster") => LbType::Cluster,
+        Some(other) => {
+            return Err(err(&top.path("lb_type"), format!("unknown value {other:?}; accepted: endpoint (default), cluster")))
+        }
+    };
+    let empty = Map::new();
+    let lb_obj = match root.get("lb_config") {
+        None | Some(Value::Null) => &empty,
+        Some(Value::Object(m)) => m,
+        Some(v) => return Err(err(&top.path("lb_config"), format!("expected an object, got {}", type_name(v)))),
+    };
+    let f = Fields { obj: lb_obj, prefix: format!("{prefix}lb_config.") };
+    let policy_name = top.string("lb_policy")?;
+    let policy = match (lb_type, policy_name.as_deref()) {
+        (LbType::Endpoint, Some("global_least_request")) => PolicyConfig::GlobalLeastRequest(parse_glr(&f)?),
+        (LbType::Endpoint, Some("prefix_cache")) => PolicyConfig::PrefixCache(PrefixCacheConfig {
+            least_request: parse_glr(&f)?,
+            redis_key_ttl_s: match f.uint("redisKeyTTL", u32::MAX as u64)? {
+                None | Some(0) => DEFAULT_REDIS_KEY_TTL_S,
+                Some(x) => x,
+            },
+            hit_load_factor: f.float("hitLoadFactor")?.unwrap_or(DEFAULT_HIT_LOAD_FACTOR),
+            split_system_prompt: f.boolean("splitSystemPrompt")?.unwrap_or(false),
+        }),
+        (LbType::Endpoint, Some("endpoint_metrics" | "metrics_based")) => {
+            PolicyConfig::EndpointMetrics(parse_endpoint_metrics(&f)?)
+        }
+        (LbType::Cluster, Some("cluster_metrics")) => PolicyConfig::ClusterMetrics(parse_cluster_metrics(&f)?),
+        (LbType::Endpoint, other) => {
+            return Err(err(
+                &top.path("lb_policy"),
+                format!(
+                    "{} for lb_type endpoint; accepted: global_least_request, prefix_cache, endpoint_metrics (alias metrics_based)",
+                    describe(other)
+                ),
+            ))
+        }
+        (LbType::Cluster, other) => {
+            return Err(err(&top.path("lb_policy"), format!("{} for lb_type cluster; accepted: cluster_metrics", describe(other))))
+        }
+    };
+    let max_body_bytes = f.uint("maxBodyBytes", u32::MAX as u64)?.map(|x| x as usize).unwrap_or(DEFAULT_MAX_BODY_BYTES);
+    Ok(LbConfig { lb_type, policy, max_body_bytes })
+}
+
+fn describe(v: Option<&str>) -> String {
+    match v {
+        None | Some("") => "missing".to_string(),
+        Some(s) => format!("unknown value {s:?}"),
+    }
+}
+
+fn parse_redis(f: &Fields<'_>) -> Result<RedisConfig, ConfigError> {
+    let service_fqdn = match f.string("serviceFQDN")? {
+        Some(s) if !s.trim().is_empty() => s.trim().to_string(),
+        _ => return Err(err(&f.path("serviceFQDN"), "required: the Redis service FQDN, e.g. redis.static")),
+    };
+    let service_port = match f.uint("servicePort", 65535)? {
+        Some(p) if p > 0 => p as u16,
+        _ => return Err(err(&f.path("servicePort"), "required: the Redis port, an integer between 1 and 65535")),
+    };
+    Ok(RedisConfig {
+        service_fqdn,
+        service_port,
+        username: f.string("username")?.unwrap_or_default(),
+        password: f.string("password")?.unwrap_or_default(),
+        timeout_ms: match f.uint("timeout", u32::MAX as u64)? {
+            None | Some(0) => DEFAULT_REDIS_TIMEOUT_MS,
+            Some(t) => t as u32,
+        },
+        database: f.uint("database", 1_000_000)?.unwrap_or(0) as u32,
+        buffer_flush_timeout_ms: f.uint("bufferFlushTimeout", 60_000)?.unwrap_or(0) as u32,
+        max_buffer_size_before_flush: f.uint("maxBufferSizeBeforeFlush", 1 << 30)?.unwrap_or(0) as u32,
+    })
+}
+
+fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {
+    Ok(GlobalLeastRequestConfig {
+        redis: parse_redis(f)?,
+        max_request_count: f.uint("maxRequestCount", i64::MAX as u64)?.unwrap_or(0),
+        clean_interval_min: f.uint("cleanInterval", 10_000_000)?.unwrap_or(DEFAULT_CLEAN_INTERVAL_MIN),
+        enable_detail_log: f.boolean("enableDetailLog")?.unwrap_or(true),
+    })
+}
+
+fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, ConfigError> {
+    // One Go version spelled these keys in camelCase; accept both.
+    let metric_policy_raw = match f.string("metric_policy")? {
+        Some(v) => Some(v),
+        None => f.string("metricPolicy")?,
+    };
+    let metric_policy = match metric_policy_raw.as_deref() {
+        None | Some("") | Some("default") => MetricPolicy::Default,
+        Some("least") => MetricPolicy::Least,
+        Some("most") => MetricPolicy::Most,
+        Some(other) => {
+            return Err(err(&f.path("metric_policy"), format!("unknown value {other:?}; accepted: default, least, most")))
+        }
+    };
+    let target_metric = match f.string("target_metric")? {
+        Some(v) => Some(v),
+        None => f.string("targetMetric")?,
+    }
+    .filter(|s| !s.is_empty());
+    if metric_policy != MetricPolicy::Default && target_metric.is_none() {
+        return Err(err(&f.path("target_metric"), "required when metric_policy is least or most: a metric name"));
+    }
+    Ok(EndpointMetricsConfig {
+        metric_policy,
+        target_metric,
+        rate_limit: f.float("rate_limit")?.unwrap_or(1.0),
+        window_size: match f.uint("window_size", 1_000_000)? {
+            None | Some(0) => DEFAULT_WINDOW_SIZE,
+            Some(x) => x as usize,
+        },
+        window_seconds: match f.uint("window_seconds", 86_400)? {
+            None | Some(0) => DEFAULT_WINDOW_SECONDS,
+            Some(x) => x,
+        },
+        scrape_interval_ms: match f.uint("scrapeIntervalMs", 3_600_000)? {
+            None | Some(0) => DEFAULT_SCRAPE_INTERVAL_MS,
+            Some(x) => x as u32,
+        },
+        scrape_path: f.string("scrapePath")?.filter(|s| s.starts_with('/')).unwrap_or_else(|| "/metrics".to_string()),
+        metrics_stale_ms: match f.uint("metricsStaleMs", 86_400_000)? {
+            None | Some(0) => DEFAULT_METRICS_STALE_MS,
+            Some(x) => x,
+        },
+    })
+}
+
+fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigError> {
+    let mode = match f.string("mode")?.as_deref() {
+        None | Some("") => ClusterMode::Random,
+        Some("LeastBusy") => ClusterMode::LeastBusy,
+        Some("LeastTotalLatency") => ClusterMode::LeastTotalLatency,
+        Some("LeastFirstTokenLatency") => ClusterMode::LeastFirstTokenLatency,
+        Some(other) => {
+            return Err(err(
+                &f.path("mode"),
+                format!("unknown value {other:?}; accepted: LeastBusy, LeastTotalLatency, LeastFirstTokenLatency"),
+            ))
+        }
+    };
+    let service_list = match f.present("service_list") {
+        None => Vec::new(),
+        Some(v) => string_list(v, &f.path("service_list"))?,
+    };
+    if service_list.is_empty() {
+        return Err(err(&f.path("service_list"), "required: a non-empty array of cluster names"));
+    }
+    Ok(ClusterMetricsConfig {
+        mode,
+        service_list,
+        cluster_header: f.string("cluster_header")?.filter(|s| !s.is_empty()).unwrap_or_else(|| DEFAULT_CLUSTER_HEADER.into()),
+        rate_limit: f.float("rate_limit")?.unwrap_or(1.0),
+        queue_size: match f.uint("queue_size", 1_000_000)? {
+            None | Some(0) => DEFAULT_QUEUE_SIZE,
+            Some(x) => x as usize,
+        },
+    })
+}
+
+
+#[cfg(test)]
+#[path = "config_tests.rs"]
+mod tests;

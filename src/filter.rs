@@ -1,0 +1,534 @@
+//! The request flow (dispatcher), in safe Rust over [`Host`]: `abi.rs` forwards every proxy-wasm
+//! callback of one root context here; native tests drive it with the fake host.
+//!
+//! Guarantees (the reasons are Higress facts, see README "## Design"):
+//! * Header pause returns StopIteration (1), which under ABI 0_2_100 still lets body callbacks come.
+//! * A bodiless request (headers with end_of_stream) is decided in the headers phase (Higress #3740).
+//! * While a decision is pending, body chunks are buffered (StopIterationAndBuffer): returning
+//!   Continue from a body callback would release the held headers before the upstream is chosen.
+//! * Bodies above `maxBodyBytes` and every error path continue on the gateway's normal balancing.
+//! * A stream is never left paused: a `Pending` decision without an outstanding call resumes.
+//! * `Policy::on_stream_done` runs exactly once per stream (on_log, else on_done, else on_delete).
+
+use crate::config::{LbConfig, MatchInput, PluginConfig};
+use crate::host::{Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
+use crate::policy::{self, Decision, Policy, Stream};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+/// proxy-wasm header action: continue.
+pub const HEADERS_CONTINUE: u32 = 0;
+/// proxy-wasm header action: StopIteration (held headers; body callbacks keep coming under 0_2_100).
+pub const HEADERS_STOP_ITERATION: u32 = 1;
+/// proxy-wasm data action: continue.
+pub const DATA_CONTINUE: u32 = 0;
+/// proxy-wasm data action: StopIterationAndBuffer (the host accumulates the body).
+pub const DATA_STOP_AND_BUFFER: u32 = 1;
+
+type PolicyRef = Rc<RefCell<Box<dyn Policy>>>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for the complete body.
+    WaitingBody,
+    /// A call is in flight; the request is held.
+    Pending,
+    /// Decided (or never paused): everything continues.
+    Done,
+}
+
+struct StreamEntry {
+    policy: PolicyRef,
+    stream: Stream,
+    phase: Phase,
+    max_body: usize,
+    ended: bool,
+    outstanding: u32,
+}
+
+struct TokenOwner {
+    policy: PolicyRef,
+    stream: Option<u32>,
+}
+
+/// Records the tokens of calls a policy makes, so their replies go back to it.
+struct Tracking<'a> {
+    inner: &'a mut dyn Host,
+    tokens: Vec<u32>,
+}
+
+impl Host for Tracking<'_> {
+    fn log(&self, level: LogLevel, msg: &str) {
+        self.inner.log(level, msg)
+    }
+    fn now_nanos(&self) -> u64 {
+        self.inner.now_nanos()
+    }
+    fn random_u64(&mut self) -> u64 {
+        self.inner.random_u64()
+    }
+    fn get_property(&self, path: &[&str]) -> Option<Vec<u8>> {
+        self.inner.get_property(path)
+    }
+    fn set_property(&mut self, path: &[&str], value: &[u8]) -> Result<(), HostError> {
+        self.inner.set_property(path, value)
+    }
+    fn request_header(&self, name: &str) -> Option<String> {
+        self.inner.request_header(name)
+    }
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) {
+        self.inner.set_request_header(name, value)
+    }
+    fn request_body(&self, max: usize) -> Option<Vec<u8>> {
+        self.inner.request_body(max)
+    }
+    fn response_header(&self, name: &str) -> Option<String> {
+        self.inner.response_header(name)
+    }
+    fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>> {
+        self.inner.upstream_hosts()
+    }
+    fn set_upstream_override_host(&mut self, addr: &str) -> Result<(), HostError> {
+        self.inner.set_upstream_override_host(addr)
+    }
+    fn redis_init(&mut self, cluster: &str, username: &str, password: &str, timeout_ms: u32) -> Result<(), HostError> {
+        self.inner.redis_init(cluster, username, password, timeout_ms)
+    }
+    fn redis_call(&mut self, cluster: &str, query: &[u8]) -> Result<u32, HostError> {
+        let t = self.inner.redis_call(cluster, query)?;
+        self.tokens.push(t);
+        Ok(t)
+    }
+    fn http_call(
+        &mut self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        timeout_ms: u32,
+    ) -> Result<u32, HostError> {
+        let t = self.inner.http_call(cluster, headers, body, timeout_ms)?;
+        self.tokens.push(t);
+        Ok(t)
+    }
+    fn get_shared_data(&self, key: &str) -> (Option<Vec<u8>>, u32) {
+        self.inner.get_shared_data(key)
+    }
+    fn set_shared_data(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), HostError> {
+        self.inner.set_shared_data(key, value, cas)
+    }
+    fn send_local_response(&mut self, status: u32, body: &[u8], headers: &[(&str, &str)]) {
+        self.inner.send_local_response(status, body, headers)
+    }
+    fn resume_request(&mut self) {
+        self.inner.resume_request()
+    }
+    fn increment_counter(&mut self, name: &str, delta: i64) {
+        self.inner.increment_counter(name, delta)
+    }
+}
+
+/// The plugin state of one root context: config, policy instances, live streams, call tokens.
+#[derive(Default)]
+pub struct Filter {
+    config: Option<PluginConfig>,
+    /// Index = rule index; the default config (if any) is last.
+    policies: Vec<Option<PolicyRef>>,
+    streams: HashMap<u32, StreamEntry>,
+    tokens: HashMap<u32, TokenOwner>,
+}
+
+impl Filter {
+    /// An unconfigured filter (passes everything through).
+    pub fn new() -> Filter {
+        Filter::default()
+    }
+
+    /// Applies a new plugin configuration. Returns false (plugin start fails) only for a bad config,
+    /// with one clear log line; environment errors (Redis unreachable) are logged by the policies.
+    pub fn configure(&mut self, host: &mut dyn Host, bytes: &[u8]) -> bool {
+        let cfg = match PluginConfig::from_json(bytes) {
+            Ok(c) => c,
+            Err(e) => {
+                host.log(LogLevel::Error, &e.to_string());
+                return false;
+            }
+        };
+        let mut policies: Vec<Option<PolicyRef>> = Vec::with_capacity(cfg.rules.len() + 1);
+        let mut all: Vec<&LbConfig> = cfg.rules.iter().map(|r| &r.config).collect();
+        if let Some(d) = &cfg.default {
+            all.push(d);
+        }
+        for c in all {
+            let p: PolicyRef = Rc::new(RefCell::new(policy::build(c)));
+            {
+                let mut tracking = Tracking { inner: host, tokens: Vec::new() };
+                if let Ok(mut pol) = p.try_borrow_mut() {
+                    pol.on_start(&mut tracking);
+                }
+                let tokens = std::mem::take(&mut tracking.tokens);
+                for t in tokens {
+                    self.tokens.insert(t, TokenOwner { policy: p.clone(), stream: None });
+                }
+            }
+            policies.push(Some(p));
+        }
+        if cfg.default.is_none() {
+            policies.push(None);
+        }
+        host.log(
+            LogLevel::Info,
+            &format!(
+                "ai-load-balancer configured: {} rule(s), default {}",
+                cfg.rules.len(),
+                cfg.default.as_ref().map(|d| policy_name(d)).unwrap_or("none")
+            ),
+        );
+        self.config = Some(cfg);
+        self.policies = policies;
+        true
+    }
+
+    /// A filter with a single policy for every request (tests of the flow itself).
+    #[cfg(test)]
+    pub(crate) fn with_policy(policy: Box<dyn Policy>, max_body: usize) -> Filter {
+        let mut f = Filter::new();
+        f.config = Some(PluginConfig {
+            default: Some(LbConfig {
+                lb_type: crate::config::LbType::Endpoint,
+                policy: crate::config::PolicyConfig::EndpointMetrics(crate::config::EndpointMetricsConfig {
+                    metric_policy: crate::config::MetricPolicy::Default,
+                    target_metric: None,
+                    rate_limit: 1.0,
+                    window_size: 1,
+                    window_seconds: 1,
+                    scrape_interval_ms: 1000,
+                    scrape_path: "/metrics".into(),
+                    metrics_stale_ms: 1000,
+                }),
+                max_body_bytes: max_body,
+            }),
+            rules: Vec::new(),
+        });
+        f.policies = vec![Some(Rc::new(RefCell::new(policy)))];
+        f
+    }
+
+    /// Smallest non-zero tick period wanted by any policy (0 = none).
+    pub fn tick_period_ms(&self) -> u32 {
+        self.policies
+            .iter()
+            .flatten()
+            .filter_map(|p| p.try_borrow().ok().map(|p| p.tick_period_ms()))
+            .filter(|t| *t > 0)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// Root tick: every policy's periodic work.
+    pub fn on_tick(&mut self, host: &mut dyn Host) {
+        let policies: Vec<PolicyRef> = self.policies.iter().flatten().cloned().collect();
+        for p in policies {
+            let mut tracking = Tracking { inner: host, tokens: Vec::new() };
+            if let Ok(mut pol) = p.try_borrow_mut() {
+                pol.on_tick(&mut tracking);
+            }
+            let tokens = std::mem::take(&mut tracking.tokens);
+            for t in tokens {
+                self.tokens.insert(t, TokenOwner { policy: p.clone(), stream: None });
+            }
+        }
+    }
+
+    /// Request headers of stream `ctx`. Returns the header action.
+    pub fn on_request_headers(&mut self, host: &mut dyn Host, ctx: u32, end_of_stream: bool) -> u32 {
+        let Some(cfg) = &self.config else { return HEADERS_CONTINUE };
+        let route = host.route_name().unwrap_or_default();
+        let cluster = host.cluster_name().unwrap_or_default();
+        let authority = host.request_header(":authority").unwrap_or_default();
+        let path = host.request_header(":path").unwrap_or_default();
+        let Some((idx, lb)) = cfg.select(&MatchInput { route: &route, authority: &authority, cluster: &cluster }) else {
+            return HEADERS_CONTINUE;
+        };
+        let max_body = lb.max_body_bytes;
+        let Some(Some(p)) = self.policies.get(idx).cloned() else { return HEADERS_CONTINUE };
+        let stream = Stream { id: ctx, route, cluster, authority, path, start_ns: host.now_nanos(), data: None };
+        let entry = StreamEntry { policy: p, stream, phase: Phase::Done, max_body, ended: false, outstanding: 0 };
+        self.streams.insert(ctx, entry);
+        let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_request_headers(h, s, end_of_stream));
+        match decision {
+            Decision::NeedBody if end_of_stream => {
+                // A body policy asked for a body that will never come: never hang (Higress #3740).
+                host.log(LogLevel::Warn, "ai-load-balancer: policy asked for the body of a bodiless request; using normal balancing");
+                self.set_phase(ctx, Phase::Done);
+                HEADERS_CONTINUE
+            }
+            Decision::NeedBody => {
+                self.set_phase(ctx, Phase::WaitingBody);
+                HEADERS_STOP_ITERATION
+            }
+            Decision::Pending => {
+                if self.outstanding(ctx) == 0 {
+                    host.log(LogLevel::Warn, "ai-load-balancer: pending without a call in flight; using normal balancing");
+                    self.set_phase(ctx, Phase::Done);
+                    return HEADERS_CONTINUE;
+                }
+                self.set_phase(ctx, Phase::Pending);
+                HEADERS_STOP_ITERATION
+            }
+            other => {
+                self.set_phase(ctx, Phase::Done);
+                if apply_final(host, other) {
+                    HEADERS_CONTINUE
+                } else {
+                    HEADERS_STOP_ITERATION
+                }
+            }
+        }
+    }
+
+    /// A request body chunk; `body_size` is the cumulative buffered size. Returns the data action.
+    pub fn on_request_body(&mut self, host: &mut dyn Host, ctx: u32, body_size: usize, end_of_stream: bool) -> u32 {
+        let Some(entry) = self.streams.get(&ctx) else { return DATA_CONTINUE };
+        match entry.phase {
+            Phase::Done => DATA_CONTINUE,
+            // Keep buffering: continuing here would release the held headers before the pick.
+            Phase::Pending => DATA_STOP_AND_BUFFER,
+            Phase::WaitingBody => {
+                if body_size > entry.max_body {
+                    host.log(
+                        LogLevel::Info,
+                        &format!(
+                            "ai-load-balancer: request body larger than maxBodyBytes ({} > {}); using normal balancing",
+                            body_size, entry.max_body
+                        ),
+                    );
+                    host.increment_counter("ai_lb_fallback_body_too_large", 1);
+                    self.set_phase(ctx, Phase::Done);
+                    return DATA_CONTINUE;
+                }
+                if !end_of_stream {
+                    return DATA_STOP_AND_BUFFER;
+                }
+                let Some(body) = host.request_body(body_size) else {
+                    host.log(LogLevel::Warn, "ai-load-balancer: request body unavailable; using normal balancing");
+                    self.set_phase(ctx, Phase::Done);
+                    return DATA_CONTINUE;
+                };
+                let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_request_body(h, s, &body));
+                match decision {
+                    Decision::Pending if self.outstanding(ctx) > 0 => {
+                        self.set_phase(ctx, Phase::Pending);
+                        DATA_STOP_AND_BUFFER
+                    }
+                    Decision::Pending | Decision::NeedBody => {
+                        self.set_phase(ctx, Phase::Done);
+                        DATA_CONTINUE
+                    }
+                    other => {
+                        self.set_phase(ctx, Phase::Done);
+                        if apply_final(host, other) {
+                            DATA_CONTINUE
+                        } else {
+                            DATA_STOP_AND_BUFFER
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Request trailers: the body ended without an end-of-stream body callback. A body policy still
+    /// waiting decides now on the buffered body. Returns the trailers action (0 continue, 1 stop).
+    pub fn on_request_trailers(&mut self, host: &mut dyn Host, ctx: u32) -> u32 {
+        let Some(entry) = self.streams.get(&ctx) else { return HEADERS_CONTINUE };
+        match entry.phase {
+            Phase::Done => HEADERS_CONTINUE,
+            Phase::Pending => HEADERS_STOP_ITERATION,
+            Phase::WaitingBody => {
+                let max = entry.max_body;
+                let size = host.request_body(max.saturating_add(1)).map(|b| b.len()).unwrap_or(0);
+                match self.on_request_body(host, ctx, size, true) {
+                    DATA_CONTINUE => HEADERS_CONTINUE,
+                    _ => HEADERS_STOP_ITERATION,
+                }
+            }
+        }
+    }
+
+    /// Response headers of stream `ctx`.
+    pub fn on_response_headers(&mut self, host: &mut dyn Host, ctx: u32) {
+        if self.streams.contains_key(&ctx) {
+            self.call_stream(host, ctx, |pol, h, s| {
+                pol.on_response_headers(h, s);
+                Decision::Passthrough
+            });
+        }
+    }
+
+    /// A response body chunk of stream `ctx`.
+    pub fn on_response_body(&mut self, host: &mut dyn Host, ctx: u32, size: usize, end_of_stream: bool) {
+        if self.streams.contains_key(&ctx) {
+            self.call_stream(host, ctx, |pol, h, s| {
+                pol.on_response_body(h, s, size, end_of_stream);
+                Decision::Passthrough
+            });
+        }
+    }
+
+    /// The stream ended (proxy_on_log, proxy_on_done): runs `on_stream_done` once.
+    pub fn on_stream_end(&mut self, host: &mut dyn Host, ctx: u32) {
+        let Some(entry) = self.streams.get_mut(&ctx) else { return };
+        if entry.ended {
+            return;
+        }
+        entry.ended = true;
+        self.call_stream(host, ctx, |pol, h, s| {
+            pol.on_stream_done(h, s);
+            Decision::Passthrough
+        });
+    }
+
+    /// The stream context is deleted: forget it (after `on_stream_end` if that never ran).
+    pub fn on_delete(&mut self, host: &mut dyn Host, ctx: u32) {
+        self.on_stream_end(host, ctx);
+        self.streams.remove(&ctx);
+    }
+
+    /// The live stream waiting for the reply with this token, if any. `abi.rs` makes it the
+    /// effective context before calling `on_redis_reply` / `on_http_reply`.
+    pub fn stream_of_token(&self, token: u32) -> Option<u32> {
+        let owner = self.tokens.get(&token)?;
+        let s = owner.stream?;
+        self.streams.contains_key(&s).then_some(s)
+    }
+
+    /// A Redis reply. `stream_active` says whether the effective context was switched to the
+    /// owning stream (false: the stream is gone, or the switch failed).
+    pub fn on_redis_reply(&mut self, host: &mut dyn Host, token: u32, reply: &RedisReply, stream_active: bool) {
+        self.on_reply(host, token, stream_active, |pol, h, s, t| pol.on_redis_reply(h, s, t, reply));
+    }
+
+    /// An HTTP-call reply (see `on_redis_reply`).
+    pub fn on_http_reply(&mut self, host: &mut dyn Host, token: u32, reply: &HttpReply, stream_active: bool) {
+        self.on_reply(host, token, stream_active, |pol, h, s, t| pol.on_http_reply(h, s, t, reply));
+    }
+
+    /// Number of live streams (for tests and leak checks).
+    pub fn live_streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    fn on_reply(
+        &mut self,
+        host: &mut dyn Host,
+        token: u32,
+        stream_active: bool,
+        f: impl FnOnce(&mut dyn Policy, &mut dyn Host, Option<&mut Stream>, u32) -> Decision,
+    ) {
+        let Some(owner) = self.tokens.remove(&token) else { return };
+        let stream_id = owner.stream.filter(|s| stream_active && self.streams.contains_key(s));
+        let Some(sid) = stream_id else {
+            // Root-level call, or its stream is gone: the policy may still need the reply (e.g. to
+            // undo a +1 for a client that went away while the pick was in flight).
+            let mut tracking = Tracking { inner: host, tokens: Vec::new() };
+            if let Ok(mut pol) = owner.policy.try_borrow_mut() {
+                let _ = f(pol.as_mut(), &mut tracking, None, token);
+            }
+            let tokens = std::mem::take(&mut tracking.tokens);
+            for t in tokens {
+                self.tokens.insert(t, TokenOwner { policy: owner.policy.clone(), stream: None });
+            }
+            return;
+        };
+        if let Some(e) = self.streams.get_mut(&sid) {
+            e.outstanding = e.outstanding.saturating_sub(1);
+        }
+        let decision = self.call_stream(host, sid, |pol, h, s| f(pol, h, Some(s), token));
+        let Some(entry) = self.streams.get(&sid) else { return };
+        if entry.phase != Phase::Pending {
+            return; // a fire-and-forget reply; the request is not held
+        }
+        match decision {
+            Decision::Pending if self.outstanding(sid) > 0 => {}
+            Decision::Pending | Decision::NeedBody => {
+                host.log(LogLevel::Warn, "ai-load-balancer: policy left the request without a pending call; resuming");
+                self.set_phase(sid, Phase::Done);
+                host.resume_request();
+            }
+            other => {
+                self.set_phase(sid, Phase::Done);
+                if apply_final(host, other) {
+                    host.resume_request();
+                }
+            }
+        }
+    }
+
+    /// Runs a policy callback for a live stream, recording the calls it makes.
+    fn call_stream(
+        &mut self,
+        host: &mut dyn Host,
+        ctx: u32,
+        f: impl FnOnce(&mut dyn Policy, &mut dyn Host, &mut Stream) -> Decision,
+    ) -> Decision {
+        let Some(entry) = self.streams.get_mut(&ctx) else { return Decision::Passthrough };
+        let policy = entry.policy.clone();
+        let mut tracking = Tracking { inner: host, tokens: Vec::new() };
+        let decision = match policy.try_borrow_mut() {
+            Ok(mut pol) => f(pol.as_mut(), &mut tracking, &mut entry.stream),
+            Err(_) => Decision::Passthrough,
+        };
+        let tokens = std::mem::take(&mut tracking.tokens);
+        entry.outstanding += tokens.len() as u32;
+        for t in tokens {
+            self.tokens.insert(t, TokenOwner { policy: policy.clone(), stream: Some(ctx) });
+        }
+        decision
+    }
+
+    fn set_phase(&mut self, ctx: u32, phase: Phase) {
+        if let Some(e) = self.streams.get_mut(&ctx) {
+            e.phase = phase;
+        }
+    }
+
+    fn outstanding(&self, ctx: u32) -> u32 {
+        self.streams.get(&ctx).map(|e| e.outstanding).unwrap_or(0)
+    }
+}
+
+fn policy_name(c: &LbConfig) -> &'static str {
+    match c.policy {
+        crate::config::PolicyConfig::GlobalLeastRequest(_) => "global_least_request",
+        crate::config::PolicyConfig::PrefixCache(_) => "prefix_cache",
+        crate::config::PolicyConfig::EndpointMetrics(_) => "endpoint_metrics",
+        crate::config::PolicyConfig::ClusterMetrics(_) => "cluster_metrics",
+    }
+}
+
+/// Applies a final decision to the current stream. Returns true when the request should continue
+/// (false after a local reply).
+fn apply_final(host: &mut dyn Host, d: Decision) -> bool {
+    match d {
+        Decision::Route(addr) => {
+            if let Err(e) = host.set_upstream_override_host(&addr) {
+                host.log(LogLevel::Warn, &format!("ai-load-balancer: set_upstream_override_host({addr}) failed: {e}"));
+            }
+            true
+        }
+        Decision::SetHeader { name, value } => {
+            host.set_request_header(&name, Some(&value));
+            true
+        }
+        Decision::Reject { status, body } => {
+            host.send_local_response(status, body.as_bytes(), &[("content-type", "text/plain")]);
+            false
+        }
+        Decision::Passthrough | Decision::NeedBody | Decision::Pending => true,
+    }
+}
+
+#[cfg(test)]
+#[path = "filter_tests.rs"]
+mod tests;

@@ -1,0 +1,143 @@
+//! The request flow itself, with scripted policies.
+
+use super::*;
+use crate::host::fake::FakeHost;
+
+/// A policy that answers from a script and records what it saw.
+#[derive(Default)]
+struct Scripted {
+    headers: Option<Decision>,
+    body: Option<Decision>,
+    reply: Option<Decision>,
+    make_call: bool,
+    bodies: Rc<RefCell<Vec<Vec<u8>>>>,
+    done: Rc<RefCell<u32>>,
+}
+
+impl Policy for Scripted {
+    fn name(&self) -> &'static str {
+        "scripted"
+    }
+    fn on_request_headers(&mut self, host: &mut dyn Host, _s: &mut Stream, _eos: bool) -> Decision {
+        if self.make_call {
+            let _ = host.redis_call("c", b"*1\r\n$4\r\nPING\r\n");
+        }
+        self.headers.clone().unwrap_or(Decision::Passthrough)
+    }
+    fn on_request_body(&mut self, _h: &mut dyn Host, _s: &mut Stream, body: &[u8]) -> Decision {
+        self.bodies.borrow_mut().push(body.to_vec());
+        self.body.clone().unwrap_or(Decision::Passthrough)
+    }
+    fn on_redis_reply(&mut self, _h: &mut dyn Host, _s: Option<&mut Stream>, _t: u32, _r: &RedisReply) -> Decision {
+        self.reply.clone().unwrap_or(Decision::Passthrough)
+    }
+    fn on_stream_done(&mut self, _h: &mut dyn Host, _s: &mut Stream) {
+        *self.done.borrow_mut() += 1;
+    }
+}
+
+#[test]
+fn pending_without_a_call_in_flight_never_pauses() {
+    let mut f = Filter::with_policy(Box::new(Scripted { headers: Some(Decision::Pending), ..Default::default() }), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
+    assert!(host.logged("pending without a call"));
+}
+
+#[test]
+fn need_body_on_a_bodiless_request_continues() {
+    let mut f = Filter::with_policy(Box::new(Scripted { headers: Some(Decision::NeedBody), ..Default::default() }), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_CONTINUE);
+}
+
+#[test]
+fn body_is_delivered_once_whole_and_route_applies() {
+    let bodies = Rc::new(RefCell::new(Vec::new()));
+    let p = Scripted {
+        headers: Some(Decision::NeedBody),
+        body: Some(Decision::Route("10.0.0.9:80".into())),
+        bodies: bodies.clone(),
+        ..Default::default()
+    };
+    let mut f = Filter::with_policy(Box::new(p), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    host.request_body = b"hello".to_vec();
+    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DATA_STOP_AND_BUFFER);
+    host.request_body = b"hello world".to_vec();
+    assert_eq!(f.on_request_body(&mut host, 1, 11, true), DATA_CONTINUE);
+    assert_eq!(*bodies.borrow(), vec![b"hello world".to_vec()]);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
+    assert_eq!(host.resumes, 0, "continued by the return value, not by a resume");
+}
+
+#[test]
+fn set_header_and_reject_decisions() {
+    let p = Scripted { headers: Some(Decision::SetHeader { name: "x-target".into(), value: "c1".into() }), ..Default::default() };
+    let mut f = Filter::with_policy(Box::new(p), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_CONTINUE);
+    assert_eq!(host.request_header("x-target").as_deref(), Some("c1"));
+
+    let p = Scripted { headers: Some(Decision::Reject { status: 503, body: "no".into() }), ..Default::default() };
+    let mut f = Filter::with_policy(Box::new(p), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_STOP_ITERATION);
+    assert_eq!(host.local_responses, vec![(503, b"no".to_vec())]);
+}
+
+#[test]
+fn a_reply_that_keeps_pending_without_a_new_call_resumes() {
+    let p = Scripted { headers: Some(Decision::Pending), reply: Some(Decision::Pending), make_call: true, ..Default::default() };
+    let mut f = Filter::with_policy(Box::new(p), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    let t = host.last_redis_token().unwrap();
+    assert_eq!(f.stream_of_token(t), Some(1));
+    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
+    assert_eq!(host.resumes, 1, "never left paused");
+}
+
+#[test]
+fn stream_done_runs_once_for_every_end_path() {
+    let done = Rc::new(RefCell::new(0));
+    let p = Scripted { done: done.clone(), ..Default::default() };
+    let mut f = Filter::with_policy(Box::new(p), 100);
+    let mut host = FakeHost::new();
+    for ctx in 1..=3 {
+        f.on_request_headers(&mut host, ctx, true);
+    }
+    f.on_stream_end(&mut host, 1);
+    f.on_stream_end(&mut host, 1);
+    f.on_delete(&mut host, 1);
+    f.on_delete(&mut host, 2);
+    f.on_stream_end(&mut host, 3);
+    f.on_delete(&mut host, 3);
+    f.on_delete(&mut host, 3);
+    assert_eq!(*done.borrow(), 3);
+    assert_eq!(f.live_streams(), 0);
+}
+
+#[test]
+fn unmatched_requests_are_not_touched_when_only_rules_configure_the_plugin() {
+    let mut host = FakeHost::new();
+    host.set_hosts(&[("10.0.0.1:8000", true)]);
+    let mut f = Filter::new();
+    let cfg = br#"{"_rules_":[{"_match_route_":["other"],"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"redis.static","servicePort":6379}}]}"#;
+    assert!(f.configure(&mut host, cfg));
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
+    assert!(host.redis_calls.is_empty());
+    assert_eq!(f.live_streams(), 0);
+    host.properties.insert("route_name".into(), b"other".to_vec());
+    assert_eq!(f.on_request_headers(&mut host, 2, false), HEADERS_STOP_ITERATION);
+    assert_eq!(host.redis_calls.len(), 1);
+}
+
+#[test]
+fn unconfigured_filter_passes_everything() {
+    let mut f = Filter::new();
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 1, 10, true), DATA_CONTINUE);
+}

@@ -1,0 +1,198 @@
+//! The narrow host interface the policies use.
+//!
+//! In the .wasm it is implemented over the proxy-wasm hostcalls in `abi.rs`; in native unit tests by a
+//! fake (`host::fake::FakeHost`). Every call acts on the *current* context: the stream whose callback
+//! is running, or, inside a root callback (Redis / HTTP-call reply, tick), the context the dispatcher
+//! made effective. Policies never deal with context ids.
+
+/// Log levels, same numbering as proxy-wasm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    /// Very verbose.
+    Trace = 0,
+    /// Debugging details (per-request decisions).
+    Debug = 1,
+    /// Normal operation.
+    Info = 2,
+    /// Something degraded (fallback to normal balancing).
+    Warn = 3,
+    /// Something is wrong with config or environment.
+    Error = 4,
+    /// Unrecoverable.
+    Critical = 5,
+}
+
+/// Error status of a hostcall (proxy-wasm `WasmResult` values other than Ok).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostError {
+    /// 1: no such item (property, header, shared-data key, host list).
+    NotFound,
+    /// 2: e.g. unknown cluster in redis_init / redis_call / http_call.
+    BadArgument,
+    /// 8: shared data was changed since it was read (compare-and-swap failed).
+    CasMismatch,
+    /// 10: e.g. no upstream host for a Redis call.
+    InternalFailure,
+    /// Any other status code.
+    Other(u32),
+}
+
+impl HostError {
+    /// Maps a raw proxy-wasm status code (non-zero) to an error.
+    pub fn from_status(code: u32) -> HostError {
+        match code {
+            1 => HostError::NotFound,
+            2 => HostError::BadArgument,
+            8 => HostError::CasMismatch,
+            10 => HostError::InternalFailure,
+            other => HostError::Other(other),
+        }
+    }
+}
+
+impl core::fmt::Display for HostError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            HostError::NotFound => f.write_str("not found"),
+            HostError::BadArgument => f.write_str("bad argument"),
+            HostError::CasMismatch => f.write_str("cas mismatch"),
+            HostError::InternalFailure => f.write_str("internal failure"),
+            HostError::Other(c) => write!(f, "status {c}"),
+        }
+    }
+}
+
+/// Health of an upstream host as reported by `proxy_get_upstream_hosts` (`health_status`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// `"Healthy"`: the only state the policies route to (like the Go plugin).
+    Healthy,
+    /// `"Degraded"`.
+    Degraded,
+    /// `"Unhealthy"`.
+    Unhealthy,
+    /// Missing or unknown string.
+    Unknown,
+}
+
+impl Health {
+    /// Parses the `health_status` string of the host info JSON.
+    pub fn parse(s: &str) -> Health {
+        match s {
+            "Healthy" => Health::Healthy,
+            "Degraded" => Health::Degraded,
+            "Unhealthy" => Health::Unhealthy,
+            _ => Health::Unknown,
+        }
+    }
+}
+
+/// One host of the stream's upstream cluster.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UpstreamHost {
+    /// `ip:port`, the value to pass to `set_upstream_override_host`.
+    pub address: String,
+    /// Health as seen by the gateway's health checker.
+    pub health: Health,
+    /// The stored health-check response body (Prometheus text from `/metrics`), if any.
+    pub metrics: Option<String>,
+}
+
+impl UpstreamHost {
+    /// True when the host may be chosen.
+    pub fn is_healthy(&self) -> bool {
+        self.health == Health::Healthy
+    }
+}
+
+/// Reply to an HTTP call made with [`Host::http_call`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HttpReply {
+    /// `:status` of the response; 0 when the call failed (reset, timeout, no host).
+    pub status: u16,
+    /// Response headers (lower-case names).
+    pub headers: Vec<(String, String)>,
+    /// Response body.
+    pub body: Vec<u8>,
+}
+
+/// Reply to a Redis call made with [`Host::redis_call`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum RedisReply {
+    /// Status 0: the raw RESP bytes of exactly one reply (may be an error reply `-...`).
+    Ok(Vec<u8>),
+    /// Status 1 (NetworkError): connect failure, remote close, timeout, cancellation.
+    NetworkError,
+}
+
+/// What the policies may ask of the gateway. All methods are infallible from the caller's point of
+/// view except where a `Result` says otherwise; implementations never panic.
+pub trait Host {
+    /// Writes one log line at `level` (the host filters by its own log level).
+    fn log(&self, level: LogLevel, msg: &str);
+    /// Wall clock in nanoseconds since the Unix epoch.
+    fn now_nanos(&self) -> u64;
+    /// A random 64-bit number (WASI `random_get` in the .wasm).
+    fn random_u64(&mut self) -> u64;
+
+    /// Raw property value for a path such as `["route_name"]`.
+    fn get_property(&self, path: &[&str]) -> Option<Vec<u8>>;
+    /// Sets a property (e.g. Higress's `clear_route_cache`).
+    fn set_property(&mut self, path: &[&str], value: &[u8]) -> Result<(), HostError>;
+    /// The stream's route name (property `route_name`), if any.
+    fn route_name(&self) -> Option<String> {
+        self.get_property(&["route_name"]).and_then(|v| String::from_utf8(v).ok())
+    }
+    /// The stream's upstream cluster (property `cluster_name`), if any.
+    fn cluster_name(&self) -> Option<String> {
+        self.get_property(&["cluster_name"]).and_then(|v| String::from_utf8(v).ok())
+    }
+
+    /// A request header (pseudo-headers like `:authority`, `:path` included). Only valid while the
+    /// request headers are held.
+    fn request_header(&self, name: &str) -> Option<String>;
+    /// Sets (`Some`) or removes (`None`) a request header. Only effective while headers are held.
+    fn set_request_header(&mut self, name: &str, value: Option<&str>);
+
+    /// The request body buffered so far (the host gives the cumulative body when the filter
+    /// returned StopIterationAndBuffer), at most `max` bytes. Only valid in the body callback.
+    fn request_body(&self, max: usize) -> Option<Vec<u8>>;
+    /// A response header (e.g. `:status`); only valid in response callbacks.
+    fn response_header(&self, name: &str) -> Option<String>;
+
+    /// Hosts of the stream's cluster with health and stored metrics. `None` when the host has no
+    /// list (call failed / not supported): the caller then falls back to normal balancing.
+    fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>>;
+    /// Pins the stream to `addr` (non-strict: if it is not a healthy host of the cluster the gateway
+    /// balances normally). Only effective while the request headers are held.
+    fn set_upstream_override_host(&mut self, addr: &str) -> Result<(), HostError>;
+
+    /// (Re)initialises the per-worker Redis client for `cluster` (`outbound|port||fqdn[?db=N]`).
+    fn redis_init(&mut self, cluster: &str, username: &str, password: &str, timeout_ms: u32) -> Result<(), HostError>;
+    /// Sends one complete RESP command; the reply arrives later with the returned token.
+    fn redis_call(&mut self, cluster: &str, query: &[u8]) -> Result<u32, HostError>;
+    /// Dispatches an HTTP call to `cluster`; headers must contain `:method`, `:path`, `:authority`.
+    fn http_call(
+        &mut self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: Option<&[u8]>,
+        timeout_ms: u32,
+    ) -> Result<u32, HostError>;
+
+    /// Shared data (shared across worker VMs): value and CAS token; `(None, 0)` if missing.
+    fn get_shared_data(&self, key: &str) -> (Option<Vec<u8>>, u32);
+    /// Writes shared data; `cas == 0` is unconditional, a stale CAS gives `CasMismatch`.
+    fn set_shared_data(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), HostError>;
+
+    /// Answers the request locally (e.g. 429). The stream must not be resumed afterwards.
+    fn send_local_response(&mut self, status: u32, body: &[u8], headers: &[(&str, &str)]);
+    /// Continues a paused request (deferred by the host until the current callback returns).
+    fn resume_request(&mut self);
+
+    /// Adds `delta` to a plugin counter named `name` (exported on the gateway's stats).
+    fn increment_counter(&mut self, name: &str, delta: i64);
+}
+
+#[cfg(any(test, feature = "fake-host"))]
+pub mod fake;

@@ -1,0 +1,450 @@
+//! A small, panic-free reader of the Prometheus text exposition format, specialised for the
+//! load signals of LLM model servers (vLLM V0 and V1, SGLang).
+//!
+//! Why not a general parser: the plugin runs as wasm inside every gateway worker, must stay small,
+//! and reads each pod's `/metrics` (30–60 KiB, mostly histogram buckets) often. This reader walks the
+//! text once, looks only at the families it needs, and parses a value only when the name matches,
+//! so unrelated lines cost a few byte comparisons. It never allocates except for LoRA adapter names.
+//!
+//! Semantics:
+//! - Comments (`# HELP`, `# TYPE`, anything after `#`) and blank lines are skipped.
+//! - Names are matched exactly, so histogram series (`_bucket`, `_sum`, `_count`) and counter
+//!   `_created` series never match a gauge name.
+//! - `:` and `_` are interchangeable in names: SGLang's router re-exports `sglang:x` as `sglang_x`.
+//! - Counts (running, waiting, prefix-cache counters, the target metric) are **summed** over label
+//!   sets: a pod serving several models or several data-parallel engines reports one series each.
+//! - KV-cache usage is the **mean** over label sets (each engine has its own pool, so the mean is the
+//!   fraction of the pod's total KV memory in use when engines are equally sized), clamped to 0..1.
+//!   vLLM 0.10.x emits both `kv_cache_usage_perc` and the deprecated `gpu_cache_usage_perc`; the
+//!   new name wins so a pod is not counted twice.
+//! - `vllm:lora_requests_info`: the series whose value (a wall-clock timestamp) is the newest wins.
+//! - Unparsable lines are skipped, never an error: a partial body still yields what it contains.
+
+/// LoRA state of a vLLM pod, from the labels of `vllm:lora_requests_info`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LoraInfo {
+    /// `max_lora`: how many adapters the pod can hold at once.
+    pub max_lora: u32,
+    /// `running_lora_adapters`: adapters with running requests (loaded on the GPU).
+    pub running: Vec<String>,
+    /// `waiting_lora_adapters`: adapters with waiting requests (about to be loaded).
+    pub waiting: Vec<String>,
+    /// The sample value: vLLM sets it to the wall-clock time (seconds) of the update.
+    pub timestamp: f64,
+}
+
+impl LoraInfo {
+    /// True when `adapter` is loaded or about to be loaded on this pod.
+    pub fn has_adapter(&self, adapter: &str) -> bool {
+        self.running.iter().any(|a| a == adapter) || self.waiting.iter().any(|a| a == adapter)
+    }
+
+    /// Number of distinct adapters running or waiting (a pod's adapter slots in use).
+    pub fn active_count(&self) -> usize {
+        let extra = self.waiting.iter().filter(|w| !self.running.contains(w)).count();
+        self.running.len() + extra
+    }
+}
+
+/// The load signals of one pod. `None` means "the body did not contain this signal".
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PodMetrics {
+    /// Requests being decoded/prefilled now (`vllm:num_requests_running`, `sglang:num_running_reqs`).
+    pub running: Option<f64>,
+    /// Requests queued in the engine (`vllm:num_requests_waiting`, `sglang:num_queue_reqs`).
+    pub waiting: Option<f64>,
+    /// KV-cache usage 0..1 (`vllm:kv_cache_usage_perc`, `vllm:gpu_cache_usage_perc`, `sglang:token_usage`).
+    pub kv_cache_usage: Option<f64>,
+    /// LoRA state (vLLM only, when LoRA is enabled).
+    pub lora: Option<LoraInfo>,
+    /// vLLM V1 `vllm:prefix_cache_queries_total` (tokens).
+    pub prefix_cache_queries: Option<f64>,
+    /// vLLM V1 `vllm:prefix_cache_hits_total` (tokens).
+    pub prefix_cache_hits: Option<f64>,
+    /// The user-selected `target_metric` (sum over label sets), when one was asked for.
+    pub target: Option<f64>,
+}
+
+impl PodMetrics {
+    /// True when the body held at least one signal the scheduler can use.
+    pub fn is_empty(&self) -> bool {
+        self.running.is_none()
+            && self.waiting.is_none()
+            && self.kv_cache_usage.is_none()
+            && self.lora.is_none()
+            && self.target.is_none()
+    }
+}
+
+/// Which family a name belongs to (after `:`/`_` normalisation).
+#[derive(Clone, Copy, PartialEq)]
+enum Family {
+    Running,
+    Waiting,
+    KvV1,
+    KvV0,
+    KvSglang,
+    Lora,
+    PrefixQueries,
+    PrefixHits,
+}
+
+const FAMILIES: &[(&str, Family)] = &[
+    ("vllm:num_requests_running", Family::Running),
+    ("vllm:num_requests_waiting", Family::Waiting),
+    ("vllm:kv_cache_usage_perc", Family::KvV1),
+    ("vllm:gpu_cache_usage_perc", Family::KvV0),
+    ("vllm:lora_requests_info", Family::Lora),
+    ("vllm:prefix_cache_queries_total", Family::PrefixQueries),
+    ("vllm:prefix_cache_hits_total", Family::PrefixHits),
+    ("sglang:num_running_reqs", Family::Running),
+    ("sglang:num_queue_reqs", Family::Waiting),
+    ("sglang:token_usage", Family::KvSglang),
+];
+
+/// Names whose value is a 0..1 KV usage: a `target_metric` naming one of these uses the
+/// averaged `kv_cache_usage` rather than a sum.
+const KV_NAMES: &[&str] = &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"];
+
+/// Compares metric names treating `:` and `_` as the same character.
+pub fn names_equal(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b.iter()).all(|(&x, &y)| {
+            let nx = if x == b':' { b'_' } else { x };
+            let ny = if y == b':' { b'_' } else { y };
+            nx == ny
+        })
+}
+
+#[derive(Default)]
+struct Mean {
+    sum: f64,
+    n: u32,
+}
+
+impl Mean {
+    fn add(&mut self, v: f64) {
+        self.sum += v;
+        self.n = self.n.saturating_add(1);
+    }
+    fn get(&self) -> Option<f64> {
+        if self.n == 0 {
+            None
+        } else {
+            Some((self.sum / f64::from(self.n)).clamp(0.0, 1.0))
+        }
+    }
+}
+
+fn add(slot: &mut Option<f64>, v: f64) {
+    *slot = Some(slot.unwrap_or(0.0) + v);
+}
+
+/// Parses a `/metrics` body. `target_metric`, when given, is summed into [`PodMetrics::target`].
+pub fn parse(text: &[u8], target_metric: Option<&str>) -> PodMetrics {
+    let target = target_metric.filter(|t| !t.is_empty()).map(str::as_bytes);
+    let mut out = PodMetrics::default();
+    let (mut kv1, mut kv0, mut kvs) = (Mean::default(), Mean::default(), Mean::default());
+    let mut target_sum: Option<f64> = None;
+
+    for raw_line in text.split(|&b| b == b'\n') {
+        let line = trim_start(raw_line);
+        if line.is_empty() || line.first() == Some(&b'#') {
+            continue;
+        }
+        let name_end = line
+            .iter()
+            .position(|&b| b == b'{' || b == b' ' || b == b'\t')
+            .unwrap_or(line.len());
+        let (name, rest) = line.split_at_checked(name_end).unwrap_or((line, &[]));
+        let family = FAMILIES
+            .iter()
+            .find(|(n, _)| names_equal(n.as_bytes(), name))
+            .map(|(_, f)| *f);
+        let is_target = target.is_some_and(|t| names_equal(t, name));
+        if family.is_none() && !is_target {
+            continue;
+        }
+        let (labels, after) = match split_labels(rest) {
+            Some(x) => x,
+            None => continue,
+        };
+        let value = match parse_value(after) {
+            Some(v) => v,
+            None => continue,
+        };
+        if is_target {
+            add(&mut target_sum, value);
+        }
+        match family {
+            Some(Family::Running) => add(&mut out.running, value),
+            Some(Family::Waiting) => add(&mut out.waiting, value),
+            Some(Family::KvV1) => kv1.add(value),
+            Some(Family::KvV0) => kv0.add(value),
+            Some(Family::KvSglang) => kvs.add(value),
+            Some(Family::PrefixQueries) => add(&mut out.prefix_cache_queries, value),
+            Some(Family::PrefixHits) => add(&mut out.prefix_cache_hits, value),
+            Some(Family::Lora) => {
+                let newer = out.lora.as_ref().is_none_or(|l| value > l.timestamp);
+                if newer {
+                    out.lora = Some(lora_from_labels(labels, value));
+                }
+            }
+            None => {}
+        }
+    }
+    out.kv_cache_usage = kv1.get().or_else(|| kv0.get()).or_else(|| kvs.get());
+    out.target = match target {
+        Some(t) if KV_NAMES.iter().any(|k| names_equal(k.as_bytes(), t)) => out.kv_cache_usage,
+        Some(_) => target_sum,
+        None => None,
+    };
+    out
+}
+
+fn trim_start(s: &[u8]) -> &[u8] {
+    let start = s.iter().position(|&b| b != b' ' && b != b'\t').unwrap_or(s.len());
+    let s = s.get(start..).unwrap_or_default();
+    // Also drop a trailing '\r' (CRLF bodies).
+    s.strip_suffix(b"\r").unwrap_or(s)
+}
+
+/// Splits `{labels} rest` into (label text without braces, rest). Without `{`, labels are empty.
+/// Quotes and backslash escapes inside label values are honoured, so `}` in a value is fine.
+fn split_labels(s: &[u8]) -> Option<(&[u8], &[u8])> {
+    if s.first() != Some(&b'{') {
+        return Some((&[], s));
+    }
+    let mut in_quotes = false;
+    let mut escaped = false;
+    for (i, &b) in s.iter().enumerate().skip(1) {
+        if escaped {
+            escaped = false;
+        } else if in_quotes {
+            match b {
+                b'\\' => escaped = true,
+                b'"' => in_quotes = false,
+                _ => {}
+            }
+        } else if b == b'"' {
+            in_quotes = true;
+        } else if b == b'}' {
+            return Some((s.get(1..i)?, s.get(i + 1..)?));
+        }
+    }
+    None
+}
+
+/// Parses the sample value (first token after the labels); an optional timestamp follows and is
+/// ignored. NaN and unparsable values give `None`.
+fn parse_value(s: &[u8]) -> Option<f64> {
+    let s = trim_start(s);
+    let end = s.iter().position(|&b| b == b' ' || b == b'\t').unwrap_or(s.len());
+    let tok = std::str::from_utf8(s.get(..end)?).ok()?;
+    let v: f64 = tok.parse().ok()?;
+    if v.is_nan() {
+        None
+    } else {
+        Some(v)
+    }
+}
+
+/// Iterates `name="value"` pairs of a label set; values are returned raw (escapes kept).
+fn label_pairs(mut s: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    std::iter::from_fn(move || {
+        // Skip separators.
+        let start = s.iter().position(|&b| b != b',' && b != b' ' && b != b'\t')?;
+        s = s.get(start..)?;
+        let eq = s.iter().position(|&b| b == b'=')?;
+        let name = trim_end(s.get(..eq)?);
+        let after = trim_start(s.get(eq + 1..)?);
+        if after.first() != Some(&b'"') {
+            return None;
+        }
+        let mut escaped = false;
+        let mut close = None;
+        for (i, &b) in after.iter().enumerate().skip(1) {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                close = Some(i);
+                break;
+            }
+        }
+        let close = close?;
+        let value = after.get(1..close)?;
+        s = after.get(close + 1..).unwrap_or(&[]);
+        Some((name, value))
+    })
+}
+
+fn trim_end(s: &[u8]) -> &[u8] {
+    let end = s.iter().rposition(|&b| b != b' ' && b != b'\t').map_or(0, |i| i + 1);
+    s.get(..end).unwrap_or_default()
+}
+
+/// Undoes the exposition format's label escapes (`\\`, `\"`, `\n`).
+fn unescape(raw: &[u8]) -> String {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut it = raw.iter();
+    while let Some(&b) = it.next() {
+        if b == b'\\' {
+            match it.next() {
+                Some(b'n') => out.push(b'\n'),
+                Some(&o) => out.push(o),
+                None => {}
+            }
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn split_adapters(raw: &[u8]) -> Vec<String> {
+    let text = unescape(raw);
+    text.split(',').map(str::trim).filter(|a| !a.is_empty()).map(String::from).collect()
+}
+
+fn lora_from_labels(labels: &[u8], timestamp: f64) -> LoraInfo {
+    let mut info = LoraInfo { timestamp, ..LoraInfo::default() };
+    for (name, value) in label_pairs(labels) {
+        match name {
+            b"max_lora" => {
+                info.max_lora = std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .filter(|v| v.is_finite() && *v >= 0.0)
+                    .map_or(0, |v| v.min(f64::from(u32::MAX)) as u32);
+            }
+            b"running_lora_adapters" => info.running = split_adapters(value),
+            b"waiting_lora_adapters" => info.waiting = split_adapters(value),
+            _ => {}
+        }
+    }
+    info
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM_V0: &str = include_str!("testdata/vllm_v0.txt");
+    const VLLM_V1: &str = include_str!("testdata/vllm_v1.txt");
+    const VLLM_V1_DP: &str = include_str!("testdata/vllm_v1_dp2_lora.txt");
+    const SGLANG: &str = include_str!("testdata/sglang.txt");
+    const SGLANG_ROUTER: &str = include_str!("testdata/sglang_router.txt");
+
+    #[test]
+    fn vllm_v0_sample() {
+        let m = parse(VLLM_V0.as_bytes(), None);
+        assert_eq!(m.running, Some(3.0));
+        assert_eq!(m.waiting, Some(1.0));
+        assert_eq!(m.kv_cache_usage, Some(0.4021052631578947));
+        // V0 has no token counters for the prefix cache; only a hit-rate gauge.
+        assert_eq!(m.prefix_cache_queries, None);
+        assert_eq!(m.lora, None);
+        assert!(!m.is_empty());
+    }
+
+    #[test]
+    fn vllm_v1_sample_prefers_new_kv_name_and_reads_prefix_counters() {
+        let m = parse(VLLM_V1.as_bytes(), None);
+        assert_eq!(m.running, Some(12.0));
+        assert_eq!(m.waiting, Some(4.0));
+        // Body has both kv_cache_usage_perc (0.61) and the deprecated gpu_ name (0.61); not doubled.
+        assert_eq!(m.kv_cache_usage, Some(0.6132));
+        assert_eq!(m.prefix_cache_queries, Some(1_048_576.0));
+        assert_eq!(m.prefix_cache_hits, Some(524_288.0));
+    }
+
+    #[test]
+    fn vllm_v1_two_engines_sum_counts_average_kv_and_take_newest_lora() {
+        let m = parse(VLLM_V1_DP.as_bytes(), None);
+        assert_eq!(m.running, Some(5.0 + 7.0));
+        assert_eq!(m.waiting, Some(0.0 + 2.0));
+        let kv = m.kv_cache_usage.unwrap_or(-1.0);
+        assert!((kv - (0.25 + 0.75) / 2.0).abs() < 1e-12, "kv = {kv}");
+        let lora = m.lora.unwrap_or_default();
+        // The newest series (largest timestamp value) wins over the older one.
+        assert_eq!(lora.max_lora, 4);
+        assert_eq!(lora.running, vec!["sql-lora".to_string(), "tweet-summary".to_string()]);
+        assert_eq!(lora.waiting, vec!["french-lora".to_string()]);
+        assert!(lora.has_adapter("french-lora"));
+        assert!(!lora.has_adapter("sql-lora-2"));
+        assert_eq!(lora.active_count(), 3);
+    }
+
+    #[test]
+    fn sglang_colon_names() {
+        let m = parse(SGLANG.as_bytes(), None);
+        assert_eq!(m.running, Some(162.0));
+        assert_eq!(m.waiting, Some(2826.0));
+        assert_eq!(m.kv_cache_usage, Some(0.28));
+        assert_eq!(m.lora, None);
+    }
+
+    #[test]
+    fn sglang_router_underscore_names_and_dp_ranks() {
+        let m = parse(SGLANG_ROUTER.as_bytes(), None);
+        assert_eq!(m.running, Some(40.0 + 38.0));
+        assert_eq!(m.waiting, Some(3.0 + 0.0));
+        let kv = m.kv_cache_usage.unwrap_or(-1.0);
+        assert!((kv - (0.5 + 0.3) / 2.0).abs() < 1e-12, "kv = {kv}");
+    }
+
+    #[test]
+    fn target_metric_is_summed_and_accepts_either_separator() {
+        let m = parse(VLLM_V1_DP.as_bytes(), Some("vllm:num_requests_running"));
+        assert_eq!(m.target, Some(12.0));
+        let m = parse(SGLANG_ROUTER.as_bytes(), Some("sglang:num_queue_reqs"));
+        assert_eq!(m.target, Some(3.0));
+        // A KV target uses the averaged usage, not a sum over engines.
+        let m = parse(VLLM_V1_DP.as_bytes(), Some("vllm:kv_cache_usage_perc"));
+        assert!((m.target.unwrap_or(-1.0) - 0.5).abs() < 1e-12);
+        // A histogram name never matches its _sum/_count series.
+        let m = parse(VLLM_V1.as_bytes(), Some("vllm:time_to_first_token_seconds"));
+        assert_eq!(m.target, None);
+        let m = parse(VLLM_V1.as_bytes(), Some("vllm:time_to_first_token_seconds_count"));
+        assert_eq!(m.target, Some(1520.0));
+    }
+
+    #[test]
+    fn created_series_and_comments_do_not_count() {
+        let body = "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
+                    # TYPE vllm:prefix_cache_hits_total counter\n\
+                    vllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 10.0\n\
+                    vllm:prefix_cache_hits_created{engine=\"0\",model_name=\"m\"} 1.7e9\n\
+                    #vllm:num_requests_running 99\n";
+        let m = parse(body.as_bytes(), None);
+        assert_eq!(m.prefix_cache_hits, Some(10.0));
+        assert_eq!(m.running, None);
+        assert!(m.is_empty());
+    }
+
+    #[test]
+    fn hostile_input_never_panics_and_keeps_good_lines() {
+        let body = "vllm:num_requests_running{model_name=\"a\\\"}b\"} 2 1700000000000\r\n\
+                    vllm:num_requests_running{unterminated=\"x 5\n\
+                    vllm:num_requests_waiting NaN\n\
+                    vllm:num_requests_waiting\n\
+                    vllm:num_requests_waiting{} +Inf\n\
+                    vllm:lora_requests_info{max_lora=\"-3\",running_lora_adapters=\"\",waiting_lora_adapters=\"a\\\\b\"} 5\n\
+                    \u{0}\u{ff}{}}}\"\"\n\
+                    {\n }\n";
+        let m = parse(body.as_bytes(), None);
+        assert_eq!(m.running, Some(2.0));
+        assert_eq!(m.waiting, Some(f64::INFINITY));
+        let lora = m.lora.unwrap_or_default();
+        assert_eq!(lora.max_lora, 0);
+        assert!(lora.running.is_empty());
+        assert_eq!(lora.waiting, vec!["a\\b".to_string()]);
+        // Every prefix of a real body parses without panicking.
+        for cut in (0..VLLM_V1_DP.len()).step_by(7) {
+            let _ = parse(&VLLM_V1_DP.as_bytes()[..cut], Some("vllm:num_requests_running"));
+        }
+        assert_eq!(parse(b"", None), PodMetrics::default());
+    }
+}

@@ -1,0 +1,419 @@
+//! The pure decision core of `endpoint_metrics`: which pods are worth sending a request to, given
+//! each pod's latest metrics. No host access here, so every rule is unit-tested directly.
+//!
+//! `metric_policy: default` is the Gateway API Inference Extension (GIE) filter chain that the
+//! Go plugin embeds, for a *critical* request (the Go plugin marks every request critical, so the
+//! "sheddable" branch of GIE never runs there, nor here):
+//!
+//! ```text
+//! waiting < 50 (queueingThresholdLoRA) ?
+//!   yes -> adapter already on the pod ?
+//!            yes -> least queue -> least KV
+//!            no  -> pod has a free adapter slot ? (yes: those pods, no: the low-queue pods)
+//!                     -> least queue -> least KV
+//!   no  -> least queue -> low LoRA cost (has adapter or free slot; skipped if none) -> least KV
+//! ```
+//!
+//! "least X" keeps the pods whose X lies in the lowest 1/n-th of the range [min, max] (n = pods
+//! considered), which leaves several near-best pods for the next step and for the final random
+//! pick, instead of herding every request to the single minimum.
+//!
+//! `least` / `most` apply the same band rule to the user's `target_metric`.
+//!
+//! Differences from the Go plugin (documented in the README):
+//! - A pod whose metrics are unknown (missing, unparsable or stale) is not a candidate; the Go
+//!   plugin reads missing values as 0, which makes a pod without metrics look idle.
+//! - LoRA: adapters in `waiting_lora_adapters` count as present (newer GIE does the same), and a
+//!   request without `model` skips the LoRA steps.
+//! - `pending`: requests this worker sent to a pod after its metrics were sampled are added to the
+//!   queue of a pod that was already queueing (or had ≥ 80% KV cache in use), so a burst between two
+//!   samples does not pile onto one saturated pod. A pod with an empty queue and free KV admits
+//!   new requests into its running batch, so for it they are not counted.
+
+use super::prometheus::PodMetrics;
+
+/// Queue length under which LoRA affinity is preferred (GIE `queueingThresholdLoRA`).
+pub const QUEUEING_THRESHOLD_LORA: f64 = 50.0;
+
+/// KV-cache usage from which a pod is considered full (GIE `kvCacheThreshold`).
+pub const KV_CACHE_THRESHOLD: f64 = 0.8;
+
+/// How `endpoint_metrics` uses the metrics (`metric_policy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricPolicy {
+    /// The GIE filter chain (queue, LoRA affinity, KV cache).
+    Default,
+    /// Pods with the lowest `target_metric`.
+    Least,
+    /// Pods with the highest `target_metric`.
+    Most,
+}
+
+/// One schedulable pod: its address, its metrics and how many requests this worker sent it since
+/// those metrics were sampled.
+#[derive(Clone, Debug)]
+pub struct Candidate<'a> {
+    /// `ip:port`.
+    pub address: &'a str,
+    /// Latest fresh metrics.
+    pub metrics: &'a PodMetrics,
+    /// Requests routed here after the sample (not yet visible in the metrics).
+    pub pending: u32,
+}
+
+impl Candidate<'_> {
+    /// Queue length, plus the requests sent since the sample when the pod was already queueing
+    /// (or its KV cache nearly full): such a pod queues new requests too. A pod with an empty queue
+    /// and free KV admits new requests straight into its running batch, so they do not count.
+    fn waiting(&self) -> f64 {
+        let w = self.metrics.waiting.unwrap_or(0.0);
+        if w > 0.0 || self.kv() >= KV_CACHE_THRESHOLD {
+            w + f64::from(self.pending)
+        } else {
+            w
+        }
+    }
+    fn kv(&self) -> f64 {
+        self.metrics.kv_cache_usage.unwrap_or(0.0)
+    }
+    fn has_adapter(&self, model: &str) -> bool {
+        self.metrics.lora.as_ref().is_some_and(|l| l.has_adapter(model))
+    }
+    fn has_free_adapter_slot(&self) -> bool {
+        self.metrics.lora.as_ref().is_some_and(|l| l.active_count() < l.max_lora as usize)
+    }
+    /// True when the pod has the signals `policy` needs.
+    pub fn usable_for(&self, policy: MetricPolicy) -> bool {
+        match policy {
+            MetricPolicy::Default => {
+                let m = self.metrics;
+                m.waiting.is_some() || m.running.is_some() || m.kv_cache_usage.is_some()
+            }
+            MetricPolicy::Least | MetricPolicy::Most => self.metrics.target.is_some_and(f64::is_finite),
+        }
+    }
+}
+
+/// Returns the indices (into `pods`) of the pods the policy would pick among; the caller picks one
+/// at random. Pods not [`Candidate::usable_for`] the policy are ignored; an empty result means
+/// "no opinion" (the gateway then balances normally).
+pub fn filter(policy: MetricPolicy, model: &str, pods: &[Candidate<'_>]) -> Vec<usize> {
+    let usable: Vec<usize> = pods.iter().enumerate().filter(|(_, c)| c.usable_for(policy)).map(|(i, _)| i).collect();
+    if usable.is_empty() {
+        return usable;
+    }
+    match policy {
+        MetricPolicy::Default => default_chain(model, pods, usable),
+        MetricPolicy::Least => band(pods, usable, |c| c.metrics.target.unwrap_or(0.0), false),
+        MetricPolicy::Most => band(pods, usable, |c| c.metrics.target.unwrap_or(0.0), true),
+    }
+}
+
+fn keep<'a>(pods: &[Candidate<'a>], set: &[usize], pred: impl Fn(&Candidate<'a>) -> bool) -> Vec<usize> {
+    set.iter().copied().filter(|&i| pods.get(i).is_some_and(&pred)).collect()
+}
+
+/// Keeps the pods whose value lies in the lowest (or, with `most`, highest) 1/n-th of the range.
+fn band<'a>(pods: &[Candidate<'a>], set: Vec<usize>, value: impl Fn(&Candidate<'a>) -> f64, most: bool) -> Vec<usize> {
+    let vals: Vec<f64> = set.iter().map(|&i| pods.get(i).map_or(0.0, &value)).collect();
+    let (min, max) = vals
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    if set.is_empty() || !min.is_finite() || !max.is_finite() {
+        // Infinite values (a pod reporting +Inf) make the range meaningless: keep the extreme ones.
+        let target = if most { max } else { min };
+        return set.iter().zip(&vals).filter(|(_, &v)| v == target).map(|(&i, _)| i).collect();
+    }
+    let width = (max - min) / set.len() as f64;
+    set.iter()
+        .zip(&vals)
+        .filter(|(_, &v)| if most { v >= max - width } else { v <= min + width })
+        .map(|(&i, _)| i)
+        .collect()
+}
+
+fn least_queue_then_kv(pods: &[Candidate<'_>], set: Vec<usize>) -> Vec<usize> {
+    let q = band(pods, set, Candidate::waiting, false);
+    band(pods, q, Candidate::kv, false)
+}
+
+fn default_chain(model: &str, pods: &[Candidate<'_>], all: Vec<usize>) -> Vec<usize> {
+    let lora = !model.is_empty();
+    let low_queue = keep(pods, &all, |c| c.waiting() < QUEUEING_THRESHOLD_LORA);
+    if !low_queue.is_empty() {
+        if !lora {
+            return least_queue_then_kv(pods, low_queue);
+        }
+        let affinity = keep(pods, &low_queue, |c| c.has_adapter(model));
+        if !affinity.is_empty() {
+            return least_queue_then_kv(pods, affinity);
+        }
+        let free = keep(pods, &low_queue, Candidate::has_free_adapter_slot);
+        let next = if free.is_empty() { low_queue } else { free };
+        return least_queue_then_kv(pods, next);
+    }
+    // Every pod is queueing: load first, then LoRA cost, then KV.
+    let least_q = band(pods, all, Candidate::waiting, false);
+    let next = if lora {
+        let cheap = keep(pods, &least_q, |c| c.has_adapter(model) || c.has_free_adapter_slot());
+        if cheap.is_empty() {
+            least_q
+        } else {
+            cheap
+        }
+    } else {
+        least_q
+    };
+    band(pods, next, Candidate::kv, false)
+}
+
+/// Recent routing decisions of this worker: the basis of `rate_limit` (a pod's share of the recent
+/// requests) and of the `pending` count. Bounded by `max_entries` and by age (`window_ms`), like the
+/// Go plugin's `window_size` / `window_seconds`.
+#[derive(Clone, Debug)]
+pub struct RecentPicks {
+    entries: std::collections::VecDeque<(u64, String)>,
+    max_entries: usize,
+    window_ms: u64,
+}
+
+impl RecentPicks {
+    /// An empty window holding at most `max_entries` picks younger than `window_ms`.
+    pub fn new(max_entries: usize, window_ms: u64) -> Self {
+        RecentPicks { entries: Default::default(), max_entries: max_entries.max(1), window_ms: window_ms.max(1) }
+    }
+
+    fn purge(&mut self, now_ms: u64) {
+        let cutoff = now_ms.saturating_sub(self.window_ms);
+        while self.entries.front().is_some_and(|(t, _)| *t < cutoff) {
+            self.entries.pop_front();
+        }
+    }
+
+    /// Records that `addr` was chosen at `now_ms`.
+    pub fn push(&mut self, now_ms: u64, addr: &str) {
+        self.purge(now_ms);
+        self.entries.push_back((now_ms, addr.to_string()));
+        while self.entries.len() > self.max_entries {
+            self.entries.pop_front();
+        }
+    }
+
+    /// Share (0..1) of the picks in the window that went to `addr`; 0 for an empty window.
+    pub fn share(&mut self, now_ms: u64, addr: &str) -> f64 {
+        self.purge(now_ms);
+        if self.entries.is_empty() {
+            return 0.0;
+        }
+        let n = self.entries.iter().filter(|(_, a)| a == addr).count();
+        n as f64 / self.entries.len() as f64
+    }
+
+    /// Picks of `addr` made strictly after `since_ms`.
+    pub fn count_since(&self, addr: &str, since_ms: u64) -> u32 {
+        let n = self.entries.iter().filter(|(t, a)| *t > since_ms && a == addr).count();
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+}
+
+/// Applies `rate_limit`: when `chosen` already received more than `limit` of the recent requests,
+/// another healthy pod is taken instead (the Go plugin picks a random other host). We prefer the
+/// others still under the limit (random among them); if every other pod is over it too, the one
+/// with the smallest share. `rand` is a random number from the host. Returns the final address.
+pub fn apply_rate_limit<'a>(
+    recent: &mut RecentPicks,
+    now_ms: u64,
+    limit: f64,
+    chosen: &'a str,
+    healthy: &[&'a str],
+    rand: u64,
+) -> &'a str {
+    if recent.share(now_ms, chosen) <= limit {
+        return chosen;
+    }
+    let others: Vec<(&str, f64)> = healthy
+        .iter()
+        .filter(|a| **a != chosen)
+        .map(|a| (*a, recent.share(now_ms, a)))
+        .collect();
+    if others.is_empty() {
+        return chosen;
+    }
+    let under: Vec<&str> = others.iter().filter(|(_, s)| *s <= limit).map(|(a, _)| *a).collect();
+    if !under.is_empty() {
+        return pick(&under, rand).unwrap_or(chosen);
+    }
+    others
+        .iter()
+        .fold(None::<(&str, f64)>, |best, &(a, s)| match best {
+            Some((_, bs)) if bs <= s => best,
+            _ => Some((a, s)),
+        })
+        .map_or(chosen, |(a, _)| a)
+}
+
+/// Uniform pick from a non-empty slice with a host random number.
+pub fn pick<T: Copy>(items: &[T], rand: u64) -> Option<T> {
+    if items.is_empty() {
+        return None;
+    }
+    let i = (rand % items.len() as u64) as usize;
+    items.get(i).copied()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::prometheus::LoraInfo;
+
+    fn pm(waiting: f64, kv: f64) -> PodMetrics {
+        PodMetrics { running: Some(1.0), waiting: Some(waiting), kv_cache_usage: Some(kv), ..Default::default() }
+    }
+
+    fn with_lora(mut m: PodMetrics, max: u32, running: &[&str]) -> PodMetrics {
+        m.lora = Some(LoraInfo {
+            max_lora: max,
+            running: running.iter().map(|s| s.to_string()).collect(),
+            waiting: vec![],
+            timestamp: 1.0,
+        });
+        m
+    }
+
+    fn names(pods: &[Candidate<'_>], idx: &[usize]) -> Vec<String> {
+        let mut v: Vec<String> = idx.iter().map(|&i| pods[i].address.to_string()).collect();
+        v.sort();
+        v
+    }
+
+    fn cands<'a>(ms: &'a [(&'a str, PodMetrics)]) -> Vec<Candidate<'a>> {
+        ms.iter().map(|(a, m)| Candidate { address: a, metrics: m, pending: 0 }).collect()
+    }
+
+    #[test]
+    fn default_prefers_short_queue_then_low_kv() {
+        let ms = [("a", pm(0.0, 0.9)), ("b", pm(0.0, 0.1)), ("c", pm(30.0, 0.0)), ("d", pm(1.0, 0.2))];
+        let pods = cands(&ms);
+        // Queue range 0..30 over 4 pods: band [0, 7.5] keeps a, b, d; KV band [0.1, 0.1+0.8/3] keeps b, d.
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["b", "d"]);
+    }
+
+    #[test]
+    fn default_lora_affinity_wins_while_queues_are_short() {
+        let ms = [
+            ("a", with_lora(pm(10.0, 0.5), 2, &["sql-lora"])),
+            ("b", with_lora(pm(0.0, 0.0), 2, &["other"])),
+            ("c", with_lora(pm(0.0, 0.0), 1, &["x"])),
+        ];
+        let pods = cands(&ms);
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "sql-lora", &pods)), ["a"]);
+        // An adapter nobody has goes to a pod with a free slot (b), not to the full one (c).
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "new-lora", &pods)), ["b"]);
+    }
+
+    #[test]
+    fn default_lora_no_free_slot_falls_back_to_low_queue_pods() {
+        let ms = [
+            ("a", with_lora(pm(40.0, 0.5), 1, &["x"])),
+            ("b", with_lora(pm(2.0, 0.5), 1, &["y"])),
+            ("c", with_lora(pm(60.0, 0.0), 4, &[])),
+        ];
+        let pods = cands(&ms);
+        // c has a free slot but is over the queue threshold; among a and b the queue band keeps b.
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "z", &pods)), ["b"]);
+    }
+
+    #[test]
+    fn default_all_queueing_orders_by_queue_then_lora_cost_then_kv() {
+        let ms = [
+            ("a", with_lora(pm(60.0, 0.2), 1, &["other"])),
+            ("b", with_lora(pm(62.0, 0.9), 1, &["sql-lora"])),
+            ("c", with_lora(pm(300.0, 0.0), 4, &[])),
+        ];
+        let pods = cands(&ms);
+        // Queue band [60, 60+240/3] keeps a, b; only b can serve sql-lora cheaply.
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "sql-lora", &pods)), ["b"]);
+        // Nobody among a, b is cheap for a new adapter: keep both, KV band picks a.
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "new", &pods)), ["a"]);
+    }
+
+    #[test]
+    fn pending_requests_spread_a_burst_over_queueing_pods_only() {
+        let ms = [("a", pm(1.0, 0.1)), ("b", pm(1.0, 0.1))];
+        let mut pods = cands(&ms);
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["a", "b"]);
+        pods[0].pending = 8;
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["b"]);
+        // Nearly full KV cache: new requests will queue, so they count as well.
+        let ms = [("a", pm(0.0, 0.85)), ("b", pm(0.0, 0.85))];
+        let mut pods = cands(&ms);
+        pods[1].pending = 8;
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["a"]);
+        // An idle pod with free KV takes the burst into its running batch: still the best pod.
+        let ms = [("a", pm(0.0, 0.2)), ("b", pm(3.0, 0.2))];
+        let mut pods = cands(&ms);
+        pods[0].pending = 8;
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["a"]);
+    }
+
+    #[test]
+    fn unknown_metrics_are_not_candidates() {
+        let empty = PodMetrics::default();
+        let ms = [("a", empty.clone()), ("b", pm(20.0, 0.7))];
+        let pods = cands(&ms);
+        assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["b"]);
+        let ms = [("a", empty.clone()), ("b", empty)];
+        assert!(filter(MetricPolicy::Default, "", &cands(&ms)).is_empty());
+    }
+
+    #[test]
+    fn least_and_most_use_the_target_metric() {
+        let t = |v: f64| PodMetrics { target: Some(v), ..Default::default() };
+        let ms = [("a", t(1.0)), ("b", t(2.0)), ("c", t(10.0)), ("d", PodMetrics::default())];
+        let pods = cands(&ms);
+        // Range 1..10 over 3 usable pods: width 3.
+        assert_eq!(names(&pods, &filter(MetricPolicy::Least, "", &pods)), ["a", "b"]);
+        assert_eq!(names(&pods, &filter(MetricPolicy::Most, "", &pods)), ["c"]);
+        let ms = [("a", t(5.0)), ("b", t(5.0))];
+        assert_eq!(names(&cands(&ms), &filter(MetricPolicy::Least, "", &cands(&ms))), ["a", "b"]);
+        let ms = [("a", t(f64::INFINITY)), ("b", t(3.0))];
+        assert_eq!(names(&cands(&ms), &filter(MetricPolicy::Least, "", &cands(&ms))), ["b"]);
+    }
+
+    #[test]
+    fn rate_limit_moves_traffic_off_a_hot_pod() {
+        let mut recent = RecentPicks::new(100, 60_000);
+        for i in 0..8 {
+            recent.push(1_000 + i, "a");
+        }
+        recent.push(1_010, "b");
+        recent.push(1_011, "c");
+        // a has 80% of the window; limit 0.6 sends the request elsewhere.
+        let healthy = ["a", "b", "c"];
+        let got = apply_rate_limit(&mut recent, 1_020, 0.6, "a", &healthy, 0);
+        assert!(got == "b" || got == "c");
+        assert_eq!(apply_rate_limit(&mut recent, 1_020, 0.6, "b", &healthy, 0), "b");
+        // Limit 1.0 (the default) never overrides.
+        assert_eq!(apply_rate_limit(&mut recent, 1_020, 1.0, "a", &healthy, 0), "a");
+        // Alone: nothing to move to.
+        assert_eq!(apply_rate_limit(&mut recent, 1_020, 0.1, "a", &["a"], 0), "a");
+        // Every other pod over the limit too: the least loaded of them.
+        assert_eq!(apply_rate_limit(&mut recent, 1_020, 0.05, "a", &healthy, 7), "b");
+    }
+
+    #[test]
+    fn recent_picks_expire_by_age_and_size() {
+        let mut recent = RecentPicks::new(3, 1_000);
+        recent.push(0, "a");
+        recent.push(10, "a");
+        assert_eq!(recent.share(20, "a"), 1.0);
+        // Older than the window: gone.
+        assert_eq!(recent.share(2_000, "a"), 0.0);
+        for t in 0..5 {
+            recent.push(3_000 + t, if t < 2 { "a" } else { "b" });
+        }
+        // Only the 3 newest picks remain: b, b, b.
+        assert_eq!(recent.share(3_010, "b"), 1.0);
+        assert_eq!(recent.count_since("b", 3_002), 2);
+    }
+}

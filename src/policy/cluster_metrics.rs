@@ -1,0 +1,344 @@
+//! `cluster_metrics` (`lb_type: cluster`): pick a service (Envoy cluster) from `service_list` and
+//! write its name to the request header `cluster_header`; the gateway's route takes its cluster
+//! from that header (Envoy `RouteAction.cluster_header`).
+//!
+//! Measurements, kept per worker VM like the Go plugin (no cross-worker traffic on the request path;
+//! each worker sees a fair sample of the same services, so its averages and in-flight ordering
+//! agree with the others'):
+//! - in flight: +1 when a service is chosen, −1 exactly once when the stream ends (whatever the
+//!   outcome);
+//! - total latency: request headers → end of stream, mean of the last `queue_size` requests;
+//! - first-token latency: request headers → first response body bytes, mean of the last
+//!   `queue_size` requests;
+//! - a failed request (`:status` other than 200, or no response at all) is recorded as
+//!   2 × max(its own time, the highest mean of any service), as Go does, so a failing service
+//!   loses traffic quickly; a request that ends without any body also gets such a first-token sample
+//!   (Go records none, which makes a service that resets connections look fast).
+//!
+//! Choice: among services whose share of this worker's last `queue_size` choices is below
+//! `rate_limit` (every service when `rate_limit` ≥ 1), the one with the lowest value for `mode`
+//! (random among ties; a service without samples has latency 0 and is tried first, which is how new
+//! or recovered services get measured). If every service is over the limit, the one with the
+//! smallest share. Without `mode`: random among the services under the limit.
+//!
+//! Differences from Go: the share is over the recent `queue_size` choices instead of all requests
+//! since the VM started (which made the limit ever harder to move), and `rate_limit: 1` (the default)
+//! never pushes traffic away from the best service (Go's `>=` does so once it has every request).
+//!
+//! Route cache: writing the header must make the gateway re-match the route, which is Higress's
+//! default for header changes; the policy therefore never sets `clear_route_cache` to `off`.
+
+use super::{Decision, Policy, Stream};
+use crate::config::{ClusterMetricsConfig, ClusterMode};
+use crate::host::{Host, LogLevel};
+use crate::metrics::schedule::{self, RecentPicks};
+use std::collections::{HashMap, VecDeque};
+
+/// Statistics of one service, per worker.
+#[derive(Debug, Default, Clone)]
+struct ServiceStats {
+    in_flight: u64,
+    ttft_ms: VecDeque<f64>,
+    total_ms: VecDeque<f64>,
+}
+
+fn mean(q: &VecDeque<f64>) -> f64 {
+    if q.is_empty() {
+        0.0
+    } else {
+        q.iter().sum::<f64>() / q.len() as f64
+    }
+}
+
+/// Per-request state.
+#[derive(Debug)]
+struct Pick {
+    service: String,
+    start_ms: u64,
+    status: u16,
+    first_byte_seen: bool,
+}
+
+/// The `cluster_metrics` policy.
+pub struct ClusterMetrics {
+    config: ClusterMetricsConfig,
+    stats: HashMap<String, ServiceStats>,
+    recent: RecentPicks,
+}
+
+fn now_ms(host: &dyn Host) -> u64 {
+    host.now_nanos() / 1_000_000
+}
+
+impl ClusterMetrics {
+    /// Creates the policy from its config.
+    pub fn new(config: ClusterMetricsConfig) -> Self {
+        let stats = config.service_list.iter().map(|s| (s.clone(), ServiceStats::default())).collect();
+        // Share over the last `queue_size` choices; age is not a criterion (u64::MAX window).
+        let recent = RecentPicks::new(config.queue_size, u64::MAX);
+        ClusterMetrics { config, stats, recent }
+    }
+
+    fn value(&self, service: &str) -> f64 {
+        let Some(s) = self.stats.get(service) else { return 0.0 };
+        match self.config.mode {
+            ClusterMode::LeastBusy => s.in_flight as f64,
+            ClusterMode::LeastTotalLatency => mean(&s.total_ms),
+            ClusterMode::LeastFirstTokenLatency => mean(&s.ttft_ms),
+            ClusterMode::Random => 0.0,
+        }
+    }
+
+    /// Chooses a service (see the module docs).
+    fn choose(&mut self, now: u64, rand: u64) -> Option<String> {
+        let list = &self.config.service_list;
+        let limited = self.config.rate_limit < 1.0;
+        let shares: Vec<f64> = list.iter().map(|s| self.recent.share(now, s)).collect();
+        let eligible: Vec<usize> =
+            (0..list.len()).filter(|&i| !limited || shares.get(i).is_some_and(|&x| x < self.config.rate_limit)).collect();
+        if eligible.is_empty() {
+            let best = (0..list.len()).min_by(|&a, &b| {
+                let (x, y) = (shares.get(a).copied().unwrap_or(1.0), shares.get(b).copied().unwrap_or(1.0));
+                x.total_cmp(&y)
+            })?;
+            return list.get(best).cloned();
+        }
+        let values: Vec<f64> = eligible.iter().map(|&i| list.get(i).map_or(0.0, |s| self.value(s))).collect();
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let ties: Vec<usize> = eligible.iter().zip(&values).filter(|(_, &v)| v <= min).map(|(&i, _)| i).collect();
+        let i = schedule::pick(&ties, rand)?;
+        list.get(i).cloned()
+    }
+
+    /// A failed request's sample: 2 × max(own duration, highest mean of any service).
+    fn punished(&self, duration: f64, ttft: bool) -> f64 {
+        let worst = self
+            .stats
+            .values()
+            .map(|s| mean(if ttft { &s.ttft_ms } else { &s.total_ms }))
+            .fold(duration, f64::max);
+        worst * 2.0
+    }
+
+    fn record(&mut self, service: &str, ttft: bool, sample: f64) {
+        let cap = self.config.queue_size.max(1);
+        if let Some(s) = self.stats.get_mut(service) {
+            let q = if ttft { &mut s.ttft_ms } else { &mut s.total_ms };
+            q.push_back(sample);
+            while q.len() > cap {
+                q.pop_front();
+            }
+        }
+    }
+}
+
+impl Policy for ClusterMetrics {
+    fn name(&self) -> &'static str {
+        "cluster_metrics"
+    }
+
+    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream, _end_of_stream: bool) -> Decision {
+        let now = now_ms(host);
+        let rand = host.random_u64();
+        let Some(service) = self.choose(now, rand) else {
+            return Decision::Passthrough;
+        };
+        self.recent.push(now, &service);
+        if let Some(s) = self.stats.get_mut(&service) {
+            s.in_flight = s.in_flight.saturating_add(1);
+        }
+        host.log(LogLevel::Debug, &format!("cluster_metrics: -> {service}"));
+        let start_ms = if stream.start_ns > 0 { stream.start_ns / 1_000_000 } else { now };
+        stream.set_data(Pick { service: service.clone(), start_ms, status: 0, first_byte_seen: false });
+        Decision::SetHeader { name: self.config.cluster_header.clone(), value: service }
+    }
+
+    fn on_response_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) {
+        let status = host.response_header(":status").and_then(|s| s.trim().parse::<u16>().ok()).unwrap_or(0);
+        if let Some(p) = stream.data_mut::<Pick>() {
+            p.status = status;
+        }
+    }
+
+    fn on_response_body(&mut self, host: &mut dyn Host, stream: &mut Stream, size: usize, _end_of_stream: bool) {
+        let now = now_ms(host);
+        let Some(p) = stream.data_mut::<Pick>() else { return };
+        if p.first_byte_seen || size == 0 {
+            return;
+        }
+        p.first_byte_seen = true;
+        let (service, status, duration) = (p.service.clone(), p.status, now.saturating_sub(p.start_ms) as f64);
+        let sample = if status == 200 { duration } else { self.punished(duration, true) };
+        self.record(&service, true, sample);
+    }
+
+    fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
+        let now = now_ms(host);
+        let Some(p) = stream.take_data::<Pick>() else { return };
+        if let Some(s) = self.stats.get_mut(&p.service) {
+            s.in_flight = s.in_flight.saturating_sub(1);
+        }
+        let duration = now.saturating_sub(p.start_ms) as f64;
+        let ok = p.status == 200;
+        if !p.first_byte_seen {
+            let sample = if ok { duration } else { self.punished(duration, true) };
+            self.record(&p.service, true, sample);
+        }
+        let sample = if ok { duration } else { self.punished(duration, false) };
+        self.record(&p.service, false, sample);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{PluginConfig, PolicyConfig};
+    use crate::host::fake::FakeHost;
+
+    const A: &str = "outbound|80||svc-a.static";
+    const B: &str = "outbound|80||svc-b.static";
+
+    fn policy(extra: &str) -> ClusterMetrics {
+        let json = format!(
+            r#"{{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{{"service_list":["{A}","{B}"]{extra}}}}}"#
+        );
+        match PluginConfig::from_json(json.as_bytes()).ok().and_then(|c| c.default).map(|d| d.policy) {
+            Some(PolicyConfig::ClusterMetrics(c)) => ClusterMetrics::new(c),
+            other => panic!("bad test config: {other:?}"),
+        }
+    }
+
+    fn start(p: &mut ClusterMetrics, h: &mut FakeHost) -> (Stream, String) {
+        let mut s = Stream { start_ns: h.now, ..Default::default() };
+        match p.on_request_headers(h, &mut s, true) {
+            Decision::SetHeader { name, value } => {
+                assert_eq!(name, "x-higress-target-cluster");
+                (s, value)
+            }
+            other => panic!("expected a header, got {other:?}"),
+        }
+    }
+
+    /// Runs one request to completion: response after `ttft_ms`, end after `total_ms`.
+    fn complete(p: &mut ClusterMetrics, h: &mut FakeHost, s: &mut Stream, status: &str, ttft_ms: u64, total_ms: u64) {
+        let t0 = s.start_ns;
+        h.response_headers = vec![(":status".into(), status.into())];
+        h.now = t0 + ttft_ms * 1_000_000;
+        p.on_response_headers(h, s);
+        p.on_response_body(h, s, 17, false);
+        h.now = t0 + total_ms * 1_000_000;
+        p.on_response_body(h, s, 40, true);
+        p.on_stream_done(h, s);
+    }
+
+    #[test]
+    fn least_busy_sends_to_the_service_with_fewer_requests_in_flight() {
+        let mut p = policy(r#","mode":"LeastBusy","cluster_header":"x-higress-target-cluster""#);
+        let mut h = FakeHost::new();
+        let (mut first, svc1) = start(&mut p, &mut h);
+        // One request in flight on svc1: the next ones alternate to keep in-flight equal.
+        let (_second, svc2) = start(&mut p, &mut h);
+        assert_ne!(svc1, svc2);
+        complete(&mut p, &mut h, &mut first, "200", 5, 10);
+        // svc1 is now idle, svc2 has one in flight.
+        let (_third, svc3) = start(&mut p, &mut h);
+        assert_eq!(svc3, svc1);
+    }
+
+    #[test]
+    fn least_total_latency_prefers_the_faster_service_and_punishes_failures() {
+        let mut p = policy(r#","mode":"LeastTotalLatency","queue_size":5"#);
+        let mut h = FakeHost::new();
+        // Both services get measured: A slow (900 ms), B fast (100 ms).
+        for _ in 0..6 {
+            let (mut s, svc) = start(&mut p, &mut h);
+            let total = if svc == A { 900 } else { 100 };
+            complete(&mut p, &mut h, &mut s, "200", 50, total);
+        }
+        for _ in 0..10 {
+            let (mut s, svc) = start(&mut p, &mut h);
+            assert_eq!(svc, B);
+            complete(&mut p, &mut h, &mut s, "200", 50, 100);
+        }
+        // B starts failing fast (503 in 5 ms): the failures count as 2 × the worst mean, so A wins.
+        for _ in 0..3 {
+            let (mut s, svc) = start(&mut p, &mut h);
+            if svc == B {
+                complete(&mut p, &mut h, &mut s, "503", 5, 5);
+            } else {
+                complete(&mut p, &mut h, &mut s, "200", 50, 900);
+            }
+        }
+        let (_s, svc) = start(&mut p, &mut h);
+        assert_eq!(svc, A);
+    }
+
+    #[test]
+    fn least_first_token_latency_uses_time_to_first_body_bytes() {
+        let mut p = policy(r#","mode":"LeastFirstTokenLatency","queue_size":5"#);
+        let mut h = FakeHost::new();
+        for _ in 0..8 {
+            let (mut s, svc) = start(&mut p, &mut h);
+            // A: quick first token but long total; B: slow first token, short total.
+            if svc == A {
+                complete(&mut p, &mut h, &mut s, "200", 20, 5_000);
+            } else {
+                complete(&mut p, &mut h, &mut s, "200", 400, 500);
+            }
+        }
+        let (_s, svc) = start(&mut p, &mut h);
+        assert_eq!(svc, A);
+        // A stream that ends without any response (reset) is a first-token failure for its service.
+        let mut p = policy(r#","mode":"LeastFirstTokenLatency""#);
+        for _ in 0..4 {
+            let (mut s, svc) = start(&mut p, &mut h);
+            if svc == A {
+                h.response_headers.clear();
+                h.now += 1_000_000;
+                p.on_stream_done(&mut h, &mut s);
+            } else {
+                complete(&mut p, &mut h, &mut s, "200", 300, 600);
+            }
+        }
+        let (_s, svc) = start(&mut p, &mut h);
+        assert_eq!(svc, B);
+    }
+
+    #[test]
+    fn rate_limit_bounds_the_share_of_the_best_service() {
+        let mut p = policy(r#","mode":"LeastTotalLatency","rate_limit":0.7,"queue_size":50"#);
+        let mut h = FakeHost::new();
+        let mut to_b = 0;
+        for i in 0..200 {
+            let (mut s, svc) = start(&mut p, &mut h);
+            let total = if svc == A { 900 } else { 100 };
+            complete(&mut p, &mut h, &mut s, "200", 50, total);
+            if i >= 100 && svc == B {
+                to_b += 1;
+            }
+        }
+        assert!((60..=72).contains(&to_b), "best service got {to_b}/100 with rate_limit 0.7");
+        // The default rate_limit (1) never pushes traffic off the best service.
+        let mut p = policy(r#","mode":"LeastTotalLatency""#);
+        let mut last = Vec::new();
+        for _ in 0..50 {
+            let (mut s, svc) = start(&mut p, &mut h);
+            let total = if svc == A { 900 } else { 100 };
+            complete(&mut p, &mut h, &mut s, "200", 50, total);
+            last.push(svc);
+        }
+        assert!(last[10..].iter().all(|s| s == B));
+    }
+
+    #[test]
+    fn in_flight_is_released_once_per_stream() {
+        let mut p = policy(r#","mode":"LeastBusy""#);
+        let mut h = FakeHost::new();
+        let (mut s, svc) = start(&mut p, &mut h);
+        p.on_stream_done(&mut h, &mut s);
+        p.on_stream_done(&mut h, &mut s); // a duplicate call must not go negative / skew counts
+        assert_eq!(p.stats.get(&svc).map(|st| st.in_flight), Some(0));
+        let other = if svc == A { B } else { A };
+        assert_eq!(p.stats.get(other).map(|st| st.in_flight), Some(0));
+    }
+}

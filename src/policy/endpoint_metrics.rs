@@ -1,0 +1,497 @@
+//! `endpoint_metrics` (alias `metrics_based`): pick a pod of the routed cluster from its vLLM /
+//! SGLang metrics.
+//!
+//! Flow per request:
+//! 1. Read the cluster's host list; only `Healthy` hosts are candidates (as in Go).
+//! 2. Metrics source: if any healthy host carries a `metrics` body (Higress health check with
+//!    `store_metrics`), those bodies are parsed. Otherwise the plugin scrapes the pods itself
+//!    ([`crate::metrics::scrape`]) and reads the shared, fresh snapshots. Hosts without usable or
+//!    fresh metrics are "unknown" and not picked; if no host is known, the request passes through to
+//!    the gateway's own balancing (never stuck).
+//! 3. Decide with [`crate::metrics::schedule`]: the GIE filter chain (`default`) or the `least` /
+//!    `most` band of `target_metric`, then a random pick among the survivors.
+//! 4. `rate_limit`: a pod that already got more than this share of the worker's recent requests
+//!    (`window_size` requests, `window_seconds`) is swapped for another healthy pod.
+//!
+//! Unlike the Go plugin, which always waits for the body, the body is read only when it can change
+//! the answer: `default` with at least one LoRA-enabled pod (the body's `model` names the adapter).
+//! Otherwise the decision is made on the request headers, with no body buffering delay.
+
+use super::{Decision, Policy, Stream};
+use crate::config::{EndpointMetricsConfig, MetricPolicy as CfgPolicy};
+use crate::host::{Host, HttpReply, LogLevel};
+use crate::metrics::schedule::{self, Candidate, MetricPolicy, RecentPicks};
+use crate::metrics::scrape::Scraper;
+use crate::metrics::{prometheus, PodMetrics};
+use std::collections::HashMap;
+
+/// The `endpoint_metrics` policy (one per config per worker VM).
+pub struct EndpointMetrics {
+    config: EndpointMetricsConfig,
+    policy: MetricPolicy,
+    recent: RecentPicks,
+    scraper: Scraper,
+    /// Last parsed host-provided body per pod: health-check bodies change once per check interval
+    /// while every request reads them, so an equal body (a memcmp) reuses the parse.
+    parsed: HashMap<String, (String, PodMetrics)>,
+}
+
+/// Metrics of one healthy pod at decision time.
+struct PodView {
+    address: String,
+    metrics: Option<PodMetrics>,
+    /// When the metrics were sampled (ms); `None` for host-provided metrics (time unknown).
+    sampled_ms: Option<u64>,
+}
+
+/// The request body's `model` (the LoRA adapter or base model name), "" if absent or not JSON.
+/// (Only called when a pod has LoRA enabled, so the full parse is rare.)
+fn body_model(body: &[u8]) -> String {
+    match serde_json::from_slice::<serde_json::Value>(body) {
+        Ok(serde_json::Value::Object(mut o)) => match o.remove("model") {
+            Some(serde_json::Value::String(s)) => s,
+            _ => String::new(),
+        },
+        _ => String::new(),
+    }
+}
+
+fn now_ms(host: &dyn Host) -> u64 {
+    host.now_nanos() / 1_000_000
+}
+
+impl EndpointMetrics {
+    /// Creates the policy from its config.
+    pub fn new(config: EndpointMetricsConfig) -> Self {
+        let policy = match config.metric_policy {
+            CfgPolicy::Default => MetricPolicy::Default,
+            CfgPolicy::Least => MetricPolicy::Least,
+            CfgPolicy::Most => MetricPolicy::Most,
+        };
+        let recent = RecentPicks::new(config.window_size, config.window_seconds.saturating_mul(1000));
+        let scraper = Scraper::new(
+            &config.scrape_path,
+            u64::from(config.scrape_interval_ms),
+            config.metrics_stale_ms,
+            config.target_metric.clone(),
+        );
+        EndpointMetrics { config, policy, recent, scraper, parsed: HashMap::new() }
+    }
+
+    /// The healthy pods with their metrics, or `None` when there is no host list / healthy host.
+    fn gather(&mut self, host: &dyn Host, stream: &Stream, now: u64) -> Option<Vec<PodView>> {
+        let hosts = host.upstream_hosts()?;
+        let healthy: Vec<_> = hosts.into_iter().filter(|h| h.is_healthy()).collect();
+        if healthy.is_empty() {
+            return None;
+        }
+        let host_has_metrics = healthy.iter().any(|h| h.metrics.as_deref().is_some_and(|m| !m.is_empty()));
+        let target = self.config.target_metric.as_deref();
+        if host_has_metrics {
+            // Forget pods that left the cluster (bounded memory).
+            self.parsed.retain(|addr, _| healthy.iter().any(|h| h.address == *addr));
+            let mut out = Vec::with_capacity(healthy.len());
+            for h in healthy {
+                let metrics = match h.metrics {
+                    Some(body) if !body.is_empty() => {
+                        let m = match self.parsed.get(&h.address) {
+                            Some((cached, m)) if *cached == body => m.clone(),
+                            _ => {
+                                let m = prometheus::parse(body.as_bytes(), target);
+                                self.parsed.insert(h.address.clone(), (body, m.clone()));
+                                m
+                            }
+                        };
+                        Some(m).filter(|m| !m.is_empty())
+                    }
+                    _ => None,
+                };
+                out.push(PodView { address: h.address, metrics, sampled_ms: None });
+            }
+            return Some(out);
+        }
+        let addrs: Vec<String> = healthy.into_iter().map(|h| h.address).collect();
+        self.scraper.learn(&stream.cluster, &addrs, now);
+        Some(
+            addrs
+                .into_iter()
+                .map(|address| {
+                    let snap = self.scraper.read(host, &stream.cluster, &address, now);
+                    let sampled_ms = snap.as_ref().map(|s| s.sampled_ms);
+                    let metrics = snap.map(|s| s.metrics).filter(|m| !m.is_empty());
+                    PodView { address, metrics, sampled_ms }
+                })
+                .collect(),
+        )
+    }
+
+    fn decide(&mut self, host: &mut dyn Host, pods: &[PodView], model: &str, now: u64) -> Decision {
+        let interval = u64::from(self.config.scrape_interval_ms);
+        let candidates: Vec<Candidate<'_>> = pods
+            .iter()
+            .filter_map(|p| {
+                let m = p.metrics.as_ref()?;
+                // Requests sent after the sample are not in it yet. Host-provided metrics carry no
+                // time: assume they are one scrape interval old.
+                let since = p.sampled_ms.unwrap_or_else(|| now.saturating_sub(interval));
+                Some(Candidate { address: &p.address, metrics: m, pending: self.recent.count_since(&p.address, since) })
+            })
+            .collect();
+        let survivors = schedule::filter(self.policy, model, &candidates);
+        let Some(idx) = schedule::pick(&survivors, host.random_u64()) else {
+            host.log(LogLevel::Debug, "endpoint_metrics: no pod with fresh metrics; using normal balancing");
+            return Decision::Passthrough;
+        };
+        let Some(chosen) = candidates.get(idx).map(|c| c.address) else {
+            return Decision::Passthrough;
+        };
+        let healthy: Vec<&str> = pods.iter().map(|p| p.address.as_str()).collect();
+        let rand = host.random_u64();
+        let fin = schedule::apply_rate_limit(&mut self.recent, now, self.config.rate_limit, chosen, &healthy, rand);
+        if fin != chosen {
+            host.log(LogLevel::Debug, &format!("endpoint_metrics: {chosen} over rate_limit, using {fin}"));
+        }
+        let fin = fin.to_string();
+        self.recent.push(now, &fin);
+        host.log(LogLevel::Debug, &format!("endpoint_metrics: model {model:?} -> {fin}"));
+        Decision::Route(fin)
+    }
+}
+
+impl Policy for EndpointMetrics {
+    fn name(&self) -> &'static str {
+        "endpoint_metrics"
+    }
+
+    fn on_start(&mut self, host: &mut dyn Host) {
+        self.scraper.set_worker_id(host.random_u64());
+    }
+
+    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream, end_of_stream: bool) -> Decision {
+        let now = now_ms(host);
+        let Some(pods) = self.gather(host, stream, now) else {
+            return Decision::Passthrough;
+        };
+        // The model name only matters to the LoRA steps of the default chain.
+        let lora_pods = pods.iter().any(|p| p.metrics.as_ref().is_some_and(|m| m.lora.is_some()));
+        if self.policy == MetricPolicy::Default && lora_pods && !end_of_stream {
+            return Decision::NeedBody;
+        }
+        self.decide(host, &pods, "", now)
+    }
+
+    fn on_request_body(&mut self, host: &mut dyn Host, stream: &mut Stream, body: &[u8]) -> Decision {
+        let now = now_ms(host);
+        let Some(pods) = self.gather(host, stream, now) else {
+            return Decision::Passthrough;
+        };
+        let model = body_model(body);
+        self.decide(host, &pods, &model, now)
+    }
+
+    fn on_http_reply(&mut self, host: &mut dyn Host, _stream: Option<&mut Stream>, token: u32, reply: &HttpReply) -> Decision {
+        let now = now_ms(host);
+        self.scraper.on_reply(host, token, reply, now);
+        Decision::Passthrough
+    }
+
+    fn tick_period_ms(&self) -> u32 {
+        self.config.scrape_interval_ms
+    }
+
+    fn on_tick(&mut self, host: &mut dyn Host) {
+        let now = now_ms(host);
+        if !self.scraper.has_worker_id() {
+            // Lazily, in case on_start was not delivered to this instance.
+            let id = host.random_u64();
+            self.scraper.set_worker_id(id);
+        }
+        self.scraper.on_tick(host, now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{PluginConfig, PolicyConfig};
+    use crate::host::fake::FakeHost;
+    use crate::host::{Health, UpstreamHost};
+
+    const CLUSTER: &str = "outbound|8000||llm.static";
+
+    fn config(lb_config: &str) -> EndpointMetricsConfig {
+        let json = format!(r#"{{"lb_policy":"endpoint_metrics","lb_config":{lb_config}}}"#);
+        match PluginConfig::from_json(json.as_bytes()).ok().and_then(|c| c.default).map(|d| d.policy) {
+            Some(PolicyConfig::EndpointMetrics(c)) => c,
+            other => panic!("bad test config: {other:?}"),
+        }
+    }
+
+    /// A vLLM V1 `/metrics` body as a pod would serve it.
+    fn vllm(running: u32, waiting: u32, kv: f64, lora: Option<(&str, u32)>) -> String {
+        let mut s = String::from(
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+             # TYPE vllm:num_requests_running gauge\n",
+        );
+        s += &format!("vllm:num_requests_running{{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"}} {running}.0\n");
+        s += "# TYPE vllm:num_requests_waiting gauge\n";
+        s += &format!("vllm:num_requests_waiting{{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"}} {waiting}.0\n");
+        s += "# TYPE vllm:kv_cache_usage_perc gauge\n";
+        s += &format!("vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"}} {kv}\n");
+        s += "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 90.0\n";
+        if let Some((adapters, max)) = lora {
+            s += "# TYPE vllm:lora_requests_info gauge\n";
+            s += &format!(
+                "vllm:lora_requests_info{{max_lora=\"{max}\",running_lora_adapters=\"{adapters}\",waiting_lora_adapters=\"\"}} 1.7553921484e+09\n"
+            );
+        }
+        s
+    }
+
+    fn host_with(pods: &[(&str, bool, Option<String>)]) -> FakeHost {
+        let mut h = FakeHost::new();
+        h.hosts = Some(
+            pods.iter()
+                .map(|(a, ok, m)| UpstreamHost {
+                    address: a.to_string(),
+                    health: if *ok { Health::Healthy } else { Health::Unhealthy },
+                    metrics: m.clone(),
+                })
+                .collect(),
+        );
+        h
+    }
+
+    fn stream() -> Stream {
+        Stream { cluster: CLUSTER.to_string(), ..Default::default() }
+    }
+
+    fn route(p: &mut EndpointMetrics, h: &mut FakeHost) -> Decision {
+        p.on_request_headers(h, &mut stream(), true)
+    }
+
+    #[test]
+    fn routes_to_the_least_loaded_healthy_pod_from_host_metrics() {
+        let mut h = host_with(&[
+            ("10.0.0.1:8000", true, Some(vllm(20, 30, 0.9, None))),
+            ("10.0.0.2:8000", true, Some(vllm(4, 0, 0.2, None))),
+            ("10.0.0.3:8000", false, Some(vllm(0, 0, 0.0, None))), // idle but unhealthy
+        ]);
+        let mut p = EndpointMetrics::new(config("{}"));
+        for _ in 0..20 {
+            assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+            h.now += 1_000_000_000; // 1 s apart, so the pending estimate does not kick in
+        }
+        assert!(h.http_calls.is_empty(), "host metrics present: no scraping");
+    }
+
+    #[test]
+    fn a_new_health_check_body_replaces_the_cached_parse() {
+        let mut h = host_with(&[
+            ("10.0.0.1:8000", true, Some(vllm(20, 30, 0.9, None))),
+            ("10.0.0.2:8000", true, Some(vllm(4, 0, 0.2, None))),
+        ]);
+        let mut p = EndpointMetrics::new(config("{}"));
+        assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+        // The next health check finds the load reversed.
+        if let Some(hosts) = h.hosts.as_mut() {
+            hosts[0].metrics = Some(vllm(1, 0, 0.1, None));
+            hosts[1].metrics = Some(vllm(30, 45, 0.97, None));
+        }
+        h.now += 2_000_000_000;
+        assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.1:8000".into()));
+    }
+
+    #[test]
+    fn a_burst_between_samples_is_spread_by_pending_requests() {
+        let mut h = host_with(&[
+            ("10.0.0.1:8000", true, Some(vllm(2, 3, 0.3, None))),
+            ("10.0.0.2:8000", true, Some(vllm(2, 3, 0.3, None))),
+        ]);
+        let mut p = EndpointMetrics::new(config("{}"));
+        let mut count = std::collections::HashMap::new();
+        for _ in 0..40 {
+            if let Decision::Route(a) = route(&mut p, &mut h) {
+                *count.entry(a).or_insert(0) += 1;
+            }
+            h.now += 1_000_000; // 1 ms: same metrics sample
+        }
+        let a: u32 = count.get("10.0.0.1:8000").copied().unwrap_or(0);
+        let b: u32 = count.get("10.0.0.2:8000").copied().unwrap_or(0);
+        assert_eq!(a + b, 40);
+        assert!(a.abs_diff(b) <= 2, "burst not spread: {a} vs {b}");
+    }
+
+    #[test]
+    fn no_metrics_passes_through_then_scrapes_and_routes_on_shared_snapshots() {
+        let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+        let mut p = EndpointMetrics::new(config(r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus"}"#));
+        assert_eq!(p.tick_period_ms(), 500);
+        p.on_start(&mut h);
+        // Nothing known yet: normal balancing, but the pods are now known to the scraper.
+        assert_eq!(route(&mut p, &mut h), Decision::Passthrough);
+        p.on_tick(&mut h);
+        assert_eq!(h.http_calls.len(), 2);
+        for (_, cluster, headers, body) in &h.http_calls {
+            assert_eq!(cluster, CLUSTER);
+            assert!(body.is_none());
+            let get = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+            assert_eq!(get(":method").as_deref(), Some("GET"));
+            assert_eq!(get(":path").as_deref(), Some("/stats/prometheus"));
+            assert_eq!(get(":authority"), get("x-envoy-original-dst-host"));
+        }
+        // A second tick while the calls are in flight sends nothing more.
+        p.on_tick(&mut h);
+        assert_eq!(h.http_calls.len(), 2);
+        let calls: Vec<(u32, String)> = h
+            .http_calls
+            .iter()
+            .map(|(t, _, hd, _)| (*t, hd.iter().find(|(n, _)| n == ":authority").map(|(_, v)| v.clone()).unwrap_or_default()))
+            .collect();
+        for (token, pod) in &calls {
+            let body = if pod == "10.0.0.1:8000" { vllm(30, 12, 0.95, None) } else { vllm(1, 0, 0.1, None) };
+            let reply = HttpReply { status: 200, headers: vec![], body: body.into_bytes() };
+            assert_eq!(p.on_http_reply(&mut h, None, *token, &reply), Decision::Passthrough);
+        }
+        assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+
+        // Another worker VM (same shared data) uses the snapshots without scraping itself.
+        let mut other = EndpointMetrics::new(config(r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus"}"#));
+        other.on_start(&mut h);
+        assert_eq!(route(&mut other, &mut h), Decision::Route("10.0.0.2:8000".into()));
+        other.on_tick(&mut h);
+        assert_eq!(h.http_calls.len(), 2, "fresh shared snapshots: no second scrape");
+
+        // Later the snapshots are due again: exactly one of the two workers scrapes each pod.
+        h.now += 400_000_000;
+        other.on_tick(&mut h);
+        p.on_tick(&mut h);
+        assert_eq!(h.http_calls.len(), 4, "one scrape per pod across workers (lease)");
+
+        // Past metricsStaleMs (default 5 s) without fresh data, the pods are unknown again.
+        h.now += 6_000_000_000;
+        assert_eq!(route(&mut p, &mut h), Decision::Passthrough);
+    }
+
+    #[test]
+    fn a_failed_scrape_makes_the_pod_unknown_at_once() {
+        let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+        let mut p = EndpointMetrics::new(config("{}"));
+        route(&mut p, &mut h);
+        p.on_tick(&mut h);
+        let calls: Vec<(u32, String)> = h
+            .http_calls
+            .iter()
+            .map(|(t, _, hd, _)| (*t, hd.iter().find(|(n, _)| n == ":authority").map(|(_, v)| v.clone()).unwrap_or_default()))
+            .collect();
+        for (token, pod) in &calls {
+            let reply = HttpReply { status: 200, headers: vec![], body: vllm(0, 0, 0.0, None).into_bytes() };
+            p.on_http_reply(&mut h, None, *token, &reply);
+            let _ = pod;
+        }
+        // Next round: pod 1 answers 503, pod 2 is busy but fine.
+        h.now += 1_000_000_000;
+        p.on_tick(&mut h);
+        let calls: Vec<(u32, String)> = h.http_calls[2..]
+            .iter()
+            .map(|(t, _, hd, _)| (*t, hd.iter().find(|(n, _)| n == ":authority").map(|(_, v)| v.clone()).unwrap_or_default()))
+            .collect();
+        assert_eq!(calls.len(), 2);
+        for (token, pod) in &calls {
+            let reply = if pod == "10.0.0.1:8000" {
+                HttpReply { status: 503, ..Default::default() }
+            } else {
+                HttpReply { status: 200, headers: vec![], body: vllm(40, 20, 0.8, None).into_bytes() }
+            };
+            p.on_http_reply(&mut h, None, *token, &reply);
+        }
+        for _ in 0..10 {
+            assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+        }
+    }
+
+    #[test]
+    fn lora_deployments_read_the_model_from_the_body() {
+        let mut h = host_with(&[
+            ("10.0.0.1:8000", true, Some(vllm(3, 1, 0.3, Some(("sql-lora", 1))))),
+            ("10.0.0.2:8000", true, Some(vllm(1, 0, 0.1, Some(("tweet-summary", 1))))),
+        ]);
+        let mut p = EndpointMetrics::new(config(r#"{"metric_policy":"default"}"#));
+        let mut s = stream();
+        assert_eq!(p.on_request_headers(&mut h, &mut s, false), Decision::NeedBody);
+        let body = br#"{"model":"sql-lora","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+        assert_eq!(p.on_request_body(&mut h, &mut s, body), Decision::Route("10.0.0.1:8000".into()));
+        let body = br#"{"model":"tweet-summary","prompt":"x"}"#;
+        assert_eq!(p.on_request_body(&mut h, &mut s, body), Decision::Route("10.0.0.2:8000".into()));
+        // A bodiless request decides on its headers (never waits for a body that will not come).
+        assert!(matches!(p.on_request_headers(&mut h, &mut s, true), Decision::Route(_)));
+        // Without LoRA pods the headers suffice.
+        let mut h2 = host_with(&[("10.0.0.1:8000", true, Some(vllm(3, 1, 0.3, None)))]);
+        assert!(matches!(p.on_request_headers(&mut h2, &mut s, false), Decision::Route(_)));
+    }
+
+    #[test]
+    fn least_and_most_follow_target_metric() {
+        let pods = [
+            ("10.0.0.1:8000", true, Some(vllm(9, 0, 0.5, None))),
+            ("10.0.0.2:8000", true, Some(vllm(1, 0, 0.5, None))),
+            ("10.0.0.3:8000", true, Some(vllm(5, 0, 0.5, None))),
+        ];
+        let mut h = host_with(&pods);
+        let mut least = EndpointMetrics::new(config(r#"{"metric_policy":"least","target_metric":"vllm:num_requests_running"}"#));
+        let mut most = EndpointMetrics::new(config(r#"{"metric_policy":"most","target_metric":"vllm:num_requests_running"}"#));
+        for _ in 0..10 {
+            assert_eq!(route(&mut least, &mut h), Decision::Route("10.0.0.2:8000".into()));
+            assert_eq!(route(&mut most, &mut h), Decision::Route("10.0.0.1:8000".into()));
+            h.now += 1_000_000_000;
+        }
+        // A pod whose metrics lack the target metric is never chosen by least/most.
+        let mut h = host_with(&[("10.0.0.9:8000", true, Some("sglang:num_running_reqs 0\n".into())), pods[0].clone()]);
+        assert_eq!(route(&mut least, &mut h), Decision::Route("10.0.0.1:8000".into()));
+    }
+
+    #[test]
+    fn rate_limit_caps_the_share_of_the_best_pod() {
+        let mut h = host_with(&[
+            ("10.0.0.1:8000", true, Some(vllm(0, 0, 0.0, None))),
+            ("10.0.0.2:8000", true, Some(vllm(0, 40, 0.9, None))),
+        ]);
+        let mut p = EndpointMetrics::new(config(r#"{"rate_limit":0.6}"#));
+        let mut best = 0;
+        for _ in 0..100 {
+            if route(&mut p, &mut h) == Decision::Route("10.0.0.1:8000".into()) {
+                best += 1;
+            }
+            h.now += 2_000_000_000; // far apart: no pending estimate; window_seconds 60 keeps 30 picks
+        }
+        assert!((55..=65).contains(&best), "best pod got {best}% with rate_limit 0.6");
+    }
+
+    #[test]
+    fn through_the_dispatcher_scrape_on_tick_then_pin_requests() {
+        use crate::filter::Filter;
+        let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+        let mut f = Filter::new();
+        let cfg = br#"{"lb_policy":"endpoint_metrics","lb_config":{"scrapeIntervalMs":200}}"#;
+        assert!(f.configure(&mut h, cfg));
+        assert_eq!(f.tick_period_ms(), 200);
+        // First request: nothing known, normal balancing; the pods become known.
+        f.on_request_headers(&mut h, 10, true);
+        assert_eq!(h.override_host, None);
+        f.on_stream_end(&mut h, 10);
+        f.on_delete(&mut h, 10);
+        f.on_tick(&mut h);
+        assert_eq!(h.http_calls.len(), 2);
+        let calls: Vec<(u32, String)> = h
+            .http_calls
+            .iter()
+            .map(|(t, _, hd, _)| (*t, hd.iter().find(|(n, _)| n == ":authority").map(|(_, v)| v.clone()).unwrap_or_default()))
+            .collect();
+        for (token, pod) in calls {
+            let body = if pod == "10.0.0.2:8000" { vllm(0, 0, 0.05, None) } else { vllm(64, 70, 0.99, None) };
+            f.on_http_reply(&mut h, token, &HttpReply { status: 200, headers: vec![], body: body.into_bytes() }, false);
+        }
+        f.on_request_headers(&mut h, 11, true);
+        assert_eq!(h.override_host.as_deref(), Some("10.0.0.2:8000"));
+    }
+}

@@ -1,0 +1,236 @@
+//! `global_least_request` through the dispatcher against the fake host.
+
+use crate::filter::{DATA_STOP_AND_BUFFER, HEADERS_CONTINUE, HEADERS_STOP_ITERATION};
+use crate::host::{HostError, RedisReply};
+use crate::redis::{inflight_key, last_clean_key, LEAST_REQUEST_LUA};
+use crate::testutil::*;
+
+const CLUSTER: &str = "outbound|8000||llm.static";
+
+fn cfg(extra: &str) -> String {
+    format!(r#"{{"lb_policy":"global_least_request","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379,"username":"u","password":"p"{extra}}}}}"#)
+}
+
+#[test]
+fn redis_is_initialised_at_start_with_the_go_cluster_name() {
+    let (_f, host) = setup(&cfg(r#","database":2,"timeout":700"#));
+    assert_eq!(
+        host.redis_inits,
+        vec![(
+            "outbound|6379||redis.static?db=2&buffer_flush_timeout=0&max_buffer_size_before_flush=0".into(),
+            "u".into(),
+            "p".into(),
+            700
+        )]
+    );
+}
+
+#[test]
+fn redis_init_failure_does_not_fail_start() {
+    let mut host = crate::host::fake::FakeHost::new();
+    host.redis_init_error = Some(HostError::BadArgument);
+    let mut f = crate::filter::Filter::new();
+    assert!(f.configure(&mut host, cfg("").as_bytes()), "Higress #1517: must not reject the config");
+    assert!(host.logged("will retry"));
+}
+
+#[test]
+fn bad_config_fails_start_with_one_clear_line() {
+    let mut host = crate::host::fake::FakeHost::new();
+    let mut f = crate::filter::Filter::new();
+    assert!(!f.configure(&mut host, br#"{"lb_policy":"nope"}"#));
+    let logs = host.logs.borrow();
+    assert_eq!(logs.len(), 1);
+    assert!(logs[0].1.contains("lb_policy") && logs[0].1.contains("global_least_request"));
+}
+
+#[test]
+fn picks_in_headers_phase_and_routes_to_the_script_choice() {
+    let (mut f, mut host) = setup(&cfg(r#","maxRequestCount":10,"cleanInterval":5"#));
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_STOP_ITERATION);
+    assert_eq!(host.redis_calls.len(), 1);
+    let cmd = command(&host, 0);
+    assert_eq!(cmd[0], "EVALSHA");
+    assert_eq!(cmd[1], crate::redis::sha1_hex_lower(LEAST_REQUEST_LUA.as_bytes()));
+    let (keys, args) = keys_args(&cmd);
+    assert_eq!(keys[..2], [inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER)]);
+    assert!(keys[2].starts_with("higress:ai-lb:{r1|outbound|8000||llm.static}:req:"), "{}", keys[2]);
+    assert_eq!(keys.len(), 3);
+    assert_eq!(args[1], "300", "cleanInterval in seconds");
+    assert_eq!(args[2], "10", "maxRequestCount");
+    assert_eq!(args[3], "2", "two healthy candidates");
+    let mut healthy = args[4..6].to_vec();
+    healthy.sort();
+    assert_eq!(healthy, vec!["10.0.0.1:8000", "10.0.0.2:8000"]);
+    assert_eq!(args[6..], ["10.0.0.3:8000".to_string()], "unhealthy host kept by the cleanup");
+    // Body chunks while the pick is in flight are buffered, not released.
+    assert_eq!(f.on_request_body(&mut host, 7, 100, false), DATA_STOP_AND_BUFFER);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)), true);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(host.resumes, 1);
+}
+
+#[test]
+fn bodiless_request_decides_in_headers_and_never_waits_for_a_body() {
+    let (mut f, mut host) = setup(&cfg(""));
+    assert_eq!(f.on_request_headers(&mut host, 7, true), HEADERS_STOP_ITERATION);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    assert_eq!(host.resumes, 1, "resumed without any body callback");
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+}
+
+#[test]
+fn ties_are_broken_uniformly_at_random() {
+    let (mut f, mut host) = setup(&cfg(""));
+    host.set_hosts(&[("a:1", true), ("b:1", true), ("c:1", true), ("d:1", true)]);
+    let mut first = std::collections::HashMap::new();
+    let n = 4000;
+    for i in 0..n {
+        let before = host.redis_calls.len();
+        f.on_request_headers(&mut host, 100 + i, false);
+        let (_, args) = keys_args(&command(&host, before));
+        // The script takes the first minimum: with equal counts, the first shuffled host wins.
+        *first.entry(args[4].clone()).or_insert(0) += 1;
+        f.on_delete(&mut host, 100 + i);
+    }
+    assert_eq!(first.len(), 4);
+    for (h, c) in first {
+        assert!((800..1200).contains(&c), "host {h} first {c} times out of {n}");
+    }
+}
+
+#[test]
+fn over_max_request_count_answers_429_and_never_decrements_again() {
+    let (mut f, mut host) = setup(&cfg(r#","maxRequestCount":1"#));
+    f.on_request_headers(&mut host, 7, true);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, false, None)), true);
+    assert_eq!(host.local_responses.len(), 1);
+    assert_eq!(host.local_responses[0].0, 429);
+    assert_eq!(host.resumes, 0, "a local reply is not resumed");
+    assert_eq!(host.override_host, None);
+    f.on_stream_end(&mut host, 7);
+    f.on_delete(&mut host, 7);
+    assert!(releases(&host).is_empty(), "the script already undid the +1");
+}
+
+#[test]
+fn decrement_exactly_once_when_the_stream_ends() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, true);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)), true);
+    // on_log, on_done and on_delete all end the stream; only the first counts.
+    f.on_stream_end(&mut host, 7);
+    f.on_stream_end(&mut host, 7);
+    f.on_delete(&mut host, 7);
+    assert_eq!(releases(&host), vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string())]);
+    assert_eq!(f.live_streams(), 0);
+}
+
+#[test]
+fn decrement_on_delete_alone_for_reset_streams() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    f.on_delete(&mut host, 7); // no on_log (e.g. a reset stream)
+    assert_eq!(releases(&host).len(), 1);
+}
+
+#[test]
+fn client_abort_while_pick_in_flight_cancels_the_pick_once() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    let t = host.last_redis_token().unwrap();
+    f.on_stream_end(&mut host, 7);
+    f.on_delete(&mut host, 7);
+    // Sent at once, after the pick on the same connection: it undoes the pick or leaves a tombstone.
+    assert_eq!(releases(&host), vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "3600".to_string())]);
+    assert_eq!(f.stream_of_token(t), None, "the stream is gone: abi.rs must not switch to it");
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), false);
+    assert_eq!(releases(&host).len(), 1, "the late reply changes nothing");
+    assert_eq!(host.resumes, 0, "nothing to resume");
+}
+
+#[test]
+fn noscript_falls_back_to_eval_then_routes() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(b"-NOSCRIPT No matching script. Please use EVAL.\r\n".to_vec()), true);
+    assert_eq!(host.resumes, 0, "still waiting for the EVAL");
+    let cmd = command(&host, 1);
+    assert_eq!(cmd[0], "EVAL");
+    assert_eq!(cmd[1], LEAST_REQUEST_LUA);
+    assert_eq!(keys_args(&cmd), keys_args(&command(&host, 0)), "same keys and args");
+    let t2 = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t2, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(host.resumes, 1);
+}
+
+#[test]
+fn redis_error_reply_resumes_on_normal_balancing() {
+    // (reply, the pick may have run so it is cancelled)
+    for (reply, cancel) in [
+        (RedisReply::Ok(b"-ERR something\r\n".to_vec()), false),
+        (RedisReply::Ok(b"-NOAUTH Authentication required.\r\n".to_vec()), false),
+        (RedisReply::NetworkError, true),
+        (RedisReply::Ok(b"garbage".to_vec()), true),
+        (RedisReply::Ok(b":5\r\n".to_vec()), true),
+        (RedisReply::Ok(b"*3\r\n$0\r\n\r\n:0\r\n:0\r\n".to_vec()), true),
+    ] {
+        let (mut f, mut host) = setup(&cfg(""));
+        f.on_request_headers(&mut host, 7, false);
+        let t = host.last_redis_token().unwrap();
+        f.on_redis_reply(&mut host, t, &reply, true);
+        assert_eq!(host.resumes, 1, "{reply:?}");
+        assert_eq!(host.override_host, None, "{reply:?}");
+        assert!(host.local_responses.is_empty());
+        f.on_delete(&mut host, 7);
+        let expected: Vec<(String, String, String)> =
+            if cancel { vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "3600".into())] } else { vec![] };
+        assert_eq!(releases(&host), expected, "{reply:?}");
+    }
+}
+
+#[test]
+fn noauth_reinitialises_redis_on_the_next_request() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(b"-NOAUTH Authentication required.\r\n".to_vec()), true);
+    assert_eq!(host.redis_inits.len(), 1);
+    f.on_request_headers(&mut host, 8, false);
+    assert_eq!(host.redis_inits.len(), 2);
+}
+
+#[test]
+fn redis_call_failure_or_missing_hosts_continue_immediately() {
+    let (mut f, mut host) = setup(&cfg(""));
+    host.redis_call_error = Some(HostError::InternalFailure);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_CONTINUE);
+    let (mut f, mut host) = setup(&cfg(""));
+    host.hosts = None;
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_CONTINUE);
+    assert!(host.redis_calls.is_empty());
+    host.set_hosts(&[("10.0.0.1:8000", false)]);
+    assert_eq!(f.on_request_headers(&mut host, 8, false), HEADERS_CONTINUE);
+    assert!(host.logged("no healthy upstream host"));
+    host.properties.remove("route_name");
+    host.set_hosts(&[("10.0.0.1:8000", true)]);
+    assert_eq!(f.on_request_headers(&mut host, 9, false), HEADERS_CONTINUE);
+    assert!(host.redis_calls.is_empty());
+}
+
+#[test]
+fn replies_for_other_tokens_do_not_resume() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    f.on_redis_reply(&mut host, 9999, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    assert_eq!(host.resumes, 0);
+    assert_eq!(host.override_host, None);
+}

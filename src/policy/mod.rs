@@ -1,0 +1,195 @@
+//! The `Policy` trait every load-balancing policy implements, and the factory from config.
+//!
+//! The dispatcher (`crate::filter`, driven by `abi.rs` in the .wasm and by tests natively) owns the
+//! request flow; a policy only answers "what now?" at each event:
+//!
+//! * `on_request_headers(.., end_of_stream)`: policies that do not need the body decide here. Body
+//!   policies return [`Decision::NeedBody`] — unless `end_of_stream` is true (bodiless request, Higress
+//!   #3740): then no body callback will ever come and they MUST decide now.
+//! * `on_request_body(.., body)`: called once with the complete body (the dispatcher buffers;
+//!   bodies above `maxBodyBytes` never reach the policy, they pass through).
+//! * `on_redis_reply` / `on_http_reply`: the reply to a call the policy made. `stream` is `Some` when
+//!   the call was made by a stream that is still alive (the dispatcher already made it the effective
+//!   context), `None` for calls made at root level (tick) and for streams that ended meanwhile.
+//! * `on_stream_done`: exactly once per stream that reached the policy, whatever the outcome
+//!   (success, upstream failure, reset, client abort, local reply). The place to release counters.
+//! * `on_tick`: periodic, at root level (no stream); period from `tick_period_ms`.
+//!
+//! Every decision that is not `NeedBody`/`Pending` ends the policy's say over the request; the
+//! dispatcher applies it and resumes. A policy must never leave a request paused without a pending
+//! call whose reply (or NetworkError) will come back to it.
+
+use crate::config::{LbConfig, PolicyConfig};
+use crate::host::{Host, HttpReply, RedisReply};
+use std::any::Any;
+
+pub mod cluster_metrics;
+pub mod endpoint_metrics;
+pub mod global_least_request;
+pub mod prefix_cache;
+
+/// What the dispatcher should do with the request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Continue with the gateway's normal balancing (also every error/fallback path).
+    Passthrough,
+    /// Pin the request to this `ip:port` (set_upstream_override_host) and continue.
+    Route(String),
+    /// Write a request header (e.g. `cluster_header` for `lb_type: cluster`) and continue.
+    SetHeader {
+        /// Header name.
+        name: String,
+        /// Header value.
+        value: String,
+    },
+    /// Answer locally (e.g. 429) and do not forward.
+    Reject {
+        /// HTTP status.
+        status: u32,
+        /// Response body.
+        body: String,
+    },
+    /// Keep the request paused and deliver the complete body to `on_request_body`.
+    NeedBody,
+    /// Keep the request paused; a Redis / HTTP call is in flight and its reply will decide.
+    Pending,
+}
+
+/// Per-request state the dispatcher keeps for a policy.
+#[derive(Default)]
+pub struct Stream {
+    /// The proxy-wasm context id of the stream.
+    pub id: u32,
+    /// Property `route_name` ("" if the host gave none).
+    pub route: String,
+    /// Property `cluster_name` ("" if the host gave none).
+    pub cluster: String,
+    /// `:authority`.
+    pub authority: String,
+    /// `:path`.
+    pub path: String,
+    /// Stream start time (ns since epoch) — for latency statistics.
+    pub start_ns: u64,
+    /// Policy-private state (downcast with `data_mut::<T>()`).
+    pub data: Option<Box<dyn Any>>,
+}
+
+impl core::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Stream").field("id", &self.id).field("route", &self.route).field("cluster", &self.cluster).finish()
+    }
+}
+
+impl Stream {
+    /// The policy-private state, if it has type `T`.
+    pub fn data_mut<T: 'static>(&mut self) -> Option<&mut T> {
+        self.data.as_mut().and_then(|d| d.downcast_mut::<T>())
+    }
+    /// Replaces the policy-private state.
+    pub fn set_data<T: 'static>(&mut self, v: T) {
+        self.data = Some(Box::new(v));
+    }
+    /// Takes the policy-private state out, if it has type `T`.
+    pub fn take_data<T: 'static>(&mut self) -> Option<T> {
+        match self.data.take() {
+            Some(d) => match d.downcast::<T>() {
+                Ok(v) => Some(*v),
+                Err(d) => {
+                    self.data = Some(d);
+                    None
+                }
+            },
+            None => None,
+        }
+    }
+}
+
+/// A load-balancing policy. One instance per config (top level or `_rules_` entry) per worker VM.
+pub trait Policy {
+    /// Name for logs (`global_least_request`, ...).
+    fn name(&self) -> &'static str;
+
+    /// Called once when the plugin (re)starts with this config, on the root context: e.g. Redis init.
+    /// Must not fail the plugin start for environment errors (Higress #1517): log and retry later.
+    fn on_start(&mut self, _host: &mut dyn Host) {}
+
+    /// Request headers arrived. See the module docs for `end_of_stream`.
+    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream, end_of_stream: bool) -> Decision;
+
+    /// The complete request body (only after `NeedBody`).
+    fn on_request_body(&mut self, _host: &mut dyn Host, _stream: &mut Stream, _body: &[u8]) -> Decision {
+        Decision::Passthrough
+    }
+
+    /// Reply to a Redis call made by this policy.
+    fn on_redis_reply(
+        &mut self,
+        _host: &mut dyn Host,
+        _stream: Option<&mut Stream>,
+        _token: u32,
+        _reply: &RedisReply,
+    ) -> Decision {
+        Decision::Passthrough
+    }
+
+    /// Reply to an HTTP call made by this policy.
+    fn on_http_reply(
+        &mut self,
+        _host: &mut dyn Host,
+        _stream: Option<&mut Stream>,
+        _token: u32,
+        _reply: &HttpReply,
+    ) -> Decision {
+        Decision::Passthrough
+    }
+
+    /// Response headers arrived (for latency statistics).
+    fn on_response_headers(&mut self, _host: &mut dyn Host, _stream: &mut Stream) {}
+
+    /// A response body chunk arrived (`size` bytes of this chunk; e.g. first token time).
+    fn on_response_body(&mut self, _host: &mut dyn Host, _stream: &mut Stream, _size: usize, _end_of_stream: bool) {}
+
+    /// The stream ended (exactly once per stream that reached this policy).
+    fn on_stream_done(&mut self, _host: &mut dyn Host, _stream: &mut Stream) {}
+
+    /// Desired tick period in ms (0 = no tick). The root uses the smallest non-zero of all policies.
+    fn tick_period_ms(&self) -> u32 {
+        0
+    }
+
+    /// Periodic work at root level.
+    fn on_tick(&mut self, _host: &mut dyn Host) {}
+}
+
+/// Builds the policy for one config.
+pub fn build(config: &LbConfig) -> Box<dyn Policy> {
+    match &config.policy {
+        PolicyConfig::GlobalLeastRequest(c) => Box::new(global_least_request::GlobalLeastRequest::new(c.clone())),
+        PolicyConfig::PrefixCache(c) => Box::new(prefix_cache::PrefixCache::new(c.clone())),
+        PolicyConfig::EndpointMetrics(c) => Box::new(endpoint_metrics::EndpointMetrics::new(c.clone())),
+        PolicyConfig::ClusterMetrics(c) => Box::new(cluster_metrics::ClusterMetrics::new(c.clone())),
+    }
+}
+
+/// Healthy host addresses from the host list, or `None` (with a log line) when the list is missing
+/// or has no healthy host — the caller then passes through to normal balancing.
+pub fn healthy_hosts(host: &dyn Host, policy: &str) -> Option<(Vec<String>, Vec<String>)> {
+    let Some(list) = host.upstream_hosts() else {
+        host.log(crate::host::LogLevel::Warn, &format!("{policy}: no upstream host list; using normal balancing"));
+        return None;
+    };
+    let mut healthy = Vec::new();
+    let mut other = Vec::new();
+    for h in list {
+        if h.is_healthy() {
+            healthy.push(h.address);
+        } else {
+            other.push(h.address);
+        }
+    }
+    if healthy.is_empty() {
+        host.log(crate::host::LogLevel::Warn, &format!("{policy}: no healthy upstream host; using normal balancing"));
+        return None;
+    }
+    Some((healthy, other))
+}

@@ -1,0 +1,218 @@
+//! `prefix_cache`: blocks, hashing, chaining, and the request flow against the fake host.
+
+use super::*;
+use crate::filter::{DATA_CONTINUE, DATA_STOP_AND_BUFFER, HEADERS_STOP_ITERATION};
+use crate::host::RedisReply;
+use crate::redis::{inflight_key, last_clean_key, prefix_key, PREFIX_CACHE_LUA};
+use crate::testutil::*;
+
+const CLUSTER: &str = "outbound|8000||llm.static";
+const CHAT: &str = r#"{"model":"m","messages":[
+  {"role":"system","content":"You are helpful."},
+  {"role":"user","content":"Hi"},
+  {"role":"assistant","content":"Hello!"},
+  {"role":"user","content":"What is 2+2?"}]}"#;
+
+fn cfg(extra: &str) -> String {
+    format!(r#"{{"lb_policy":"prefix_cache","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379,"redisKeyTTL":600{extra}}}}}"#)
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+}
+
+#[test]
+fn sha1_matches_published_vectors_in_upper_case_hex() {
+    // FIPS 180-2 / RFC 3174 vectors.
+    assert_eq!(hex_upper(&sha1(b"abc")), "A9993E364706816ABA3E25717850C26C9CD0D89D");
+    assert_eq!(hex_upper(&sha1(b"")), "DA39A3EE5E6B4B0D3255BFEF95601890AFD80709");
+    assert_eq!(
+        hex_upper(&sha1(b"The quick brown fox jumps over the lazy dog")),
+        "2FD4E1C67A2D28FCED849EE1BB76E7391B93EB12"
+    );
+}
+
+#[test]
+fn blocks_cut_after_each_user_message_and_the_last_message() {
+    let b = blocks_from_body(CHAT.as_bytes(), false).unwrap();
+    assert_eq!(b, vec!["system:You are helpful.user:Hi", "assistant:Hello!user:What is 2+2?"]);
+    let ends_with_assistant = r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}]}"#;
+    assert_eq!(blocks_from_body(ends_with_assistant.as_bytes(), false).unwrap(), vec!["user:a", "assistant:b"]);
+}
+
+#[test]
+fn chain_is_xor_of_block_sha1s() {
+    // Expected values computed outside the code under test (Python hashlib).
+    let blocks = blocks_from_body(CHAT.as_bytes(), false).unwrap();
+    let c = chain(&blocks);
+    assert_eq!(c, vec!["DC6E080F28569CE3D07E77FC3A00DF1CCD9DA20E", "62EE2EB1856F804718FE25AA35DBBAEB27D78035"]);
+    // And the XOR relation itself, from the two SHA-1 vectors above.
+    let c = chain(&["abc".to_string(), String::new()]);
+    let a = unhex("A9993E364706816ABA3E25717850C26C9CD0D89D");
+    let e = unhex("DA39A3EE5E6B4B0D3255BFEF95601890AFD80709");
+    let x: Vec<u8> = a.iter().zip(e.iter()).map(|(p, q)| p ^ q).collect();
+    assert_eq!(c[0], "A9993E364706816ABA3E25717850C26C9CD0D89D");
+    assert_eq!(c[1], hex_upper(&x));
+}
+
+#[test]
+fn a_growing_conversation_extends_the_same_chain() {
+    let short = r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"Q1"}]}"#;
+    let long = r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"Q1"},{"role":"assistant","content":"A1"},{"role":"user","content":"Q2"}]}"#;
+    let a = chain(&blocks_from_body(short.as_bytes(), false).unwrap());
+    let b = chain(&blocks_from_body(long.as_bytes(), false).unwrap());
+    assert_eq!(a.len(), 1);
+    assert_eq!(b.len(), 2);
+    assert_eq!(a[0], b[0]);
+}
+
+#[test]
+fn never_produces_the_all_zero_key() {
+    let c = chain(&["same".to_string(), "same".to_string(), "other".to_string()]);
+    assert_eq!(c.len(), 1, "the chain stops before the zero key");
+    assert!(c.iter().all(|k| k != &"0".repeat(40)));
+}
+
+#[test]
+fn content_parts_images_tool_calls_tools_and_prompt() {
+    let img = |url: &str| {
+        format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"what is this?"}},{{"type":"image_url","image_url":{{"url":"{url}"}}}}]}}]}}"#)
+    };
+    let a = blocks_from_body(img("http://x/cat.png").as_bytes(), false).unwrap();
+    let b = blocks_from_body(img("http://x/dog.png").as_bytes(), false).unwrap();
+    assert_ne!(a, b, "different images make different blocks");
+    assert!(a[0].starts_with("user:what is this?"));
+
+    let tool = r#"{"messages":[{"role":"user","content":"weather?"},
+      {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather","arguments":"{}"}}]},
+      {"role":"tool","tool_call_id":"c1","content":"sunny"}]}"#;
+    let t = blocks_from_body(tool.as_bytes(), false).unwrap();
+    assert_eq!(t.len(), 2);
+    assert!(t[1].contains("get_weather"), "tool_calls are part of the prefix: {}", t[1]);
+    assert!(t[1].contains("tool:sunny"));
+
+    let with_tools = r#"{"tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"x"}]}"#;
+    let w = blocks_from_body(with_tools.as_bytes(), false).unwrap();
+    assert!(w[0].starts_with("tools:") && w[0].contains("\"f\"") && w[0].ends_with("user:x"));
+
+    assert_eq!(blocks_from_body(br#"{"prompt":"Once upon"}"#, false).unwrap(), vec!["Once upon"]);
+    assert_eq!(blocks_from_body(br#"{"prompt":["a","b"]}"#, false).unwrap(), vec!["ab"]);
+    assert_eq!(blocks_from_body(br#"{"prompt":[1,2,3]}"#, false).unwrap(), vec!["123"]);
+    assert_eq!(blocks_from_body(br#"{"input":"x"}"#, false).unwrap(), Vec::<String>::new());
+    assert_eq!(blocks_from_body(b"not json", false), None);
+    assert_eq!(blocks_from_body(b"[1,2]", false), None);
+}
+
+#[test]
+fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
+    let (mut f, mut host) = setup(&cfg(r#","hitLoadFactor":2"#));
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_STOP_ITERATION);
+    assert!(host.redis_calls.is_empty());
+    assert_eq!(f.on_request_body(&mut host, 7, 10, false), DATA_STOP_AND_BUFFER);
+    host.request_body = CHAT.as_bytes().to_vec();
+    assert_eq!(f.on_request_body(&mut host, 7, CHAT.len(), true), DATA_STOP_AND_BUFFER);
+    assert_eq!(host.redis_calls.len(), 1, "one round trip");
+    let cmd = command(&host, 0);
+    assert_eq!(cmd[1], crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_bytes()));
+    let (keys, args) = keys_args(&cmd);
+    let expected_chain = chain(&blocks_from_body(CHAT.as_bytes(), false).unwrap());
+    let mut expected_keys = vec![inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER), req_key(&host, 0)];
+    expected_keys.extend(expected_chain.iter().map(|c| prefix_key("r1", CLUSTER, c)));
+    assert_eq!(keys, expected_keys);
+    assert_eq!(args[3], "600", "redisKeyTTL");
+    assert_eq!(args[4], "2", "hitLoadFactor");
+    assert_eq!(args[5], "2", "healthy count");
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 3, true, Some(2))), true);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(host.resumes, 1);
+    assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
+    f.on_delete(&mut host, 7);
+    assert_eq!(releases(&host), vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string())]);
+}
+
+#[test]
+fn malformed_json_passes_through_with_a_log_line() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    host.request_body = b"{\"messages\": [".to_vec();
+    let n = host.request_body.len();
+    assert_eq!(f.on_request_body(&mut host, 7, n, true), DATA_CONTINUE);
+    assert!(host.redis_calls.is_empty());
+    assert_eq!(host.override_host, None);
+    assert!(host.logged("not a JSON object"));
+    f.on_delete(&mut host, 7);
+    assert!(releases(&host).is_empty());
+}
+
+#[test]
+fn body_above_max_body_bytes_passes_through() {
+    let (mut f, mut host) = setup(&cfg(r#","maxBodyBytes":100"#));
+    f.on_request_headers(&mut host, 7, false);
+    assert_eq!(f.on_request_body(&mut host, 7, 60, false), DATA_STOP_AND_BUFFER);
+    assert_eq!(f.on_request_body(&mut host, 7, 160, false), DATA_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 7, 200, true), DATA_CONTINUE);
+    assert!(host.redis_calls.is_empty());
+    assert!(host.logged("maxBodyBytes"));
+}
+
+#[test]
+fn bodiless_request_is_a_least_request_pick_in_the_headers_phase() {
+    let (mut f, mut host) = setup(&cfg(""));
+    assert_eq!(f.on_request_headers(&mut host, 7, true), HEADERS_STOP_ITERATION);
+    let (keys, _) = keys_args(&command(&host, 0));
+    assert_eq!(keys.len(), 3, "no prefix keys");
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))), true);
+    assert_eq!(host.resumes, 1);
+    assert_eq!(host.counters.get("ai_lb_prefix_miss"), Some(&1));
+}
+
+#[test]
+fn redis_errors_pass_through() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    host.request_body = CHAT.as_bytes().to_vec();
+    f.on_request_body(&mut host, 7, CHAT.len(), true);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
+    assert_eq!(host.resumes, 1);
+    assert_eq!(host.override_host, None);
+}
+
+#[test]
+fn body_ending_with_trailers_is_still_routed() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    host.request_body = CHAT.as_bytes().to_vec();
+    assert_eq!(f.on_request_body(&mut host, 7, CHAT.len(), false), DATA_STOP_AND_BUFFER);
+    assert_eq!(f.on_request_trailers(&mut host, 7), HEADERS_STOP_ITERATION, "trailers wait for the pick");
+    assert_eq!(host.redis_calls.len(), 1);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))), true);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(host.resumes, 1);
+}
+
+#[test]
+fn split_system_prompt_gives_shared_system_prompts_a_shared_first_key() {
+    let a = r#"{"messages":[{"role":"system","content":"S"},{"role":"developer","content":"D"},{"role":"user","content":"Q1"}]}"#;
+    let b = r#"{"messages":[{"role":"system","content":"S"},{"role":"developer","content":"D"},{"role":"user","content":"Q2"}]}"#;
+    let ba = blocks_from_body(a.as_bytes(), true).unwrap();
+    assert_eq!(ba, vec!["system:Sdeveloper:D", "user:Q1"]);
+    let (ka, kb) = (chain(&ba), chain(&blocks_from_body(b.as_bytes(), true).unwrap()));
+    assert_eq!(ka[0], kb[0]);
+    assert_ne!(ka[1], kb[1]);
+    // Off (Higress behaviour): the system prompt shares a block with the first question.
+    assert_eq!(blocks_from_body(a.as_bytes(), false).unwrap(), vec!["system:Sdeveloper:Duser:Q1"]);
+    // Only the leading run is cut; a system message later in the conversation is not.
+    let c = r#"{"messages":[{"role":"user","content":"Q"},{"role":"system","content":"S"},{"role":"assistant","content":"A"}]}"#;
+    assert_eq!(blocks_from_body(c.as_bytes(), true).unwrap(), vec!["user:Q", "system:Sassistant:A"]);
+    // Config key.
+    let (mut f, mut host) = setup(&cfg(r#","splitSystemPrompt":true"#));
+    f.on_request_headers(&mut host, 7, false);
+    host.request_body = a.as_bytes().to_vec();
+    f.on_request_body(&mut host, 7, a.len(), true);
+    let (keys, _) = keys_args(&command(&host, 0));
+    assert_eq!(keys.len(), 5, "two prefix keys");
+}

@@ -1,0 +1,62 @@
+//! Helpers shared by the unit tests (compiled only for tests).
+
+use crate::filter::Filter;
+use crate::host::fake::FakeHost;
+use crate::redis::{decode_reply, Frame};
+
+/// A configured filter and a fake host with hosts .1, .2 healthy and .3 unhealthy.
+pub fn setup(config: &str) -> (Filter, FakeHost) {
+    let mut host = FakeHost::new();
+    host.set_hosts(&[("10.0.0.1:8000", true), ("10.0.0.2:8000", true), ("10.0.0.3:8000", false)]);
+    let mut f = Filter::new();
+    assert!(f.configure(&mut host, config.as_bytes()), "config rejected: {:?}", host.logs.borrow());
+    (f, host)
+}
+
+/// The `n`-th Redis command sent, as strings.
+pub fn command(host: &FakeHost, n: usize) -> Vec<String> {
+    let (_, _, q) = &host.redis_calls[n];
+    match decode_reply(q).expect("valid RESP") {
+        Frame::Array(parts) => parts
+            .into_iter()
+            .map(|p| match p {
+                Frame::BulkString(b) => String::from_utf8(b).expect("utf8"),
+                other => panic!("not a bulk string: {other:?}"),
+            })
+            .collect(),
+        other => panic!("not an array: {other:?}"),
+    }
+}
+
+/// Splits an EVAL/EVALSHA command into (keys, args).
+pub fn keys_args(cmd: &[String]) -> (Vec<String>, Vec<String>) {
+    let n: usize = cmd[2].parse().expect("numkeys");
+    (cmd[3..3 + n].to_vec(), cmd[3 + n..].to_vec())
+}
+
+/// RESP bytes of a script reply `{host, count, admitted[, matched]}`.
+pub fn pick_reply(host: &str, count: i64, admitted: bool, matched: Option<i64>) -> Vec<u8> {
+    let mut frames = vec![Frame::BulkString(host.as_bytes().to_vec()), Frame::Integer(count), Frame::Integer(admitted as i64)];
+    if let Some(m) = matched {
+        frames.push(Frame::Integer(m));
+    }
+    let f = Frame::Array(frames);
+    let mut buf = vec![0u8; 256 + host.len()];
+    let n = redis_protocol::resp2::encode::encode(&mut buf, &f, false).expect("encode");
+    buf.truncate(n);
+    buf
+}
+
+/// The release scripts sent, as (in-flight key, pick record key, tombstone TTL).
+pub fn releases(host: &FakeHost) -> Vec<(String, String, String)> {
+    (0..host.redis_calls.len())
+        .map(|i| command(host, i))
+        .filter(|c| c.first().map(String::as_str) == Some("EVAL") && c.get(1).map(String::as_str) == Some(crate::redis::RELEASE_LUA))
+        .map(|c| (c[3].clone(), c[4].clone(), c[5].clone()))
+        .collect()
+}
+
+/// The pick record key of the `n`-th Redis command (a pick script).
+pub fn req_key(host: &FakeHost, n: usize) -> String {
+    keys_args(&command(host, n)).0[2].clone()
+}
