@@ -1,1 +1,244 @@
-//! gateway
+//! A Higress-like gateway host: serves HTTP on loopback as a reverse proxy and runs a proxy-wasm
+//! plugin (ABI 0_2_100 / 0_2_1 + Higress extensions) in wasmtime, one VM per worker thread.
+//! See the README section "Gateway host".
+
+pub mod abi;
+pub mod admin;
+pub mod body;
+pub mod cluster;
+pub mod config;
+pub mod proxy;
+pub mod redis;
+pub mod stats;
+pub mod worker;
+
+use std::io::Write;
+use std::rc::Rc;
+use std::sync::{Arc, OnceLock};
+use tokio::sync::mpsc;
+
+/// Command-line options.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "gateway", about = "Higress-like gateway host running a proxy-wasm plugin in wasmtime")]
+pub struct Args {
+    /// Configuration YAML.
+    #[arg(long)]
+    pub config: std::path::PathBuf,
+    /// Worker threads, each with its own plugin VM.
+    #[arg(long, default_value_t = 2)]
+    pub workers: usize,
+    /// Log level (trace, debug, info, warn, error); also what `proxy_get_log_level` returns.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+}
+
+/// Run the gateway until killed. Prints `LISTENING <name> <addr>`, `ADMIN <addr>`, `READY`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| {
+            // Our crate and plugin logs at the chosen level; dependencies (cranelift, hyper) quieter.
+            let l = &args.log_level;
+            tracing_subscriber::EnvFilter::new(format!("warn,gateway={l},wasm={l}"))
+        });
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_writer(LogWriter::start()).try_init();
+
+    let cfg = config::Config::load(&args.config)?;
+    let plugin = match &cfg.plugin {
+        Some(p) => Some(Arc::new(worker::PluginRuntime::load(p)?)),
+        None => None,
+    };
+    if let Some(p) = &plugin {
+        tracing::info!("plugin ABI marker: {:?}", p.abi);
+    }
+    let g = Arc::new(worker::Global {
+        clusters: cluster::Clusters::new(&cfg.clusters)?,
+        routes: cfg.routes.clone(),
+        stats: stats::Stats::default(),
+        shared_data: Default::default(),
+        queues: Default::default(),
+        worker_events: OnceLock::new(),
+        plugin_name: cfg.plugin.as_ref().map(|p| p.name.clone()).unwrap_or_default(),
+        plugin_root_id: cfg.plugin.as_ref().map(|p| p.root_id.clone()).unwrap_or_default(),
+        plugin_vm_id: cfg.plugin.as_ref().map(|p| p.vm_id.clone()).unwrap_or_default(),
+        plugin: cfg.plugin.clone(),
+        log_level: abi::logging::level_from_name(&args.log_level),
+    });
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    // Like Envoy cluster warming: one health-check round before serving.
+    rt.block_on(async {
+        let mut tasks = Vec::new();
+        for c in g.clusters.all() {
+            tasks.push(tokio::spawn(async move { cluster::health_check_round(&c).await }));
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+    });
+    {
+        let _guard = rt.enter();
+        cluster::spawn_health_checks(&g.clusters);
+    }
+
+    let mut listeners = Vec::new();
+    for l in &cfg.listeners {
+        let sock = std::net::TcpListener::bind(&l.address)
+            .map_err(|e| anyhow::anyhow!("listener {}: bind {}: {e}", l.name, l.address))?;
+        sock.set_nonblocking(true)?;
+        listeners.push((l.name.clone(), sock));
+    }
+
+    let n = args.workers.max(1);
+    let mut senders = Vec::new();
+    let mut receivers = Vec::new();
+    for _ in 0..n {
+        let (tx, rx) = mpsc::unbounded_channel();
+        senders.push(tx);
+        receivers.push(rx);
+    }
+    let _ = g.worker_events.set(senders.clone());
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<()>>();
+    for (idx, mut events_rx) in receivers.into_iter().enumerate() {
+        let g = g.clone();
+        let plugin = plugin.clone();
+        let events_tx = senders[idx].clone();
+        let socks: Vec<std::net::TcpListener> = listeners.iter().filter_map(|(_, s)| s.try_clone().ok()).collect();
+        let ready_tx = ready_tx.clone();
+        std::thread::Builder::new().name(format!("worker-{idx}")).spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e.into()));
+                    return;
+                }
+            };
+            let local = tokio::task::LocalSet::new();
+            local.block_on(&rt, async move {
+                let w = match worker::Worker::new(idx, g, plugin, events_tx) {
+                    Ok(w) => Rc::new(w),
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                for s in socks {
+                    let l = match tokio::net::TcpListener::from_std(s) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e.into()));
+                            return;
+                        }
+                    };
+                    let w = w.clone();
+                    tokio::task::spawn_local(async move {
+                        loop {
+                            match l.accept().await {
+                                Ok((stream, peer)) => {
+                                    let local_addr = stream.local_addr().unwrap_or(peer);
+                                    tokio::task::spawn_local(proxy::serve_connection(w.clone(), stream, peer, local_addr));
+                                }
+                                Err(e) => {
+                                    tracing::warn!("accept failed: {e}");
+                                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                                }
+                            }
+                        }
+                    });
+                }
+                let _ = ready_tx.send(Ok(()));
+                while let Some(ev) = events_rx.recv().await {
+                    w.handle_event(ev);
+                }
+            });
+        })?;
+    }
+    drop(ready_tx);
+    for _ in 0..n {
+        match ready_rx.recv() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => anyhow::bail!("{e:#}"),
+            Err(_) => anyhow::bail!("a worker failed to start"),
+        }
+    }
+
+    let admin = match &cfg.admin {
+        Some(a) => Some(
+            std::net::TcpListener::bind(&a.address).map_err(|e| anyhow::anyhow!("admin: bind {}: {e}", a.address))?,
+        ),
+        None => None,
+    };
+    {
+        let mut out = std::io::stdout().lock();
+        for (name, s) in &listeners {
+            writeln!(out, "LISTENING {name} {}", s.local_addr()?)?;
+        }
+        if let Some(a) = &admin {
+            writeln!(out, "ADMIN {}", a.local_addr()?)?;
+        }
+        writeln!(out, "READY")?;
+        out.flush()?;
+    }
+    rt.block_on(async move {
+        match admin {
+            Some(a) => {
+                a.set_nonblocking(true)?;
+                let l = tokio::net::TcpListener::from_std(a)?;
+                loop {
+                    let (stream, _) = match l.accept().await {
+                        Ok(x) => x,
+                        Err(_) => continue,
+                    };
+                    let g = g.clone();
+                    tokio::spawn(async move {
+                        let svc = hyper::service::service_fn(move |req| {
+                            let g = g.clone();
+                            async move { Ok::<_, std::convert::Infallible>(admin::handle(g, req).await) }
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                            .await;
+                    });
+                }
+            }
+            None => {
+                std::future::pending::<()>().await;
+                Ok::<(), anyhow::Error>(())
+            }
+        }
+    })
+}
+
+/// Log writer: lines go to stderr from a background thread through a bounded queue, so a slow or
+/// undrained stderr pipe never blocks the workers (lines are dropped when the queue is full).
+#[derive(Clone)]
+struct LogWriter(std::sync::mpsc::SyncSender<Vec<u8>>);
+
+impl LogWriter {
+    fn start() -> LogWriter {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(65536);
+        let _ = std::thread::Builder::new().name("log".into()).spawn(move || {
+            let mut err = std::io::stderr();
+            while let Ok(line) = rx.recv() {
+                let _ = err.write_all(&line);
+            }
+        });
+        LogWriter(tx)
+    }
+}
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = self.0.try_send(buf.to_vec());
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogWriter {
+    type Writer = LogWriter;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}

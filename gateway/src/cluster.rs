@@ -1,0 +1,325 @@
+//! Upstream clusters: endpoints, health, load balancing and active HTTP health checks.
+//!
+//! Shared by all workers (Envoy keeps a thread-local copy per worker; one shared copy behaves the same
+//! for our purposes and lets the admin API change endpoints atomically).
+
+use crate::config::{ClusterConfig, HealthCheckConfig, LbPolicy};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+/// Health of an endpoint, named like Envoy's `Upstream::Host::Health`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Takes traffic.
+    Healthy,
+    /// Takes traffic only when no healthy host is left.
+    Degraded,
+    /// Takes no traffic (unless the cluster is in panic mode).
+    Unhealthy,
+}
+
+impl Health {
+    /// The name used in `get_upstream_hosts` and the admin API.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Health::Healthy => "Healthy",
+            Health::Degraded => "Degraded",
+            Health::Unhealthy => "Unhealthy",
+        }
+    }
+    /// Parse the admin API name.
+    pub fn parse(s: &str) -> Option<Health> {
+        match s {
+            "Healthy" => Some(Health::Healthy),
+            "Degraded" => Some(Health::Degraded),
+            "Unhealthy" => Some(Health::Unhealthy),
+            _ => None,
+        }
+    }
+}
+
+/// One upstream endpoint.
+#[derive(Debug)]
+pub struct Endpoint {
+    /// `ip:port` as configured.
+    pub address: String,
+    /// Parsed address.
+    pub addr: SocketAddr,
+    /// Current health.
+    pub health: Mutex<Health>,
+    /// Last stored health-check body (`store_metrics`).
+    pub metrics: Mutex<String>,
+    /// In-flight upstream requests (for least_request and `/stats`).
+    pub active: AtomicI64,
+    /// Requests sent to this endpoint.
+    pub total: AtomicU64,
+    hc_successes: Mutex<(u32, u32)>,
+}
+
+impl Endpoint {
+    fn new(address: &str) -> Option<Arc<Endpoint>> {
+        let addr: SocketAddr = address.parse().ok()?;
+        Some(Arc::new(Endpoint {
+            address: address.to_string(),
+            addr,
+            health: Mutex::new(Health::Healthy),
+            metrics: Mutex::new(String::new()),
+            active: AtomicI64::new(0),
+            total: AtomicU64::new(0),
+            hc_successes: Mutex::new((0, 0)),
+        }))
+    }
+    /// Current health.
+    pub fn health(&self) -> Health {
+        self.health.lock().map(|h| *h).unwrap_or(Health::Unhealthy)
+    }
+    /// Force a health state.
+    pub fn set_health(&self, h: Health) {
+        if let Ok(mut g) = self.health.lock() {
+            *g = h;
+        }
+    }
+    /// Stored metrics text.
+    pub fn metrics(&self) -> String {
+        self.metrics.lock().map(|m| m.clone()).unwrap_or_default()
+    }
+}
+
+/// One cluster.
+#[derive(Debug)]
+pub struct Cluster {
+    /// Name.
+    pub name: String,
+    /// LB policy.
+    pub lb_policy: LbPolicy,
+    /// Current endpoint set.
+    pub endpoints: RwLock<Vec<Arc<Endpoint>>>,
+    /// Optional health check.
+    pub health_check: Option<HealthCheckConfig>,
+    /// Connect timeout.
+    pub connect_timeout: Duration,
+    rr: AtomicUsize,
+}
+
+impl Cluster {
+    /// Snapshot of the endpoints.
+    pub fn endpoints(&self) -> Vec<Arc<Endpoint>> {
+        self.endpoints.read().map(|e| e.clone()).unwrap_or_default()
+    }
+
+    /// Find an endpoint by `ip:port`.
+    pub fn find(&self, address: &str) -> Option<Arc<Endpoint>> {
+        self.endpoints().into_iter().find(|e| e.address == address)
+    }
+
+    /// Replace the endpoint set, keeping state of endpoints that stay; new ones start Healthy.
+    pub fn set_endpoints(&self, addrs: &[String]) -> Result<(), String> {
+        let old = self.endpoints();
+        let mut new = Vec::new();
+        for a in addrs {
+            if let Some(e) = old.iter().find(|e| &e.address == a) {
+                new.push(e.clone());
+            } else {
+                new.push(Endpoint::new(a).ok_or_else(|| format!("bad endpoint {a}"))?);
+            }
+        }
+        if let Ok(mut g) = self.endpoints.write() {
+            *g = new;
+        }
+        Ok(())
+    }
+
+    /// The cluster's load balancer. Like Envoy: healthy hosts first, degraded hosts when no healthy
+    /// host is left, and panic mode (all hosts) below 50% healthy.
+    pub fn pick(&self) -> Option<Arc<Endpoint>> {
+        let all = self.endpoints();
+        if all.is_empty() {
+            return None;
+        }
+        let healthy: Vec<_> = all.iter().filter(|e| e.health() == Health::Healthy).cloned().collect();
+        let candidates = if healthy.len() * 2 >= all.len() && !healthy.is_empty() {
+            healthy
+        } else {
+            let degraded: Vec<_> =
+                all.iter().filter(|e| e.health() != Health::Unhealthy).cloned().collect();
+            if !degraded.is_empty() && degraded.len() * 2 >= all.len() {
+                degraded
+            } else {
+                // Envoy panic threshold (50%): balance across all hosts.
+                all
+            }
+        };
+        match self.lb_policy {
+            LbPolicy::RoundRobin => {
+                let i = self.rr.fetch_add(1, Ordering::Relaxed);
+                candidates.get(i % candidates.len()).cloned()
+            }
+            LbPolicy::Random => {
+                let i = rand::random_range(0..candidates.len());
+                candidates.get(i).cloned()
+            }
+            LbPolicy::LeastRequest => {
+                let a = candidates.get(rand::random_range(0..candidates.len()))?;
+                let b = candidates.get(rand::random_range(0..candidates.len()))?;
+                if b.active.load(Ordering::Relaxed) < a.active.load(Ordering::Relaxed) {
+                    Some(b.clone())
+                } else {
+                    Some(a.clone())
+                }
+            }
+        }
+    }
+
+    /// Pick with an override host (non-strict): used when it is an endpoint of this cluster whose
+    /// health is Healthy or Degraded; otherwise the normal LB decides.
+    pub fn pick_with_override(&self, override_host: Option<&str>) -> Option<Arc<Endpoint>> {
+        if let Some(h) = override_host {
+            if let Some(e) = self.find(h) {
+                if e.health() != Health::Unhealthy {
+                    return Some(e);
+                }
+            }
+        }
+        self.pick()
+    }
+}
+
+/// All clusters, by name.
+#[derive(Debug, Default)]
+pub struct Clusters {
+    map: HashMap<String, Arc<Cluster>>,
+    order: Vec<String>,
+}
+
+impl Clusters {
+    /// Build from config.
+    pub fn new(cfgs: &[ClusterConfig]) -> anyhow::Result<Clusters> {
+        let mut c = Clusters::default();
+        for cfg in cfgs {
+            let mut eps = Vec::new();
+            for e in &cfg.endpoints {
+                eps.push(Endpoint::new(e).ok_or_else(|| anyhow::anyhow!("bad endpoint {e}"))?);
+            }
+            c.order.push(cfg.name.clone());
+            c.map.insert(
+                cfg.name.clone(),
+                Arc::new(Cluster {
+                    name: cfg.name.clone(),
+                    lb_policy: cfg.lb_policy,
+                    endpoints: RwLock::new(eps),
+                    health_check: cfg.health_check.clone(),
+                    connect_timeout: Duration::from_millis(cfg.connect_timeout_ms.max(1)),
+                    rr: AtomicUsize::new(0),
+                }),
+            );
+        }
+        Ok(c)
+    }
+    /// Look up by exact name.
+    pub fn get(&self, name: &str) -> Option<Arc<Cluster>> {
+        self.map.get(name).cloned()
+    }
+    /// All clusters in config order.
+    pub fn all(&self) -> Vec<Arc<Cluster>> {
+        self.order.iter().filter_map(|n| self.map.get(n).cloned()).collect()
+    }
+}
+
+/// Largest body kept as metrics (Higress caps at 64 KiB).
+const MAX_METRICS: usize = 64 * 1024;
+
+/// One probe of one endpoint: Ok(body) on 2xx.
+async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<bytes::Bytes, String> {
+    use http_body_util::BodyExt;
+    let fut = async {
+        let stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+        let io = hyper_util::rt::TokioIo::new(stream);
+        let (mut send, conn) = hyper::client::conn::http1::handshake::<_, http_body_util::Empty<bytes::Bytes>>(io)
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let req = hyper::Request::get(path)
+            .header("host", addr.to_string())
+            .header("user-agent", "Envoy/HC")
+            .body(http_body_util::Empty::new())
+            .map_err(|e| e.to_string())?;
+        let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        if status.is_success() {
+            Ok(body)
+        } else {
+            Err(format!("status {status}"))
+        }
+    };
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(r) => r,
+        Err(_) => Err("timeout".into()),
+    }
+}
+
+/// Run one health-check round over a cluster's endpoints.
+pub async fn health_check_round(cluster: &Cluster) {
+    let Some(hc) = &cluster.health_check else { return };
+    let eps = cluster.endpoints();
+    let mut tasks = Vec::new();
+    for e in eps {
+        let path = hc.path.clone();
+        let timeout = Duration::from_millis(hc.timeout_ms.max(1));
+        tasks.push(tokio::spawn(async move {
+            let r = probe(e.addr, &path, timeout).await;
+            (e, r)
+        }));
+    }
+    for t in tasks {
+        let Ok((e, r)) = t.await else { continue };
+        let mut counts = match e.hc_successes.lock() {
+            Ok(c) => c,
+            Err(_) => continue,
+        };
+        match r {
+            Ok(body) => {
+                counts.0 += 1;
+                counts.1 = 0;
+                if hc.store_metrics {
+                    let keep = &body[..body.len().min(MAX_METRICS)];
+                    if let Ok(mut m) = e.metrics.lock() {
+                        *m = String::from_utf8_lossy(keep).into_owned();
+                    }
+                }
+                if counts.0 >= hc.healthy_threshold && e.health() == Health::Unhealthy {
+                    e.set_health(Health::Healthy);
+                }
+            }
+            Err(err) => {
+                counts.1 += 1;
+                counts.0 = 0;
+                tracing::debug!(endpoint = %e.address, cluster = %cluster.name, "health check failed: {err}");
+                if let Ok(mut m) = e.metrics.lock() {
+                    m.clear();
+                }
+                if counts.1 >= hc.unhealthy_threshold {
+                    e.set_health(Health::Unhealthy);
+                }
+            }
+        }
+    }
+}
+
+/// Spawn the periodic health checkers (after a first round has been run by the caller).
+pub fn spawn_health_checks(clusters: &Clusters) {
+    for c in clusters.all() {
+        let Some(hc) = c.health_check.clone() else { continue };
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_millis(hc.interval_ms.max(10)));
+            iv.tick().await;
+            loop {
+                iv.tick().await;
+                health_check_round(&c).await;
+            }
+        });
+    }
+}

@@ -1,0 +1,206 @@
+//! Gateway configuration (YAML), as documented in the README section "Gateway host".
+
+use serde::Deserialize;
+use std::path::Path;
+
+/// The whole gateway configuration file.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Config {
+    /// HTTP listeners; every one is served by all workers.
+    #[serde(default)]
+    pub listeners: Vec<ListenerConfig>,
+    /// Optional admin listener (`/stats`, `/ready`, `/clusters`).
+    #[serde(default)]
+    pub admin: Option<AdminConfig>,
+    /// Routes, first match wins.
+    #[serde(default)]
+    pub routes: Vec<RouteConfig>,
+    /// Upstream clusters (HTTP pods, Redis, ...).
+    #[serde(default)]
+    pub clusters: Vec<ClusterConfig>,
+    /// The proxy-wasm plugin; without it the gateway is a plain proxy.
+    #[serde(default)]
+    pub plugin: Option<PluginConfig>,
+}
+
+/// One listener.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ListenerConfig {
+    /// Name printed in the `LISTENING` line.
+    pub name: String,
+    /// `ip:port`; port 0 picks a free port.
+    pub address: String,
+}
+
+/// Admin listener.
+#[derive(Debug, Clone, Deserialize)]
+pub struct AdminConfig {
+    /// `ip:port`; port 0 picks a free port.
+    pub address: String,
+}
+
+/// Route match criteria.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct RouteMatch {
+    /// Path prefix (default `/`).
+    #[serde(default)]
+    pub prefix: Option<String>,
+    /// Exact `:authority` without port.
+    #[serde(default)]
+    pub host: Option<String>,
+}
+
+/// One route.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RouteConfig {
+    /// Route name (property `route_name`).
+    pub name: String,
+    /// Match criteria.
+    #[serde(default, rename = "match")]
+    pub match_: RouteMatch,
+    /// Target cluster (property `cluster_name`).
+    #[serde(default)]
+    pub cluster: Option<String>,
+    /// Take the cluster name from this request header instead (Envoy `cluster_header`).
+    #[serde(default)]
+    pub cluster_header: Option<String>,
+    /// Upstream timeout in milliseconds (until the response headers arrive); 0 disables.
+    #[serde(default = "default_route_timeout")]
+    pub timeout_ms: u64,
+}
+
+fn default_route_timeout() -> u64 {
+    15_000
+}
+
+/// Load-balancing policy of a cluster.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum LbPolicy {
+    /// Round robin over healthy endpoints (Envoy default).
+    #[default]
+    RoundRobin,
+    /// Uniform random.
+    Random,
+    /// Power of two choices on active requests (Envoy LEAST_REQUEST).
+    LeastRequest,
+}
+
+/// One cluster.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ClusterConfig {
+    /// Cluster name, e.g. `outbound|8000||llm.static`.
+    pub name: String,
+    /// LB policy.
+    #[serde(default)]
+    pub lb_policy: LbPolicy,
+    /// `ip:port` endpoints.
+    #[serde(default)]
+    pub endpoints: Vec<String>,
+    /// Optional active HTTP health check.
+    #[serde(default)]
+    pub health_check: Option<HealthCheckConfig>,
+    /// Connect timeout in milliseconds.
+    #[serde(default = "default_connect_timeout")]
+    pub connect_timeout_ms: u64,
+}
+
+fn default_connect_timeout() -> u64 {
+    5_000
+}
+
+/// Active HTTP health check (Envoy HTTP health checker + Higress `store_metrics`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct HealthCheckConfig {
+    /// Path to GET.
+    #[serde(default = "default_hc_path")]
+    pub path: String,
+    /// Interval between probes.
+    #[serde(default = "default_hc_interval")]
+    pub interval_ms: u64,
+    /// Probe timeout.
+    #[serde(default = "default_hc_interval")]
+    pub timeout_ms: u64,
+    /// Consecutive failures before Unhealthy.
+    #[serde(default = "one")]
+    pub unhealthy_threshold: u32,
+    /// Consecutive successes before Healthy.
+    #[serde(default = "one")]
+    pub healthy_threshold: u32,
+    /// Keep the 2xx body (<= 64 KiB) as the endpoint's `metrics`.
+    #[serde(default)]
+    pub store_metrics: bool,
+}
+
+fn default_hc_path() -> String {
+    "/metrics".into()
+}
+fn default_hc_interval() -> u64 {
+    1000
+}
+fn one() -> u32 {
+    1
+}
+
+/// The plugin section.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PluginConfig {
+    /// Path of the .wasm (relative paths are relative to the working directory).
+    pub wasm: String,
+    /// `plugin_name` property.
+    #[serde(default)]
+    pub name: String,
+    /// `plugin_root_id` property.
+    #[serde(default)]
+    pub root_id: String,
+    /// `plugin_vm_id` property; also the shared-data namespace.
+    #[serde(default)]
+    pub vm_id: String,
+    /// Any value; delivered to `proxy_on_configure` as JSON text.
+    #[serde(default)]
+    pub configuration: serde_yaml::Value,
+    /// Optional VM configuration (delivered to `proxy_on_vm_start`), JSON text.
+    #[serde(default)]
+    pub vm_configuration: Option<serde_yaml::Value>,
+}
+
+impl PluginConfig {
+    /// The plugin configuration as the JSON text Higress delivers.
+    pub fn configuration_json(&self) -> anyhow::Result<String> {
+        if self.configuration.is_null() {
+            return Ok(String::new());
+        }
+        Ok(serde_json::to_string(&self.configuration)?)
+    }
+}
+
+impl Config {
+    /// Load from a YAML file.
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("reading config {}: {e}", path.display()))?;
+        Self::parse(&text)
+    }
+
+    /// Parse YAML text and check references.
+    pub fn parse(text: &str) -> anyhow::Result<Config> {
+        let cfg: Config = serde_yaml::from_str(text)?;
+        for r in &cfg.routes {
+            if r.cluster.is_none() && r.cluster_header.is_none() {
+                anyhow::bail!("route {} needs `cluster` or `cluster_header`", r.name);
+            }
+            if let Some(c) = &r.cluster {
+                if !cfg.clusters.iter().any(|x| &x.name == c) {
+                    anyhow::bail!("route {} names unknown cluster {c}", r.name);
+                }
+            }
+        }
+        for c in &cfg.clusters {
+            for e in &c.endpoints {
+                e.parse::<std::net::SocketAddr>()
+                    .map_err(|_| anyhow::anyhow!("cluster {}: endpoint {e} is not ip:port", c.name))?;
+            }
+        }
+        Ok(cfg)
+    }
+}

@@ -1,0 +1,854 @@
+//! The HTTP stream: an Envoy-like filter chain with one wasm filter followed by the router.
+//!
+//! Request side: the filter's header action decides whether the headers are held
+//! (StopIteration: body callbacks go on with the cumulative buffer; StopAll: the body is buffered
+//! without callbacks and replayed to the filter once the headers are continued). The router picks
+//! the upstream when the headers leave the filter: route match, cluster (`cluster_header` read at
+//! that moment), then the override host (non-strict) or the cluster's LB.
+//! Response side: the same for response headers/body; chunks are passed one by one (SSE).
+//! At the end: `proxy_on_log`, `proxy_on_done`, `proxy_on_delete` (also on client disconnect and
+//! upstream failure).
+
+use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
+use crate::body::{BodyError, GwBody};
+use crate::cluster::Endpoint;
+use crate::worker::Worker;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+
+/// Header set on every proxied response: the chosen upstream.
+pub const UPSTREAM_HOST_HEADER: &str = "x-gateway-upstream-host";
+
+const HOP_BY_HOP: &[&str] =
+    &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "trailer"];
+
+/// Serve one downstream connection on this worker.
+pub async fn serve_connection(w: Rc<Worker>, stream: tokio::net::TcpStream, peer: SocketAddr, local: SocketAddr) {
+    let _ = stream.set_nodelay(true);
+    let conn_id = w.next_connection_id();
+    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let w = w.clone();
+        async move { Ok::<_, std::convert::Infallible>(handle(w, req, peer, local, conn_id).await) }
+    });
+    let io = hyper_util::rt::TokioIo::new(stream);
+    if let Err(e) = hyper::server::conn::http1::Builder::new().keep_alive(true).serve_connection(io, svc).await {
+        tracing::debug!("downstream connection error: {e}");
+    }
+}
+
+async fn handle(w: Rc<Worker>, req: Request<Incoming>, peer: SocketAddr, local: SocketAddr, conn_id: u64) -> Response<GwBody> {
+    let (tx, rx) = oneshot::channel();
+    tokio::task::spawn_local(async move {
+        let d = Drive::new(w, &req, peer, local, conn_id, tx);
+        d.run(req).await;
+    });
+    match rx.await {
+        Ok(r) => r,
+        Err(_) => simple_response(500, "stream aborted"),
+    }
+}
+
+fn simple_response(status: u16, body: &str) -> Response<GwBody> {
+    let mut r = Response::new(GwBody::full(Bytes::from(body.to_string())));
+    *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("text/plain"));
+    r
+}
+
+type UpResult = Result<Response<Incoming>, UpError>;
+
+#[derive(Debug)]
+enum UpError {
+    Connect,
+    Timeout,
+    Other,
+}
+
+struct Upstream {
+    body_tx: Option<mpsc::Sender<Result<Bytes, BodyError>>>,
+    fut: Option<Pin<Box<dyn Future<Output = UpResult>>>>,
+    result: Option<UpResult>,
+}
+
+/// Decrements the endpoint's active count when the upstream request ends.
+struct ActiveGuard(Arc<Endpoint>);
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+enum ReqOutcome {
+    Upstream(UpResult),
+    Local(LocalReply),
+    Aborted,
+}
+
+struct Drive {
+    w: Rc<Worker>,
+    ctx: u32,
+    gen: Option<u64>,
+    st: Arc<Mutex<StreamState>>,
+    notify: Arc<tokio::sync::Notify>,
+    resp_tx: Option<oneshot::Sender<Response<GwBody>>>,
+    down: Option<mpsc::Sender<Result<Bytes, BodyError>>>,
+    upstream: Option<Upstream>,
+    pending_req: Option<hyper::http::request::Builder>,
+    endpoint: Option<Arc<Endpoint>>,
+    active: Option<ActiveGuard>,
+    timeout: Duration,
+    trapped: bool,
+}
+
+fn local(status: u16, details: &str, body: &str) -> LocalReply {
+    LocalReply { status, details: details.to_string(), body: Bytes::from(body.to_string()), headers: Vec::new() }
+}
+
+/// Route match: first route whose prefix matches the path and whose host (if any) equals the
+/// authority without port.
+pub fn match_route(routes: &[crate::config::RouteConfig], path: &str, authority: &str) -> Option<usize> {
+    let host = authority.rsplit_once(':').map(|(h, p)| if p.chars().all(|c| c.is_ascii_digit()) { h } else { authority }).unwrap_or(authority);
+    routes.iter().position(|r| {
+        let prefix_ok = path.starts_with(r.match_.prefix.as_deref().unwrap_or("/"));
+        let host_ok = r.match_.host.as_deref().is_none_or(|h| h.eq_ignore_ascii_case(host));
+        prefix_ok && host_ok
+    })
+}
+
+fn header_value(h: &HeaderMap, name: &str) -> Option<String> {
+    h.iter().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+}
+
+impl Drive {
+    fn new(
+        w: Rc<Worker>,
+        req: &Request<Incoming>,
+        peer: SocketAddr,
+        local_addr: SocketAddr,
+        conn_id: u64,
+        resp_tx: oneshot::Sender<Response<GwBody>>,
+    ) -> Drive {
+        w.g.stats.requests_total.fetch_add(1, Ordering::Relaxed);
+        let authority = req
+            .headers()
+            .get("host")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .or_else(|| req.uri().authority().map(|a| a.to_string()))
+            .unwrap_or_default();
+        let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
+        let method = req.method().as_str().to_string();
+        let mut headers: HeaderMap = vec![
+            (":authority".into(), authority.clone().into_bytes()),
+            (":path".into(), path.clone().into_bytes()),
+            (":method".into(), method.clone().into_bytes()),
+            (":scheme".into(), b"http".to_vec()),
+        ];
+        for (k, v) in req.headers() {
+            if k == "host" {
+                continue;
+            }
+            headers.push((k.as_str().to_string(), v.as_bytes().to_vec()));
+        }
+        // Envoy generates x-request-id when missing.
+        let id = match header_value(&headers, "x-request-id") {
+            Some(id) => id,
+            None => {
+                let id = format!("{:032x}", rand::random::<u128>());
+                headers.push(("x-request-id".into(), id.clone().into_bytes()));
+                id
+            }
+        };
+        let info = RequestInfo {
+            path: path.clone(),
+            method,
+            host: authority.clone(),
+            scheme: "http".into(),
+            id,
+            protocol: format!("{:?}", req.version()),
+            time: std::time::SystemTime::now(),
+            source: peer,
+            destination: local_addr,
+            connection_id: conn_id,
+        };
+        let ctx = w.new_ctx_id();
+        let mut st = StreamState::new(ctx, headers, info);
+        let route = match_route(&w.g.routes, &path, &authority);
+        st.route = route;
+        if let Some(r) = route.and_then(|i| w.g.routes.get(i)) {
+            st.route_name = r.name.clone();
+            st.cluster_name = match (&r.cluster_header, &r.cluster) {
+                (Some(h), _) => header_value(&st.req_headers, &h.to_ascii_lowercase()).or(r.cluster.clone()).unwrap_or_default(),
+                (None, Some(c)) => c.clone(),
+                _ => String::new(),
+            };
+        }
+        let notify = st.notify.clone();
+        let st = Arc::new(Mutex::new(st));
+        let gen = w.register_stream(ctx, &st);
+        Drive {
+            w,
+            ctx,
+            gen,
+            st,
+            notify,
+            resp_tx: Some(resp_tx),
+            down: None,
+            upstream: None,
+            pending_req: None,
+            endpoint: None,
+            active: None,
+            timeout: Duration::ZERO,
+            trapped: false,
+        }
+    }
+
+    fn plugin(&self) -> bool {
+        !self.trapped && self.gen.is_some_and(|g| self.w.vm_alive(g))
+    }
+
+    /// The plugin VM died under this stream (trap here or elsewhere on this worker).
+    fn orphaned(&self) -> bool {
+        self.gen.is_some() && !self.plugin()
+    }
+
+    /// Call a stream callback. Ok(None) if there is no plugin; Err on a trap.
+    fn call(&mut self, name: &str, args: &[i32]) -> Result<Option<(i32, bool)>, ()> {
+        if !self.plugin() {
+            return Ok(None);
+        }
+        match self.w.vm_call(self.ctx, name, args) {
+            Ok((r, l)) => Ok(Some((r.unwrap_or(0), l))),
+            Err(_) => {
+                self.trapped = true;
+                Err(())
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, StreamState> {
+        match self.st.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    fn header_action(&mut self, name: &str, n: usize, eos: bool) -> Result<HeaderAction, ()> {
+        let abi = self.w.abi();
+        match self.call(name, &[self.ctx as i32, n as i32, eos as i32])? {
+            None => Ok(HeaderAction::Continue),
+            Some((raw, local)) => Ok(HeaderAction::from_raw(raw, abi, local)),
+        }
+    }
+
+    /// Returns true if the data callback said Continue.
+    fn data_action(&mut self, name: &str, len: usize, eos: bool) -> Result<bool, ()> {
+        match self.call(name, &[self.ctx as i32, len as i32, eos as i32])? {
+            None => Ok(true),
+            Some((_, true)) => Ok(false),
+            Some((raw, false)) => Ok(raw == 0),
+        }
+    }
+
+    async fn run(mut self, req: Request<Incoming>) {
+        let (_parts, body) = req.into_parts();
+        let outcome = self.request_phase(body).await;
+        match outcome {
+            ReqOutcome::Upstream(Ok(resp)) => self.response_phase(resp).await,
+            ReqOutcome::Upstream(Err(e)) => {
+                let lr = match e {
+                    UpError::Connect => local(503, "upstream_reset_before_response_started{connection_failure}", "upstream connect error or disconnect/reset before headers. reset reason: connection failure"),
+                    UpError::Timeout => local(504, "upstream_response_timeout", "upstream request timeout"),
+                    UpError::Other => local(502, "upstream_reset_before_response_started{protocol_error}", "upstream connect error or disconnect/reset before headers. reset reason: protocol error"),
+                };
+                self.upstream = None;
+                self.active = None;
+                self.local_reply(lr).await;
+            }
+            ReqOutcome::Local(lr) => {
+                self.upstream = None;
+                self.active = None;
+                self.local_reply(lr).await
+            }
+            ReqOutcome::Aborted => {}
+        }
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        self.upstream = None;
+        self.active = None;
+        if self.plugin() {
+            let ctx = self.ctx as i32;
+            // Envoy: log, then onDestroy -> on_done, then on_delete.
+            if self.call("proxy_on_log", &[ctx]).is_ok() && self.call("proxy_on_done", &[ctx]).is_ok() {
+                let _ = self.call("proxy_on_delete", &[ctx]);
+            }
+        }
+        if let Some(g) = self.gen {
+            self.w.unregister_stream(self.ctx, g);
+        }
+    }
+
+    // ---------------------------------------------------------------- request side
+
+    async fn request_phase(&mut self, body: Incoming) -> ReqOutcome {
+        use hyper::body::Body;
+        let eos = body.is_end_stream();
+        let mut body = if eos { None } else { Some(body) };
+        let mut body_done = eos;
+        if self.plugin() {
+            let root = self.w.root_id().unwrap_or(0) as i32;
+            if self.call("proxy_on_context_create", &[self.ctx as i32, root]).is_err() {
+                return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure"));
+            }
+        }
+        let n = self.lock().req_headers.len();
+        let action = match self.header_action("proxy_on_request_headers", n, eos) {
+            Ok(a) => a,
+            Err(()) => return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure")),
+        };
+        let mut held = action != HeaderAction::Continue;
+        let stop_all = action == HeaderAction::StopAll;
+        let mut data_stopped = false;
+        if !held {
+            self.lock().req_hdr_access = false;
+            if let Err(lr) = self.forward() {
+                return ReqOutcome::Local(lr);
+            }
+        }
+        loop {
+            // Deferred actions applied after the last VM call.
+            {
+                let mut s = self.lock();
+                if let Some(lr) = s.local_reply.take() {
+                    return ReqOutcome::Local(lr);
+                }
+                if s.reset {
+                    return ReqOutcome::Aborted;
+                }
+            }
+            if self.orphaned() {
+                if held {
+                    return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure"));
+                }
+                // The VM that asked to buffer is gone: let the data through.
+                data_stopped = false;
+            }
+            let cont = std::mem::take(&mut self.lock().continue_req);
+            if cont {
+                if held {
+                    held = false;
+                    if let Err(lr) = self.forward() {
+                        return ReqOutcome::Local(lr);
+                    }
+                    let buffered = !self.lock().req_body.is_empty();
+                    if stop_all && (buffered || body_done) && !eos {
+                        // StopAll: replay the buffered body to the filter now.
+                        let len = self.lock().req_body.len();
+                        self.lock().req_body_access = true;
+                        match self.data_action("proxy_on_request_body", len, body_done) {
+                            Ok(c) => data_stopped = !c,
+                            Err(()) => return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure")),
+                        }
+                        if !data_stopped {
+                            self.lock().req_body_access = false;
+                        }
+                        continue;
+                    }
+                    data_stopped = false;
+                } else {
+                    data_stopped = false;
+                }
+            }
+            // Buffer limit while this filter holds data.
+            if held || data_stopped {
+                let s = self.lock();
+                if s.req_body.len() > s.decoder_limit {
+                    drop(s);
+                    return ReqOutcome::Local(local(413, "request_payload_too_large", "Payload Too Large"));
+                }
+            }
+            // Flush released data upstream.
+            if !held && !data_stopped {
+                let chunk = {
+                    let mut s = self.lock();
+                    s.req_body_access = false;
+                    s.req_body.split().freeze()
+                };
+                let mut chunk = chunk;
+                if let Some(b) = self.pending_req.take() {
+                    let full = if body_done { Some(std::mem::take(&mut chunk)) } else { None };
+                    if let Err(lr) = self.start_upstream(b, full) {
+                        return ReqOutcome::Local(lr);
+                    }
+                }
+                if let Some(up) = self.upstream.as_mut() {
+                    if !chunk.is_empty() {
+                        if let Some(tx) = &up.body_tx {
+                            let _ = tx.send(Ok(chunk)).await;
+                        }
+                    }
+                    if body_done {
+                        up.body_tx = None;
+                        let r = match up.result.take() {
+                            Some(r) => r,
+                            None => match up.fut.take() {
+                                Some(f) => {
+                                    let resp_tx = self.resp_tx.as_mut();
+                                    match resp_tx {
+                                        Some(rt) => tokio::select! {
+                                            r = f => r,
+                                            _ = rt.closed() => return ReqOutcome::Aborted,
+                                        },
+                                        None => f.await,
+                                    }
+                                }
+                                None => return ReqOutcome::Aborted,
+                            },
+                        };
+                        return ReqOutcome::Upstream(r);
+                    }
+                }
+            }
+            // Wait for the next event.
+            let notify = self.notify.clone();
+            let up_fut = self.upstream.as_mut().and_then(|u| if u.result.is_none() { u.fut.as_mut() } else { None });
+            let resp_tx = self.resp_tx.as_mut();
+            tokio::select! {
+                f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() => {
+                    match f {
+                        None => {
+                            body = None;
+                            body_done = true;
+                            if !(held && stop_all) {
+                                let len = self.lock().req_body.len();
+                                self.lock().req_body_access = true;
+                                match self.data_action("proxy_on_request_body", len, true) {
+                                    Ok(c) => {
+                                        if c && held {
+                                            held = false;
+                                            if let Err(lr) = self.forward() { return ReqOutcome::Local(lr); }
+                                        }
+                                        data_stopped = !c;
+                                    }
+                                    Err(()) => return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure")),
+                                }
+                            }
+                        }
+                        Some(Err(_)) => return ReqOutcome::Aborted,
+                        Some(Ok(frame)) => {
+                            let Ok(data) = frame.into_data() else { continue };
+                            let end = body.as_ref().is_none_or(|b| b.is_end_stream());
+                            if end {
+                                body = None;
+                                body_done = true;
+                            }
+                            self.lock().req_body.extend_from_slice(&data);
+                            if held && stop_all {
+                                continue;
+                            }
+                            let len = self.lock().req_body.len();
+                            self.lock().req_body_access = true;
+                            match self.data_action("proxy_on_request_body", len, body_done) {
+                                Ok(c) => {
+                                    if c && held {
+                                        held = false;
+                                        if let Err(lr) = self.forward() { return ReqOutcome::Local(lr); }
+                                    }
+                                    data_stopped = !c;
+                                }
+                                Err(()) => return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure")),
+                            }
+                        }
+                    }
+                }
+                _ = notify.notified() => {}
+                r = async { match up_fut { Some(f) => f.await, None => std::future::pending().await } } => {
+                    if let Some(u) = self.upstream.as_mut() {
+                        u.fut = None;
+                        match r {
+                            Err(e) => return ReqOutcome::Upstream(Err(e)),
+                            Ok(resp) => u.result = Some(Ok(resp)),
+                        }
+                    }
+                }
+                _ = async { match resp_tx { Some(t) => t.closed().await, None => std::future::pending().await } } => {
+                    return ReqOutcome::Aborted;
+                }
+            }
+        }
+    }
+
+    /// The router: the request headers leave the filter.
+    fn forward(&mut self) -> Result<(), LocalReply> {
+        let g = self.w.g.clone();
+        let (method, path, headers, override_host, cluster_name, route_timeout) = {
+            let mut s = self.lock();
+            s.req_hdr_access = false;
+            // A header change re-matches the route unless clear_route_cache=off (Higress).
+            if s.req_headers_modified && !s.clear_route_cache_off {
+                let p = header_value(&s.req_headers, ":path").unwrap_or_else(|| "/".into());
+                let a = header_value(&s.req_headers, ":authority").unwrap_or_default();
+                s.route = match_route(&g.routes, &p, &a);
+            }
+            let Some(route) = s.route.and_then(|i| g.routes.get(i)) else {
+                return Err(local(404, "route_not_found", ""));
+            };
+            s.route_name = route.name.clone();
+            let cluster_name = match &route.cluster_header {
+                Some(h) => match header_value(&s.req_headers, &h.to_ascii_lowercase()) {
+                    Some(c) => c,
+                    None => return Err(local(404, "cluster_not_found", "")),
+                },
+                None => route.cluster.clone().unwrap_or_default(),
+            };
+            s.cluster_name = cluster_name.clone();
+            let route_timeout = Duration::from_millis(route.timeout_ms);
+            (
+                header_value(&s.req_headers, ":method").unwrap_or_else(|| "GET".into()),
+                header_value(&s.req_headers, ":path").unwrap_or_else(|| "/".into()),
+                s.req_headers.clone(),
+                s.override_host.clone(),
+                cluster_name,
+                route_timeout,
+            )
+        };
+        self.timeout = route_timeout;
+        let Some(cluster) = g.clusters.get(&cluster_name) else {
+            let code = if self.lock().route.and_then(|i| g.routes.get(i)).is_some_and(|r| r.cluster_header.is_some()) { 404 } else { 503 };
+            return Err(local(code, "cluster_not_found", ""));
+        };
+        let Some(ep) = cluster.pick_with_override(override_host.as_deref()) else {
+            return Err(local(503, "no_healthy_upstream", "no healthy upstream"));
+        };
+        self.lock().upstream_host = Some(ep.address.clone());
+        let mut b = Request::builder().method(method.as_str()).uri(format!("http://{}{}", ep.addr, path));
+        let mut authority = None;
+        for (k, v) in &headers {
+            if k == ":authority" {
+                authority = Some(v.clone());
+                continue;
+            }
+            if k.starts_with(':') || k == "host" || k == "content-length" || HOP_BY_HOP.contains(&k.as_str()) {
+                continue;
+            }
+            b = b.header(k.as_str(), v.as_slice());
+        }
+        if let Some(a) = authority {
+            b = b.header("host", a);
+        }
+        ep.active.fetch_add(1, Ordering::Relaxed);
+        ep.total.fetch_add(1, Ordering::Relaxed);
+        self.active = Some(ActiveGuard(ep.clone()));
+        self.endpoint = Some(ep);
+        // Sent with the first released body data (or at once when there is none to wait for).
+        self.pending_req = Some(b);
+        Ok(())
+    }
+
+    /// Start the upstream request: a full body when the request is complete (content-length),
+    /// otherwise a streamed body.
+    fn start_upstream(&mut self, b: hyper::http::request::Builder, full: Option<Bytes>) -> Result<(), LocalReply> {
+        let (body_tx, gw_body) = match full {
+            Some(b) => (None, GwBody::full(b)),
+            None => {
+                let (tx, rx) = GwBody::channel();
+                (Some(tx), rx)
+            }
+        };
+        let req = b.body(gw_body).map_err(|_| local(400, "invalid_request", "bad request"))?;
+        let client = self.w.client.clone();
+        let timeout = self.timeout;
+        let fut = async move {
+            let call = client.request(req);
+            let r = if timeout.is_zero() {
+                call.await
+            } else {
+                match tokio::time::timeout(timeout, call).await {
+                    Ok(r) => r,
+                    Err(_) => return Err(UpError::Timeout),
+                }
+            };
+            r.map_err(|e| if e.is_connect() { UpError::Connect } else { UpError::Other })
+        };
+        self.upstream = Some(Upstream { body_tx, fut: Some(Box::pin(fut)), result: None });
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------- response side
+
+    fn send_headers(&mut self, eos: bool) -> bool {
+        let (status, headers) = {
+            let mut s = self.lock();
+            s.resp_hdr_access = false;
+            let status = header_value(&s.resp_headers, ":status").and_then(|v| v.parse::<u16>().ok()).unwrap_or(200);
+            (status, s.resp_headers.clone())
+        };
+        let (tx, body) = if eos { (None, GwBody::full(Bytes::new())) } else {
+            let (tx, b) = GwBody::channel();
+            (Some(tx), b)
+        };
+        let mut resp = Response::new(body);
+        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::BAD_GATEWAY);
+        let modified = self.lock().resp_body_modified;
+        for (k, v) in &headers {
+            if k.starts_with(':') || HOP_BY_HOP.contains(&k.as_str()) || (modified && k == "content-length") {
+                continue;
+            }
+            if let (Ok(n), Ok(v)) = (hyper::header::HeaderName::from_bytes(k.as_bytes()), hyper::header::HeaderValue::from_bytes(v)) {
+                resp.headers_mut().append(n, v);
+            }
+        }
+        if let Some(ep) = &self.endpoint {
+            if let Ok(v) = hyper::header::HeaderValue::from_str(&ep.address) {
+                resp.headers_mut().insert(UPSTREAM_HOST_HEADER, v);
+            }
+        }
+        self.down = tx;
+        match self.resp_tx.take() {
+            Some(t) => t.send(resp).is_ok(),
+            None => false,
+        }
+    }
+
+    async fn response_phase(&mut self, resp: Response<Incoming>) {
+        use hyper::body::Body;
+        let (parts, body) = resp.into_parts();
+        {
+            let mut s = self.lock();
+            let mut h: HeaderMap = vec![(":status".into(), parts.status.as_str().as_bytes().to_vec())];
+            for (k, v) in parts.headers.iter() {
+                h.push((k.as_str().to_string(), v.as_bytes().to_vec()));
+            }
+            s.resp_headers = h;
+            s.response_code = Some(parts.status.as_u16());
+            s.resp_hdr_access = true;
+        }
+        let eos = body.is_end_stream();
+        let mut body = if eos { None } else { Some(body) };
+        let mut body_done = eos;
+        let n = self.lock().resp_headers.len();
+        let action = match self.header_action("proxy_on_response_headers", n, eos) {
+            Ok(a) => a,
+            Err(()) => return self.local_reply(local(500, "wasm_fail", "plugin failure")).await,
+        };
+        let mut held = action != HeaderAction::Continue;
+        let stop_all = action == HeaderAction::StopAll;
+        let mut data_stopped = false;
+        if !held && !self.send_headers(eos) {
+            return;
+        }
+        loop {
+            {
+                let mut s = self.lock();
+                if let Some(lr) = s.local_reply.take() {
+                    drop(s);
+                    return self.local_reply(lr).await;
+                }
+                if s.reset {
+                    drop(s);
+                    self.abort_downstream().await;
+                    return;
+                }
+            }
+            if self.orphaned() {
+                if held {
+                    return self.local_reply(local(500, "wasm_fail", "plugin failure")).await;
+                }
+                data_stopped = false;
+            }
+            let cont = std::mem::take(&mut self.lock().continue_resp);
+            if cont {
+                if held {
+                    held = false;
+                    if !self.send_headers(eos) {
+                        return;
+                    }
+                    let buffered = !self.lock().resp_body.is_empty();
+                    if stop_all && (buffered || body_done) && !eos {
+                        let len = self.lock().resp_body.len();
+                        self.lock().resp_body_access = true;
+                        match self.data_action("proxy_on_response_body", len, body_done) {
+                            Ok(c) => data_stopped = !c,
+                            Err(()) => return self.abort_downstream().await,
+                        }
+                        continue;
+                    }
+                }
+                data_stopped = false;
+            }
+            if held || data_stopped {
+                let over = {
+                    let s = self.lock();
+                    s.resp_body.len() > s.encoder_limit
+                };
+                if over {
+                    // Envoy: 500 if nothing was sent yet, else a reset.
+                    return self.abort_or_500().await;
+                }
+            }
+            if !held && !data_stopped {
+                let chunk = {
+                    let mut s = self.lock();
+                    s.resp_body_access = false;
+                    s.resp_body.split().freeze()
+                };
+                if !chunk.is_empty() {
+                    let ok = match &self.down {
+                        Some(tx) => tx.send(Ok(chunk)).await.is_ok(),
+                        None => true,
+                    };
+                    if !ok {
+                        return; // client went away
+                    }
+                }
+                if body_done {
+                    self.down = None;
+                    return;
+                }
+            }
+            let notify = self.notify.clone();
+            let down = self.down.clone();
+            let resp_tx = self.resp_tx.as_mut();
+            tokio::select! {
+                f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() => {
+                    match f {
+                        None => {
+                            body = None;
+                            body_done = true;
+                            if !(held && stop_all) {
+                                let len = self.lock().resp_body.len();
+                                self.lock().resp_body_access = true;
+                                match self.data_action("proxy_on_response_body", len, true) {
+                                    Ok(c) => {
+                                        if c && held {
+                                            held = false;
+                                            if !self.send_headers(false) { return; }
+                                        }
+                                        data_stopped = !c;
+                                    }
+                                    Err(()) => return self.abort_or_500().await,
+                                }
+                            }
+                        }
+                        Some(Err(_)) => return self.abort_downstream().await,
+                        Some(Ok(frame)) => {
+                            let Ok(data) = frame.into_data() else { continue };
+                            if body.as_ref().is_none_or(|b| b.is_end_stream()) {
+                                body = None;
+                                body_done = true;
+                            }
+                            self.lock().resp_body.extend_from_slice(&data);
+                            if held && stop_all {
+                                continue;
+                            }
+                            let len = self.lock().resp_body.len();
+                            self.lock().resp_body_access = true;
+                            match self.data_action("proxy_on_response_body", len, body_done) {
+                                Ok(c) => {
+                                    if c && held {
+                                        held = false;
+                                        if !self.send_headers(false) { return; }
+                                    }
+                                    data_stopped = !c;
+                                }
+                                Err(()) => return self.abort_or_500().await,
+                            }
+                        }
+                    }
+                }
+                _ = notify.notified() => {}
+                _ = async { match &down { Some(t) => t.closed().await, None => std::future::pending().await } } => {
+                    return; // client disconnected mid-stream
+                }
+                _ = async { match resp_tx { Some(t) => t.closed().await, None => std::future::pending().await } } => {
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn abort_or_500(&mut self) {
+        if self.resp_tx.is_some() {
+            self.local_reply(local(500, "wasm_fail", "plugin failure")).await
+        } else {
+            self.abort_downstream().await
+        }
+    }
+
+    async fn abort_downstream(&mut self) {
+        if let Some(tx) = self.down.take() {
+            let _ = tx.send(Err("stream reset".into())).await;
+        }
+        if let Some(t) = self.resp_tx.take() {
+            drop(t);
+        }
+    }
+
+    /// Send a local reply. It passes through the plugin's response callbacks, like Envoy's
+    /// `sendLocalReply` through the encoder filters.
+    async fn local_reply(&mut self, lr: LocalReply) {
+        self.w.g.stats.local_replies_total.fetch_add(1, Ordering::Relaxed);
+        if self.resp_tx.is_none() {
+            // Headers already sent: reset the stream.
+            self.abort_downstream().await;
+            return;
+        }
+        tracing::debug!(status = lr.status, details = %lr.details, "local reply");
+        {
+            let mut s = self.lock();
+            let mut h: HeaderMap = vec![(":status".into(), lr.status.to_string().into_bytes())];
+            if !lr.body.is_empty() {
+                h.push(("content-type".into(), b"text/plain".to_vec()));
+            }
+            for (k, _) in &lr.headers {
+                h.retain(|(x, _)| x != k);
+            }
+            h.extend(lr.headers.iter().cloned());
+            s.resp_headers = h;
+            s.resp_body.clear();
+            s.resp_body.extend_from_slice(&lr.body);
+            s.response_code = Some(lr.status);
+            s.resp_hdr_access = true;
+            s.local_reply = None;
+        }
+        let body_len = lr.body.len();
+        let n = self.lock().resp_headers.len();
+        if self.call("proxy_on_response_headers", &[self.ctx as i32, n as i32, (body_len == 0) as i32]).is_ok() && body_len > 0 {
+            self.lock().resp_body_access = true;
+            let _ = self.call("proxy_on_response_body", &[self.ctx as i32, body_len as i32, 1]);
+        }
+        let (status, headers, body) = {
+            let mut s = self.lock();
+            s.resp_hdr_access = false;
+            s.resp_body_access = false;
+            s.local_reply = None;
+            let status = header_value(&s.resp_headers, ":status").and_then(|v| v.parse::<u16>().ok()).unwrap_or(lr.status);
+            (status, s.resp_headers.clone(), s.resp_body.split().freeze())
+        };
+        let mut resp = Response::new(GwBody::full(body));
+        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+        for (k, v) in &headers {
+            if k.starts_with(':') || k == "content-length" {
+                continue;
+            }
+            if let (Ok(n), Ok(v)) = (hyper::header::HeaderName::from_bytes(k.as_bytes()), hyper::header::HeaderValue::from_bytes(v)) {
+                resp.headers_mut().append(n, v);
+            }
+        }
+        if let Some(t) = self.resp_tx.take() {
+            let _ = t.send(resp);
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! Per-worker Redis clients for `proxy_redis_init` / `proxy_redis_call` (Higress extension).
+//!
+//! Like Envoy's Redis async client: one connection per cluster per worker, to the cluster's first
+//! endpoint; on connect `AUTH [user] pass` and `SELECT db` are pipelined with discarded replies;
+//! queries are raw RESP bytes written verbatim and replies are matched FIFO. Writes are batched
+//! (flush after `buffer_flush_timeout` ms or `max_buffer_size_before_flush` bytes; 0/0 flushes at
+//! once). Connect failure, remote close and op timeout close the connection and fail every pending
+//! request with NetworkError (status 1, size 0).
+
+use crate::worker::WorkerEvent;
+use bytes::{Bytes, BytesMut};
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+/// Settings from `proxy_redis_init`.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    /// Cluster name (before `?`).
+    pub cluster: String,
+    /// AUTH user (may be empty).
+    pub username: String,
+    /// AUTH password (empty: no AUTH).
+    pub password: String,
+    /// Op timeout.
+    pub timeout: Duration,
+    /// `db` parameter.
+    pub db: Option<String>,
+    /// `buffer_flush_timeout` (ms).
+    pub flush_timeout: Duration,
+    /// `max_buffer_size_before_flush` (bytes).
+    pub max_buffer: usize,
+    /// Connect timeout (the cluster's).
+    pub connect_timeout: Duration,
+}
+
+impl RedisConfig {
+    /// Parse `cluster?db=1&buffer_flush_timeout=3&max_buffer_size_before_flush=1024`.
+    pub fn parse(full: &str, username: String, password: String, timeout_ms: u32, connect_timeout: Duration) -> RedisConfig {
+        let (cluster, query) = full.split_once('?').unwrap_or((full, ""));
+        let mut cfg = RedisConfig {
+            cluster: cluster.to_string(),
+            username,
+            password,
+            timeout: Duration::from_millis(if timeout_ms == 0 { 1000 } else { timeout_ms as u64 }),
+            db: None,
+            flush_timeout: Duration::from_millis(3),
+            max_buffer: 1024,
+            connect_timeout,
+        };
+        for kv in query.split('&') {
+            let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            match k {
+                "db" if !v.is_empty() => cfg.db = Some(v.to_string()),
+                "buffer_flush_timeout" => {
+                    if let Ok(n) = v.parse::<u64>() {
+                        cfg.flush_timeout = Duration::from_millis(n)
+                    }
+                }
+                "max_buffer_size_before_flush" => {
+                    if let Ok(n) = v.parse::<usize>() {
+                        cfg.max_buffer = n
+                    }
+                }
+                _ => {}
+            }
+        }
+        cfg
+    }
+}
+
+/// One worker's client for one cluster. Dropping it closes the connection (pending requests fail).
+pub struct RedisClient {
+    /// Settings.
+    pub cfg: RedisConfig,
+    tx: Option<mpsc::UnboundedSender<(u32, Bytes)>>,
+}
+
+impl RedisClient {
+    /// New client; the connection is opened on the first call.
+    pub fn new(cfg: RedisConfig) -> RedisClient {
+        RedisClient { cfg, tx: None }
+    }
+
+    /// Queue a raw command. The reply arrives as a `WorkerEvent::Redis`.
+    pub fn send(
+        &mut self,
+        addr: SocketAddr,
+        token: u32,
+        query: Bytes,
+        events: mpsc::UnboundedSender<WorkerEvent>,
+        gen: u64,
+    ) -> bool {
+        if self.tx.as_ref().is_none_or(|t| t.is_closed()) {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let cfg = self.cfg.clone();
+            tokio::task::spawn_local(run(cfg, addr, rx, events, gen));
+            self.tx = Some(tx);
+        }
+        self.tx.as_ref().is_some_and(|t| t.send((token, query)).is_ok())
+    }
+}
+
+fn deliver(events: &mpsc::UnboundedSender<WorkerEvent>, gen: u64, token: u32, reply: Option<Bytes>) {
+    let _ = events.send(WorkerEvent::Redis { gen, token, reply });
+}
+
+fn resp_command(args: &[&[u8]]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        out.extend_from_slice(a);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+async fn run(
+    cfg: RedisConfig,
+    addr: SocketAddr,
+    mut rx: mpsc::UnboundedReceiver<(u32, Bytes)>,
+    events: mpsc::UnboundedSender<WorkerEvent>,
+    gen: u64,
+) {
+    // Each outer iteration is one connection; a new one is opened for the next request after a failure.
+    let mut first: Option<(u32, Bytes)> = None;
+    loop {
+        let Some(req) = (match first.take() {
+            Some(r) => Some(r),
+            None => rx.recv().await,
+        }) else {
+            return;
+        };
+        let conn = tokio::time::timeout(cfg.connect_timeout, tokio::net::TcpStream::connect(addr)).await;
+        let mut sock = match conn {
+            Ok(Ok(s)) => s,
+            _ => {
+                tracing::debug!(cluster = %cfg.cluster, %addr, "redis connect failed");
+                deliver(&events, gen, req.0, None);
+                while let Ok((t, _)) = rx.try_recv() {
+                    deliver(&events, gen, t, None);
+                }
+                continue;
+            }
+        };
+        let _ = sock.set_nodelay(true);
+        // None = reply to discard (AUTH / SELECT).
+        let mut pending: VecDeque<(Option<u32>, Instant)> = VecDeque::new();
+        let mut wbuf: Vec<u8> = Vec::new();
+        if !cfg.password.is_empty() {
+            if cfg.username.is_empty() {
+                wbuf.extend(resp_command(&[b"AUTH", cfg.password.as_bytes()]));
+            } else {
+                wbuf.extend(resp_command(&[b"AUTH", cfg.username.as_bytes(), cfg.password.as_bytes()]));
+            }
+            pending.push_back((None, Instant::now()));
+        }
+        if let Some(db) = &cfg.db {
+            wbuf.extend(resp_command(&[b"SELECT", db.as_bytes()]));
+            pending.push_back((None, Instant::now()));
+        }
+        wbuf.extend_from_slice(&req.1);
+        pending.push_back((Some(req.0), Instant::now()));
+        let mut flush_at: Option<tokio::time::Instant> = None;
+        if cfg.max_buffer == 0 || wbuf.len() >= cfg.max_buffer || cfg.flush_timeout.is_zero() {
+            flush_at = Some(tokio::time::Instant::now());
+        } else {
+            flush_at.get_or_insert(tokio::time::Instant::now() + cfg.flush_timeout);
+        }
+        let mut rbuf = BytesMut::with_capacity(4096);
+        let mut channel_open = true;
+        let failed = loop {
+            // Op timeout: the oldest outstanding request.
+            let deadline = pending.iter().find(|p| p.0.is_some()).map(|p| p.1 + cfg.timeout);
+            tokio::select! {
+                r = rx.recv(), if channel_open => match r {
+                    Some((t, q)) => {
+                        wbuf.extend_from_slice(&q);
+                        pending.push_back((Some(t), Instant::now()));
+                        if cfg.max_buffer == 0 || wbuf.len() >= cfg.max_buffer || cfg.flush_timeout.is_zero() {
+                            flush_at = Some(tokio::time::Instant::now());
+                        } else {
+                            flush_at.get_or_insert(tokio::time::Instant::now() + cfg.flush_timeout);
+                        }
+                    }
+                    None => {
+                        // Client dropped (re-init or VM gone): close the connection.
+                        channel_open = false;
+                        break true;
+                    }
+                },
+                _ = async { match flush_at { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
+                    flush_at = None;
+                    if sock.write_all(&wbuf).await.is_err() {
+                        break true;
+                    }
+                    wbuf.clear();
+                }
+                r = sock.read_buf(&mut rbuf) => match r {
+                    Ok(0) | Err(_) => break true,
+                    Ok(_) => {
+                        loop {
+                            match redis_protocol::resp2::decode::decode_range(&rbuf) {
+                                Ok(Some((_, n))) => {
+                                    let raw = rbuf.split_to(n).freeze();
+                                    match pending.pop_front() {
+                                        Some((Some(t), _)) => deliver(&events, gen, t, Some(raw)),
+                                        Some((None, _)) => {}
+                                        None => tracing::warn!(cluster = %cfg.cluster, "unexpected redis reply"),
+                                    }
+                                }
+                                Ok(None) => break,
+                                Err(e) => {
+                                    tracing::warn!(cluster = %cfg.cluster, "bad redis reply: {e:?}");
+                                    rbuf.clear();
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                },
+                _ = async { match deadline { Some(d) => tokio::time::sleep_until(d.into()).await, None => std::future::pending().await } } => {
+                    tracing::debug!(cluster = %cfg.cluster, "redis op timeout; closing connection");
+                    break true;
+                }
+            }
+        };
+        if failed {
+            for (t, _) in pending.drain(..) {
+                if let Some(t) = t {
+                    deliver(&events, gen, t, None);
+                }
+            }
+        }
+        if !channel_open {
+            while let Ok((t, _)) = rx.try_recv() {
+                deliver(&events, gen, t, None);
+            }
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_query_parameters_are_parsed() {
+        let c = RedisConfig::parse(
+            "outbound|6379||redis.static?db=2&buffer_flush_timeout=0&max_buffer_size_before_flush=0",
+            "u".into(),
+            "p".into(),
+            0,
+            Duration::from_secs(1),
+        );
+        assert_eq!(c.cluster, "outbound|6379||redis.static");
+        assert_eq!(c.db.as_deref(), Some("2"));
+        assert_eq!((c.flush_timeout, c.max_buffer), (Duration::ZERO, 0));
+        let d = RedisConfig::parse("outbound|6379||redis.static", String::new(), String::new(), 3000, Duration::from_secs(1));
+        assert_eq!((d.db, d.flush_timeout, d.max_buffer, d.timeout), (None, Duration::from_millis(3), 1024, Duration::from_secs(3)));
+    }
+}

@@ -1,0 +1,149 @@
+//! Host counters and plugin-defined metrics, rendered as Prometheus text on admin `/stats`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Kind of a plugin metric (proxy-wasm `MetricType`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// 0
+    Counter,
+    /// 1
+    Gauge,
+    /// 2
+    Histogram,
+}
+
+#[derive(Debug)]
+struct Metric {
+    name: String,
+    kind: MetricKind,
+    value: i64,
+    count: u64,
+    sum: u64,
+}
+
+/// Process-wide statistics (Envoy stats are shared across workers).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// Downstream requests.
+    pub requests_total: AtomicU64,
+    /// Local replies sent by the gateway or the plugin.
+    pub local_replies_total: AtomicU64,
+    /// Plugin VM traps.
+    pub vm_traps_total: AtomicU64,
+    metrics: Mutex<Vec<Metric>>,
+}
+
+impl Stats {
+    /// Define (or find) a metric; returns its id.
+    pub fn define(&self, kind: MetricKind, name: &str) -> u32 {
+        let Ok(mut m) = self.metrics.lock() else { return 0 };
+        if let Some(i) = m.iter().position(|x| x.name == name) {
+            return i as u32;
+        }
+        m.push(Metric { name: name.to_string(), kind, value: 0, count: 0, sum: 0 });
+        (m.len() - 1) as u32
+    }
+    /// Add to a counter or gauge. False if the id is unknown or the metric is a histogram.
+    pub fn increment(&self, id: u32, offset: i64) -> bool {
+        let Ok(mut m) = self.metrics.lock() else { return false };
+        match m.get_mut(id as usize) {
+            Some(x) if x.kind != MetricKind::Histogram => {
+                x.value = x.value.saturating_add(offset);
+                true
+            }
+            _ => false,
+        }
+    }
+    /// Record: set a gauge/counter, or add a histogram sample.
+    pub fn record(&self, id: u32, value: u64) -> bool {
+        let Ok(mut m) = self.metrics.lock() else { return false };
+        match m.get_mut(id as usize) {
+            Some(x) => {
+                match x.kind {
+                    MetricKind::Histogram => {
+                        x.count += 1;
+                        x.sum = x.sum.saturating_add(value);
+                    }
+                    _ => x.value = value as i64,
+                }
+                true
+            }
+            None => false,
+        }
+    }
+    /// Current value (histograms: sample count).
+    pub fn get(&self, id: u32) -> Option<u64> {
+        let m = self.metrics.lock().ok()?;
+        m.get(id as usize).map(|x| match x.kind {
+            MetricKind::Histogram => x.count,
+            _ => x.value as u64,
+        })
+    }
+
+    /// Render plugin metrics + host counters. `upstreams` gives (cluster, host, total, active).
+    pub fn render(&self, upstreams: &[(String, String, u64, i64)]) -> String {
+        let mut out = String::new();
+        out.push_str("# TYPE gateway_requests_total counter\n");
+        out.push_str(&format!("gateway_requests_total {}\n", self.requests_total.load(Ordering::Relaxed)));
+        out.push_str("# TYPE gateway_local_replies_total counter\n");
+        out.push_str(&format!(
+            "gateway_local_replies_total {}\n",
+            self.local_replies_total.load(Ordering::Relaxed)
+        ));
+        out.push_str("# TYPE gateway_vm_traps_total counter\n");
+        out.push_str(&format!("gateway_vm_traps_total {}\n", self.vm_traps_total.load(Ordering::Relaxed)));
+        out.push_str("# TYPE gateway_upstream_requests_total counter\n");
+        for (c, h, t, _) in upstreams {
+            out.push_str(&format!(
+                "gateway_upstream_requests_total{{cluster=\"{}\",host=\"{}\"}} {t}\n",
+                esc(c),
+                esc(h)
+            ));
+        }
+        out.push_str("# TYPE gateway_upstream_rq_active gauge\n");
+        for (c, h, _, a) in upstreams {
+            out.push_str(&format!(
+                "gateway_upstream_rq_active{{cluster=\"{}\",host=\"{}\"}} {a}\n",
+                esc(c),
+                esc(h)
+            ));
+        }
+        if let Ok(m) = self.metrics.lock() {
+            let mut sorted: BTreeMap<String, &Metric> = BTreeMap::new();
+            for x in m.iter() {
+                sorted.insert(x.name.clone(), x);
+            }
+            for (name, x) in sorted {
+                let n = prom_name(&name);
+                match x.kind {
+                    MetricKind::Counter => {
+                        out.push_str(&format!("# TYPE {n} counter\n{n} {}\n", x.value))
+                    }
+                    MetricKind::Gauge => out.push_str(&format!("# TYPE {n} gauge\n{n} {}\n", x.value)),
+                    MetricKind::Histogram => out.push_str(&format!(
+                        "# TYPE {n} summary\n{n}_count {}\n{n}_sum {}\n",
+                        x.count, x.sum
+                    )),
+                }
+            }
+        }
+        out
+    }
+}
+
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+/// Plugin metric names may contain `.`, `:` etc.; Prometheus allows `[a-zA-Z0-9_:]`.
+fn prom_name(name: &str) -> String {
+    let mut s: String =
+        name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == ':' { c } else { '_' }).collect();
+    if s.chars().next().is_some_and(|c| c.is_ascii_digit()) {
+        s.insert(0, '_');
+    }
+    s
+}

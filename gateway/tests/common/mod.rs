@@ -1,0 +1,416 @@
+//! Test harness: gateway processes, recording upstreams, WAT test plugins.
+#![allow(dead_code)]
+
+use bytes::Bytes;
+use gateway::body::GwBody;
+use http_body_util::BodyExt;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A running gateway process (killed on drop).
+pub struct Gateway {
+    child: Child,
+    /// Main listener.
+    pub addr: SocketAddr,
+    /// Admin listener.
+    pub admin: SocketAddr,
+    /// Stderr lines (plugin logs).
+    pub log: Arc<Mutex<Vec<String>>>,
+    _dir: TempDir,
+}
+
+/// A temp directory removed on drop.
+pub struct TempDir(pub std::path::PathBuf);
+impl TempDir {
+    pub fn new() -> TempDir {
+        let p = std::env::temp_dir().join(format!("gw-test-{}-{}", std::process::id(), rand_u64()));
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+pub fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    h.finish()
+}
+
+impl Gateway {
+    /// Start with a YAML config; `{PLUGIN}` in it is replaced by the path of `wat` (if given).
+    pub fn start(yaml: &str, wat: Option<&str>, workers: usize) -> Gateway {
+        Self::try_start(yaml, wat, workers).expect("gateway did not start")
+    }
+
+    pub fn try_start(yaml: &str, wat: Option<&str>, workers: usize) -> Result<Gateway, String> {
+        let dir = TempDir::new();
+        let mut yaml = yaml.to_string();
+        if let Some(w) = wat {
+            let p = dir.0.join("plugin.wat");
+            std::fs::write(&p, w).unwrap();
+            yaml = yaml.replace("{PLUGIN}", p.to_str().unwrap());
+        }
+        let cfg = dir.0.join("gateway.yaml");
+        std::fs::write(&cfg, yaml).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_gateway"))
+            .arg("--config")
+            .arg(&cfg)
+            .arg("--workers")
+            .arg(workers.to_string())
+            .arg("--log-level")
+            .arg("info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().unwrap();
+        let l2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                l2.lock().unwrap().push(line);
+            }
+        });
+        let stdout = child.stdout.take().unwrap();
+        let mut addr = None;
+        let mut admin = None;
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let parts: Vec<&str> = line.split_whitespace().collect();
+            match parts.as_slice() {
+                ["LISTENING", _, a] => addr = a.parse().ok(),
+                ["ADMIN", a] => admin = a.parse().ok(),
+                ["READY"] => break,
+                _ => {}
+            }
+        }
+        match (addr, admin) {
+            (Some(addr), Some(admin)) => Ok(Gateway { child, addr, admin, log, _dir: dir }),
+            _ => {
+                let status = child.wait().ok();
+                std::thread::sleep(Duration::from_millis(100));
+                Err(format!("gateway exited ({status:?}): {}", log.lock().unwrap().join("\n")))
+            }
+        }
+    }
+
+    /// Plugin events: the text after "EV " in log lines, in order.
+    pub fn events(&self) -> Vec<String> {
+        self.log
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l.split_once("EV ").map(|(_, e)| e.trim().to_string()))
+            .collect()
+    }
+
+    /// Wait until `pred(events)` holds (or time out).
+    pub async fn wait_events(&self, pred: impl Fn(&[String]) -> bool, what: &str) -> Vec<String> {
+        let start = Instant::now();
+        loop {
+            let ev = self.events();
+            if pred(&ev) {
+                return ev;
+            }
+            if start.elapsed() > Duration::from_secs(10) {
+                panic!("timed out waiting for {what}; events: {ev:#?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A simple response.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+}
+impl Resp {
+    pub fn header(&self, k: &str) -> Option<String> {
+        self.headers.get(k).and_then(|v| v.to_str().ok()).map(str::to_string)
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+pub fn client() -> gateway::body::HttpClient {
+    gateway::body::client(Duration::from_secs(5))
+}
+
+/// One request with a full body.
+pub async fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &str) -> Resp {
+    let mut b = hyper::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let req = b.body(GwBody::full(Bytes::from(body.to_string()))).unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req)).await.expect("request timed out").expect("request failed");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    Resp { status, headers, body }
+}
+
+pub async fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
+    request("GET", url, headers, "").await
+}
+
+/// POST a body in several chunks with a pause between them (chunked transfer encoding).
+pub async fn post_chunks(url: &str, headers: &[(&str, &str)], chunks: &[&str], pause: Duration) -> Resp {
+    let (tx, body) = GwBody::channel();
+    let mut b = hyper::Request::builder().method("POST").uri(url);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let req = b.body(body).unwrap();
+    let chunks: Vec<String> = chunks.iter().map(|s| s.to_string()).collect();
+    tokio::spawn(async move {
+        for c in chunks {
+            let _ = tx.send(Ok(Bytes::from(c))).await;
+            tokio::time::sleep(pause).await;
+        }
+    });
+    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req)).await.expect("request timed out").expect("request failed");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+    Resp { status, headers, body }
+}
+
+/// What an upstream received.
+#[derive(Debug, Clone)]
+pub struct Recorded {
+    pub method: String,
+    pub path: String,
+    pub headers: hyper::HeaderMap,
+    pub body: Bytes,
+}
+
+/// A recording upstream. Paths: `/slow` answers after 500 ms; `/sse` streams 3 events 150 ms
+/// apart; `/sse-forever` streams until the client goes away; `/metrics` answers a fixed text;
+/// anything else answers "ok <port>".
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub seen: Arc<Mutex<Vec<Recorded>>>,
+    /// Set when an `/sse-forever` stream noticed its client went away.
+    pub sse_closed: Arc<Mutex<bool>>,
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sse_closed = Arc::new(Mutex::new(false));
+        let (s2, c2) = (seen.clone(), sse_closed.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = l.accept().await else { continue };
+                let (seen, closed) = (s2.clone(), c2.clone());
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                        let (seen, closed) = (seen.clone(), closed.clone());
+                        async move {
+                            let (parts, body) = req.into_parts();
+                            let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                            let path = parts.uri.path().to_string();
+                            seen.lock().unwrap().push(Recorded {
+                                method: parts.method.to_string(),
+                                path: path.clone(),
+                                headers: parts.headers.clone(),
+                                body,
+                            });
+                            let resp = match path.as_str() {
+                                "/slow" => {
+                                    tokio::time::sleep(Duration::from_millis(500)).await;
+                                    hyper::Response::new(GwBody::full(Bytes::from("slow")))
+                                }
+                                "/hang" => {
+                                    tokio::time::sleep(Duration::from_secs(10)).await;
+                                    hyper::Response::new(GwBody::full(Bytes::from("late")))
+                                }
+                                "/metrics" => hyper::Response::new(GwBody::full(Bytes::from(format!("vllm:num_requests_running {}\n", addr.port())))),
+                                "/sse" | "/sse-forever" => {
+                                    let forever = path == "/sse-forever";
+                                    let (tx, b) = GwBody::channel();
+                                    tokio::spawn(async move {
+                                        let mut i = 0;
+                                        loop {
+                                            if tx.send(Ok(Bytes::from(format!("data: {i}\n\n")))).await.is_err() {
+                                                *closed.lock().unwrap() = true;
+                                                return;
+                                            }
+                                            i += 1;
+                                            if !forever && i == 3 {
+                                                return;
+                                            }
+                                            tokio::select! {
+                                                _ = tokio::time::sleep(Duration::from_millis(150)) => {}
+                                                _ = tx.closed() => { *closed.lock().unwrap() = true; return; }
+                                            }
+                                        }
+                                    });
+                                    let mut r = hyper::Response::new(b);
+                                    r.headers_mut().insert("content-type", "text/event-stream".parse().unwrap());
+                                    r
+                                }
+                                _ => hyper::Response::new(GwBody::full(Bytes::from(format!("ok {}", addr.port())))),
+                            };
+                            Ok::<_, std::convert::Infallible>(resp)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Upstream { addr, seen, sse_closed }
+    }
+    pub fn requests(&self) -> Vec<Recorded> {
+        self.seen.lock().unwrap().clone()
+    }
+    pub fn count(&self, path: &str) -> usize {
+        self.seen.lock().unwrap().iter().filter(|r| r.path == path).count()
+    }
+}
+
+/// Builds WAT test plugins: a prelude (memory, allocator, logging helpers), string constants.
+pub struct Wat {
+    data: Vec<(u32, Vec<u8>)>,
+    next: u32,
+}
+
+impl Wat {
+    pub fn new() -> Wat {
+        Wat { data: Vec::new(), next: 8192 }
+    }
+    /// A constant string: expands to `(i32.const addr) (i32.const len)`.
+    pub fn s(&mut self, text: &str) -> String {
+        self.b(text.as_bytes())
+    }
+    pub fn b(&mut self, bytes: &[u8]) -> String {
+        let addr = self.next;
+        self.data.push((addr, bytes.to_vec()));
+        self.next += (bytes.len() as u32 + 8) & !7;
+        format!("(i32.const {addr}) (i32.const {})", bytes.len())
+    }
+    /// The whole module: `marker` like "0_2_100", `body` the plugin's functions.
+    pub fn module(&self, marker: &str, body: &str) -> String {
+        let mut data = String::new();
+        for (addr, bytes) in &self.data {
+            let esc: String = bytes.iter().map(|b| format!("\\{b:02x}")).collect();
+            data.push_str(&format!("  (data (i32.const {addr}) \"{esc}\")\n"));
+        }
+        // Extra imports in `body` must precede every definition: hoist them before the memory.
+        let imports: String = body.lines().filter(|l| l.trim_start().starts_with("(import")).map(|l| format!("{l}\n")).collect();
+        let body: String = body.lines().filter(|l| !l.trim_start().starts_with("(import")).map(|l| format!("{l}\n")).collect();
+        let prelude = PRELUDE.replacen("  (memory", &format!("{imports}  (memory"), 1);
+        format!("{prelude}\n  (func (export \"proxy_abi_version_{marker}\"))\n{body}\n{data})\n")
+    }
+}
+
+/// Imports, memory, a bump allocator and log helpers.
+/// Scratch: 256 = out ptr, 260 = out len, 264 = out u32 (token/cas/id), 512.. = stored values.
+/// `$ev_start(ptr,len)` starts "EV name", `$ev_num(n)` appends " n", `$ev_str(ptr,len)` appends
+/// " text", `$ev_end` logs it at info level.
+pub const PRELUDE: &str = r#"(module
+  (import "env" "proxy_log" (func $proxy_log (param i32 i32 i32) (result i32)))
+  (import "env" "proxy_continue_stream" (func $proxy_continue_stream (param i32) (result i32)))
+  (import "env" "proxy_send_local_response" (func $proxy_send_local_response (param i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_get_header_map_value" (func $proxy_get_header_map_value (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_add_header_map_value" (func $proxy_add_header_map_value (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_get_buffer_bytes" (func $proxy_get_buffer_bytes (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_http_call" (func $proxy_http_call (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_set_effective_context" (func $proxy_set_effective_context (param i32) (result i32)))
+  (import "env" "proxy_set_upstream_override_host" (func $proxy_set_upstream_override_host (param i32 i32) (result i32)))
+  (import "env" "proxy_get_upstream_hosts" (func $proxy_get_upstream_hosts (param i32 i32) (result i32)))
+  (import "env" "proxy_redis_init" (func $proxy_redis_init (param i32 i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_redis_call" (func $proxy_redis_call (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_get_shared_data" (func $proxy_get_shared_data (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_set_shared_data" (func $proxy_set_shared_data (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_set_property" (func $proxy_set_property (param i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_get_property" (func $proxy_get_property (param i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_grpc_call" (func $proxy_grpc_call (param i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_set_tick_period_milliseconds" (func $proxy_set_tick_period_milliseconds (param i32) (result i32)))
+  (import "env" "proxy_register_shared_queue" (func $proxy_register_shared_queue (param i32 i32 i32) (result i32)))
+  (import "env" "proxy_resolve_shared_queue" (func $proxy_resolve_shared_queue (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_enqueue_shared_queue" (func $proxy_enqueue_shared_queue (param i32 i32 i32) (result i32)))
+  (import "env" "proxy_dequeue_shared_queue" (func $proxy_dequeue_shared_queue (param i32 i32 i32) (result i32)))
+  (import "env" "proxy_define_metric" (func $proxy_define_metric (param i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_increment_metric" (func $proxy_increment_metric (param i32 i64) (result i32)))
+  (import "env" "proxy_replace_header_map_value" (func $proxy_replace_header_map_value (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 2)
+  (global $heap (mut i32) (i32.const 65536))
+  (global $pos (mut i32) (i32.const 0))
+  (func (export "proxy_on_memory_allocate") (param $n i32) (result i32)
+    (local $p i32)
+    (local.set $p (global.get $heap))
+    (global.set $heap (i32.and (i32.add (i32.add (global.get $heap) (local.get $n)) (i32.const 15)) (i32.const -16)))
+    (if (i32.gt_u (global.get $heap) (i32.mul (memory.size) (i32.const 65536)))
+      (then (drop (memory.grow (i32.add (i32.shr_u (local.get $n) (i32.const 16)) (i32.const 1))))))
+    (local.get $p))
+  (func $copy (param $dst i32) (param $src i32) (param $n i32)
+    (memory.copy (local.get $dst) (local.get $src) (local.get $n)))
+  (func $ev_start (param $p i32) (param $n i32)
+    (i32.store8 (i32.const 4096) (i32.const 69)) (i32.store8 (i32.const 4097) (i32.const 86)) (i32.store8 (i32.const 4098) (i32.const 32))
+    (call $copy (i32.const 4099) (local.get $p) (local.get $n))
+    (global.set $pos (i32.add (i32.const 4099) (local.get $n))))
+  (func $ev_str (param $p i32) (param $n i32)
+    (i32.store8 (global.get $pos) (i32.const 32))
+    (call $copy (i32.add (global.get $pos) (i32.const 1)) (local.get $p) (local.get $n))
+    (global.set $pos (i32.add (global.get $pos) (i32.add (local.get $n) (i32.const 1)))))
+  (func $ev_num (param $v i32)
+    (local $tmp i32) (local $len i32) (local $i i32)
+    (i32.store8 (global.get $pos) (i32.const 32))
+    (global.set $pos (i32.add (global.get $pos) (i32.const 1)))
+    (if (i32.lt_s (local.get $v) (i32.const 0))
+      (then (i32.store8 (global.get $pos) (i32.const 45))
+            (global.set $pos (i32.add (global.get $pos) (i32.const 1)))
+            (local.set $v (i32.sub (i32.const 0) (local.get $v)))))
+    ;; digits into 3072.. reversed
+    (local.set $len (i32.const 0))
+    (loop $d
+      (i32.store8 (i32.add (i32.const 3072) (local.get $len)) (i32.add (i32.const 48) (i32.rem_u (local.get $v) (i32.const 10))))
+      (local.set $len (i32.add (local.get $len) (i32.const 1)))
+      (local.set $v (i32.div_u (local.get $v) (i32.const 10)))
+      (br_if $d (i32.ne (local.get $v) (i32.const 0))))
+    (local.set $i (i32.const 0))
+    (loop $r
+      (i32.store8 (i32.add (global.get $pos) (local.get $i))
+        (i32.load8_u (i32.add (i32.const 3072) (i32.sub (i32.sub (local.get $len) (local.get $i)) (i32.const 1)))))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $r (i32.lt_u (local.get $i) (local.get $len))))
+    (global.set $pos (i32.add (global.get $pos) (local.get $len))))
+  (func $ev_end
+    (drop (call $proxy_log (i32.const 2) (i32.const 4096) (i32.sub (global.get $pos) (i32.const 4096)))))
+  ;; the text written by $ev_* so far (after "EV "), e.g. to use as a body
+  (func $out_ptr (result i32) (i32.const 4099))
+  (func $out_len (result i32) (i32.sub (global.get $pos) (i32.const 4099)))
+  (func (export "proxy_on_vm_start") (param i32 i32) (result i32) (i32.const 1))
+"#;

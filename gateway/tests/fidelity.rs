@@ -1,0 +1,948 @@
+//! Fidelity tests of the gateway host against small purpose-built WAT plugins, real HTTP upstreams
+//! and Redis (a fake RESP server, and a real `redis-server` when one is on PATH).
+
+mod common;
+
+use common::*;
+use std::time::{Duration, Instant};
+
+fn pairs(p: &[(&str, &str)]) -> Vec<u8> {
+    let v: Vec<(String, Vec<u8>)> = p.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect();
+    gateway::abi::marshal_pairs(&v)
+}
+
+fn one_cluster_config(up: &str, plugin: bool, extra_clusters: &str) -> String {
+    let plugin = if plugin {
+        "plugin:\n  wasm: {PLUGIN}\n  name: test-plugin\n  root_id: test-root\n  configuration: {a: 1}\n"
+    } else {
+        ""
+    };
+    format!(
+        "listeners: [{{name: main, address: 127.0.0.1:0}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n  - name: test-route\n    match: {{prefix: /}}\n    cluster: pods\n    timeout_ms: 5000\nclusters:\n  - name: pods\n    endpoints: [{up}]\n{extra_clusters}{plugin}"
+    )
+}
+
+fn idx(ev: &[String], prefix: &str) -> Option<usize> {
+    ev.iter().position(|e| e.starts_with(prefix))
+}
+
+/// A plugin that pauses in request headers and continues from an HTTP callout response.
+/// Its body callback buffers until the request has been continued.
+fn pause_plugin(marker: &str) -> String {
+    let mut w = Wat::new();
+    let hdrs = w.b(&pairs(&[(":method", "GET"), (":path", "/slow"), (":authority", "up")]));
+    let body = format!(
+        r#"
+  (global $stream (mut i32) (i32.const 0))
+  (global $continued (mut i32) (i32.const 0))
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (global.set $stream (local.get $ctx))
+    (global.set $continued (i32.const 0))
+    (call $ev_start {ev_hdrs}) (call $ev_num (local.get $eos)) (call $ev_end)
+    (drop (call $proxy_http_call {up} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 264)))
+    (i32.const 1))
+  (func (export "proxy_on_request_body") (param $ctx i32) (param $size i32) (param $eos i32) (result i32)
+    (call $ev_start {ev_body}) (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (result i32) (global.get $continued) (then (i32.const 0)) (else (i32.const 1))))
+  (func (export "proxy_on_http_call_response") (param $root i32) (param $token i32) (param $nh i32) (param $nb i32) (param $nt i32)
+    (call $ev_start {ev_callout}) (call $ev_num (local.get $token)) (call $ev_num (local.get $nb)) (call $ev_end)
+    (drop (call $proxy_set_effective_context (global.get $stream)))
+    (global.set $continued (i32.const 1))
+    (drop (call $proxy_continue_stream (i32.const 0))))
+"#,
+        ev_hdrs = w.s("hdrs"),
+        ev_body = w.s("body"),
+        ev_callout = w.s("callout"),
+        up = w.s("up"),
+        hdrs = hdrs,
+    );
+    w.module(marker, &body)
+}
+
+async fn run_pause(marker: &str) -> (Vec<String>, Upstream) {
+    let up = Upstream::start().await;
+    let cfg = one_cluster_config(&format!("\"{}\"", up.addr), true, &format!("  - name: up\n    endpoints: [\"{}\"]\n", up.addr));
+    let gw = Gateway::start(&cfg, Some(&pause_plugin(marker)), 1);
+    let r = post_chunks(&gw.url("/v1/chat"), &[], &["aaaaa", "bbbbb", "ccccc"], Duration::from_millis(100)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let ev = gw.wait_events(|e| idx(e, "callout").is_some() && e.iter().any(|x| x.ends_with(" 1") && x.starts_with("body")), "body eos").await;
+    let posted: Vec<_> = up.requests().into_iter().filter(|r| r.path == "/v1/chat").collect();
+    assert_eq!(posted.len(), 1);
+    assert_eq!(&posted[0].body[..], b"aaaaabbbbbccccc", "the upstream gets the whole body once");
+    assert_eq!(up.count("/slow"), 1, "the callout went to the `up` cluster");
+    (ev, up)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn abi_0_2_1_pause_in_headers_hides_body_until_continue() {
+    let (ev, _up) = run_pause("0_2_1").await;
+    let callout = idx(&ev, "callout").unwrap();
+    let first_body = idx(&ev, "body").unwrap();
+    assert!(first_body > callout, "0_2_1: no body callback before the headers continue: {ev:?}");
+    // The buffered body is replayed once, whole, after the continue.
+    let bodies: Vec<_> = ev.iter().filter(|e| e.starts_with("body")).collect();
+    assert_eq!(bodies, vec!["body 15 1"], "{ev:?}");
+    assert_eq!(ev[0], "hdrs 0");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn abi_0_2_100_pause_in_headers_still_sees_body_chunks() {
+    let (ev, _up) = run_pause("0_2_100").await;
+    let callout = idx(&ev, "callout").unwrap();
+    let bodies: Vec<(usize, u32, u32)> = ev
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| e.starts_with("body"))
+        .map(|(i, e)| {
+            let p: Vec<&str> = e.split(' ').collect();
+            (i, p[1].parse().unwrap(), p[2].parse().unwrap())
+        })
+        .collect();
+    assert!(bodies.len() >= 3, "several body callbacks (one per chunk): {ev:?}");
+    assert!(bodies.iter().all(|(i, _, _)| *i < callout), "all body callbacks before the continue: {ev:?}");
+    // Cumulative sizes: 5, 10, 15 ... and the last one carries end_of_stream.
+    assert_eq!(bodies[0].1, 5, "{ev:?}");
+    assert!(bodies.windows(2).all(|w| w[1].1 >= w[0].1), "cumulative sizes: {ev:?}");
+    let last = bodies.last().unwrap();
+    assert_eq!((last.1, last.2), (15, 1), "{ev:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn local_reply_in_headers_stops_the_request_and_passes_response_callbacks() {
+    let up = Upstream::start().await;
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (drop (call $proxy_send_local_response (i32.const 403) {details} {text} (i32.const 0) (i32.const 0) (i32.const -1)))
+    (call $ev_start {ev_second}) (call $ev_num (call $proxy_send_local_response (i32.const 401) {details} {text} (i32.const 0) (i32.const 0) (i32.const -1))) (call $ev_end)
+    (call $ev_start {ev_grpc}) (call $ev_num (call $proxy_grpc_call (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0))) (call $ev_end)
+    (i32.const 0))
+  (func (export "proxy_on_response_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (call $ev_start {ev_resp}) (call $ev_end)
+    (drop (call $proxy_add_header_map_value (i32.const 2) {hk} {hv}))
+    (i32.const 0))
+"#,
+        details = w.s("denied_by_test"),
+        text = w.s("blocked"),
+        ev_second = w.s("second"),
+        ev_grpc = w.s("grpc"),
+        ev_resp = w.s("resp_hdrs"),
+        hk = w.s("x-seen-by-plugin"),
+        hv = w.s("yes"),
+    );
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 1);
+    let r = get(&gw.url("/x"), &[]).await;
+    assert_eq!(r.status, 403);
+    assert_eq!(r.text(), "blocked");
+    assert_eq!(r.header("x-seen-by-plugin").as_deref(), Some("yes"), "local replies pass the plugin's response callbacks");
+    assert_eq!(up.requests().len(), 0, "a request answered locally never reaches the upstream");
+    let ev = gw.wait_events(|e| idx(e, "resp_hdrs").is_some(), "resp_hdrs").await;
+    assert!(ev.contains(&"second 2".to_string()), "a second local response is BadArgument: {ev:?}");
+    assert!(ev.contains(&"grpc 12".to_string()), "unimplemented hostcalls link and return Unimplemented: {ev:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn continue_is_deferred_until_the_callback_returns() {
+    let up = Upstream::start().await;
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (drop (call $proxy_continue_stream (i32.const 0)))
+    ;; still inside the call: the headers are still ours to change
+    (call $ev_start {ev_add}) (call $ev_num (call $proxy_add_header_map_value (i32.const 0) {hk} {hv})) (call $ev_end)
+    (i32.const 1))
+  (func (export "proxy_on_response_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (call $ev_start {ev_after}) (call $ev_num (call $proxy_get_header_map_value (i32.const 0) {path} (i32.const 256) (i32.const 260))) (call $ev_end)
+    (i32.const 0))
+"#,
+        ev_add = w.s("add"),
+        hk = w.s("x-after-continue"),
+        hv = w.s("1"),
+        ev_after = w.s("req_hdr_after_continue"),
+        path = w.s(":path"),
+    );
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 1);
+    let r = get(&gw.url("/deferred"), &[]).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let reqs = up.requests();
+    assert_eq!(reqs.len(), 1);
+    assert_eq!(reqs[0].headers.get("x-after-continue").map(|v| v.as_bytes()), Some(&b"1"[..]));
+    let ev = gw.wait_events(|e| idx(e, "req_hdr_after_continue").is_some(), "response").await;
+    assert!(ev.contains(&"add 0".to_string()), "{ev:?}");
+    assert!(ev.contains(&"req_hdr_after_continue 1".to_string()), "request headers are NotFound after continue: {ev:?}");
+}
+
+fn override_plugin() -> String {
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (if (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {hk} (i32.const 256) (i32.const 260)))
+      (then (drop (call $proxy_set_upstream_override_host (i32.load (i32.const 256)) (i32.load (i32.const 260))))))
+    (i32.const 0))
+"#,
+        hk = w.s("x-target"),
+    );
+    w.module("0_2_100", &body)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn override_host_is_honoured_and_non_strict() {
+    let (u1, u2) = (Upstream::start().await, Upstream::start().await);
+    let eps = format!("\"{}\", \"{}\"", u1.addr, u2.addr);
+    let gw = Gateway::start(&one_cluster_config(&eps, true, ""), Some(&override_plugin()), 2);
+    let target = u2.addr.to_string();
+    for _ in 0..6 {
+        let r = get(&gw.url("/o"), &[("x-target", &target)]).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("x-gateway-upstream-host"), Some(target.clone()));
+    }
+    // Unknown host: normal balancing (round robin reaches both).
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..8 {
+        let r = get(&gw.url("/o"), &[("x-target", "127.0.0.1:1")]).await;
+        assert_eq!(r.status, 200);
+        seen.insert(r.header("x-gateway-upstream-host").unwrap());
+    }
+    assert_eq!(seen.len(), 2, "unknown override host falls back to round robin: {seen:?}");
+    // Unhealthy host: normal balancing over the healthy ones.
+    let r = request("POST", &gw.admin_url("/clusters/pods/health"), &[], &format!("{{\"{target}\": \"Unhealthy\"}}")).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    for _ in 0..4 {
+        let r = get(&gw.url("/o"), &[("x-target", &target)]).await;
+        assert_eq!(r.header("x-gateway-upstream-host"), Some(u1.addr.to_string()));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn plain_proxy_round_robin_and_admin_endpoints() {
+    let (u1, u2) = (Upstream::start().await, Upstream::start().await);
+    let eps = format!("\"{}\", \"{}\"", u1.addr, u2.addr);
+    let gw = Gateway::start(&one_cluster_config(&eps, false, ""), None, 2);
+    for _ in 0..4 {
+        let r = request("POST", &gw.url("/p"), &[("content-type", "application/json")], "{\"x\":1}").await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(u1.count("/p"), 2);
+    assert_eq!(u2.count("/p"), 2);
+    assert_eq!(&u1.requests()[0].body[..], b"{\"x\":1}");
+    // Replace the endpoint set at run time.
+    let r = request("POST", &gw.admin_url("/clusters/pods/endpoints"), &[], &format!("[\"{}\"]", u2.addr)).await;
+    assert_eq!(r.status, 200);
+    for _ in 0..3 {
+        assert_eq!(get(&gw.url("/p"), &[]).await.header("x-gateway-upstream-host"), Some(u2.addr.to_string()));
+    }
+    let stats = get(&gw.admin_url("/stats"), &[]).await.text();
+    assert!(stats.contains("gateway_requests_total 7"), "{stats}");
+    assert!(stats.contains(&format!("gateway_upstream_requests_total{{cluster=\"pods\",host=\"{}\"}} 5", u2.addr)), "{stats}");
+    let clusters: serde_json::Value = serde_json::from_slice(&get(&gw.admin_url("/clusters"), &[]).await.body).unwrap();
+    assert_eq!(clusters[0]["endpoints"].as_array().unwrap().len(), 1);
+    assert_eq!(get(&gw.admin_url("/ready"), &[]).await.status, 200);
+    // No endpoint reachable: 503 local reply.
+    let r = request("POST", &gw.admin_url("/clusters/pods/endpoints"), &[], "[\"127.0.0.1:1\"]").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(get(&gw.url("/p"), &[]).await.status, 503);
+}
+
+/// Plugin for the Redis tests: POST body = raw RESP query, header x-cluster = cluster string.
+fn redis_plugin() -> String {
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (global $stream (mut i32) (i32.const 0))
+  (func (export "proxy_on_configure") (param $root i32) (param $size i32) (result i32)
+    (call $ev_start {ev_init}) (call $ev_num (call $proxy_redis_init {cl_init} (i32.const 0) (i32.const 0) {pw} (i32.const 1000))) (call $ev_end)
+    (i32.const 1))
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (global.set $stream (local.get $ctx))
+    (i32.const 1))
+  (func (export "proxy_on_request_body") (param $ctx i32) (param $size i32) (param $eos i32) (result i32)
+    (local $r i32)
+    (if (i32.eqz (local.get $eos)) (then (return (i32.const 1))))
+    (drop (call $proxy_get_buffer_bytes (i32.const 0) (i32.const 0) (local.get $size) (i32.const 512) (i32.const 516)))
+    (drop (call $proxy_get_header_map_value (i32.const 0) {hk} (i32.const 520) (i32.const 524)))
+    (local.set $r (call $proxy_redis_call (i32.load (i32.const 520)) (i32.load (i32.const 524)) (i32.load (i32.const 512)) (i32.load (i32.const 516)) (i32.const 264)))
+    (call $ev_start {ev_call}) (call $ev_num (local.get $r)) (call $ev_num (i32.load (i32.const 264))) (call $ev_end)
+    (if (local.get $r)
+      (then (drop (call $proxy_send_local_response (i32.add (i32.const 590) (local.get $r)) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const -1)))))
+    (i32.const 1))
+  (func (export "proxy_on_redis_call_response") (param $root i32) (param $token i32) (param $status i32) (param $size i32)
+    (call $ev_start {ev_resp}) (call $ev_num (local.get $token)) (call $ev_num (local.get $status)) (call $ev_num (local.get $size)) (call $ev_end)
+    (i32.store (i32.const 256) (i32.const 0)) (i32.store (i32.const 260) (i32.const 0))
+    (drop (call $proxy_get_buffer_bytes (i32.const 9) (i32.const 0) (local.get $size) (i32.const 256) (i32.const 260)))
+    (drop (call $proxy_set_effective_context (global.get $stream)))
+    (drop (call $proxy_send_local_response (i32.add (i32.const 200) (i32.mul (local.get $status) (i32.const 303))) (i32.const 0) (i32.const 0) (i32.load (i32.const 256)) (i32.load (i32.const 260)) (i32.const 0) (i32.const 0) (i32.const -1))))
+"#,
+        ev_init = w.s("init"),
+        cl_init = w.s("outbound|6379||redis.static?db=1"),
+        pw = w.s("secret"),
+        hk = w.s("x-cluster"),
+        ev_call = w.s("call"),
+        ev_resp = w.s("redis"),
+    );
+    w.module("0_2_100", &body)
+}
+
+fn redis_config(up: &Upstream, redis_addr: &str) -> String {
+    one_cluster_config(
+        &format!("\"{}\"", up.addr),
+        true,
+        &format!("  - name: outbound|6379||redis.static\n    endpoints: [\"{redis_addr}\"]\n"),
+    )
+}
+
+const CLUSTER: &str = "outbound|6379||redis.static";
+
+fn resp(args: &[&str]) -> String {
+    let mut s = format!("*{}\r\n", args.len());
+    for a in args {
+        s.push_str(&format!("${}\r\n{a}\r\n", a.len()));
+    }
+    s
+}
+
+/// A fake Redis that records the commands it receives and answers PING/AUTH/SELECT/others.
+async fn fake_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else { continue };
+            let seen = s2.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 4096];
+                loop {
+                    let n = match s.read(&mut tmp).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => n,
+                    };
+                    buf.extend_from_slice(&tmp[..n]);
+                    while let Ok(Some((frame, used))) = redis_protocol::resp2::decode::decode(&buf) {
+                        buf.drain(..used);
+                        let args: Vec<String> = match frame {
+                            redis_protocol::resp2::types::OwnedFrame::Array(items) => items
+                                .into_iter()
+                                .map(|f| match f {
+                                    redis_protocol::resp2::types::OwnedFrame::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                                    other => format!("{other:?}"),
+                                })
+                                .collect(),
+                            other => vec![format!("{other:?}")],
+                        };
+                        seen.lock().unwrap().push(args.clone());
+                        let reply: &[u8] = match args.first().map(|a| a.to_ascii_uppercase()).as_deref() {
+                            Some("PING") => b"+PONG\r\n",
+                            Some("AUTH") | Some("SELECT") => b"+OK\r\n",
+                            Some("MGET") => b"*2\r\n$1\r\na\r\n$-1\r\n",
+                            _ => b"$5\r\nhello\r\n",
+                        };
+                        if s.write_all(reply).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_auth_select_pipelining_and_raw_replies() {
+    let up = Upstream::start().await;
+    let (addr, seen) = fake_redis().await;
+    let gw = Gateway::start(&redis_config(&up, &addr.to_string()), Some(&redis_plugin()), 1);
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
+    assert_eq!((r.status, r.text().as_str()), (200, "+PONG\r\n"));
+    // An array reply with a nil element is one reply (framed whole).
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", &format!("{CLUSTER}?db=1"))], &resp(&["MGET", "a", "b"])).await;
+    assert_eq!((r.status, r.text().as_str()), (200, "*2\r\n$1\r\na\r\n$-1\r\n"));
+    let cmds = seen.lock().unwrap().clone();
+    assert_eq!(cmds[0], vec!["AUTH", "secret"], "AUTH first on a new connection: {cmds:?}");
+    assert_eq!(cmds[1], vec!["SELECT", "1"], "then SELECT db: {cmds:?}");
+    assert_eq!(cmds[2], vec!["PING"]);
+    assert_eq!(cmds.len(), 4, "one connection, AUTH/SELECT once: {cmds:?}");
+    let ev = gw.wait_events(|e| e.iter().filter(|x| x.starts_with("redis")).count() >= 2, "two redis callbacks").await;
+    assert!(ev.contains(&"init 0".to_string()), "{ev:?}");
+    assert!(ev.contains(&"redis 7 0 7".to_string()), "first token 7, status Ok, size of +PONG: {ev:?}");
+    assert!(ev.iter().any(|e| e.starts_with("redis 11 0 ")), "tokens step by 4: {ev:?}");
+    // Unknown cluster: BadArgument at once.
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", "outbound|1||nope.static")], &resp(&["PING"])).await;
+    assert_eq!(r.status, 592, "BadArgument (2) surfaced by the plugin");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_down_gives_network_error() {
+    let up = Upstream::start().await;
+    // A port nobody listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let gw = Gateway::start(&redis_config(&up, &closed.to_string()), Some(&redis_plugin()), 1);
+    let t = Instant::now();
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
+    assert_eq!(r.status, 503, "callback status 1 (NetworkError)");
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let ev = gw.wait_events(|e| idx(e, "redis").is_some(), "redis").await;
+    assert!(ev.contains(&"redis 7 1 0".to_string()), "NetworkError with size 0: {ev:?}");
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_real_server_set_get_in_selected_db() {
+    let Ok(path) = which("redis-server") else {
+        eprintln!("redis-server not on PATH: skipping the real-Redis test (the fake-Redis test covers the protocol)");
+        return;
+    };
+    let port = free_port();
+    let mut child = std::process::Command::new(path)
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(&addr).is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let up = Upstream::start().await;
+    let gw = Gateway::start(&redis_config(&up, &addr), Some(&redis_plugin()), 2);
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["SET", "gwkey", "v1"])).await;
+    assert_eq!((r.status, r.text().as_str()), (200, "+OK\r\n"));
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["GET", "gwkey"])).await;
+    assert_eq!((r.status, r.text().as_str()), (200, "$2\r\nv1\r\n"));
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["NOSUCHCMD"])).await;
+    assert_eq!(r.status, 200, "an error reply is status Ok");
+    assert!(r.text().starts_with("-ERR"), "{}", r.text());
+    // The key went to db 1 (SELECT on connect), not db 0.
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.write_all(format!("{}{}{}", resp(&["GET", "gwkey"]), resp(&["SELECT", "1"]), resp(&["GET", "gwkey"])).as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut buf = [0u8; 256];
+    let n = s.read(&mut buf).unwrap();
+    assert_eq!(String::from_utf8_lossy(&buf[..n]), "$-1\r\n+OK\r\n$2\r\nv1\r\n");
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn which(name: &str) -> Result<std::path::PathBuf, ()> {
+    std::env::var_os("PATH")
+        .and_then(|p| std::env::split_paths(&p).map(|d| d.join(name)).find(|p| p.is_file()))
+        .ok_or(())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shared_data_cas_is_shared_across_workers() {
+    let up = Upstream::start().await;
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (local $r i32) (local $val i32) (local $cas i32)
+    (loop $retry
+      (local.set $r (call $proxy_get_shared_data {key} (i32.const 256) (i32.const 260) (i32.const 264)))
+      (if (i32.eq (local.get $r) (i32.const 1))
+        (then (local.set $val (i32.const 0)) (local.set $cas (i32.const 0)))
+        (else (local.set $val (i32.load (i32.load (i32.const 256)))) (local.set $cas (i32.load (i32.const 264)))))
+      (i32.store (i32.const 600) (i32.add (local.get $val) (i32.const 1)))
+      (local.set $r (call $proxy_set_shared_data {key} (i32.const 600) (i32.const 4) (local.get $cas)))
+      (br_if $retry (i32.eq (local.get $r) (i32.const 8))))
+    (call $ev_start {ev_cnt}) (call $ev_num (i32.load (i32.const 600))) (call $ev_end)
+    ;; a stale CAS must fail now (the value has moved on); use cas+0 when it was 0 (never stale)
+    (if (local.get $cas)
+      (then (call $ev_start {ev_stale}) (call $ev_num (call $proxy_set_shared_data {key} (i32.const 600) (i32.const 4) (local.get $cas))) (call $ev_end)))
+    (i32.const 0))
+"#,
+        key = w.s("cnt"),
+        ev_cnt = w.s("cnt"),
+        ev_stale = w.s("stale"),
+    );
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 2);
+    let n = 40;
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let url = gw.url("/c");
+        tasks.push(tokio::spawn(async move {
+            let c = client();
+            for _ in 0..(n / 8) {
+                let req = hyper::Request::get(&url).header("connection", "close").body(gateway::body::GwBody::full(bytes::Bytes::new())).unwrap();
+                let r = c.request(req).await.unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let ev = gw.wait_events(|e| e.iter().filter(|x| x.starts_with("cnt")).count() == n, "all counts").await;
+    let mut counts: Vec<u32> = ev.iter().filter_map(|e| e.strip_prefix("cnt ")).map(|x| x.parse().unwrap()).collect();
+    counts.sort();
+    assert_eq!(counts, (1..=n as u32).collect::<Vec<_>>(), "every increment is unique: CAS works across workers");
+    assert!(ev.iter().filter(|e| e.starts_with("stale")).all(|e| e == "stale 8"), "{ev:?}");
+    let log = gw.log.lock().unwrap().clone();
+    let w0 = log.iter().any(|l| l.contains("EV cnt") && l.contains("worker=0"));
+    let w1 = log.iter().any(|l| l.contains("EV cnt") && l.contains("worker=1"));
+    assert!(w0 && w1, "both workers served requests");
+}
+
+fn lifecycle_plugin() -> String {
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_response_body") (param $ctx i32) (param $size i32) (param $eos i32) (result i32)
+    (call $ev_start {ev_rb}) (call $ev_num (local.get $ctx)) (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end)
+    (i32.const 0))
+  (func (export "proxy_on_log") (param $ctx i32)
+    (call $ev_start {ev_log}) (call $ev_num (local.get $ctx)) (call $ev_end))
+  (func (export "proxy_on_done") (param $ctx i32) (result i32)
+    (call $ev_start {ev_done}) (call $ev_num (local.get $ctx)) (call $ev_end) (i32.const 1))
+  (func (export "proxy_on_delete") (param $ctx i32)
+    (call $ev_start {ev_del}) (call $ev_num (local.get $ctx)) (call $ev_end))
+"#,
+        ev_rb = w.s("resp_body"),
+        ev_log = w.s("log"),
+        ev_done = w.s("done"),
+        ev_del = w.s("delete"),
+    );
+    w.module("0_2_100", &body)
+}
+
+fn lifecycle_of(ev: &[String], ctx: &str) -> Vec<String> {
+    ev.iter()
+        .filter(|e| {
+            let p: Vec<&str> = e.split(' ').collect();
+            matches!(p.first(), Some(&"log") | Some(&"done") | Some(&"delete")) && p.get(1) == Some(&ctx)
+        })
+        .map(|e| e.split(' ').next().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sse_passes_chunk_by_chunk_then_log_done_delete() {
+    let up = Upstream::start().await;
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&lifecycle_plugin()), 1);
+    let req = hyper::Request::get(gw.url("/sse")).body(gateway::body::GwBody::full(bytes::Bytes::new())).unwrap();
+    let resp = client().request(req).await.unwrap();
+    assert_eq!(resp.headers().get("content-type").unwrap(), "text/event-stream");
+    let mut body = resp.into_body();
+    let mut arrivals = Vec::new();
+    let t = Instant::now();
+    use http_body_util::BodyExt;
+    while let Some(f) = body.frame().await {
+        if let Ok(d) = f.unwrap().into_data() {
+            arrivals.push((t.elapsed(), String::from_utf8_lossy(&d).into_owned()));
+        }
+    }
+    let all: String = arrivals.iter().map(|a| a.1.as_str()).collect();
+    assert_eq!(all, "data: 0\n\ndata: 1\n\ndata: 2\n\n");
+    assert!(arrivals.len() >= 3, "{arrivals:?}");
+    assert!(arrivals.last().unwrap().0 - arrivals[0].0 >= Duration::from_millis(250), "chunks arrive as sent, not buffered: {arrivals:?}");
+    let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete").await;
+    let rb: Vec<_> = ev.iter().filter(|e| e.starts_with("resp_body")).collect();
+    assert!(rb.len() >= 3, "one response body callback per chunk: {ev:?}");
+    let ctx = rb[0].split(' ').nth(1).unwrap().to_string();
+    assert_eq!(lifecycle_of(&ev, &ctx), vec!["log", "done", "delete"], "{ev:?}");
+    assert!(idx(&ev, "log").unwrap() > ev.iter().rposition(|e| e.starts_with("resp_body")).unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn client_disconnect_mid_stream_still_ends_the_context() {
+    let up = Upstream::start().await;
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&lifecycle_plugin()), 1);
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(b"GET /sse-forever HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
+        // drop the connection mid-stream
+    }
+    let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete after disconnect").await;
+    let ctx = ev.iter().find(|e| e.starts_with("resp_body")).unwrap().split(' ').nth(1).unwrap().to_string();
+    assert_eq!(lifecycle_of(&ev, &ctx), vec!["log", "done", "delete"], "{ev:?}");
+    let t = Instant::now();
+    while !*up.sse_closed.lock().unwrap() {
+        assert!(t.elapsed() < Duration::from_secs(5), "the upstream stream was not closed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_failure_gives_503_and_still_ends_the_context() {
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{closed}\""), true, ""), Some(&lifecycle_plugin()), 1);
+    let r = get(&gw.url("/x"), &[]).await;
+    assert_eq!(r.status, 503);
+    let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete").await;
+    let ctx = ev.iter().find(|e| e.starts_with("log")).unwrap().split(' ').nth(1).unwrap().to_string();
+    assert_eq!(lifecycle_of(&ev, &ctx), vec!["log", "done", "delete"]);
+    // the local reply passed the response body callback too
+    assert!(ev.iter().any(|e| e.starts_with(&format!("resp_body {ctx} ")) && e.ends_with(" 1")), "{ev:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn trap_fails_the_request_and_the_vm_recovers() {
+    let up = Upstream::start().await;
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (if (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {hk} (i32.const 256) (i32.const 260)))
+      (then unreachable))
+    (i32.const 0))
+"#,
+        hk = w.s("x-trap"),
+    );
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 1);
+    assert_eq!(get(&gw.url("/t"), &[("x-trap", "1")]).await.status, 500);
+    assert_eq!(get(&gw.url("/t"), &[]).await.status, 200, "the worker's VM was re-instantiated");
+    let stats = get(&gw.admin_url("/stats"), &[]).await.text();
+    assert!(stats.contains("gateway_vm_traps_total 1"), "{stats}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn decoder_buffer_limit_gives_413() {
+    let up = Upstream::start().await;
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (drop (call $proxy_set_property {k} {v}))
+    (i32.const 1))
+  (func (export "proxy_on_request_body") (param $ctx i32) (param $size i32) (param $eos i32) (result i32)
+    (i32.const 1))
+"#,
+        k = w.s("set_decoder_buffer_limit"),
+        v = w.s("12"),
+    );
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 1);
+    let r = post_chunks(&gw.url("/big"), &[], &["aaaaa", "bbbbb", "ccccc"], Duration::from_millis(50)).await;
+    assert_eq!(r.status, 413);
+    assert_eq!(up.requests().len(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_hosts_carry_health_and_stored_metrics_and_properties() {
+    let (u1, u2) = (Upstream::start().await, Upstream::start().await);
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (drop (call $proxy_get_property {route} (i32.const 256) (i32.const 260)))
+    (call $ev_start {ev_route}) (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260)))
+    (drop (call $proxy_get_property {cluster} (i32.const 256) (i32.const 260)))
+    (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260)))
+    (drop (call $proxy_get_property {path} (i32.const 256) (i32.const 260)))
+    (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260)))
+    (drop (call $proxy_get_property {root} (i32.const 256) (i32.const 260)))
+    (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260)))
+    (call $ev_end)
+    (drop (call $proxy_get_upstream_hosts (i32.const 256) (i32.const 260)))
+    (drop (call $proxy_send_local_response (i32.const 200) (i32.const 0) (i32.const 0) (i32.load (i32.const 256)) (i32.load (i32.const 260)) (i32.const 0) (i32.const 0) (i32.const -1)))
+    (i32.const 0))
+"#,
+        route = w.s("route_name"),
+        cluster = w.s("cluster_name"),
+        path = w.b(b"request\0path"),
+        root = w.s("plugin_root_id"),
+        ev_route = w.s("props"),
+    );
+    let cfg = format!(
+        "listeners: [{{name: main, address: 127.0.0.1:0}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n  - name: test-route\n    match: {{prefix: /}}\n    cluster: pods\nclusters:\n  - name: pods\n    endpoints: [\"{}\", \"{}\"]\n    health_check: {{path: /metrics, interval_ms: 200, timeout_ms: 500, store_metrics: true}}\nplugin:\n  wasm: {{PLUGIN}}\n  name: test-plugin\n  root_id: test-root\n",
+        u1.addr, u2.addr
+    );
+    let gw = Gateway::start(&cfg, Some(&w.module("0_2_100", &body)), 1);
+    let r = get(&gw.url("/hosts?x=1"), &[]).await;
+    assert_eq!(r.status, 200);
+    let hosts = gateway::abi::unmarshal_pairs(&r.body).unwrap();
+    assert_eq!(hosts.len(), 2);
+    for (addr, info) in &hosts {
+        let port = addr.rsplit(':').next().unwrap();
+        let j: serde_json::Value = serde_json::from_slice(info).unwrap();
+        assert_eq!(j["health_status"], "Healthy");
+        assert_eq!(j["metrics"], format!("vllm:num_requests_running {port}\n"), "health-check body stored as metrics");
+    }
+    let ev = gw.wait_events(|e| idx(e, "props").is_some(), "props").await;
+    assert!(ev.contains(&"props test-route pods /hosts?x=1 test-root".to_string()), "{ev:?}");
+    // Forced health shows up; a stopped pod turns Unhealthy through the health checker.
+    let r = request("POST", &gw.admin_url(&format!("/clusters/pods/health")), &[], &format!("{{\"{}\": \"Degraded\"}}", u1.addr)).await;
+    assert_eq!(r.status, 200);
+    let hosts = gateway::abi::unmarshal_pairs(&get(&gw.url("/hosts"), &[]).await.body).unwrap();
+    let u1info: serde_json::Value = serde_json::from_slice(&hosts.iter().find(|h| h.0 == u1.addr.to_string()).unwrap().1).unwrap();
+    assert_eq!(u1info["health_status"], "Degraded");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn http_call_honours_original_dst_host() {
+    let (u1, u2) = (Upstream::start().await, Upstream::start().await);
+    let mut w = Wat::new();
+    let target = u2.addr.to_string();
+    let hdrs = w.b(&pairs(&[(":method", "GET"), (":path", "/callout"), (":authority", "pods"), ("x-envoy-original-dst-host", &target)]));
+    let bad = w.b(&pairs(&[(":method", "GET"), (":authority", "pods")]));
+    let body = format!(
+        r#"
+  (global $stream (mut i32) (i32.const 0))
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (global.set $stream (local.get $ctx))
+    (call $ev_start {ev_bad}) (call $ev_num (call $proxy_http_call {cl} {bad} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000) (i32.const 264))) (call $ev_end)
+    (call $ev_start {ev_tok}) (call $ev_num (call $proxy_http_call {cl} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000) (i32.const 264))) (call $ev_num (i32.load (i32.const 264))) (call $ev_end)
+    (i32.const 1))
+  (func (export "proxy_on_http_call_response") (param $root i32) (param $token i32) (param $nh i32) (param $nb i32) (param $nt i32)
+    (drop (call $proxy_get_buffer_bytes (i32.const 4) (i32.const 0) (local.get $nb) (i32.const 256) (i32.const 260)))
+    (call $ev_start {ev_resp}) (call $ev_num (local.get $token)) (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260))) (call $ev_end)
+    (drop (call $proxy_set_effective_context (global.get $stream)))
+    (drop (call $proxy_continue_stream (i32.const 0))))
+"#,
+        cl = w.s("pods"),
+        hdrs = hdrs,
+        bad = bad,
+        ev_bad = w.s("bad"),
+        ev_tok = w.s("call"),
+        ev_resp = w.s("resp"),
+    );
+    let eps = format!("\"{}\", \"{}\"", u1.addr, u2.addr);
+    let gw = Gateway::start(&one_cluster_config(&eps, true, ""), Some(&w.module("0_2_100", &body)), 1);
+    for _ in 0..4 {
+        assert_eq!(get(&gw.url("/x"), &[]).await.status, 200);
+    }
+    assert_eq!(u2.count("/callout"), 4);
+    assert_eq!(u1.count("/callout"), 0);
+    let ev = gw.wait_events(|e| e.iter().filter(|x| x.starts_with("resp")).count() == 4, "4 callout responses").await;
+    assert!(ev.contains(&"bad 2".to_string()), "missing :path is BadArgument: {ev:?}");
+    assert!(ev.contains(&"call 0 4".to_string()) && ev.contains(&"call 0 8".to_string()), "tokens 4, 8: {ev:?}");
+    assert!(ev.contains(&format!("resp 4 ok {}", u2.addr.port())), "{ev:?}");
+}
+
+#[test]
+fn on_configure_false_stops_the_gateway_with_the_plugin_name() {
+    let mut w = Wat::new();
+    let _ = w.s("x");
+    let body = r#"
+  (func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 0))
+"#;
+    let cfg = one_cluster_config("\"127.0.0.1:1\"", true, "");
+    let err = match Gateway::try_start(&cfg, Some(&w.module("0_2_100", body)), 1) {
+        Ok(_) => panic!("the gateway must not start"),
+        Err(e) => e,
+    };
+    assert!(err.contains("test-plugin") && err.contains("configur"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ticks_queues_metrics_and_header_properties() {
+    let up = Upstream::start().await;
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (global $ticked (mut i32) (i32.const 0))
+  (func (export "proxy_on_configure") (param $root i32) (param $size i32) (result i32)
+    (drop (call $proxy_register_shared_queue {q} (i32.const 700)))
+    (drop (call $proxy_define_metric (i32.const 0) {m} (i32.const 704)))
+    (drop (call $proxy_set_tick_period_milliseconds (i32.const 50)))
+    (i32.const 1))
+  (func (export "proxy_on_tick") (param $root i32)
+    (if (i32.eqz (global.get $ticked))
+      (then (global.set $ticked (i32.const 1)) (call $ev_start {ev_tick}) (call $ev_num (local.get $root)) (call $ev_end))))
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (drop (call $proxy_increment_metric (i32.load (i32.const 704)) (i64.const 1)))
+    (drop (call $proxy_get_property {hp} (i32.const 256) (i32.const 260)))
+    (call $ev_start {ev_hdr}) (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260))) (call $ev_end)
+    (drop (call $proxy_resolve_shared_queue (i32.const 0) (i32.const 0) {q} (i32.const 708)))
+    (call $ev_start {ev_enq}) (call $ev_num (call $proxy_enqueue_shared_queue (i32.load (i32.const 708)) {item})) (call $ev_end)
+    (i32.const 0))
+  (func (export "proxy_on_queue_ready") (param $root i32) (param $qid i32)
+    (drop (call $proxy_dequeue_shared_queue (local.get $qid) (i32.const 256) (i32.const 260)))
+    (call $ev_start {ev_q}) (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260))) (call $ev_end)
+    (call $ev_start {ev_empty}) (call $ev_num (call $proxy_dequeue_shared_queue (local.get $qid) (i32.const 256) (i32.const 260))) (call $ev_end))
+"#,
+        q = w.s("q"),
+        m = w.s("test_requests"),
+        ev_tick = w.s("tick"),
+        hp = w.b(b"request\0headers\0x-foo"),
+        ev_hdr = w.s("hdr"),
+        ev_enq = w.s("enqueue"),
+        item = w.s("item"),
+        ev_q = w.s("queue"),
+        ev_empty = w.s("empty"),
+    );
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 2);
+    for i in 1..=3 {
+        assert_eq!(get(&gw.url("/q"), &[("x-foo", "bar")]).await.status, 200);
+        // one at a time, so each enqueue finds the queue empty again
+        gw.wait_events(|e| e.iter().filter(|x| *x == "queue item").count() == i && e.iter().filter(|x| x.starts_with("empty")).count() == i, "queue ready").await;
+    }
+    let ev = gw.wait_events(|e| e.iter().filter(|x| *x == "queue item").count() == 3 && idx(e, "tick").is_some(), "queue and tick").await;
+    assert_eq!(ev.iter().filter(|e| *e == "hdr bar").count(), 3, "{ev:?}");
+    assert_eq!(ev.iter().filter(|e| *e == "enqueue 0").count(), 3, "{ev:?}");
+    assert_eq!(ev.iter().filter(|e| *e == "empty 7").count(), 3, "dequeue of an empty queue is Empty: {ev:?}");
+    let stats = get(&gw.admin_url("/stats"), &[]).await.text();
+    assert!(stats.contains("test_requests 3"), "plugin metrics on /stats: {stats}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_requests_all_complete_and_counters_return_to_zero() {
+    let (u1, u2) = (Upstream::start().await, Upstream::start().await);
+    let eps = format!("\"{}\", \"{}\"", u1.addr, u2.addr);
+    let gw = Gateway::start(&one_cluster_config(&eps, true, ""), Some(&lifecycle_plugin()), 2);
+    let mut tasks = Vec::new();
+    for t in 0..20 {
+        let url = gw.url("/load");
+        tasks.push(tokio::spawn(async move {
+            let c = client();
+            for i in 0..10 {
+                let body = format!("{{\"t\":{t},\"i\":{i}}}");
+                let req = hyper::Request::post(&url).body(gateway::body::GwBody::full(bytes::Bytes::from(body.clone()))).unwrap();
+                let r = c.request(req).await.unwrap();
+                assert_eq!(r.status(), 200);
+                use http_body_util::BodyExt;
+                let b = r.into_body().collect().await.unwrap().to_bytes();
+                assert!(b.starts_with(b"ok "));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(u1.count("/load") + u2.count("/load"), 200);
+    let bodies: std::collections::HashSet<_> = u1.requests().into_iter().chain(u2.requests()).map(|r| r.body).collect();
+    assert_eq!(bodies.len(), 200, "every body arrived intact and once");
+    let ev = gw.wait_events(|e| e.iter().filter(|x| x.starts_with("delete")).count() == 200, "200 deletes").await;
+    assert_eq!(ev.iter().filter(|x| x.starts_with("log")).count(), 200);
+    let stats = get(&gw.admin_url("/stats"), &[]).await.text();
+    assert!(stats.lines().filter(|l| l.starts_with("gateway_upstream_rq_active")).all(|l| l.ends_with(" 0")), "{stats}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_op_timeout_gives_network_error() {
+    let up = Upstream::start().await;
+    // Accepts connections and reads, but never answers.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else { continue };
+            tokio::spawn(async move {
+                use tokio::io::AsyncReadExt;
+                let mut b = [0u8; 1024];
+                while let Ok(n) = s.read(&mut b).await {
+                    if n == 0 {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let gw = Gateway::start(&redis_config(&up, &addr.to_string()), Some(&redis_plugin()), 1);
+    let t = Instant::now();
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
+    assert_eq!(r.status, 503, "op timeout (1000 ms in redis_init) -> NetworkError");
+    assert!(t.elapsed() >= Duration::from_millis(900) && t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let ev = gw.wait_events(|e| idx(e, "redis").is_some(), "redis callback").await;
+    assert!(ev.contains(&"redis 7 1 0".to_string()), "{ev:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn client_abort_while_waiting_for_the_upstream_ends_the_context_promptly() {
+    let up = Upstream::start().await;
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&lifecycle_plugin()), 1);
+    {
+        use tokio::io::AsyncWriteExt;
+        let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(b"GET /hang HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let t = Instant::now();
+    let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete after abort").await;
+    assert!(t.elapsed() < Duration::from_secs(3), "the abort is noticed before the upstream answers (10 s)");
+    assert_eq!(ev.iter().map(|e| e.split(' ').next().unwrap()).collect::<Vec<_>>(), vec!["log", "done", "delete"]);
+    let stats = get(&gw.admin_url("/stats"), &[]).await.text();
+    assert!(stats.contains(&format!("gateway_upstream_rq_active{{cluster=\"pods\",host=\"{}\"}} 0", up.addr)), "{stats}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn header_changes_rematch_the_route_unless_clear_route_cache_off() {
+    let (u1, u2) = (Upstream::start().await, Upstream::start().await);
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (if (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {off} (i32.const 256) (i32.const 260)))
+      (then (drop (call $proxy_set_property {crc} {offv}))))
+    (if (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {rw} (i32.const 256) (i32.const 260)))
+      (then (drop (call $proxy_replace_header_map_value (i32.const 0) {path} {newpath}))))
+    (if (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {sc} (i32.const 256) (i32.const 260)))
+      (then (drop (call $proxy_add_header_map_value (i32.const 0) {tc} {c1}))))
+    (i32.const 0))
+"#,
+        off = w.s("x-off"),
+        crc = w.s("clear_route_cache"),
+        offv = w.s("off"),
+        rw = w.s("x-rewrite"),
+        path = w.s(":path"),
+        newpath = w.s("/a/x"),
+        sc = w.s("x-set-cluster"),
+        tc = w.s("x-target-cluster"),
+        c1 = w.s("c1"),
+    );
+    let cfg = format!(
+        "listeners: [{{name: main, address: 127.0.0.1:0}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n  - {{name: r-a, match: {{prefix: /a}}, cluster: c1}}\n  - {{name: r-hdr, match: {{prefix: /, host: hdr.test}}, cluster_header: x-target-cluster}}\n  - {{name: r-root, match: {{prefix: /}}, cluster: c2}}\nclusters:\n  - {{name: c1, endpoints: [\"{}\"]}}\n  - {{name: c2, endpoints: [\"{}\"]}}\nplugin:\n  wasm: {{PLUGIN}}\n  name: test-plugin\n",
+        u1.addr, u2.addr
+    );
+    let gw = Gateway::start(&cfg, Some(&w.module("0_2_100", &body)), 1);
+    let r = get(&gw.url("/b"), &[("x-rewrite", "1")]).await;
+    assert_eq!(r.header("x-gateway-upstream-host"), Some(u1.addr.to_string()), "path change re-matched to route r-a");
+    assert_eq!(u1.requests()[0].path, "/a/x");
+    let r = get(&gw.url("/b"), &[("x-rewrite", "1"), ("x-off", "1")]).await;
+    assert_eq!(r.header("x-gateway-upstream-host"), Some(u2.addr.to_string()), "clear_route_cache=off keeps route r-root");
+    assert_eq!(u2.requests()[0].path, "/a/x");
+    let r = get(&gw.url("/"), &[("host", "hdr.test:8080"), ("x-set-cluster", "1")]).await;
+    assert_eq!(r.header("x-gateway-upstream-host"), Some(u1.addr.to_string()), "cluster_header read when the headers leave the filter");
+    let r = get(&gw.url("/"), &[("host", "hdr.test")]).await;
+    assert_eq!(r.status, 404, "cluster_header absent");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn wasi_stdio_clock_and_random_work_inside_the_workers() {
+    let up = Upstream::start().await;
+    let mut w = Wat::new();
+    let text = "hello from wasi stdout\n";
+    let body = format!(
+        r#"
+  (import "wasi_snapshot_preview1" "clock_time_get" (func $clock_time_get (param i32 i64 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "random_get" (func $random_get (param i32 i32) (result i32)))
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (i32.store (i32.const 800) (i32.const {addr}))
+    (i32.store (i32.const 804) (i32.const {len}))
+    (call $ev_start {ev_w}) (call $ev_num (call $fd_write (i32.const 1) (i32.const 800) (i32.const 1) (i32.const 808))) (call $ev_num (i32.load (i32.const 808))) (call $ev_end)
+    (call $ev_start {ev_c}) (call $ev_num (call $clock_time_get (i32.const 0) (i64.const 1) (i32.const 816)))
+    (call $ev_num (i64.gt_u (i64.load (i32.const 816)) (i64.const 1600000000000000000))) (call $ev_end)
+    (call $ev_start {ev_r}) (call $ev_num (call $random_get (i32.const 832) (i32.const 16))) (call $ev_end)
+    (i32.const 0))
+"#,
+        addr = { let s = w.s(text); s.split(' ').nth(1).unwrap().trim_end_matches(')').to_string() },
+        len = text.len(),
+        ev_w = w.s("fd_write"),
+        ev_c = w.s("clock"),
+        ev_r = w.s("random"),
+    );
+    let module = w.module("0_2_100", &body);
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&module), 1);
+    assert_eq!(get(&gw.url("/w"), &[]).await.status, 200);
+    let ev = gw.wait_events(|e| idx(e, "random").is_some(), "wasi calls").await;
+    assert!(ev.contains(&format!("fd_write 0 {}", text.len())), "{ev:?}");
+    assert!(ev.contains(&"clock 0 1".to_string()), "{ev:?}");
+    assert!(ev.contains(&"random 0".to_string()), "{ev:?}");
+    let log = gw.log.lock().unwrap().clone();
+    assert!(log.iter().any(|l| l.contains("hello from wasi stdout")), "plugin stdout goes to the gateway's stderr");
+}
