@@ -80,6 +80,7 @@ case "$cmd" in
     "$ROOT/target/release/bench" demo "$@" ;;
   bench)
     build_wasm; build_native; ensure_redis
+    apt_install fonts-dejavu-core   # text in the PNG chart
     "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
   package)
     build_wasm
