@@ -1,0 +1,87 @@
+//! Where the artifacts under test live, and small helpers for unique names and free ports.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The workspace root (parent of this crate's directory).
+pub fn workspace_root() -> PathBuf {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.parent().map(Path::to_path_buf).unwrap_or_else(|| here.to_path_buf())
+}
+
+/// Cargo's target directory: `$CARGO_TARGET_DIR` or `<workspace>/target`.
+pub fn target_dir() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => {
+            let p = PathBuf::from(dir);
+            if p.is_absolute() {
+                p
+            } else {
+                workspace_root().join(p)
+            }
+        }
+        None => workspace_root().join("target"),
+    }
+}
+
+/// The gateway binary: `$GATEWAY_BIN` or `<target>/release/gateway`.
+pub fn gateway_bin() -> PathBuf {
+    std::env::var_os("GATEWAY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| target_dir().join("release").join("gateway"))
+}
+
+/// The plugin module: `$AI_LB_WASM` or `<target>/wasm32-wasip1/wasm-release/ai_load_balancer.wasm`.
+pub fn plugin_wasm() -> PathBuf {
+    std::env::var_os("AI_LB_WASM").map(PathBuf::from).unwrap_or_else(|| {
+        target_dir()
+            .join("wasm32-wasip1")
+            .join("wasm-release")
+            .join("ai_load_balancer.wasm")
+    })
+}
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it).
+pub fn free_port() -> std::io::Result<u16> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    Ok(listener.local_addr()?.port())
+}
+
+/// A name unique within this machine for a while: prefix, process id, a counter and the clock.
+/// Used for route names (Redis key namespaces), temp dirs and conversation texts.
+pub fn unique_name(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{prefix}-{}-{n}-{nanos:x}", std::process::id())
+}
+
+/// A fresh temporary directory (removed by [`TempDir`]'s drop).
+pub struct TempDir {
+    path: PathBuf,
+}
+
+impl TempDir {
+    /// Creates `<tmp>/<unique prefix name>`.
+    pub fn new(prefix: &str) -> std::io::Result<TempDir> {
+        let path = std::env::temp_dir().join(unique_name(prefix));
+        std::fs::create_dir_all(&path)?;
+        Ok(TempDir { path })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}

@@ -1,0 +1,296 @@
+//! prefix_cache end to end: the compiled plugin in the gateway, a real Redis, recording pods.
+//!
+//! What a user notices: every turn of a conversation lands on the pod that holds its KV cache;
+//! new conversations spread over the pods; when that pod leaves the cluster or turns unhealthy the
+//! conversation moves once and then stays on its new pod; Redis holds the prefix keys with a TTL.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use e2e::*;
+use serde_json::json;
+
+const TTL_S: i64 = 120;
+
+fn prefix_config(route: &str, pods: &[Pod], redis: &RedisFixture) -> GatewayConfig {
+    redis_policy_config(route, pods, redis, "prefix_cache", json!({"redisKeyTTL": TTL_S, "timeout": 1000}))
+}
+
+fn question(turn: usize) -> String {
+    format!(
+        "Turn {turn}: given the previous answers, what does clause {} of the contract imply for the \
+         delivery schedule, and which risks should we flag to the customer?",
+        turn * 7
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_turn_conversations_stick_to_their_pod_and_new_ones_spread() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pc", 3).await.unwrap();
+    let gw = Arc::new(Gateway::start(&prefix_config("route-stick", &pods, &redis)).await.unwrap());
+
+    // Six new conversations arrive while the pods are busy with them (requests held open): a miss
+    // falls back to global least request, so they must spread evenly, two per pod.
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let mut first_turns = Vec::new();
+    for i in 0..6 {
+        let gw = gw.clone();
+        first_turns.push(tokio::spawn(async move {
+            let mut conv = Conversation::new(&format!("contract review #{i} ({})", paths::unique_name("c")));
+            let host = conv.turn(&gw, &question(1)).await;
+            (conv, host)
+        }));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    eventually(Duration::from_secs(10), "6 first turns in flight at the pods", || async {
+        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 6)
+    })
+    .await
+    .unwrap();
+    let spread: Vec<usize> = pods.iter().map(Pod::in_flight).collect();
+    assert_eq!(spread, vec![2, 2, 2], "new conversations did not spread by least request");
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    let mut convs = Vec::new();
+    for t in first_turns {
+        let (conv, host) = t.await.unwrap();
+        convs.push((conv, host.unwrap()));
+    }
+
+    // Turns 2..5 of every conversation land on the pod of its first turn.
+    for turn in 2..=5 {
+        for (conv, home) in convs.iter_mut() {
+            let host = conv.turn(&gw, &question(turn)).await.unwrap();
+            assert_eq!(&host, home, "turn {turn} left its pod");
+        }
+    }
+    // The pods really got those requests, with the whole history each time.
+    for (conv, home) in &convs {
+        let pod = pod_at(&pods, home).unwrap();
+        let last_user = conv.messages[conv.messages.len() - 2]["content"].as_str().unwrap().to_string();
+        let seen = pod.inference_records().iter().any(|r| {
+            serde_json::from_slice::<serde_json::Value>(&r.body)
+                .map(|b| b["messages"].as_array().map(Vec::len) == Some(conv.messages.len() - 1)
+                    && b["messages"][conv.messages.len() - 2]["content"] == last_user.as_str())
+                .unwrap_or(false)
+        });
+        assert!(seen, "pod {home} never received the 5th turn of its conversation");
+    }
+    let per_pod: Vec<usize> = pods.iter().map(Pod::inference_count).collect();
+    assert_eq!(per_pod, vec![10, 10, 10], "each pod serves its two conversations' 5 turns");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
+
+async fn conversation_on_one_pod(gw: &Gateway, topic: &str) -> (Conversation, String) {
+    let mut conv = Conversation::new(topic);
+    let home = conv.turn(gw, &question(1)).await.unwrap();
+    let again = conv.turn(gw, &question(2)).await.unwrap();
+    assert_eq!(again, home, "turn 2 left its pod");
+    (conv, home)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversation_moves_off_a_removed_pod_and_stays_on_the_new_one() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("rm", 3).await.unwrap();
+    let gw = Gateway::start(&prefix_config("route-remove", &pods, &redis)).await.unwrap();
+
+    let (mut conv, old) = conversation_on_one_pod(&gw, "pod removal").await;
+    let remaining: Vec<String> = hosts(&pods).into_iter().filter(|h| *h != old).collect();
+    gw.set_endpoints(LLM_CLUSTER, &remaining).await.unwrap();
+    let old_count = pod_at(&pods, &old).unwrap().inference_count();
+
+    let new_home = conv.turn(&gw, &question(3)).await.unwrap();
+    assert_ne!(new_home, old, "turn 3 went to a pod that left the cluster");
+    assert!(remaining.contains(&new_home));
+    for turn in 4..=5 {
+        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), new_home, "turn {turn} left its new pod");
+    }
+    assert_eq!(pod_at(&pods, &old).unwrap().inference_count(), old_count, "removed pod still got traffic");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversation_moves_off_an_unhealthy_pod_and_stays_after_it_recovers() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("uh", 3).await.unwrap();
+    let gw = Gateway::start(&prefix_config("route-unhealthy", &pods, &redis)).await.unwrap();
+
+    let (mut conv, old) = conversation_on_one_pod(&gw, "unhealthy pod").await;
+    gw.set_health(LLM_CLUSTER, &[(old.as_str(), "Unhealthy")]).await.unwrap();
+    gw.wait_health(LLM_CLUSTER, &old, "Unhealthy", Duration::from_secs(5)).await.unwrap();
+    let old_count = pod_at(&pods, &old).unwrap().inference_count();
+
+    let new_home = conv.turn(&gw, &question(3)).await.unwrap();
+    assert_ne!(new_home, old, "turn 3 went to an unhealthy pod");
+    for turn in 4..=5 {
+        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), new_home, "turn {turn} left its new pod");
+    }
+    assert_eq!(pod_at(&pods, &old).unwrap().inference_count(), old_count, "unhealthy pod still got traffic");
+
+    // The conversation was re-homed in Redis: the old pod coming back does not pull it back
+    // (its KV cache for the later turns is on the new pod now).
+    gw.set_health(LLM_CLUSTER, &[(old.as_str(), "Healthy")]).await.unwrap();
+    gw.wait_health(LLM_CLUSTER, &old, "Healthy", Duration::from_secs(5)).await.unwrap();
+    assert_eq!(conv.turn(&gw, &question(6)).await.unwrap(), new_home, "turn 6 went back to the old pod");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_turns_stick_too() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("st", 3).await.unwrap();
+    for p in &pods {
+        p.set_stream_chunk_delay(Duration::from_millis(20));
+    }
+    let gw = Gateway::start(&prefix_config("route-stream", &pods, &redis)).await.unwrap();
+    let mut conv = Conversation::new("streaming");
+    conv.stream = true;
+    let home = conv.turn(&gw, &question(1)).await.unwrap();
+    assert!(conv.messages.last().unwrap()["content"].as_str().unwrap().starts_with("Hello from"));
+    for turn in 2..=5 {
+        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), home, "streamed turn {turn} left its pod");
+    }
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
+
+/// The prefix blocks of a chat body as the plugin's contract (issue 2) defines them:
+/// `role + ":" + content` concatenated, cut after each user message and after the last message.
+fn expected_blocks(messages: &[serde_json::Value]) -> Vec<String> {
+    let mut blocks = Vec::new();
+    let mut cur = String::new();
+    for (i, m) in messages.iter().enumerate() {
+        let role = m["role"].as_str().unwrap();
+        cur.push_str(role);
+        cur.push(':');
+        cur.push_str(m["content"].as_str().unwrap());
+        if role == "user" || i + 1 == messages.len() {
+            blocks.push(std::mem::take(&mut cur));
+        }
+    }
+    blocks
+}
+
+/// key_i = key_{i-1} XOR sha1(block_i), upper-case hex.
+fn expected_chain(blocks: &[String]) -> Vec<String> {
+    use sha1::{Digest, Sha1};
+    let mut acc = [0u8; 20];
+    blocks
+        .iter()
+        .map(|b| {
+            for (a, x) in acc.iter_mut().zip(Sha1::digest(b.as_bytes()).iter()) {
+                *a ^= x;
+            }
+            acc.iter().map(|b| format!("{b:02X}")).collect()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_holds_the_conversation_keys_with_ttl() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("ttl", 2).await.unwrap();
+    let route = "route-ttl";
+    let gw = Gateway::start(&prefix_config(route, &pods, &redis)).await.unwrap();
+    let mut conv = Conversation::new("key layout");
+    let home = conv.turn(&gw, &question(1)).await.unwrap();
+    for turn in 2..=3 {
+        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), home);
+    }
+
+    // The request of turn 3 held 3 blocks; turns 1 and 2 wrote the first 1 and 2 of the same chain.
+    // So Redis holds exactly those 3 prefix keys (README "## Design": namespaced by route and
+    // cluster with one hash tag), each naming the conversation's pod, each with a TTL <= redisKeyTTL.
+    let sent = &conv.messages[..conv.messages.len() - 1];
+    let chain = expected_chain(&expected_blocks(sent));
+    assert_eq!(chain.len(), 3);
+    let base = format!("higress:ai-lb:{{{route}|{LLM_CLUSTER}}}");
+    let mut expected: Vec<String> = chain.iter().map(|k| format!("{base}:pfx:{k}")).collect();
+    expected.sort();
+    let mut c = redis.client().await.unwrap();
+    let found = c.keys("*:pfx:*").await.unwrap();
+    assert_eq!(found, expected, "prefix keys in Redis");
+    for key in &found {
+        assert_eq!(c.get(key).await.unwrap().as_deref(), Some(home.as_str()), "{key}");
+        let ttl = c.ttl(key).await.unwrap();
+        assert!(ttl > 0 && ttl <= TTL_S, "key {key} has TTL {ttl}, expected 1..={TTL_S}");
+    }
+    // The in-flight counters of this route live under the same hash tag.
+    let inflight = c.keys(&format!("{base}:inflight")).await.unwrap();
+    assert_eq!(inflight.len(), 1, "in-flight hash {base}:inflight missing");
+
+    // A hit refreshes the TTL of the matched keys.
+    let first = &expected.iter().find(|k| k.ends_with(&chain[0])).unwrap().clone();
+    c.cmd(&["EXPIRE", first, "20"]).await.unwrap();
+    assert!(c.ttl(first).await.unwrap() <= 20);
+    assert_eq!(conv.turn(&gw, &question(4)).await.unwrap(), home);
+    let ttl = c.ttl(first).await.unwrap();
+    assert!(ttl > 20 && ttl <= TTL_S, "matched key's TTL not refreshed: {ttl}");
+    // And turn 4 added its own block to the chain.
+    assert_eq!(c.keys("*:pfx:*").await.unwrap().len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_prompts_and_tool_lists_are_part_of_the_prefix() {
+    use testkit::http::HttpRequest;
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("tools", 2).await.unwrap();
+    let gw = Gateway::start(&prefix_config("route-tools", &pods, &redis)).await.unwrap();
+
+    // /v1/completions: the same long prompt goes to the same pod every time.
+    let prompt = "Translate the following legal text into plain English, keeping every obligation: ".repeat(20);
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let r = gw
+            .send(HttpRequest::post_json("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 16})), REQUEST_TIMEOUT)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+        seen.push(r.upstream().unwrap());
+    }
+    assert_eq!(tally(&seen).len(), 1, "same prompt, different pods: {:?}", named(&pods, &seen));
+
+    // Same messages, different `tools`: the chat template renders the tools first, so the KV
+    // prefixes differ and the second request must not be glued to the first one's pod. With the
+    // first request held on its pod, least request sends the second one to the other pod.
+    let messages = json!([{"role": "user", "content": "What is the weather in Paris tomorrow?"}]);
+    let tool = |name: &str| json!([{"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let first = spawn_request(
+        gw.addr(),
+        HttpRequest::post_json("/v1/chat/completions", &json!({"model": MODEL, "messages": messages, "tools": tool("get_weather")})),
+        Duration::from_secs(20),
+    );
+    eventually(Duration::from_secs(10), "first request at a pod", || async {
+        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 1)
+    })
+    .await
+    .unwrap();
+    let first_pod = pods.iter().find(|p| p.in_flight() == 1).unwrap().host();
+    for p in &pods {
+        p.set_hold(false);
+    }
+    let second = gw
+        .send(HttpRequest::post_json("/v1/chat/completions", &json!({"model": MODEL, "messages": messages, "tools": tool("get_forecast_v2")})), REQUEST_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(second.status, 200);
+    assert_ne!(second.upstream().unwrap(), first_pod, "a different tool list reused the other prefix's pod");
+    for p in &pods {
+        p.release();
+    }
+    assert_eq!(first.await.unwrap().unwrap().status, 200);
+    // Same tools again: a hit on the first pod.
+    let again = gw
+        .send(HttpRequest::post_json("/v1/chat/completions", &json!({"model": MODEL, "messages": messages, "tools": tool("get_weather")})), REQUEST_TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(again.upstream().unwrap(), first_pod);
+}

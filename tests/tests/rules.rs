@@ -1,0 +1,85 @@
+//! Per-route configuration as Higress delivers WasmPlugin matchRules (`_rules_`): each route or
+//! domain gets its own policy; requests no rule matches keep the gateway's normal balancing.
+
+use std::time::Duration;
+
+use e2e::*;
+use serde_json::json;
+use testkit::http::HttpRequest;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_pick_the_policy_per_route_and_domain() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("rules", 3).await.unwrap();
+    let mut pc = redis_lb_config();
+    pc["redisKeyTTL"] = json!(300);
+    let cfg = GatewayConfig::new()
+        .route("route-pc", "/pc/", LLM_CLUSTER)
+        .route("route-plain", "/", LLM_CLUSTER)
+        .cluster(LLM_CLUSTER, &hosts(&pods))
+        .redis(&redis.endpoint())
+        .plugin(json!({
+            // No top-level policy (Higress defaultConfigDisable): only the rules configure it.
+            "_rules_": [
+                {"_match_route_": ["route-pc"], "lb_policy": "prefix_cache", "lb_config": pc},
+                {"_match_domain_": ["glr.example.com"], "lb_policy": "global_least_request", "lb_config": redis_lb_config()}
+            ]
+        }));
+    let gw = Gateway::start(&cfg).await.unwrap();
+
+    // route-pc: prefix_cache, the conversation sticks.
+    let mut conv = Conversation::new("rules");
+    let mut seen = Vec::new();
+    for turn in 1..=4 {
+        conv.messages.push(json!({"role": "user", "content": format!("turn {turn} on the prefix route")}));
+        let r = gw.send(HttpRequest::post_json("/pc/v1/chat/completions", &conv.body()), REQUEST_TIMEOUT).await.unwrap();
+        assert_eq!(r.status, 200);
+        seen.push(r.upstream().unwrap());
+        conv.messages.push(json!({"role": "assistant", "content": answer_text(&r).unwrap()}));
+    }
+    assert_eq!(tally(&seen).len(), 1, "prefix route: {:?}", named(&pods, &seen));
+
+    // route-plain, no matching rule: the same growing conversation is round robin.
+    let mut seen = Vec::new();
+    for turn in 1..=6 {
+        conv.messages.push(json!({"role": "user", "content": format!("turn {turn} on the plain route")}));
+        let r = gw.send(HttpRequest::post_json("/v1/chat/completions", &conv.body()), REQUEST_TIMEOUT).await.unwrap();
+        assert_eq!(r.status, 200);
+        seen.push(r.upstream().unwrap());
+        conv.messages.push(json!({"role": "assistant", "content": answer_text(&r).unwrap()}));
+    }
+    assert_eq!(tally(&seen).values().copied().collect::<Vec<_>>(), vec![2, 2, 2], "plain route: {:?}", named(&pods, &seen));
+    let mut c = redis.client().await.unwrap();
+    let plain_keys = c.keys("*route-plain*").await.unwrap();
+    assert!(plain_keys.is_empty(), "the plain route wrote Redis keys: {plain_keys:?}");
+    assert!(!c.keys("*route-pc*:pfx:*").await.unwrap().is_empty(), "the prefix route wrote no keys");
+
+    // Domain rule on the plain route: global least request spreads held requests evenly.
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let mut pending = Vec::new();
+    for i in 0..6 {
+        let body = json!({"model": MODEL, "messages": [{"role": "user", "content": format!("domain job {i}")}]});
+        let req = HttpRequest::post_json("/v1/chat/completions", &body).header("host", "glr.example.com");
+        pending.push(spawn_request(gw.addr(), req, Duration::from_secs(30)));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    eventually(Duration::from_secs(10), "6 domain requests in flight", || async {
+        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 6)
+    })
+    .await
+    .unwrap();
+    assert_eq!(pods.iter().map(Pod::in_flight).collect::<Vec<_>>(), vec![2, 2, 2]);
+    let counters = redis_counters(&redis).await.unwrap();
+    let domain_total: i64 = counters.iter().filter(|(k, _, _)| k.contains("route-plain")).map(|(_, _, v)| v).sum();
+    assert_eq!(domain_total, 6, "global least request counters for the domain rule: {counters:?}");
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    for h in pending {
+        assert_eq!(h.await.unwrap().unwrap().status, 200);
+    }
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
