@@ -38,7 +38,7 @@ const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 enum Backend {
     Docker {
-        container: ContainerAsync<GenericImage>,
+        container: Box<ContainerAsync<GenericImage>>,
     },
     Local {
         child: Option<Child>,
@@ -227,7 +227,7 @@ impl RedisFixture {
                 Ok(container) => {
                     let mut fixture = RedisFixture {
                         port,
-                        backend: Backend::Docker { container },
+                        backend: Backend::Docker { container: Box::new(container) },
                         running: true,
                         password: password.map(str::to_string),
                     };
