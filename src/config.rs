@@ -315,7 +315,8 @@ impl RuleMatch {
             || self.route_prefixes.iter().any(|p| input.route.starts_with(p.as_str()));
         let domain_ok = self.domains.is_empty() || {
             let host = strip_port(input.authority).to_ascii_lowercase();
-            self.domains.iter().any(|d| domain_matches(&d.to_ascii_lowercase(), &host))
+            // Patterns are lower-cased once at parse time (not per request).
+            self.domains.iter().any(|d| domain_matches(d, &host))
         };
         let service_ok = self.services.is_empty() || self.services.iter().any(|s| service_matches(s, input.cluster));
         route_ok && domain_ok && service_ok
@@ -370,7 +371,7 @@ fn parse_matcher(obj: &Map<String, Value>, path: &str) -> Result<RuleMatch, Conf
             let list = string_list(v, &field)?;
             match key {
                 "_match_route_" => m.routes = list,
-                "_match_domain_" => m.domains = list,
+                "_match_domain_" => m.domains = list.into_iter().map(|d| d.to_ascii_lowercase()).collect(),
                 "_match_service_" => m.services = list,
                 _ => m.route_prefixes = list,
             }

@@ -257,3 +257,15 @@ fn rules_inherit_top_level_keys_and_default_applies_otherwise() {
     assert_eq!(i, 1);
     assert!(matches!(cfg.policy, PolicyConfig::GlobalLeastRequest(_)));
 }
+
+#[test]
+fn domain_patterns_match_case_insensitively_in_either_direction() {
+    // Patterns are lower-cased once when the config is parsed; hosts on every request.
+    let json = r#"{"_rules_": [{"_match_domain_": ["*.Example.COM", "API.Test"], "lb_policy": "endpoint_metrics"}]}"#;
+    let c = parse(json).unwrap();
+    let sel = |authority: &str| c.select(&MatchInput { route: "r", authority, cluster: "" }).map(|(i, _)| i);
+    assert_eq!(sel("chat.example.com"), Some(0));
+    assert_eq!(sel("CHAT.EXAMPLE.COM:8443"), Some(0));
+    assert_eq!(sel("api.test"), Some(0));
+    assert_eq!(sel("api.test.evil"), None);
+}

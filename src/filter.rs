@@ -161,16 +161,7 @@ impl Filter {
         }
         for c in all {
             let p: PolicyRef = Rc::new(RefCell::new(policy::build(c)));
-            {
-                let mut tracking = Tracking { inner: host, tokens: Vec::new() };
-                if let Ok(mut pol) = p.try_borrow_mut() {
-                    pol.on_start(&mut tracking);
-                }
-                let tokens = std::mem::take(&mut tracking.tokens);
-                for t in tokens {
-                    self.tokens.insert(t, TokenOwner { policy: p.clone(), stream: None });
-                }
-            }
+            self.run_root(host, &p, |pol, h| pol.on_start(h));
             policies.push(Some(p));
         }
         if cfg.default.is_none() {
@@ -229,14 +220,7 @@ impl Filter {
     pub fn on_tick(&mut self, host: &mut dyn Host) {
         let policies: Vec<PolicyRef> = self.policies.iter().flatten().cloned().collect();
         for p in policies {
-            let mut tracking = Tracking { inner: host, tokens: Vec::new() };
-            if let Ok(mut pol) = p.try_borrow_mut() {
-                pol.on_tick(&mut tracking);
-            }
-            let tokens = std::mem::take(&mut tracking.tokens);
-            for t in tokens {
-                self.tokens.insert(t, TokenOwner { policy: p.clone(), stream: None });
-            }
+            self.run_root(host, &p, |pol, h| pol.on_tick(h));
         }
     }
 
@@ -246,13 +230,12 @@ impl Filter {
         let route = host.route_name().unwrap_or_default();
         let cluster = host.cluster_name().unwrap_or_default();
         let authority = host.request_header(":authority").unwrap_or_default();
-        let path = host.request_header(":path").unwrap_or_default();
         let Some((idx, lb)) = cfg.select(&MatchInput { route: &route, authority: &authority, cluster: &cluster }) else {
             return HEADERS_CONTINUE;
         };
         let max_body = lb.max_body_bytes;
         let Some(Some(p)) = self.policies.get(idx).cloned() else { return HEADERS_CONTINUE };
-        let stream = Stream { id: ctx, route, cluster, authority, path, start_ns: host.now_nanos(), data: None };
+        let stream = Stream { id: ctx, route, cluster, authority, start_ns: host.now_nanos(), data: None };
         let entry = StreamEntry { policy: p, stream, phase: Phase::Done, max_body, ended: false, outstanding: 0 };
         self.streams.insert(ctx, entry);
         let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_request_headers(h, s, end_of_stream));
@@ -296,16 +279,8 @@ impl Filter {
             Phase::Pending => DATA_STOP_AND_BUFFER,
             Phase::WaitingBody => {
                 if body_size > entry.max_body {
-                    host.log(
-                        LogLevel::Info,
-                        &format!(
-                            "ai-load-balancer: request body larger than maxBodyBytes ({} > {}); using normal balancing",
-                            body_size, entry.max_body
-                        ),
-                    );
-                    host.increment_counter("ai_lb_fallback_body_too_large", 1);
-                    self.set_phase(ctx, Phase::Done);
-                    return DATA_CONTINUE;
+                    let max = entry.max_body;
+                    return self.body_too_large(host, ctx, body_size, max);
                 }
                 if !end_of_stream {
                     return DATA_STOP_AND_BUFFER;
@@ -315,24 +290,40 @@ impl Filter {
                     self.set_phase(ctx, Phase::Done);
                     return DATA_CONTINUE;
                 };
-                let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_request_body(h, s, &body));
-                match decision {
-                    Decision::Pending if self.outstanding(ctx) > 0 => {
-                        self.set_phase(ctx, Phase::Pending);
-                        DATA_STOP_AND_BUFFER
-                    }
-                    Decision::Pending | Decision::NeedBody => {
-                        self.set_phase(ctx, Phase::Done);
-                        DATA_CONTINUE
-                    }
-                    other => {
-                        self.set_phase(ctx, Phase::Done);
-                        if apply_final(host, other) {
-                            DATA_CONTINUE
-                        } else {
-                            DATA_STOP_AND_BUFFER
-                        }
-                    }
+                self.body_complete(host, ctx, &body)
+            }
+        }
+    }
+
+    /// A waiting body is over `maxBodyBytes`: normal balancing. Returns the data action.
+    fn body_too_large(&mut self, host: &mut dyn Host, ctx: u32, size: usize, max: usize) -> u32 {
+        host.log(
+            LogLevel::Info,
+            &format!("ai-load-balancer: request body larger than maxBodyBytes ({size} > {max}); using normal balancing"),
+        );
+        host.increment_counter("ai_lb_fallback_body_too_large", 1);
+        self.set_phase(ctx, Phase::Done);
+        DATA_CONTINUE
+    }
+
+    /// The complete body of a stream waiting for it: the policy decides. Returns the data action.
+    fn body_complete(&mut self, host: &mut dyn Host, ctx: u32, body: &[u8]) -> u32 {
+        let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_request_body(h, s, body));
+        match decision {
+            Decision::Pending if self.outstanding(ctx) > 0 => {
+                self.set_phase(ctx, Phase::Pending);
+                DATA_STOP_AND_BUFFER
+            }
+            Decision::Pending | Decision::NeedBody => {
+                self.set_phase(ctx, Phase::Done);
+                DATA_CONTINUE
+            }
+            other => {
+                self.set_phase(ctx, Phase::Done);
+                if apply_final(host, other) {
+                    DATA_CONTINUE
+                } else {
+                    DATA_STOP_AND_BUFFER
                 }
             }
         }
@@ -347,8 +338,15 @@ impl Filter {
             Phase::Pending => HEADERS_STOP_ITERATION,
             Phase::WaitingBody => {
                 let max = entry.max_body;
-                let size = host.request_body(max.saturating_add(1)).map(|b| b.len()).unwrap_or(0);
-                match self.on_request_body(host, ctx, size, true) {
+                // One read of up to max+1 bytes: its length says whether the body is over the
+                // limit, and it is the body the policy gets (no second copy of it).
+                let body = host.request_body(max.saturating_add(1)).unwrap_or_default();
+                let action = if body.len() > max {
+                    self.body_too_large(host, ctx, body.len(), max)
+                } else {
+                    self.body_complete(host, ctx, &body)
+                };
+                match action {
                     DATA_CONTINUE => HEADERS_CONTINUE,
                     _ => HEADERS_STOP_ITERATION,
                 }
@@ -431,14 +429,9 @@ impl Filter {
         let Some(sid) = stream_id else {
             // Root-level call, or its stream is gone: the policy may still need the reply (e.g. to
             // undo a +1 for a client that went away while the pick was in flight).
-            let mut tracking = Tracking { inner: host, tokens: Vec::new() };
-            if let Ok(mut pol) = owner.policy.try_borrow_mut() {
-                let _ = f(pol.as_mut(), &mut tracking, None, token);
-            }
-            let tokens = std::mem::take(&mut tracking.tokens);
-            for t in tokens {
-                self.tokens.insert(t, TokenOwner { policy: owner.policy.clone(), stream: None });
-            }
+            self.run_root(host, &owner.policy, |pol, h| {
+                let _ = f(pol, h, None, token);
+            });
             return;
         };
         if let Some(e) = self.streams.get_mut(&sid) {
@@ -462,6 +455,18 @@ impl Filter {
                     host.resume_request();
                 }
             }
+        }
+    }
+
+    /// Runs a root-level policy callback (start, tick, a reply without its stream), recording the
+    /// calls it makes so that their replies come back to this policy.
+    fn run_root(&mut self, host: &mut dyn Host, policy: &PolicyRef, f: impl FnOnce(&mut dyn Policy, &mut dyn Host)) {
+        let mut tracking = Tracking { inner: host, tokens: Vec::new() };
+        if let Ok(mut pol) = policy.try_borrow_mut() {
+            f(pol.as_mut(), &mut tracking);
+        }
+        for t in std::mem::take(&mut tracking.tokens) {
+            self.tokens.insert(t, TokenOwner { policy: policy.clone(), stream: None });
         }
     }
 

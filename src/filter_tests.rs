@@ -141,3 +141,31 @@ fn unconfigured_filter_passes_everything() {
     assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
     assert_eq!(f.on_request_body(&mut host, 1, 10, true), DATA_CONTINUE);
 }
+
+#[test]
+fn body_ending_with_trailers_is_read_from_the_host_once() {
+    let bodies = Rc::new(RefCell::new(Vec::new()));
+    let p = Scripted {
+        headers: Some(Decision::NeedBody),
+        body: Some(Decision::Route("10.0.0.9:80".into())),
+        bodies: bodies.clone(),
+        ..Default::default()
+    };
+    let mut f = Filter::with_policy(Box::new(p), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    host.request_body = b"hello".to_vec();
+    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DATA_STOP_AND_BUFFER);
+    assert_eq!(f.on_request_trailers(&mut host, 1), HEADERS_CONTINUE);
+    assert_eq!(*bodies.borrow(), vec![b"hello".to_vec()]);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
+    assert_eq!(host.body_reads.get(), 1, "one copy of the body, not one to size it and one to use it");
+    // Over maxBodyBytes with trailers: normal balancing, still one read.
+    let mut f = Filter::with_policy(Box::new(Scripted { headers: Some(Decision::NeedBody), ..Default::default() }), 3);
+    let mut host = FakeHost::new();
+    f.on_request_headers(&mut host, 1, false);
+    host.request_body = b"hello".to_vec();
+    assert_eq!(f.on_request_trailers(&mut host, 1), HEADERS_CONTINUE);
+    assert_eq!(host.body_reads.get(), 1);
+    assert!(host.logged("larger than maxBodyBytes"));
+}

@@ -18,6 +18,8 @@ pub struct FakeHost {
     pub request_headers: Vec<(String, String)>,
     /// The buffered request body.
     pub request_body: Vec<u8>,
+    /// How many times the plugin read the request body (each read is a copy out of the host).
+    pub body_reads: std::cell::Cell<u32>,
     /// Response headers (lower-case names, `:status` included).
     pub response_headers: Vec<(String, String)>,
     /// The cluster's hosts; `None` simulates a failing `proxy_get_upstream_hosts`.
@@ -126,6 +128,7 @@ impl Host for FakeHost {
         }
     }
     fn request_body(&self, max: usize) -> Option<Vec<u8>> {
+        self.body_reads.set(self.body_reads.get() + 1);
         Some(self.request_body.iter().take(max).copied().collect())
     }
     fn response_header(&self, name: &str) -> Option<String> {

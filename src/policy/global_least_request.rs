@@ -19,6 +19,7 @@ use super::{healthy_hosts, Decision, Policy, Stream};
 use crate::config::GlobalLeastRequestConfig;
 use crate::host::{Host, LogLevel, RedisReply};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
+use std::collections::HashMap;
 
 /// Body of the local 429 reply (same text as the Go plugin).
 pub const REJECT_BODY: &str = "Exceeded maximum request limit from ai-load-balancer.";
@@ -26,6 +27,22 @@ pub const REJECT_BODY: &str = "Exceeded maximum request limit from ai-load-balan
 /// How long a tombstone of an abandoned pick lives (s): longer than any Redis stall we expect a
 /// late pick to survive.
 const TOMBSTONE_TTL_S: u32 = 3600;
+
+/// A release whose delivery failed is sent again at most this many times in all.
+const MAX_RELEASE_ATTEMPTS: u32 = 5;
+/// At most this many failed releases wait for Redis to come back (bounded memory per worker).
+const MAX_QUEUED_RELEASES: usize = 1024;
+
+/// One release (`-1`, or the cancel of an abandoned pick). `release.lua` is idempotent per pick
+/// record, so a release whose outcome is unknown can always be sent again.
+#[derive(Debug, Clone)]
+struct Release {
+    inflight_key: String,
+    req_key: String,
+    tombstone_ttl_s: u32,
+    /// Sends that failed so far.
+    failures: u32,
+}
 
 /// Per-request state of a pick.
 #[derive(Debug, Default)]
@@ -98,6 +115,12 @@ pub(crate) struct Picker {
     release: Script,
     /// Name for logs.
     name: &'static str,
+    /// Releases sent and not yet answered, by token. A lost release (NetworkError: Higress closes
+    /// the whole pipeline on an op timeout, taking the releases queued behind a stalled pick with
+    /// it) would otherwise leave a phantom in-flight count on that host for good.
+    releases_in_flight: HashMap<u32, Release>,
+    /// Failed releases, sent again as soon as a Redis reply shows the connection works.
+    release_retry: Vec<Release>,
 }
 
 impl Picker {
@@ -108,6 +131,8 @@ impl Picker {
             script: Script::new(source),
             release: Script::new(redis::RELEASE_LUA),
             name,
+            releases_in_flight: HashMap::new(),
+            release_retry: Vec::new(),
         }
     }
 
@@ -168,6 +193,12 @@ impl Picker {
         token: u32,
         reply: &RedisReply,
     ) -> Result<PickResult, Decision> {
+        // The reply to one of our releases (whatever the stream's state): resend it if it may not
+        // have run. Nothing waits for it.
+        if let Some(rel) = self.releases_in_flight.remove(&token) {
+            self.on_release_reply(host, rel, reply);
+            return Err(Decision::Pending);
+        }
         // A stream that ended while its pick was in flight already sent the cancel (on_done).
         let Some(stream) = stream else { return Err(Decision::Pending) };
         let name = self.name;
@@ -215,6 +246,8 @@ impl Picker {
             self.redis.on_error_reply(msg);
             return Err(Decision::Passthrough);
         }
+        // Redis answered: releases lost earlier can go out again (before this stream's own).
+        self.flush_release_retries(host);
         let Some(pick) = parse_pick(&frame) else {
             host.log(LogLevel::Warn, &format!("{name}: unexpected script reply; using normal balancing"));
             let (k, r) = (state.inflight_key.clone(), state.req_key.clone());
@@ -258,10 +291,63 @@ impl Picker {
     }
 
     fn send_release(&mut self, host: &mut dyn Host, inflight_key: &str, req_key: &str, tombstone_ttl_s: u32) {
-        // Fire-and-forget, and EVAL (not EVALSHA): nothing waits for this reply, so there would be
-        // no NOSCRIPT retry; the script is small.
-        let q = self.release.command(&[inflight_key.to_string(), req_key.to_string()], &[tombstone_ttl_s.to_string()], true);
-        let _ = self.redis.call(host, &q);
+        let rel = Release { inflight_key: inflight_key.to_string(), req_key: req_key.to_string(), tombstone_ttl_s, failures: 0 };
+        self.send_release_record(host, rel);
+    }
+
+    fn send_release_record(&mut self, host: &mut dyn Host, rel: Release) {
+        // Off the request path, and EVAL (not EVALSHA): no NOSCRIPT round trip; the script is small.
+        let q = self.release.command(
+            &[rel.inflight_key.clone(), rel.req_key.clone()],
+            &[rel.tombstone_ttl_s.to_string()],
+            true,
+        );
+        match self.redis.call(host, &q) {
+            Ok(token) => {
+                self.releases_in_flight.insert(token, rel);
+            }
+            Err(_) => self.release_failed(host, rel),
+        }
+    }
+
+    /// A release reply: done if Redis ran it; otherwise (NetworkError, error reply such as NOAUTH
+    /// or LOADING, garbage) it may not have run, so it is queued to be sent again.
+    fn on_release_reply(&mut self, host: &mut dyn Host, rel: Release, reply: &RedisReply) {
+        let ran = match reply {
+            RedisReply::Ok(b) => match decode_reply(b) {
+                Ok(Frame::Error(msg)) => {
+                    self.redis.on_error_reply(&msg);
+                    false
+                }
+                Ok(_) => true,
+                Err(_) => false,
+            },
+            RedisReply::NetworkError => false,
+        };
+        if ran {
+            self.flush_release_retries(host);
+        } else {
+            self.release_failed(host, rel);
+        }
+    }
+
+    fn release_failed(&mut self, host: &mut dyn Host, mut rel: Release) {
+        rel.failures = rel.failures.saturating_add(1);
+        if rel.failures >= MAX_RELEASE_ATTEMPTS || self.release_retry.len() >= MAX_QUEUED_RELEASES {
+            host.log(
+                LogLevel::Warn,
+                &format!("{}: giving up the release of {} after {} failed sends", self.name, rel.req_key, rel.failures),
+            );
+            host.increment_counter("ai_lb_release_dropped", 1);
+            return;
+        }
+        self.release_retry.push(rel);
+    }
+
+    fn flush_release_retries(&mut self, host: &mut dyn Host) {
+        for rel in std::mem::take(&mut self.release_retry) {
+            self.send_release_record(host, rel);
+        }
     }
 }
 

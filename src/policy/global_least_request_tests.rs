@@ -234,3 +234,53 @@ fn replies_for_other_tokens_do_not_resume() {
     assert_eq!(host.resumes, 0);
     assert_eq!(host.override_host, None);
 }
+
+#[test]
+fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, true);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)), true);
+    f.on_delete(&mut host, 7);
+    let first = (inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string());
+    // Higress closes the pipeline on an op timeout: the -1 may never have reached Redis.
+    let lost = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, lost, &RedisReply::NetworkError, false);
+    assert_eq!(releases(&host), vec![first.clone()], "not resent into the broken connection at once");
+    // The next pick is answered: Redis is back, so the lost -1 goes out again (release.lua is
+    // idempotent per pick record, so a -1 that did run is not applied twice).
+    f.on_request_headers(&mut host, 9, true);
+    let t2 = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t2, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(releases(&host), vec![first.clone(), first.clone()]);
+    // Acknowledged this time: never sent again.
+    let resent = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, resent, &RedisReply::Ok(b"$13\r\n10.0.0.2:8000\r\n".to_vec()), false);
+    f.on_request_headers(&mut host, 11, true);
+    let t3 = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t3, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, true, None)), true);
+    assert_eq!(releases(&host), vec![first.clone(), first]);
+}
+
+#[test]
+fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, true);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)), true);
+    f.on_delete(&mut host, 7);
+    let mut ctx = 9;
+    for _ in 0..10 {
+        // Every send of the release is lost, every pick is answered.
+        let rt = host.last_redis_token().unwrap();
+        f.on_redis_reply(&mut host, rt, &RedisReply::NetworkError, false);
+        f.on_request_headers(&mut host, ctx, true);
+        let pt = host.last_redis_token().unwrap();
+        f.on_redis_reply(&mut host, pt, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, false, None)), true);
+        ctx += 2;
+    }
+    let first = req_key(&host, 0);
+    assert_eq!(releases(&host).iter().filter(|r| r.1 == first).count(), 5, "bounded resends");
+    assert!(host.logged("giving up the release"));
+}

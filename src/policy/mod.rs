@@ -66,8 +66,6 @@ pub struct Stream {
     pub cluster: String,
     /// `:authority`.
     pub authority: String,
-    /// `:path`.
-    pub path: String,
     /// Stream start time (ns since epoch) — for latency statistics.
     pub start_ns: u64,
     /// Policy-private state (downcast with `data_mut::<T>()`).
