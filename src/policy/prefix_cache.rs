@@ -58,10 +58,16 @@ pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> 
         match prompt {
             Value::String(s) => cur.push_str(s),
             Value::Array(items) => {
-                for it in items {
+                for (i, it) in items.iter().enumerate() {
                     match it {
                         Value::String(s) => cur.push_str(s),
-                        other => cur.push_str(&other.to_string()),
+                        other => {
+                            // Token ids: separated, or [1,23] and [12,3] would share a block.
+                            if i > 0 {
+                                cur.push(',');
+                            }
+                            cur.push_str(&other.to_string());
+                        }
                     }
                 }
             }

@@ -97,7 +97,12 @@ fn content_parts_images_tool_calls_tools_and_prompt() {
 
     assert_eq!(blocks_from_body(br#"{"prompt":"Once upon"}"#, false).unwrap(), vec!["Once upon"]);
     assert_eq!(blocks_from_body(br#"{"prompt":["a","b"]}"#, false).unwrap(), vec!["ab"]);
-    assert_eq!(blocks_from_body(br#"{"prompt":[1,2,3]}"#, false).unwrap(), vec!["123"]);
+    assert_eq!(blocks_from_body(br#"{"prompt":[1,2,3]}"#, false).unwrap(), vec!["1,2,3"]);
+    assert_ne!(
+        blocks_from_body(br#"{"prompt":[1,23]}"#, false),
+        blocks_from_body(br#"{"prompt":[12,3]}"#, false),
+        "different token-id prompts must not share a block"
+    );
     assert_eq!(blocks_from_body(br#"{"input":"x"}"#, false).unwrap(), Vec::<String>::new());
     assert_eq!(blocks_from_body(b"not json", false), None);
     assert_eq!(blocks_from_body(b"[1,2]", false), None);
