@@ -21,7 +21,13 @@ mod sys {
         pub fn proxy_log(level: u32, msg: *const u8, len: usize) -> u32;
         pub fn proxy_get_current_time_nanoseconds(out: *mut u64) -> u32;
         pub fn proxy_set_tick_period_milliseconds(ms: u32) -> u32;
-        pub fn proxy_get_buffer_bytes(t: u32, start: usize, max: usize, out: *mut *mut u8, out_len: *mut usize) -> u32;
+        pub fn proxy_get_buffer_bytes(
+            t: u32,
+            start: usize,
+            max: usize,
+            out: *mut *mut u8,
+            out_len: *mut usize,
+        ) -> u32;
         pub fn proxy_get_header_map_pairs(t: u32, out: *mut *mut u8, out_len: *mut usize) -> u32;
         pub fn proxy_get_header_map_value(
             t: u32,
@@ -30,10 +36,26 @@ mod sys {
             out: *mut *mut u8,
             out_len: *mut usize,
         ) -> u32;
-        pub fn proxy_replace_header_map_value(t: u32, key: *const u8, key_len: usize, v: *const u8, v_len: usize) -> u32;
+        pub fn proxy_replace_header_map_value(
+            t: u32,
+            key: *const u8,
+            key_len: usize,
+            v: *const u8,
+            v_len: usize,
+        ) -> u32;
         pub fn proxy_remove_header_map_value(t: u32, key: *const u8, key_len: usize) -> u32;
-        pub fn proxy_get_property(path: *const u8, path_len: usize, out: *mut *mut u8, out_len: *mut usize) -> u32;
-        pub fn proxy_set_property(path: *const u8, path_len: usize, v: *const u8, v_len: usize) -> u32;
+        pub fn proxy_get_property(
+            path: *const u8,
+            path_len: usize,
+            out: *mut *mut u8,
+            out_len: *mut usize,
+        ) -> u32;
+        pub fn proxy_set_property(
+            path: *const u8,
+            path_len: usize,
+            v: *const u8,
+            v_len: usize,
+        ) -> u32;
         pub fn proxy_get_shared_data(
             key: *const u8,
             key_len: usize,
@@ -41,7 +63,13 @@ mod sys {
             out_len: *mut usize,
             cas: *mut u32,
         ) -> u32;
-        pub fn proxy_set_shared_data(key: *const u8, key_len: usize, v: *const u8, v_len: usize, cas: u32) -> u32;
+        pub fn proxy_set_shared_data(
+            key: *const u8,
+            key_len: usize,
+            v: *const u8,
+            v_len: usize,
+            cas: u32,
+        ) -> u32;
         pub fn proxy_continue_stream(stream_type: u32) -> u32;
         pub fn proxy_send_local_response(
             status: u32,
@@ -123,7 +151,9 @@ fn take_host_bytes(ptr: *mut u8, len: usize) -> Vec<u8> {
     unsafe { Vec::from_raw_parts(ptr, len, len) }
 }
 
-fn get_bytes(f: impl FnOnce(*mut *mut u8, *mut usize) -> u32) -> Result<Option<Vec<u8>>, HostError> {
+fn get_bytes(
+    f: impl FnOnce(*mut *mut u8, *mut usize) -> u32,
+) -> Result<Option<Vec<u8>>, HostError> {
     let mut ptr: *mut u8 = std::ptr::null_mut();
     let mut len: usize = 0;
     match f(&mut ptr, &mut len) {
@@ -143,7 +173,10 @@ fn buffer_bytes(t: u32, start: usize, max: usize) -> Option<Vec<u8>> {
 
 fn header_value(map: u32, name: &str) -> Option<String> {
     // SAFETY: name is a valid slice; out-pointers are valid locals.
-    let v = get_bytes(|p, l| unsafe { sys::proxy_get_header_map_value(map, name.as_ptr(), name.len(), p, l) }).ok()??;
+    let v = get_bytes(|p, l| unsafe {
+        sys::proxy_get_header_map_value(map, name.as_ptr(), name.len(), p, l)
+    })
+    .ok()??;
     String::from_utf8(v).ok()
 }
 
@@ -187,12 +220,16 @@ impl Host for WasmHost {
     fn get_property(&self, path: &[&str]) -> Option<Vec<u8>> {
         let joined = path.join("\0");
         // SAFETY: joined is a valid slice; out-pointers are valid locals.
-        get_bytes(|p, l| unsafe { sys::proxy_get_property(joined.as_ptr(), joined.len(), p, l) }).ok().flatten()
+        get_bytes(|p, l| unsafe { sys::proxy_get_property(joined.as_ptr(), joined.len(), p, l) })
+            .ok()
+            .flatten()
     }
     fn set_property(&mut self, path: &[&str], value: &[u8]) -> Result<(), HostError> {
         let joined = path.join("\0");
         // SAFETY: valid slices.
-        status(unsafe { sys::proxy_set_property(joined.as_ptr(), joined.len(), value.as_ptr(), value.len()) })
+        status(unsafe {
+            sys::proxy_set_property(joined.as_ptr(), joined.len(), value.as_ptr(), value.len())
+        })
     }
     fn request_header(&self, name: &str) -> Option<String> {
         header_value(MAP_REQUEST_HEADERS, name)
@@ -201,8 +238,18 @@ impl Host for WasmHost {
         // SAFETY: valid slices.
         unsafe {
             match value {
-                Some(v) => sys::proxy_replace_header_map_value(MAP_REQUEST_HEADERS, name.as_ptr(), name.len(), v.as_ptr(), v.len()),
-                None => sys::proxy_remove_header_map_value(MAP_REQUEST_HEADERS, name.as_ptr(), name.len()),
+                Some(v) => sys::proxy_replace_header_map_value(
+                    MAP_REQUEST_HEADERS,
+                    name.as_ptr(),
+                    name.len(),
+                    v.as_ptr(),
+                    v.len(),
+                ),
+                None => sys::proxy_remove_header_map_value(
+                    MAP_REQUEST_HEADERS,
+                    name.as_ptr(),
+                    name.len(),
+                ),
             };
         }
     }
@@ -225,7 +272,13 @@ impl Host for WasmHost {
         // SAFETY: valid slice.
         status(unsafe { sys::proxy_set_upstream_override_host(addr.as_ptr(), addr.len()) })
     }
-    fn redis_init(&mut self, cluster: &str, username: &str, password: &str, timeout_ms: u32) -> Result<(), HostError> {
+    fn redis_init(
+        &mut self,
+        cluster: &str,
+        username: &str,
+        password: &str,
+        timeout_ms: u32,
+    ) -> Result<(), HostError> {
         // SAFETY: valid slices.
         status(unsafe {
             sys::proxy_redis_init(
@@ -242,7 +295,15 @@ impl Host for WasmHost {
     fn redis_call(&mut self, cluster: &str, query: &[u8]) -> Result<u32, HostError> {
         let mut token = 0u32;
         // SAFETY: valid slices and local.
-        status(unsafe { sys::proxy_redis_call(cluster.as_ptr(), cluster.len(), query.as_ptr(), query.len(), &mut token) })?;
+        status(unsafe {
+            sys::proxy_redis_call(
+                cluster.as_ptr(),
+                cluster.len(),
+                query.as_ptr(),
+                query.len(),
+                &mut token,
+            )
+        })?;
         Ok(token)
     }
     fn http_call(
@@ -276,7 +337,9 @@ impl Host for WasmHost {
     fn get_shared_data(&self, key: &str) -> (Option<Vec<u8>>, u32) {
         let mut cas = 0u32;
         // SAFETY: valid slice and locals.
-        let r = get_bytes(|p, l| unsafe { sys::proxy_get_shared_data(key.as_ptr(), key.len(), p, l, &mut cas) });
+        let r = get_bytes(|p, l| unsafe {
+            sys::proxy_get_shared_data(key.as_ptr(), key.len(), p, l, &mut cas)
+        });
         match r {
             Ok(v) => (v, cas),
             Err(_) => (None, 0),
@@ -284,7 +347,9 @@ impl Host for WasmHost {
     }
     fn set_shared_data(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), HostError> {
         // SAFETY: valid slices.
-        status(unsafe { sys::proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas) })
+        status(unsafe {
+            sys::proxy_set_shared_data(key.as_ptr(), key.len(), value.as_ptr(), value.len(), cas)
+        })
     }
     fn send_local_response(&mut self, status_code: u32, body: &[u8], headers: &[(&str, &str)]) {
         let h = crate::pairs::serialize(headers);
@@ -317,7 +382,9 @@ impl Host for WasmHost {
             }
             let mut id = 0u32;
             // SAFETY: valid slice and local.
-            let rc = unsafe { sys::proxy_define_metric(METRIC_COUNTER, name.as_ptr(), name.len(), &mut id) };
+            let rc = unsafe {
+                sys::proxy_define_metric(METRIC_COUNTER, name.as_ptr(), name.len(), &mut id)
+            };
             if rc != 0 {
                 return None;
             }
@@ -387,7 +454,11 @@ fn drain_deferred() {
         return; // the outermost with_filter drains
     }
     loop {
-        let next = DEFERRED.with(|d| d.try_borrow_mut().ok().and_then(|mut d| if d.is_empty() { None } else { Some(d.remove(0)) }));
+        let next = DEFERRED.with(|d| {
+            d.try_borrow_mut()
+                .ok()
+                .and_then(|mut d| if d.is_empty() { None } else { Some(d.remove(0)) })
+        });
         match next {
             Some(Deferred::Http(root, token, reply)) => deliver_http(root, token, &reply),
             Some(Deferred::Redis(root, token, reply)) => deliver_redis(root, token, &reply),
@@ -485,13 +556,17 @@ pub extern "C" fn proxy_on_queue_ready(_root: u32, _queue: u32) {}
 /// Request headers.
 #[no_mangle]
 pub extern "C" fn proxy_on_request_headers(ctx: u32, _headers: usize, end_of_stream: u32) -> u32 {
-    with_filter(ctx, HEADERS_CONTINUE, |f, _| f.on_request_headers(&mut WasmHost, ctx, end_of_stream != 0))
+    with_filter(ctx, HEADERS_CONTINUE, |f, _| {
+        f.on_request_headers(&mut WasmHost, ctx, end_of_stream != 0)
+    })
 }
 
 /// Request body chunk (cumulative size when buffering).
 #[no_mangle]
 pub extern "C" fn proxy_on_request_body(ctx: u32, size: usize, end_of_stream: u32) -> u32 {
-    with_filter(ctx, DATA_CONTINUE, |f, _| f.on_request_body(&mut WasmHost, ctx, size, end_of_stream != 0))
+    with_filter(ctx, DATA_CONTINUE, |f, _| {
+        f.on_request_body(&mut WasmHost, ctx, size, end_of_stream != 0)
+    })
 }
 
 /// Request trailers (the body ended without an end-of-stream body callback).
@@ -547,19 +622,31 @@ pub extern "C" fn proxy_on_delete(ctx: u32) {
 
 /// HTTP-call reply (on the root context).
 #[no_mangle]
-pub extern "C" fn proxy_on_http_call_response(root: u32, token: u32, _headers: usize, body_size: usize, _trailers: usize) {
+pub extern "C" fn proxy_on_http_call_response(
+    root: u32,
+    token: u32,
+    _headers: usize,
+    body_size: usize,
+    _trailers: usize,
+) {
     // Read the reply before switching context: the call-response buffers belong to the root call.
     // SAFETY: out-pointers are valid locals.
-    let headers = get_bytes(|p, l| unsafe { sys::proxy_get_header_map_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS, p, l) })
-        .ok()
-        .flatten()
-        .and_then(|b| crate::pairs::parse(&b))
-        .unwrap_or_default();
+    let headers = get_bytes(|p, l| unsafe {
+        sys::proxy_get_header_map_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS, p, l)
+    })
+    .ok()
+    .flatten()
+    .and_then(|b| crate::pairs::parse(&b))
+    .unwrap_or_default();
     let headers: Vec<(String, String)> = headers
         .into_iter()
         .filter_map(|(k, v)| Some((String::from_utf8(k).ok()?, String::from_utf8(v).ok()?)))
         .collect();
-    let status = headers.iter().find(|(k, _)| k == ":status").and_then(|(_, v)| v.parse::<u16>().ok()).unwrap_or(0);
+    let status = headers
+        .iter()
+        .find(|(k, _)| k == ":status")
+        .and_then(|(_, v)| v.parse::<u16>().ok())
+        .unwrap_or(0);
     let body = buffer_bytes(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size).unwrap_or_default();
     let reply = HttpReply { status, headers, body };
     if vm_busy() {
@@ -571,10 +658,17 @@ pub extern "C" fn proxy_on_http_call_response(root: u32, token: u32, _headers: u
 
 /// Higress Redis reply (on the root context): switch to the stream that made the call, if alive.
 #[no_mangle]
-pub extern "C" fn proxy_on_redis_call_response(root: u32, token: u32, status: u32, response_size: usize) {
+pub extern "C" fn proxy_on_redis_call_response(
+    root: u32,
+    token: u32,
+    status: u32,
+    response_size: usize,
+) {
     // Buffer 9 is only valid during this callback: read it now, even if handling is deferred.
     let reply = if status == 0 {
-        RedisReply::Ok(buffer_bytes(BUFFER_REDIS_CALL_RESPONSE, 0, response_size).unwrap_or_default())
+        RedisReply::Ok(
+            buffer_bytes(BUFFER_REDIS_CALL_RESPONSE, 0, response_size).unwrap_or_default(),
+        )
     } else {
         RedisReply::NetworkError
     };

@@ -259,7 +259,8 @@ pub struct MatchInput<'a> {
     pub cluster: &'a str,
 }
 
-const MATCH_KEYS: [&str; 4] = ["_match_route_", "_match_domain_", "_match_service_", "_match_route_prefix_"];
+const MATCH_KEYS: [&str; 4] =
+    ["_match_route_", "_match_domain_", "_match_service_", "_match_route_prefix_"];
 
 impl PluginConfig {
     /// Parses the plugin configuration (JSON text as delivered to `proxy_on_configure`).
@@ -269,11 +270,17 @@ impl PluginConfig {
         let root = match v {
             Value::Object(m) => m,
             Value::Null => Map::new(),
-            other => return Err(err("(root)", format!("expected a JSON object, got {}", type_name(&other)))),
+            other => {
+                return Err(err(
+                    "(root)",
+                    format!("expected a JSON object, got {}", type_name(&other)),
+                ))
+            }
         };
         let mut rules = Vec::new();
         if let Some(rv) = root.get("_rules_") {
-            let arr = rv.as_array().ok_or_else(|| err("_rules_", "expected an array of rule objects"))?;
+            let arr =
+                rv.as_array().ok_or_else(|| err("_rules_", "expected an array of rule objects"))?;
             for (i, r) in arr.iter().enumerate() {
                 let path = format!("_rules_[{i}]");
                 let obj = r.as_object().ok_or_else(|| err(&path, "expected an object"))?;
@@ -318,7 +325,8 @@ impl RuleMatch {
             // Patterns are lower-cased once at parse time (not per request).
             self.domains.iter().any(|d| domain_matches(d, &host))
         };
-        let service_ok = self.services.is_empty() || self.services.iter().any(|s| service_matches(s, input.cluster));
+        let service_ok = self.services.is_empty()
+            || self.services.iter().any(|s| service_matches(s, input.cluster));
         route_ok && domain_ok && service_ok
     }
 }
@@ -332,7 +340,9 @@ fn strip_port(authority: &str) -> &str {
         };
     }
     match authority.rfind(':') {
-        Some(i) if authority.get(i + 1..).is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit())) => {
+        Some(i)
+            if authority.get(i + 1..).is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit())) =>
+        {
             authority.get(..i).unwrap_or(authority)
         }
         _ => authority,
@@ -371,13 +381,19 @@ fn parse_matcher(obj: &Map<String, Value>, path: &str) -> Result<RuleMatch, Conf
             let list = string_list(v, &field)?;
             match key {
                 "_match_route_" => m.routes = list,
-                "_match_domain_" => m.domains = list.into_iter().map(|d| d.to_ascii_lowercase()).collect(),
+                "_match_domain_" => {
+                    m.domains = list.into_iter().map(|d| d.to_ascii_lowercase()).collect()
+                }
                 "_match_service_" => m.services = list,
                 _ => m.route_prefixes = list,
             }
         }
     }
-    if m.routes.is_empty() && m.domains.is_empty() && m.services.is_empty() && m.route_prefixes.is_empty() {
+    if m.routes.is_empty()
+        && m.domains.is_empty()
+        && m.services.is_empty()
+        && m.route_prefixes.is_empty()
+    {
         return Err(err(
             path,
             "a rule needs a non-empty _match_route_, _match_domain_, _match_service_ or _match_route_prefix_",
@@ -398,9 +414,15 @@ fn type_name(v: &Value) -> &'static str {
 }
 
 fn string_list(v: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
-    let arr = v.as_array().ok_or_else(|| err(field, format!("expected an array of strings, got {}", type_name(v))))?;
+    let arr = v
+        .as_array()
+        .ok_or_else(|| err(field, format!("expected an array of strings, got {}", type_name(v))))?;
     arr.iter()
-        .map(|x| x.as_str().map(str::to_string).ok_or_else(|| err(field, format!("expected strings, got {}", type_name(x)))))
+        .map(|x| {
+            x.as_str()
+                .map(str::to_string)
+                .ok_or_else(|| err(field, format!("expected strings, got {}", type_name(x))))
+        })
         .collect()
 }
 
@@ -426,16 +448,22 @@ impl Fields<'_> {
             Some(Value::String(s)) => Ok(Some(s.clone())),
             // YAML may turn a numeric password into a number; accept it as text like Go's gjson.
             Some(Value::Number(n)) => Ok(Some(n.to_string())),
-            Some(v) => Err(err(&self.path(key), format!("expected a string, got {}", type_name(v)))),
+            Some(v) => {
+                Err(err(&self.path(key), format!("expected a string, got {}", type_name(v))))
+            }
         }
     }
     /// Non-negative integer in `0..=max`; numeric strings are accepted (Go's gjson does).
     fn uint(&self, key: &str, max: u64) -> Result<Option<u64>, ConfigError> {
-        let bad = |v: &Value| err(&self.path(key), format!("expected an integer between 0 and {max}, got {v}"));
+        let bad = |v: &Value| {
+            err(&self.path(key), format!("expected an integer between 0 and {max}, got {v}"))
+        };
         match self.present(key) {
             None => Ok(None),
             Some(v @ Value::Number(n)) => {
-                let x = n.as_u64().or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0).map(|f| f as u64));
+                let x = n.as_u64().or_else(|| {
+                    n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0).map(|f| f as u64)
+                });
                 match x {
                     Some(x) if x <= max => Ok(Some(x)),
                     _ => Err(bad(v)),
@@ -449,10 +477,13 @@ impl Fields<'_> {
         }
     }
     fn float(&self, key: &str) -> Result<Option<f64>, ConfigError> {
-        let bad = |v: &Value| err(&self.path(key), format!("expected a non-negative number, got {v}"));
+        let bad =
+            |v: &Value| err(&self.path(key), format!("expected a non-negative number, got {v}"));
         match self.present(key) {
             None => Ok(None),
-            Some(v @ Value::Number(n)) => n.as_f64().filter(|f| f.is_finite() && *f >= 0.0).map(Some).ok_or_else(|| bad(v)),
+            Some(v @ Value::Number(n)) => {
+                n.as_f64().filter(|f| f.is_finite() && *f >= 0.0).map(Some).ok_or_else(|| bad(v))
+            }
             Some(v @ Value::String(s)) => match s.trim().parse::<f64>() {
                 Ok(f) if f.is_finite() && f >= 0.0 => Ok(Some(f)),
                 _ => Err(bad(v)),
@@ -477,14 +508,22 @@ fn parse_lb(root: &Map<String, Value>, prefix: &str) -> Result<LbConfig, ConfigE
         None | Some("") | Some("endpoint") => LbType::Endpoint,
         Some("cluster") => LbType::Cluster,
         Some(other) => {
-            return Err(err(&top.path("lb_type"), format!("unknown value {other:?}; accepted: endpoint (default), cluster")))
+            return Err(err(
+                &top.path("lb_type"),
+                format!("unknown value {other:?}; accepted: endpoint (default), cluster"),
+            ))
         }
     };
     let empty = Map::new();
     let lb_obj = match root.get("lb_config") {
         None | Some(Value::Null) => &empty,
         Some(Value::Object(m)) => m,
-        Some(v) => return Err(err(&top.path("lb_config"), format!("expected an object, got {}", type_name(v)))),
+        Some(v) => {
+            return Err(err(
+                &top.path("lb_config"),
+                format!("expected an object, got {}", type_name(v)),
+            ))
+        }
     };
     let f = Fields { obj: lb_obj, prefix: format!("{prefix}lb_config.") };
     let policy_name = top.string("lb_policy")?;
@@ -516,7 +555,10 @@ fn parse_lb(root: &Map<String, Value>, prefix: &str) -> Result<LbConfig, ConfigE
             return Err(err(&top.path("lb_policy"), format!("{} for lb_type cluster; accepted: cluster_metrics", describe(other))))
         }
     };
-    let max_body_bytes = f.uint("maxBodyBytes", u32::MAX as u64)?.map(|x| x as usize).unwrap_or(DEFAULT_MAX_BODY_BYTES);
+    let max_body_bytes = f
+        .uint("maxBodyBytes", u32::MAX as u64)?
+        .map(|x| x as usize)
+        .unwrap_or(DEFAULT_MAX_BODY_BYTES);
     Ok(LbConfig { lb_type, policy, max_body_bytes })
 }
 
@@ -530,11 +572,21 @@ fn describe(v: Option<&str>) -> String {
 fn parse_redis(f: &Fields<'_>) -> Result<RedisConfig, ConfigError> {
     let service_fqdn = match f.string("serviceFQDN")? {
         Some(s) if !s.trim().is_empty() => s.trim().to_string(),
-        _ => return Err(err(&f.path("serviceFQDN"), "required: the Redis service FQDN, e.g. redis.static")),
+        _ => {
+            return Err(err(
+                &f.path("serviceFQDN"),
+                "required: the Redis service FQDN, e.g. redis.static",
+            ))
+        }
     };
     let service_port = match f.uint("servicePort", 65535)? {
         Some(p) if p > 0 => p as u16,
-        _ => return Err(err(&f.path("servicePort"), "required: the Redis port, an integer between 1 and 65535")),
+        _ => {
+            return Err(err(
+                &f.path("servicePort"),
+                "required: the Redis port, an integer between 1 and 65535",
+            ))
+        }
     };
     Ok(RedisConfig {
         service_fqdn,
@@ -547,7 +599,8 @@ fn parse_redis(f: &Fields<'_>) -> Result<RedisConfig, ConfigError> {
         },
         database: f.uint("database", 1_000_000)?.unwrap_or(0) as u32,
         buffer_flush_timeout_ms: f.uint("bufferFlushTimeout", 60_000)?.unwrap_or(0) as u32,
-        max_buffer_size_before_flush: f.uint("maxBufferSizeBeforeFlush", 1 << 30)?.unwrap_or(0) as u32,
+        max_buffer_size_before_flush: f.uint("maxBufferSizeBeforeFlush", 1 << 30)?.unwrap_or(0)
+            as u32,
     })
 }
 
@@ -555,7 +608,9 @@ fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {
     Ok(GlobalLeastRequestConfig {
         redis: parse_redis(f)?,
         max_request_count: f.uint("maxRequestCount", i64::MAX as u64)?.unwrap_or(0),
-        clean_interval_min: f.uint("cleanInterval", 10_000_000)?.unwrap_or(DEFAULT_CLEAN_INTERVAL_MIN),
+        clean_interval_min: f
+            .uint("cleanInterval", 10_000_000)?
+            .unwrap_or(DEFAULT_CLEAN_INTERVAL_MIN),
         enable_detail_log: f.boolean("enableDetailLog")?.unwrap_or(true),
     })
 }
@@ -571,7 +626,10 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
         Some("least") => MetricPolicy::Least,
         Some("most") => MetricPolicy::Most,
         Some(other) => {
-            return Err(err(&f.path("metric_policy"), format!("unknown value {other:?}; accepted: default, least, most")))
+            return Err(err(
+                &f.path("metric_policy"),
+                format!("unknown value {other:?}; accepted: default, least, most"),
+            ))
         }
     };
     let target_metric = match f.string("target_metric")? {
@@ -580,7 +638,10 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
     }
     .filter(|s| !s.is_empty());
     if metric_policy != MetricPolicy::Default && target_metric.is_none() {
-        return Err(err(&f.path("target_metric"), "required when metric_policy is least or most: a metric name"));
+        return Err(err(
+            &f.path("target_metric"),
+            "required when metric_policy is least or most: a metric name",
+        ));
     }
     Ok(EndpointMetricsConfig {
         metric_policy,
@@ -598,7 +659,10 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
             None | Some(0) => DEFAULT_SCRAPE_INTERVAL_MS,
             Some(x) => x as u32,
         },
-        scrape_path: f.string("scrapePath")?.filter(|s| s.starts_with('/')).unwrap_or_else(|| "/metrics".to_string()),
+        scrape_path: f
+            .string("scrapePath")?
+            .filter(|s| s.starts_with('/'))
+            .unwrap_or_else(|| "/metrics".to_string()),
         metrics_stale_ms: match f.uint("metricsStaleMs", 86_400_000)? {
             None | Some(0) => DEFAULT_METRICS_STALE_MS,
             Some(x) => x,
@@ -629,7 +693,10 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
     Ok(ClusterMetricsConfig {
         mode,
         service_list,
-        cluster_header: f.string("cluster_header")?.filter(|s| !s.is_empty()).unwrap_or_else(|| DEFAULT_CLUSTER_HEADER.into()),
+        cluster_header: f
+            .string("cluster_header")?
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| DEFAULT_CLUSTER_HEADER.into()),
         rate_limit: f.float("rate_limit")?.unwrap_or(1.0),
         queue_size: match f.uint("queue_size", 1_000_000)? {
             None | Some(0) => DEFAULT_QUEUE_SIZE,
@@ -637,7 +704,6 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
         },
     })
 }
-
 
 #[cfg(test)]
 #[path = "config_tests.rs"]

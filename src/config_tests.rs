@@ -7,7 +7,9 @@ fn parse(s: &str) -> Result<PluginConfig, ConfigError> {
 }
 
 fn glr(extra: &str) -> String {
-    format!(r#"{{"lb_policy":"global_least_request","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379{extra}}}}}"#)
+    format!(
+        r#"{{"lb_policy":"global_least_request","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379{extra}}}}}"#
+    )
 }
 
 fn expect_err(json: &str, field: &str, needle: &str) {
@@ -50,7 +52,9 @@ fn prefix_cache_keys_and_database_in_cluster_name() {
     assert_eq!(g.max_request_count, 8);
     assert_eq!(g.clean_interval_min, 5);
     assert!(!g.enable_detail_log);
-    let c = parse(r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1}}"#).unwrap();
+    let c =
+        parse(r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1}}"#)
+            .unwrap();
     let PolicyConfig::PrefixCache(p) = c.default.unwrap().policy else { panic!() };
     assert_eq!(p.redis_key_ttl_s, 1800);
 }
@@ -59,7 +63,9 @@ fn prefix_cache_keys_and_database_in_cluster_name() {
 fn metrics_based_is_an_alias_of_endpoint_metrics() {
     for name in ["endpoint_metrics", "metrics_based"] {
         let c = parse(&format!(r#"{{"lb_policy":"{name}","lb_config":{{}}}}"#)).unwrap();
-        let PolicyConfig::EndpointMetrics(e) = c.default.unwrap().policy else { panic!("wrong policy") };
+        let PolicyConfig::EndpointMetrics(e) = c.default.unwrap().policy else {
+            panic!("wrong policy")
+        };
         assert_eq!(e.metric_policy, MetricPolicy::Default);
         assert_eq!(e.rate_limit, 1.0);
         assert_eq!(e.window_size, 100);
@@ -97,11 +103,19 @@ fn error_root_not_object() {
 }
 #[test]
 fn error_lb_type() {
-    expect_err(r#"{"lb_type":"pod","lb_policy":"prefix_cache"}"#, "lb_type", "accepted: endpoint (default), cluster");
+    expect_err(
+        r#"{"lb_type":"pod","lb_policy":"prefix_cache"}"#,
+        "lb_type",
+        "accepted: endpoint (default), cluster",
+    );
 }
 #[test]
 fn error_lb_policy_unknown() {
-    expect_err(r#"{"lb_policy":"round_robin"}"#, "lb_policy", "global_least_request, prefix_cache, endpoint_metrics");
+    expect_err(
+        r#"{"lb_policy":"round_robin"}"#,
+        "lb_policy",
+        "global_least_request, prefix_cache, endpoint_metrics",
+    );
 }
 #[test]
 fn error_lb_policy_missing() {
@@ -109,7 +123,11 @@ fn error_lb_policy_missing() {
 }
 #[test]
 fn error_lb_policy_wrong_type_for_cluster() {
-    expect_err(r#"{"lb_type":"cluster","lb_policy":"prefix_cache"}"#, "lb_policy", "accepted: cluster_metrics");
+    expect_err(
+        r#"{"lb_type":"cluster","lb_policy":"prefix_cache"}"#,
+        "lb_policy",
+        "accepted: cluster_metrics",
+    );
 }
 #[test]
 fn error_lb_policy_not_string() {
@@ -117,17 +135,37 @@ fn error_lb_policy_not_string() {
 }
 #[test]
 fn error_lb_config_not_object() {
-    expect_err(r#"{"lb_policy":"prefix_cache","lb_config":"x"}"#, "lb_config", "expected an object");
+    expect_err(
+        r#"{"lb_policy":"prefix_cache","lb_config":"x"}"#,
+        "lb_config",
+        "expected an object",
+    );
 }
 #[test]
 fn error_service_fqdn() {
-    expect_err(r#"{"lb_policy":"prefix_cache","lb_config":{"servicePort":6379}}"#, "lb_config.serviceFQDN", "required");
+    expect_err(
+        r#"{"lb_policy":"prefix_cache","lb_config":{"servicePort":6379}}"#,
+        "lb_config.serviceFQDN",
+        "required",
+    );
 }
 #[test]
 fn error_service_port() {
-    expect_err(r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":"abc"}}"#, "lb_config.servicePort", "between 0 and 65535");
-    expect_err(r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r"}}"#, "lb_config.servicePort", "required");
-    expect_err(r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":70000}}"#, "lb_config.servicePort", "65535");
+    expect_err(
+        r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":"abc"}}"#,
+        "lb_config.servicePort",
+        "between 0 and 65535",
+    );
+    expect_err(
+        r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r"}}"#,
+        "lb_config.servicePort",
+        "required",
+    );
+    expect_err(
+        r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":70000}}"#,
+        "lb_config.servicePort",
+        "65535",
+    );
 }
 #[test]
 fn error_username() {
@@ -147,7 +185,11 @@ fn error_database() {
 }
 #[test]
 fn error_redis_key_ttl() {
-    expect_err(r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1,"redisKeyTTL":1.5}}"#, "lb_config.redisKeyTTL", "integer");
+    expect_err(
+        r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1,"redisKeyTTL":1.5}}"#,
+        "lb_config.redisKeyTTL",
+        "integer",
+    );
 }
 #[test]
 fn error_max_request_count() {
@@ -167,37 +209,77 @@ fn error_max_body_bytes() {
 }
 #[test]
 fn error_hit_load_factor() {
-    expect_err(r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1,"hitLoadFactor":-2}}"#, "lb_config.hitLoadFactor", "non-negative number");
+    expect_err(
+        r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1,"hitLoadFactor":-2}}"#,
+        "lb_config.hitLoadFactor",
+        "non-negative number",
+    );
 }
 #[test]
 fn error_metric_policy() {
-    expect_err(r#"{"lb_policy":"endpoint_metrics","lb_config":{"metric_policy":"best"}}"#, "lb_config.metric_policy", "accepted: default, least, most");
+    expect_err(
+        r#"{"lb_policy":"endpoint_metrics","lb_config":{"metric_policy":"best"}}"#,
+        "lb_config.metric_policy",
+        "accepted: default, least, most",
+    );
 }
 #[test]
 fn error_target_metric() {
-    expect_err(r#"{"lb_policy":"endpoint_metrics","lb_config":{"metric_policy":"most"}}"#, "lb_config.target_metric", "required");
+    expect_err(
+        r#"{"lb_policy":"endpoint_metrics","lb_config":{"metric_policy":"most"}}"#,
+        "lb_config.target_metric",
+        "required",
+    );
 }
 #[test]
 fn error_rate_limit() {
-    expect_err(r#"{"lb_policy":"endpoint_metrics","lb_config":{"rate_limit":"high"}}"#, "lb_config.rate_limit", "number");
+    expect_err(
+        r#"{"lb_policy":"endpoint_metrics","lb_config":{"rate_limit":"high"}}"#,
+        "lb_config.rate_limit",
+        "number",
+    );
 }
 #[test]
 fn error_mode() {
-    expect_err(r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"mode":"Fastest","service_list":["a"]}}"#, "lb_config.mode", "LeastBusy, LeastTotalLatency, LeastFirstTokenLatency");
+    expect_err(
+        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"mode":"Fastest","service_list":["a"]}}"#,
+        "lb_config.mode",
+        "LeastBusy, LeastTotalLatency, LeastFirstTokenLatency",
+    );
 }
 #[test]
 fn error_service_list() {
-    expect_err(r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"mode":"LeastBusy"}}"#, "lb_config.service_list", "non-empty");
-    expect_err(r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":"a"}}"#, "lb_config.service_list", "array of strings");
+    expect_err(
+        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"mode":"LeastBusy"}}"#,
+        "lb_config.service_list",
+        "non-empty",
+    );
+    expect_err(
+        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":"a"}}"#,
+        "lb_config.service_list",
+        "array of strings",
+    );
 }
 #[test]
 fn error_cluster_header() {
-    expect_err(r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"cluster_header":1.5e400}}"#, "(root)", "not valid JSON");
-    expect_err(r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"cluster_header":[]}}"#, "lb_config.cluster_header", "expected a string");
+    expect_err(
+        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"cluster_header":1.5e400}}"#,
+        "(root)",
+        "not valid JSON",
+    );
+    expect_err(
+        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"cluster_header":[]}}"#,
+        "lb_config.cluster_header",
+        "expected a string",
+    );
 }
 #[test]
 fn error_queue_size() {
-    expect_err(r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"queue_size":"big"}}"#, "lb_config.queue_size", "integer");
+    expect_err(
+        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"queue_size":"big"}}"#,
+        "lb_config.queue_size",
+        "integer",
+    );
 }
 #[test]
 fn error_rules_not_array() {
@@ -209,7 +291,11 @@ fn error_rule_without_matcher() {
 }
 #[test]
 fn error_rule_matcher_type() {
-    expect_err(r#"{"_rules_":[{"_match_route_":"r1","lb_policy":"prefix_cache"}]}"#, "_rules_[0]._match_route_", "array of strings");
+    expect_err(
+        r#"{"_rules_":[{"_match_route_":"r1","lb_policy":"prefix_cache"}]}"#,
+        "_rules_[0]._match_route_",
+        "array of strings",
+    );
 }
 #[test]
 fn error_inside_rule_names_the_rule() {
@@ -234,7 +320,9 @@ fn rules_match_route_domain_service_and_prefix_first_wins() {
     }"#;
     let c = parse(json).unwrap();
     assert!(c.default.is_none(), "only rules: unmatched requests pass through");
-    let sel = |route: &str, authority: &str, cluster: &str| c.select(&MatchInput { route, authority, cluster }).map(|(i, _)| i);
+    let sel = |route: &str, authority: &str, cluster: &str| {
+        c.select(&MatchInput { route, authority, cluster }).map(|(i, _)| i)
+    };
     assert_eq!(sel("chat-route", "api.example.com", "outbound|8000||llm.static"), Some(0));
     assert_eq!(sel("other", "API.Example.com:443", ""), Some(1));
     assert_eq!(sel("other", "api.test", ""), Some(1));
@@ -263,7 +351,9 @@ fn domain_patterns_match_case_insensitively_in_either_direction() {
     // Patterns are lower-cased once when the config is parsed; hosts on every request.
     let json = r#"{"_rules_": [{"_match_domain_": ["*.Example.COM", "API.Test"], "lb_policy": "endpoint_metrics"}]}"#;
     let c = parse(json).unwrap();
-    let sel = |authority: &str| c.select(&MatchInput { route: "r", authority, cluster: "" }).map(|(i, _)| i);
+    let sel = |authority: &str| {
+        c.select(&MatchInput { route: "r", authority, cluster: "" }).map(|(i, _)| i)
+    };
     assert_eq!(sel("chat.example.com"), Some(0));
     assert_eq!(sel("CHAT.EXAMPLE.COM:8443"), Some(0));
     assert_eq!(sel("api.test"), Some(0));

@@ -92,7 +92,13 @@ impl Host for Tracking<'_> {
     fn set_upstream_override_host(&mut self, addr: &str) -> Result<(), HostError> {
         self.inner.set_upstream_override_host(addr)
     }
-    fn redis_init(&mut self, cluster: &str, username: &str, password: &str, timeout_ms: u32) -> Result<(), HostError> {
+    fn redis_init(
+        &mut self,
+        cluster: &str,
+        username: &str,
+        password: &str,
+        timeout_ms: u32,
+    ) -> Result<(), HostError> {
         self.inner.redis_init(cluster, username, password, timeout_ms)
     }
     fn redis_call(&mut self, cluster: &str, query: &[u8]) -> Result<u32, HostError> {
@@ -187,16 +193,18 @@ impl Filter {
         f.config = Some(PluginConfig {
             default: Some(LbConfig {
                 lb_type: crate::config::LbType::Endpoint,
-                policy: crate::config::PolicyConfig::EndpointMetrics(crate::config::EndpointMetricsConfig {
-                    metric_policy: crate::config::MetricPolicy::Default,
-                    target_metric: None,
-                    rate_limit: 1.0,
-                    window_size: 1,
-                    window_seconds: 1,
-                    scrape_interval_ms: 1000,
-                    scrape_path: "/metrics".into(),
-                    metrics_stale_ms: 1000,
-                }),
+                policy: crate::config::PolicyConfig::EndpointMetrics(
+                    crate::config::EndpointMetricsConfig {
+                        metric_policy: crate::config::MetricPolicy::Default,
+                        target_metric: None,
+                        rate_limit: 1.0,
+                        window_size: 1,
+                        window_seconds: 1,
+                        scrape_interval_ms: 1000,
+                        scrape_path: "/metrics".into(),
+                        metrics_stale_ms: 1000,
+                    },
+                ),
                 max_body_bytes: max_body,
             }),
             rules: Vec::new(),
@@ -225,20 +233,36 @@ impl Filter {
     }
 
     /// Request headers of stream `ctx`. Returns the header action.
-    pub fn on_request_headers(&mut self, host: &mut dyn Host, ctx: u32, end_of_stream: bool) -> u32 {
+    pub fn on_request_headers(
+        &mut self,
+        host: &mut dyn Host,
+        ctx: u32,
+        end_of_stream: bool,
+    ) -> u32 {
         let Some(cfg) = &self.config else { return HEADERS_CONTINUE };
         let route = host.route_name().unwrap_or_default();
         let cluster = host.cluster_name().unwrap_or_default();
         let authority = host.request_header(":authority").unwrap_or_default();
-        let Some((idx, lb)) = cfg.select(&MatchInput { route: &route, authority: &authority, cluster: &cluster }) else {
+        let Some((idx, lb)) =
+            cfg.select(&MatchInput { route: &route, authority: &authority, cluster: &cluster })
+        else {
             return HEADERS_CONTINUE;
         };
         let max_body = lb.max_body_bytes;
         let Some(Some(p)) = self.policies.get(idx).cloned() else { return HEADERS_CONTINUE };
-        let stream = Stream { id: ctx, route, cluster, authority, start_ns: host.now_nanos(), data: None };
-        let entry = StreamEntry { policy: p, stream, phase: Phase::Done, max_body, ended: false, outstanding: 0 };
+        let stream =
+            Stream { id: ctx, route, cluster, authority, start_ns: host.now_nanos(), data: None };
+        let entry = StreamEntry {
+            policy: p,
+            stream,
+            phase: Phase::Done,
+            max_body,
+            ended: false,
+            outstanding: 0,
+        };
         self.streams.insert(ctx, entry);
-        let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_request_headers(h, s, end_of_stream));
+        let decision =
+            self.call_stream(host, ctx, |pol, h, s| pol.on_request_headers(h, s, end_of_stream));
         match decision {
             Decision::NeedBody if end_of_stream => {
                 // A body policy asked for a body that will never come: never hang (Higress #3740).
@@ -271,7 +295,13 @@ impl Filter {
     }
 
     /// A request body chunk; `body_size` is the cumulative buffered size. Returns the data action.
-    pub fn on_request_body(&mut self, host: &mut dyn Host, ctx: u32, body_size: usize, end_of_stream: bool) -> u32 {
+    pub fn on_request_body(
+        &mut self,
+        host: &mut dyn Host,
+        ctx: u32,
+        body_size: usize,
+        end_of_stream: bool,
+    ) -> u32 {
         let Some(entry) = self.streams.get(&ctx) else { return DATA_CONTINUE };
         match entry.phase {
             Phase::Done => DATA_CONTINUE,
@@ -286,7 +316,10 @@ impl Filter {
                     return DATA_STOP_AND_BUFFER;
                 }
                 let Some(body) = host.request_body(body_size) else {
-                    host.log(LogLevel::Warn, "ai-load-balancer: request body unavailable; using normal balancing");
+                    host.log(
+                        LogLevel::Warn,
+                        "ai-load-balancer: request body unavailable; using normal balancing",
+                    );
                     self.set_phase(ctx, Phase::Done);
                     return DATA_CONTINUE;
                 };
@@ -365,7 +398,13 @@ impl Filter {
     }
 
     /// A response body chunk of stream `ctx`.
-    pub fn on_response_body(&mut self, host: &mut dyn Host, ctx: u32, size: usize, end_of_stream: bool) {
+    pub fn on_response_body(
+        &mut self,
+        host: &mut dyn Host,
+        ctx: u32,
+        size: usize,
+        end_of_stream: bool,
+    ) {
         if self.streams.contains_key(&ctx) {
             self.call_stream(host, ctx, |pol, h, s| {
                 pol.on_response_body(h, s, size, end_of_stream);
@@ -403,12 +442,26 @@ impl Filter {
 
     /// A Redis reply. `stream_active` says whether the effective context was switched to the
     /// owning stream (false: the stream is gone, or the switch failed).
-    pub fn on_redis_reply(&mut self, host: &mut dyn Host, token: u32, reply: &RedisReply, stream_active: bool) {
-        self.on_reply(host, token, stream_active, |pol, h, s, t| pol.on_redis_reply(h, s, t, reply));
+    pub fn on_redis_reply(
+        &mut self,
+        host: &mut dyn Host,
+        token: u32,
+        reply: &RedisReply,
+        stream_active: bool,
+    ) {
+        self.on_reply(host, token, stream_active, |pol, h, s, t| {
+            pol.on_redis_reply(h, s, t, reply)
+        });
     }
 
     /// An HTTP-call reply (see `on_redis_reply`).
-    pub fn on_http_reply(&mut self, host: &mut dyn Host, token: u32, reply: &HttpReply, stream_active: bool) {
+    pub fn on_http_reply(
+        &mut self,
+        host: &mut dyn Host,
+        token: u32,
+        reply: &HttpReply,
+        stream_active: bool,
+    ) {
         self.on_reply(host, token, stream_active, |pol, h, s, t| pol.on_http_reply(h, s, t, reply));
     }
 
@@ -445,7 +498,10 @@ impl Filter {
         match decision {
             Decision::Pending if self.outstanding(sid) > 0 => {}
             Decision::Pending | Decision::NeedBody => {
-                host.log(LogLevel::Warn, "ai-load-balancer: policy left the request without a pending call; resuming");
+                host.log(
+                    LogLevel::Warn,
+                    "ai-load-balancer: policy left the request without a pending call; resuming",
+                );
                 self.set_phase(sid, Phase::Done);
                 host.resume_request();
             }
@@ -460,7 +516,12 @@ impl Filter {
 
     /// Runs a root-level policy callback (start, tick, a reply without its stream), recording the
     /// calls it makes so that their replies come back to this policy.
-    fn run_root(&mut self, host: &mut dyn Host, policy: &PolicyRef, f: impl FnOnce(&mut dyn Policy, &mut dyn Host)) {
+    fn run_root(
+        &mut self,
+        host: &mut dyn Host,
+        policy: &PolicyRef,
+        f: impl FnOnce(&mut dyn Policy, &mut dyn Host),
+    ) {
         let mut tracking = Tracking { inner: host, tokens: Vec::new() };
         if let Ok(mut pol) = policy.try_borrow_mut() {
             f(pol.as_mut(), &mut tracking);
@@ -518,7 +579,10 @@ fn apply_final(host: &mut dyn Host, d: Decision) -> bool {
     match d {
         Decision::Route(addr) => {
             if let Err(e) = host.set_upstream_override_host(&addr) {
-                host.log(LogLevel::Warn, &format!("ai-load-balancer: set_upstream_override_host({addr}) failed: {e}"));
+                host.log(
+                    LogLevel::Warn,
+                    &format!("ai-load-balancer: set_upstream_override_host({addr}) failed: {e}"),
+                );
             }
             true
         }

@@ -28,7 +28,13 @@ impl Policy for Scripted {
         self.bodies.borrow_mut().push(body.to_vec());
         self.body.clone().unwrap_or(Decision::Passthrough)
     }
-    fn on_redis_reply(&mut self, _h: &mut dyn Host, _s: Option<&mut Stream>, _t: u32, _r: &RedisReply) -> Decision {
+    fn on_redis_reply(
+        &mut self,
+        _h: &mut dyn Host,
+        _s: Option<&mut Stream>,
+        _t: u32,
+        _r: &RedisReply,
+    ) -> Decision {
         self.reply.clone().unwrap_or(Decision::Passthrough)
     }
     fn on_stream_done(&mut self, _h: &mut dyn Host, _s: &mut Stream) {
@@ -38,7 +44,10 @@ impl Policy for Scripted {
 
 #[test]
 fn pending_without_a_call_in_flight_never_pauses() {
-    let mut f = Filter::with_policy(Box::new(Scripted { headers: Some(Decision::Pending), ..Default::default() }), 100);
+    let mut f = Filter::with_policy(
+        Box::new(Scripted { headers: Some(Decision::Pending), ..Default::default() }),
+        100,
+    );
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
     assert!(host.logged("pending without a call"));
@@ -46,7 +55,10 @@ fn pending_without_a_call_in_flight_never_pauses() {
 
 #[test]
 fn need_body_on_a_bodiless_request_continues() {
-    let mut f = Filter::with_policy(Box::new(Scripted { headers: Some(Decision::NeedBody), ..Default::default() }), 100);
+    let mut f = Filter::with_policy(
+        Box::new(Scripted { headers: Some(Decision::NeedBody), ..Default::default() }),
+        100,
+    );
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_CONTINUE);
 }
@@ -74,13 +86,19 @@ fn body_is_delivered_once_whole_and_route_applies() {
 
 #[test]
 fn set_header_and_reject_decisions() {
-    let p = Scripted { headers: Some(Decision::SetHeader { name: "x-target".into(), value: "c1".into() }), ..Default::default() };
+    let p = Scripted {
+        headers: Some(Decision::SetHeader { name: "x-target".into(), value: "c1".into() }),
+        ..Default::default()
+    };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_CONTINUE);
     assert_eq!(host.request_header("x-target").as_deref(), Some("c1"));
 
-    let p = Scripted { headers: Some(Decision::Reject { status: 503, body: "no".into() }), ..Default::default() };
+    let p = Scripted {
+        headers: Some(Decision::Reject { status: 503, body: "no".into() }),
+        ..Default::default()
+    };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_STOP_ITERATION);
@@ -89,7 +107,12 @@ fn set_header_and_reject_decisions() {
 
 #[test]
 fn a_reply_that_keeps_pending_without_a_new_call_resumes() {
-    let p = Scripted { headers: Some(Decision::Pending), reply: Some(Decision::Pending), make_call: true, ..Default::default() };
+    let p = Scripted {
+        headers: Some(Decision::Pending),
+        reply: Some(Decision::Pending),
+        make_call: true,
+        ..Default::default()
+    };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
@@ -159,9 +182,16 @@ fn body_ending_with_trailers_is_read_from_the_host_once() {
     assert_eq!(f.on_request_trailers(&mut host, 1), HEADERS_CONTINUE);
     assert_eq!(*bodies.borrow(), vec![b"hello".to_vec()]);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
-    assert_eq!(host.body_reads.get(), 1, "one copy of the body, not one to size it and one to use it");
+    assert_eq!(
+        host.body_reads.get(),
+        1,
+        "one copy of the body, not one to size it and one to use it"
+    );
     // Over maxBodyBytes with trailers: normal balancing, still one read.
-    let mut f = Filter::with_policy(Box::new(Scripted { headers: Some(Decision::NeedBody), ..Default::default() }), 3);
+    let mut f = Filter::with_policy(
+        Box::new(Scripted { headers: Some(Decision::NeedBody), ..Default::default() }),
+        3,
+    );
     let mut host = FakeHost::new();
     f.on_request_headers(&mut host, 1, false);
     host.request_body = b"hello".to_vec();

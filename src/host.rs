@@ -168,7 +168,13 @@ pub trait Host {
     fn set_upstream_override_host(&mut self, addr: &str) -> Result<(), HostError>;
 
     /// (Re)initialises the per-worker Redis client for `cluster` (`outbound|port||fqdn[?db=N]`).
-    fn redis_init(&mut self, cluster: &str, username: &str, password: &str, timeout_ms: u32) -> Result<(), HostError>;
+    fn redis_init(
+        &mut self,
+        cluster: &str,
+        username: &str,
+        password: &str,
+        timeout_ms: u32,
+    ) -> Result<(), HostError>;
     /// Sends one complete RESP command; the reply arrives later with the returned token.
     fn redis_call(&mut self, cluster: &str, query: &[u8]) -> Result<u32, HostError>;
     /// Dispatches an HTTP call to `cluster`; headers must contain `:method`, `:path`, `:authority`.

@@ -1,7 +1,9 @@
 //! The Lua scripts against a real `redis-server` (from PATH, or `$AI_LB_REDIS_SERVER`). Native only.
 //! These fail (not skip) without redis-server: install it (`apt-get install redis-server`).
 
-use crate::redis::{decode_reply, encode_command, Frame, Script, LEAST_REQUEST_LUA, PREFIX_CACHE_LUA, RELEASE_LUA};
+use crate::redis::{
+    decode_reply, encode_command, Frame, Script, LEAST_REQUEST_LUA, PREFIX_CACHE_LUA, RELEASE_LUA,
+};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
@@ -32,7 +34,12 @@ impl Redis {
     #[allow(clippy::zombie_processes)]
     fn start() -> Redis {
         let bin = std::env::var("AI_LB_REDIS_SERVER").unwrap_or_else(|_| "redis-server".into());
-        let sock = format!("{}/ai-lb-lua-{}-{}.sock", std::env::temp_dir().display(), std::process::id(), N.fetch_add(1, Ordering::SeqCst));
+        let sock = format!(
+            "{}/ai-lb-lua-{}-{}.sock",
+            std::env::temp_dir().display(),
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        );
         let _ = std::fs::remove_file(&sock);
         let mut child = Command::new(&bin)
             .args(["--port", "0", "--unixsocket", &sock, "--save", "", "--appendonly", "no"])
@@ -114,26 +121,39 @@ impl Redis {
 
     fn release(&mut self, req: &str, tombstone_ttl: u32) -> Frame {
         let s = Script::new(RELEASE_LUA);
-        self.raw(&s.command(&["inflight".to_string(), req.to_string()], &[tombstone_ttl.to_string()], true))
+        self.raw(&s.command(
+            &["inflight".to_string(), req.to_string()],
+            &[tombstone_ttl.to_string()],
+            true,
+        ))
     }
 }
 
 fn lr_args(now: u64, interval: u64, maxc: u64, healthy: &[&str], others: &[&str]) -> Vec<String> {
-    let mut a = vec![now.to_string(), interval.to_string(), maxc.to_string(), healthy.len().to_string()];
+    let mut a =
+        vec![now.to_string(), interval.to_string(), maxc.to_string(), healthy.len().to_string()];
     a.extend(healthy.iter().map(|h| h.to_string()));
     a.extend(others.iter().map(|h| h.to_string()));
     a
 }
 
 fn pc_args(maxc: u64, ttl: u64, factor: f64, healthy: &[&str], others: &[&str]) -> Vec<String> {
-    let mut a = vec!["1000".to_string(), "0".to_string(), maxc.to_string(), ttl.to_string(), factor.to_string(), healthy.len().to_string()];
+    let mut a = vec![
+        "1000".to_string(),
+        "0".to_string(),
+        maxc.to_string(),
+        ttl.to_string(),
+        factor.to_string(),
+        healthy.len().to_string(),
+    ];
     a.extend(healthy.iter().map(|h| h.to_string()));
     a.extend(others.iter().map(|h| h.to_string()));
     a
 }
 
 fn pick(f: &Frame) -> (String, i64, i64, i64) {
-    let p = crate::policy::global_least_request::parse_pick(f).unwrap_or_else(|| panic!("bad reply {f:?}"));
+    let p = crate::policy::global_least_request::parse_pick(f)
+        .unwrap_or_else(|| panic!("bad reply {f:?}"));
     (p.host, p.count, p.admitted as i64, p.matched)
 }
 
@@ -141,9 +161,16 @@ fn pick(f: &Frame) -> (String, i64, i64, i64) {
 fn script_sha_matches_redis_and_noscript_is_recognised() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
-    let first = r.raw(&s.command(&["inflight".into(), "lc".into(), "rq".into()], &lr_args(1, 0, 0, &["a"], &[]), false));
+    let first = r.raw(&s.command(
+        &["inflight".into(), "lc".into(), "rq".into()],
+        &lr_args(1, 0, 0, &["a"], &[]),
+        false,
+    ));
     assert!(crate::redis::is_noscript(&first), "{first:?}");
-    assert_eq!(r.cmd(&["SCRIPT", "LOAD", LEAST_REQUEST_LUA]), Frame::BulkString(s.sha.clone().into_bytes()));
+    assert_eq!(
+        r.cmd(&["SCRIPT", "LOAD", LEAST_REQUEST_LUA]),
+        Frame::BulkString(s.sha.clone().into_bytes())
+    );
 }
 
 #[test]
@@ -216,7 +243,8 @@ fn prefix_hit_routes_to_the_holder_refreshes_and_extends_the_chain() {
     r.cmd(&["SET", "k1", "a", "EX", "10"]);
     r.cmd(&["SET", "k2", "a", "EX", "10"]);
     r.cmd(&["HSET", "inflight", "a", "3", "b", "0"]);
-    let f = r.run(&s, &["inflight", "lc", "k1", "k2", "k3"], &pc_args(0, 600, 0.0, &["b", "a"], &[]));
+    let f =
+        r.run(&s, &["inflight", "lc", "k1", "k2", "k3"], &pc_args(0, 600, 0.0, &["b", "a"], &[]));
     assert_eq!(pick(&f), ("a".to_string(), 4, 1, 2));
     assert!(r.ttl("k1") > 10, "matched keys refreshed");
     assert_eq!(r.get("k3").as_deref(), Some("a"));
@@ -230,7 +258,11 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
     r.cmd(&["SET", "k1", "a"]);
     r.cmd(&["SET", "k2", "sick"]);
     r.cmd(&["SET", "k3", "sick"]);
-    let f = r.run(&s, &["inflight", "lc", "k1", "k2", "k3", "k4"], &pc_args(0, 600, 0.0, &["b", "a"], &["sick"]));
+    let f = r.run(
+        &s,
+        &["inflight", "lc", "k1", "k2", "k3", "k4"],
+        &pc_args(0, 600, 0.0, &["b", "a"], &["sick"]),
+    );
     assert_eq!(pick(&f), ("a".to_string(), 1, 1, 1), "longest prefix on a healthy host");
     for k in ["k1", "k2", "k3", "k4"] {
         assert_eq!(r.get(k).as_deref(), Some("a"), "{k} re-homed in place");
@@ -245,7 +277,11 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
     assert_eq!(r.get("j2").as_deref(), Some("b"));
     let keys = r.cmd(&["KEYS", "*"]);
     let Frame::Array(keys) = keys else { panic!() };
-    assert_eq!(keys.len(), 9, "k1-k4, j1-j2, the in-flight hash and two pick records only: {keys:?}");
+    assert_eq!(
+        keys.len(),
+        9,
+        "k1-k4, j1-j2, the in-flight hash and two pick records only: {keys:?}"
+    );
 }
 
 #[test]
@@ -301,7 +337,8 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     // A stalled Redis runs the pick after the plugin gave up (timeout) and sent the cancel.
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
-    let keys: Vec<String> = ["inflight", "lc", "rq:late", "k1"].iter().map(|k| k.to_string()).collect();
+    let keys: Vec<String> =
+        ["inflight", "lc", "rq:late", "k1"].iter().map(|k| k.to_string()).collect();
     assert_eq!(r.release("rq:late", 3600), Frame::BulkString(Vec::new()));
     assert!(r.ttl("rq:late") > 3000, "tombstone");
     let f = r.run_keys(&s, &keys, &pc_args(0, 600, 0.0, &["a"], &[]));
@@ -309,7 +346,8 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     assert_eq!(r.count("a"), None, "nothing counted");
     assert_eq!(r.get("k1"), None, "nothing written");
     // Cancel after the pick ran (same connection order): undone.
-    let keys: Vec<String> = ["inflight", "lc", "rq:ran", "k1"].iter().map(|k| k.to_string()).collect();
+    let keys: Vec<String> =
+        ["inflight", "lc", "rq:ran", "k1"].iter().map(|k| k.to_string()).collect();
     let f = r.run_keys(&s, &keys, &pc_args(0, 600, 0.0, &["a"], &[]));
     assert_eq!(pick(&f).0, "a");
     assert_eq!(r.release("rq:ran", 3600), Frame::BulkString(b"a".to_vec()));

@@ -113,7 +113,10 @@ mod tests {
     #[test]
     fn parses_upstream_hosts_with_health_and_metrics() {
         let bytes = serialize(&[
-            ("10.0.0.1:8000", r#"{"health_status":"Healthy","metrics":"vllm:num_requests_running 3\n"}"#),
+            (
+                "10.0.0.1:8000",
+                r#"{"health_status":"Healthy","metrics":"vllm:num_requests_running 3\n"}"#,
+            ),
             ("10.0.0.2:8000", r#"{"health_status":"Unhealthy","metrics":""}"#),
             ("10.0.0.3:8000", "not json"),
         ]);

@@ -29,7 +29,9 @@ const INIT_RETRY_NS: u64 = 5_000_000_000;
 
 /// Encodes one command as a RESP2 array of bulk strings.
 pub fn encode_command<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
-    let frame = OwnedFrame::Array(args.iter().map(|a| OwnedFrame::BulkString(a.as_ref().to_vec())).collect());
+    let frame = OwnedFrame::Array(
+        args.iter().map(|a| OwnedFrame::BulkString(a.as_ref().to_vec())).collect(),
+    );
     let mut buf = vec![0u8; frame.encode_len(false)];
     match redis_protocol::resp2::encode::encode(&mut buf, &frame, false) {
         Ok(n) => {
@@ -163,7 +165,12 @@ impl RedisClient {
     /// Initialises the connection. Failure is logged, not fatal (Higress #1517): retried later.
     pub fn init(&mut self, host: &mut dyn Host) -> bool {
         self.last_attempt_ns = Some(host.now_nanos());
-        match host.redis_init(&self.init_cluster, &self.config.username, &self.config.password, self.config.timeout_ms) {
+        match host.redis_init(
+            &self.init_cluster,
+            &self.config.username,
+            &self.config.password,
+            self.config.timeout_ms,
+        ) {
             Ok(()) => {
                 self.inited = true;
                 true
@@ -198,7 +205,10 @@ impl RedisClient {
         }
         let r = host.redis_call(&self.call_cluster, query);
         if let Err(e) = r {
-            host.log(LogLevel::Warn, &format!("ai-load-balancer: redis call to {} failed: {e}", self.call_cluster));
+            host.log(
+                LogLevel::Warn,
+                &format!("ai-load-balancer: redis call to {} failed: {e}", self.call_cluster),
+            );
             if e == HostError::BadArgument {
                 // Unknown cluster now (config changed under us): re-init on a later request.
                 self.inited = false;
@@ -224,7 +234,10 @@ mod tests {
     #[test]
     fn encodes_command_as_array_of_bulk_strings() {
         let q = encode_command(&["HINCRBY", "k", "10.0.0.1:80", "-1"]);
-        assert_eq!(q, b"*4\r\n$7\r\nHINCRBY\r\n$1\r\nk\r\n$11\r\n10.0.0.1:80\r\n$2\r\n-1\r\n".to_vec());
+        assert_eq!(
+            q,
+            b"*4\r\n$7\r\nHINCRBY\r\n$1\r\nk\r\n$11\r\n10.0.0.1:80\r\n$2\r\n-1\r\n".to_vec()
+        );
     }
 
     #[test]
@@ -240,7 +253,11 @@ mod tests {
         assert_eq!(decode_reply(b"+OK\r\n"), Ok(Frame::SimpleString(b"OK".to_vec())));
         assert_eq!(
             decode_reply(b"*3\r\n$5\r\nh:1\r\n\r\n:3\r\n:1\r\n"),
-            Ok(Frame::Array(vec![Frame::BulkString(b"h:1\r\n".to_vec()), Frame::Integer(3), Frame::Integer(1)]))
+            Ok(Frame::Array(vec![
+                Frame::BulkString(b"h:1\r\n".to_vec()),
+                Frame::Integer(3),
+                Frame::Integer(1)
+            ]))
         );
         let e = decode_reply(b"-NOSCRIPT No matching script. Please use EVAL.\r\n").unwrap();
         assert!(is_noscript(&e));

@@ -36,7 +36,11 @@ pub fn keys_args(cmd: &[String]) -> (Vec<String>, Vec<String>) {
 
 /// RESP bytes of a script reply `{host, count, admitted[, matched]}`.
 pub fn pick_reply(host: &str, count: i64, admitted: bool, matched: Option<i64>) -> Vec<u8> {
-    let mut frames = vec![Frame::BulkString(host.as_bytes().to_vec()), Frame::Integer(count), Frame::Integer(admitted as i64)];
+    let mut frames = vec![
+        Frame::BulkString(host.as_bytes().to_vec()),
+        Frame::Integer(count),
+        Frame::Integer(admitted as i64),
+    ];
     if let Some(m) = matched {
         frames.push(Frame::Integer(m));
     }
@@ -51,7 +55,10 @@ pub fn pick_reply(host: &str, count: i64, admitted: bool, matched: Option<i64>) 
 pub fn releases(host: &FakeHost) -> Vec<(String, String, String)> {
     (0..host.redis_calls.len())
         .map(|i| command(host, i))
-        .filter(|c| c.first().map(String::as_str) == Some("EVAL") && c.get(1).map(String::as_str) == Some(crate::redis::RELEASE_LUA))
+        .filter(|c| {
+            c.first().map(String::as_str) == Some("EVAL")
+                && c.get(1).map(String::as_str) == Some(crate::redis::RELEASE_LUA)
+        })
         .map(|c| (c[3].clone(), c[4].clone(), c[5].clone()))
         .collect()
 }

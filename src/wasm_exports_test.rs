@@ -6,7 +6,8 @@
 
 use std::collections::HashMap;
 
-const WASM: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/target/wasm32-wasip1/wasm-release/ai_load_balancer.wasm");
+const WASM: &str =
+    concat!(env!("CARGO_MANIFEST_DIR"), "/target/wasm32-wasip1/wasm-release/ai_load_balancer.wasm");
 
 #[derive(Debug, Clone, PartialEq)]
 struct FuncType {
@@ -130,10 +131,15 @@ fn parse(bytes: &[u8]) -> Module {
 
 impl Module {
     fn export_type(&self, name: &str) -> FuncType {
-        let (kind, idx) = *self.exports.get(name).unwrap_or_else(|| panic!("export {name} missing"));
+        let (kind, idx) =
+            *self.exports.get(name).unwrap_or_else(|| panic!("export {name} missing"));
         assert_eq!(kind, 0, "{name} is not a function");
         let idx = idx as usize;
-        let t = if idx < self.func_imports.len() { self.func_imports[idx].2 } else { self.funcs[idx - self.func_imports.len()] };
+        let t = if idx < self.func_imports.len() {
+            self.func_imports[idx].2
+        } else {
+            self.funcs[idx - self.func_imports.len()]
+        };
         self.types[t as usize].clone()
     }
     fn import_type(&self, module: &str, name: &str) -> FuncType {
@@ -160,7 +166,8 @@ fn load() -> Module {
         )
     });
     // A stale .wasm would test old code: say so loudly (not fatal, other people edit src/ too).
-    if let (Ok(w), Ok(src)) = (std::fs::metadata(WASM).and_then(|m| m.modified()), newest_source()) {
+    if let (Ok(w), Ok(src)) = (std::fs::metadata(WASM).and_then(|m| m.modified()), newest_source())
+    {
         if src > w {
             eprintln!("WARNING: {WASM} is older than src/; rebuild it to test the current code");
         }
@@ -189,8 +196,13 @@ fn newest_source() -> std::io::Result<std::time::SystemTime> {
 #[test]
 fn exactly_one_abi_marker_0_2_100() {
     let m = load();
-    let markers: Vec<&String> = m.export_names.iter().filter(|n| n.starts_with("proxy_abi_version_")).collect();
-    assert_eq!(markers, vec!["proxy_abi_version_0_2_100"], "the host takes the first marker it finds");
+    let markers: Vec<&String> =
+        m.export_names.iter().filter(|n| n.starts_with("proxy_abi_version_")).collect();
+    assert_eq!(
+        markers,
+        vec!["proxy_abi_version_0_2_100"],
+        "the host takes the first marker it finds"
+    );
     assert_eq!(m.export_type("proxy_abi_version_0_2_100"), ft(&[], &[]));
 }
 
@@ -242,6 +254,9 @@ fn imports_the_higress_extensions() {
     }
     // Nothing from the crates.io SDK's world that Higress would not provide.
     for (module, name, _) in &m.func_imports {
-        assert!(module == "env" || module == "wasi_snapshot_preview1", "unexpected import {module}.{name}");
+        assert!(
+            module == "env" || module == "wasi_snapshot_preview1",
+            "unexpected import {module}.{name}"
+        );
     }
 }

@@ -51,7 +51,12 @@ pub async fn handle(g: Arc<Global>, req: Request<Incoming>) -> Response<GwBody> 
             let mut ups = Vec::new();
             for c in g.clusters.all() {
                 for e in c.endpoints() {
-                    ups.push((c.name.clone(), e.address.clone(), e.total.load(Ordering::Relaxed), e.active.load(Ordering::Relaxed)));
+                    ups.push((
+                        c.name.clone(),
+                        e.address.clone(),
+                        e.total.load(Ordering::Relaxed),
+                        e.active.load(Ordering::Relaxed),
+                    ));
                 }
             }
             resp(StatusCode::OK, "text/plain; version=0.0.4", g.stats.render(&ups))
@@ -83,7 +88,11 @@ pub async fn handle(g: Arc<Global>, req: Request<Incoming>) -> Response<GwBody> 
             };
             let name = url_decode(name);
             let Some(cluster) = g.clusters.get(&name) else {
-                return resp(StatusCode::NOT_FOUND, "text/plain", format!("unknown cluster {name}\n"));
+                return resp(
+                    StatusCode::NOT_FOUND,
+                    "text/plain",
+                    format!("unknown cluster {name}\n"),
+                );
             };
             let body = req.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
             match what {
@@ -92,23 +101,42 @@ pub async fn handle(g: Arc<Global>, req: Request<Incoming>) -> Response<GwBody> 
                         Ok(()) => resp(StatusCode::OK, "text/plain", "OK\n".into()),
                         Err(e) => resp(StatusCode::BAD_REQUEST, "text/plain", format!("{e}\n")),
                     },
-                    Err(e) => resp(StatusCode::BAD_REQUEST, "text/plain", format!("expected a JSON array of \"ip:port\": {e}\n")),
+                    Err(e) => resp(
+                        StatusCode::BAD_REQUEST,
+                        "text/plain",
+                        format!("expected a JSON array of \"ip:port\": {e}\n"),
+                    ),
                 },
-                "health" => match serde_json::from_slice::<std::collections::HashMap<String, String>>(&body) {
-                    Ok(map) => {
-                        for (addr, h) in &map {
-                            let Some(h) = Health::parse(h) else {
-                                return resp(StatusCode::BAD_REQUEST, "text/plain", format!("bad health {h}\n"));
-                            };
-                            let Some(e) = cluster.find(addr) else {
-                                return resp(StatusCode::NOT_FOUND, "text/plain", format!("unknown endpoint {addr}\n"));
-                            };
-                            e.set_health(h);
+                "health" => {
+                    match serde_json::from_slice::<std::collections::HashMap<String, String>>(&body)
+                    {
+                        Ok(map) => {
+                            for (addr, h) in &map {
+                                let Some(h) = Health::parse(h) else {
+                                    return resp(
+                                        StatusCode::BAD_REQUEST,
+                                        "text/plain",
+                                        format!("bad health {h}\n"),
+                                    );
+                                };
+                                let Some(e) = cluster.find(addr) else {
+                                    return resp(
+                                        StatusCode::NOT_FOUND,
+                                        "text/plain",
+                                        format!("unknown endpoint {addr}\n"),
+                                    );
+                                };
+                                e.set_health(h);
+                            }
+                            resp(StatusCode::OK, "text/plain", "OK\n".into())
                         }
-                        resp(StatusCode::OK, "text/plain", "OK\n".into())
+                        Err(e) => resp(
+                            StatusCode::BAD_REQUEST,
+                            "text/plain",
+                            format!("expected a JSON object: {e}\n"),
+                        ),
                     }
-                    Err(e) => resp(StatusCode::BAD_REQUEST, "text/plain", format!("expected a JSON object: {e}\n")),
-                },
+                }
                 _ => resp(StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
             }
         }

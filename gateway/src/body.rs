@@ -11,7 +11,8 @@ use tokio::sync::mpsc;
 pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
 /// HTTP client used for upstream requests and callouts.
-pub type HttpClient = hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, GwBody>;
+pub type HttpClient =
+    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, GwBody>;
 
 /// A body: full bytes, or chunks from a channel (an `Err` item aborts the stream).
 #[derive(Debug)]
@@ -38,7 +39,10 @@ impl Body for GwBody {
     type Data = Bytes;
     type Error = BodyError;
 
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         match self.get_mut() {
             GwBody::Full(b) => Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
             GwBody::Chan(rx) => match rx.poll_recv(cx) {

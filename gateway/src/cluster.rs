@@ -139,7 +139,8 @@ impl Cluster {
         if all.is_empty() {
             return None;
         }
-        let healthy: Vec<_> = all.iter().filter(|e| e.health() == Health::Healthy).cloned().collect();
+        let healthy: Vec<_> =
+            all.iter().filter(|e| e.health() == Health::Healthy).cloned().collect();
         let candidates = if healthy.len() * 2 >= all.len() && !healthy.is_empty() {
             healthy
         } else {
@@ -237,9 +238,10 @@ async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<bytes:
     let fut = async {
         let stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
         let io = hyper_util::rt::TokioIo::new(stream);
-        let (mut send, conn) = hyper::client::conn::http1::handshake::<_, http_body_util::Empty<bytes::Bytes>>(io)
-            .await
-            .map_err(|e| e.to_string())?;
+        let (mut send, conn) =
+            hyper::client::conn::http1::handshake::<_, http_body_util::Empty<bytes::Bytes>>(io)
+                .await
+                .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
         let req = hyper::Request::get(path)
             .header("host", addr.to_string())

@@ -197,8 +197,9 @@ impl Config {
         }
         for c in &cfg.clusters {
             for e in &c.endpoints {
-                e.parse::<std::net::SocketAddr>()
-                    .map_err(|_| anyhow::anyhow!("cluster {}: endpoint {e} is not ip:port", c.name))?;
+                e.parse::<std::net::SocketAddr>().map_err(|_| {
+                    anyhow::anyhow!("cluster {}: endpoint {e} is not ip:port", c.name)
+                })?;
             }
         }
         Ok(cfg)

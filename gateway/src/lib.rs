@@ -19,7 +19,10 @@ use tokio::sync::mpsc;
 
 /// Command-line options.
 #[derive(Debug, Clone, clap::Parser)]
-#[command(name = "gateway", about = "Higress-like gateway host running a proxy-wasm plugin in wasmtime")]
+#[command(
+    name = "gateway",
+    about = "Higress-like gateway host running a proxy-wasm plugin in wasmtime"
+)]
 pub struct Args {
     /// Configuration YAML.
     #[arg(long)]
@@ -34,13 +37,16 @@ pub struct Args {
 
 /// Run the gateway until killed. Prints `LISTENING <name> <addr>`, `ADMIN <addr>`, `READY`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| {
-            // Our crate and plugin logs at the chosen level; dependencies (cranelift, hyper) quieter.
-            let l = &args.log_level;
-            tracing_subscriber::EnvFilter::new(format!("warn,gateway={l},wasm={l}"))
-        });
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).with_writer(LogWriter::start()).try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        // Our crate and plugin logs at the chosen level; dependencies (cranelift, hyper) quieter.
+        let l = &args.log_level;
+        tracing_subscriber::EnvFilter::new(format!("warn,gateway={l},wasm={l}"))
+    });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(LogWriter::start())
+        .try_init();
 
     let cfg = config::Config::load(&args.config)?;
     let plugin = match &cfg.plugin {
@@ -102,7 +108,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let g = g.clone();
         let plugin = plugin.clone();
         let events_tx = senders[idx].clone();
-        let socks: Vec<std::net::TcpListener> = listeners.iter().filter_map(|(_, s)| s.try_clone().ok()).collect();
+        let socks: Vec<std::net::TcpListener> =
+            listeners.iter().filter_map(|(_, s)| s.try_clone().ok()).collect();
         let ready_tx = ready_tx.clone();
         std::thread::Builder::new().name(format!("worker-{idx}")).spawn(move || {
             let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
@@ -135,7 +142,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                             match l.accept().await {
                                 Ok((stream, peer)) => {
                                     let local_addr = stream.local_addr().unwrap_or(peer);
-                                    tokio::task::spawn_local(proxy::serve_connection(w.clone(), stream, peer, local_addr));
+                                    tokio::task::spawn_local(proxy::serve_connection(
+                                        w.clone(),
+                                        stream,
+                                        peer,
+                                        local_addr,
+                                    ));
                                 }
                                 Err(e) => {
                                     tracing::warn!("accept failed: {e}");
@@ -163,7 +175,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
     let admin = match &cfg.admin {
         Some(a) => Some(
-            std::net::TcpListener::bind(&a.address).map_err(|e| anyhow::anyhow!("admin: bind {}: {e}", a.address))?,
+            std::net::TcpListener::bind(&a.address)
+                .map_err(|e| anyhow::anyhow!("admin: bind {}: {e}", a.address))?,
         ),
         None => None,
     };

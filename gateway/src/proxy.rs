@@ -29,11 +29,23 @@ use tokio::sync::{mpsc, oneshot};
 /// Header set on every proxied response: the chosen upstream.
 pub const UPSTREAM_HOST_HEADER: &str = "x-gateway-upstream-host";
 
-const HOP_BY_HOP: &[&str] =
-    &["connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "upgrade", "trailer"];
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "trailer",
+];
 
 /// Serve one downstream connection on this worker.
-pub async fn serve_connection(w: Rc<Worker>, stream: tokio::net::TcpStream, peer: SocketAddr, local: SocketAddr) {
+pub async fn serve_connection(
+    w: Rc<Worker>,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    local: SocketAddr,
+) {
     let _ = stream.set_nodelay(true);
     let conn_id = w.next_connection_id();
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
@@ -41,12 +53,20 @@ pub async fn serve_connection(w: Rc<Worker>, stream: tokio::net::TcpStream, peer
         async move { Ok::<_, std::convert::Infallible>(handle(w, req, peer, local, conn_id).await) }
     });
     let io = hyper_util::rt::TokioIo::new(stream);
-    if let Err(e) = hyper::server::conn::http1::Builder::new().keep_alive(true).serve_connection(io, svc).await {
+    if let Err(e) =
+        hyper::server::conn::http1::Builder::new().keep_alive(true).serve_connection(io, svc).await
+    {
         tracing::debug!("downstream connection error: {e}");
     }
 }
 
-async fn handle(w: Rc<Worker>, req: Request<Incoming>, peer: SocketAddr, local: SocketAddr, conn_id: u64) -> Response<GwBody> {
+async fn handle(
+    w: Rc<Worker>,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+    local: SocketAddr,
+    conn_id: u64,
+) -> Response<GwBody> {
     let (tx, rx) = oneshot::channel();
     tokio::task::spawn_local(async move {
         let d = Drive::new(w, &req, peer, local, conn_id, tx);
@@ -60,7 +80,8 @@ async fn handle(w: Rc<Worker>, req: Request<Incoming>, peer: SocketAddr, local: 
 
 fn simple_response(status: u16, body: &str) -> Response<GwBody> {
     let mut r = Response::new(GwBody::full(Bytes::from(body.to_string())));
-    *r.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+    *r.status_mut() =
+        hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
     r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("text/plain"));
     r
 }
@@ -111,13 +132,25 @@ struct Drive {
 }
 
 fn local(status: u16, details: &str, body: &str) -> LocalReply {
-    LocalReply { status, details: details.to_string(), body: Bytes::from(body.to_string()), headers: Vec::new() }
+    LocalReply {
+        status,
+        details: details.to_string(),
+        body: Bytes::from(body.to_string()),
+        headers: Vec::new(),
+    }
 }
 
 /// Route match: first route whose prefix matches the path and whose host (if any) equals the
 /// authority without port.
-pub fn match_route(routes: &[crate::config::RouteConfig], path: &str, authority: &str) -> Option<usize> {
-    let host = authority.rsplit_once(':').map(|(h, p)| if p.chars().all(|c| c.is_ascii_digit()) { h } else { authority }).unwrap_or(authority);
+pub fn match_route(
+    routes: &[crate::config::RouteConfig],
+    path: &str,
+    authority: &str,
+) -> Option<usize> {
+    let host = authority
+        .rsplit_once(':')
+        .map(|(h, p)| if p.chars().all(|c| c.is_ascii_digit()) { h } else { authority })
+        .unwrap_or(authority);
     routes.iter().position(|r| {
         let prefix_ok = path.starts_with(r.match_.prefix.as_deref().unwrap_or("/"));
         let host_ok = r.match_.host.as_deref().is_none_or(|h| h.eq_ignore_ascii_case(host));
@@ -146,7 +179,11 @@ impl Drive {
             .map(str::to_string)
             .or_else(|| req.uri().authority().map(|a| a.to_string()))
             .unwrap_or_default();
-        let path = req.uri().path_and_query().map(|p| p.as_str().to_string()).unwrap_or_else(|| "/".into());
+        let path = req
+            .uri()
+            .path_and_query()
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_else(|| "/".into());
         let method = req.method().as_str().to_string();
         let mut headers: HeaderMap = vec![
             (":authority".into(), authority.clone().into_bytes()),
@@ -188,7 +225,9 @@ impl Drive {
         if let Some(r) = route.and_then(|i| w.g.routes.get(i)) {
             st.route_name = r.name.clone();
             st.cluster_name = match (&r.cluster_header, &r.cluster) {
-                (Some(h), _) => header_value(&st.req_headers, &h.to_ascii_lowercase()).or(r.cluster.clone()).unwrap_or_default(),
+                (Some(h), _) => header_value(&st.req_headers, &h.to_ascii_lowercase())
+                    .or(r.cluster.clone())
+                    .unwrap_or_default(),
                 (None, Some(c)) => c.clone(),
                 _ => String::new(),
             };
@@ -291,7 +330,9 @@ impl Drive {
         if self.plugin() {
             let ctx = self.ctx as i32;
             // Envoy: log, then onDestroy -> on_done, then on_delete.
-            if self.call("proxy_on_log", &[ctx]).is_ok() && self.call("proxy_on_done", &[ctx]).is_ok() {
+            if self.call("proxy_on_log", &[ctx]).is_ok()
+                && self.call("proxy_on_done", &[ctx]).is_ok()
+            {
                 let _ = self.call("proxy_on_delete", &[ctx]);
             }
         }
@@ -359,7 +400,9 @@ impl Drive {
                         self.lock().req_body_access = true;
                         match self.data_action("proxy_on_request_body", len, body_done) {
                             Ok(c) => data_stopped = !c,
-                            Err(()) => return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure")),
+                            Err(()) => {
+                                return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure"))
+                            }
                         }
                         if !data_stopped {
                             self.lock().req_body_access = false;
@@ -376,7 +419,11 @@ impl Drive {
                 let s = self.lock();
                 if s.req_body.len() > s.decoder_limit {
                     drop(s);
-                    return ReqOutcome::Local(local(413, "request_payload_too_large", "Payload Too Large"));
+                    return ReqOutcome::Local(local(
+                        413,
+                        "request_payload_too_large",
+                        "Payload Too Large",
+                    ));
                 }
             }
             // Flush released data upstream.
@@ -423,7 +470,13 @@ impl Drive {
             }
             // Wait for the next event.
             let notify = self.notify.clone();
-            let up_fut = self.upstream.as_mut().and_then(|u| if u.result.is_none() { u.fut.as_mut() } else { None });
+            let up_fut = self.upstream.as_mut().and_then(|u| {
+                if u.result.is_none() {
+                    u.fut.as_mut()
+                } else {
+                    None
+                }
+            });
             let resp_tx = self.resp_tx.as_mut();
             tokio::select! {
                 f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() => {
@@ -526,21 +579,35 @@ impl Drive {
         };
         self.timeout = route_timeout;
         let Some(cluster) = g.clusters.get(&cluster_name) else {
-            let code = if self.lock().route.and_then(|i| g.routes.get(i)).is_some_and(|r| r.cluster_header.is_some()) { 404 } else { 503 };
+            let code = if self
+                .lock()
+                .route
+                .and_then(|i| g.routes.get(i))
+                .is_some_and(|r| r.cluster_header.is_some())
+            {
+                404
+            } else {
+                503
+            };
             return Err(local(code, "cluster_not_found", ""));
         };
         let Some(ep) = cluster.pick_with_override(override_host.as_deref()) else {
             return Err(local(503, "no_healthy_upstream", "no healthy upstream"));
         };
         self.lock().upstream_host = Some(ep.address.clone());
-        let mut b = Request::builder().method(method.as_str()).uri(format!("http://{}{}", ep.addr, path));
+        let mut b =
+            Request::builder().method(method.as_str()).uri(format!("http://{}{}", ep.addr, path));
         let mut authority = None;
         for (k, v) in &headers {
             if k == ":authority" {
                 authority = Some(v.clone());
                 continue;
             }
-            if k.starts_with(':') || k == "host" || k == "content-length" || HOP_BY_HOP.contains(&k.as_str()) {
+            if k.starts_with(':')
+                || k == "host"
+                || k == "content-length"
+                || HOP_BY_HOP.contains(&k.as_str())
+            {
                 continue;
             }
             b = b.header(k.as_str(), v.as_slice());
@@ -559,7 +626,11 @@ impl Drive {
 
     /// Start the upstream request: a full body when the request is complete (content-length),
     /// otherwise a streamed body.
-    fn start_upstream(&mut self, b: hyper::http::request::Builder, full: Option<Bytes>) -> Result<(), LocalReply> {
+    fn start_upstream(
+        &mut self,
+        b: hyper::http::request::Builder,
+        full: Option<Bytes>,
+    ) -> Result<(), LocalReply> {
         let (body_tx, gw_body) = match full {
             Some(b) => (None, GwBody::full(b)),
             None => {
@@ -592,21 +663,32 @@ impl Drive {
         let (status, headers) = {
             let mut s = self.lock();
             s.resp_hdr_access = false;
-            let status = header_value(&s.resp_headers, ":status").and_then(|v| v.parse::<u16>().ok()).unwrap_or(200);
+            let status = header_value(&s.resp_headers, ":status")
+                .and_then(|v| v.parse::<u16>().ok())
+                .unwrap_or(200);
             (status, s.resp_headers.clone())
         };
-        let (tx, body) = if eos { (None, GwBody::full(Bytes::new())) } else {
+        let (tx, body) = if eos {
+            (None, GwBody::full(Bytes::new()))
+        } else {
             let (tx, b) = GwBody::channel();
             (Some(tx), b)
         };
         let mut resp = Response::new(body);
-        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::BAD_GATEWAY);
+        *resp.status_mut() =
+            hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::BAD_GATEWAY);
         let modified = self.lock().resp_body_modified;
         for (k, v) in &headers {
-            if k.starts_with(':') || HOP_BY_HOP.contains(&k.as_str()) || (modified && k == "content-length") {
+            if k.starts_with(':')
+                || HOP_BY_HOP.contains(&k.as_str())
+                || (modified && k == "content-length")
+            {
                 continue;
             }
-            if let (Ok(n), Ok(v)) = (hyper::header::HeaderName::from_bytes(k.as_bytes()), hyper::header::HeaderValue::from_bytes(v)) {
+            if let (Ok(n), Ok(v)) = (
+                hyper::header::HeaderName::from_bytes(k.as_bytes()),
+                hyper::header::HeaderValue::from_bytes(v),
+            ) {
                 resp.headers_mut().append(n, v);
             }
         }
@@ -627,7 +709,8 @@ impl Drive {
         let (parts, body) = resp.into_parts();
         {
             let mut s = self.lock();
-            let mut h: HeaderMap = vec![(":status".into(), parts.status.as_str().as_bytes().to_vec())];
+            let mut h: HeaderMap =
+                vec![(":status".into(), parts.status.as_str().as_bytes().to_vec())];
             for (k, v) in parts.headers.iter() {
                 h.push((k.as_str().to_string(), v.as_bytes().to_vec()));
             }
@@ -825,7 +908,11 @@ impl Drive {
         }
         let body_len = lr.body.len();
         let n = self.lock().resp_headers.len();
-        if self.call("proxy_on_response_headers", &[self.ctx as i32, n as i32, (body_len == 0) as i32]).is_ok() && body_len > 0 {
+        if self
+            .call("proxy_on_response_headers", &[self.ctx as i32, n as i32, (body_len == 0) as i32])
+            .is_ok()
+            && body_len > 0
+        {
             self.lock().resp_body_access = true;
             let _ = self.call("proxy_on_response_body", &[self.ctx as i32, body_len as i32, 1]);
         }
@@ -834,16 +921,22 @@ impl Drive {
             s.resp_hdr_access = false;
             s.resp_body_access = false;
             s.local_reply = None;
-            let status = header_value(&s.resp_headers, ":status").and_then(|v| v.parse::<u16>().ok()).unwrap_or(lr.status);
+            let status = header_value(&s.resp_headers, ":status")
+                .and_then(|v| v.parse::<u16>().ok())
+                .unwrap_or(lr.status);
             (status, s.resp_headers.clone(), s.resp_body.split().freeze())
         };
         let mut resp = Response::new(GwBody::full(body));
-        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+        *resp.status_mut() =
+            hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
         for (k, v) in &headers {
             if k.starts_with(':') || k == "content-length" {
                 continue;
             }
-            if let (Ok(n), Ok(v)) = (hyper::header::HeaderName::from_bytes(k.as_bytes()), hyper::header::HeaderValue::from_bytes(v)) {
+            if let (Ok(n), Ok(v)) = (
+                hyper::header::HeaderName::from_bytes(k.as_bytes()),
+                hyper::header::HeaderValue::from_bytes(v),
+            ) {
                 resp.headers_mut().append(n, v);
             }
         }

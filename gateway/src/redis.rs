@@ -38,7 +38,13 @@ pub struct RedisConfig {
 
 impl RedisConfig {
     /// Parse `cluster?db=1&buffer_flush_timeout=3&max_buffer_size_before_flush=1024`.
-    pub fn parse(full: &str, username: String, password: String, timeout_ms: u32, connect_timeout: Duration) -> RedisConfig {
+    pub fn parse(
+        full: &str,
+        username: String,
+        password: String,
+        timeout_ms: u32,
+        connect_timeout: Duration,
+    ) -> RedisConfig {
         let (cluster, query) = full.split_once('?').unwrap_or((full, ""));
         let mut cfg = RedisConfig {
             cluster: cluster.to_string(),
@@ -103,7 +109,12 @@ impl RedisClient {
     }
 }
 
-fn deliver(events: &mpsc::UnboundedSender<WorkerEvent>, gen: u64, token: u32, reply: Option<Bytes>) {
+fn deliver(
+    events: &mpsc::UnboundedSender<WorkerEvent>,
+    gen: u64,
+    token: u32,
+    reply: Option<Bytes>,
+) {
     let _ = events.send(WorkerEvent::Redis { gen, token, reply });
 }
 
@@ -133,7 +144,8 @@ async fn run(
         }) else {
             return;
         };
-        let conn = tokio::time::timeout(cfg.connect_timeout, tokio::net::TcpStream::connect(addr)).await;
+        let conn =
+            tokio::time::timeout(cfg.connect_timeout, tokio::net::TcpStream::connect(addr)).await;
         let mut sock = match conn {
             Ok(Ok(s)) => s,
             _ => {
@@ -153,7 +165,11 @@ async fn run(
             if cfg.username.is_empty() {
                 wbuf.extend(resp_command(&[b"AUTH", cfg.password.as_bytes()]));
             } else {
-                wbuf.extend(resp_command(&[b"AUTH", cfg.username.as_bytes(), cfg.password.as_bytes()]));
+                wbuf.extend(resp_command(&[
+                    b"AUTH",
+                    cfg.username.as_bytes(),
+                    cfg.password.as_bytes(),
+                ]));
             }
             pending.push_back((None, Instant::now()));
         }
@@ -259,7 +275,16 @@ mod tests {
         assert_eq!(c.cluster, "outbound|6379||redis.static");
         assert_eq!(c.db.as_deref(), Some("2"));
         assert_eq!((c.flush_timeout, c.max_buffer), (Duration::ZERO, 0));
-        let d = RedisConfig::parse("outbound|6379||redis.static", String::new(), String::new(), 3000, Duration::from_secs(1));
-        assert_eq!((d.db, d.flush_timeout, d.max_buffer, d.timeout), (None, Duration::from_millis(3), 1024, Duration::from_secs(3)));
+        let d = RedisConfig::parse(
+            "outbound|6379||redis.static",
+            String::new(),
+            String::new(),
+            3000,
+            Duration::from_secs(1),
+        );
+        assert_eq!(
+            (d.db, d.flush_timeout, d.max_buffer, d.timeout),
+            (None, Duration::from_millis(3), 1024, Duration::from_secs(3))
+        );
     }
 }

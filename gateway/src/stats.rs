@@ -87,14 +87,20 @@ impl Stats {
     pub fn render(&self, upstreams: &[(String, String, u64, i64)]) -> String {
         let mut out = String::new();
         out.push_str("# TYPE gateway_requests_total counter\n");
-        out.push_str(&format!("gateway_requests_total {}\n", self.requests_total.load(Ordering::Relaxed)));
+        out.push_str(&format!(
+            "gateway_requests_total {}\n",
+            self.requests_total.load(Ordering::Relaxed)
+        ));
         out.push_str("# TYPE gateway_local_replies_total counter\n");
         out.push_str(&format!(
             "gateway_local_replies_total {}\n",
             self.local_replies_total.load(Ordering::Relaxed)
         ));
         out.push_str("# TYPE gateway_vm_traps_total counter\n");
-        out.push_str(&format!("gateway_vm_traps_total {}\n", self.vm_traps_total.load(Ordering::Relaxed)));
+        out.push_str(&format!(
+            "gateway_vm_traps_total {}\n",
+            self.vm_traps_total.load(Ordering::Relaxed)
+        ));
         out.push_str("# TYPE gateway_upstream_requests_total counter\n");
         for (c, h, t, _) in upstreams {
             out.push_str(&format!(
@@ -122,7 +128,9 @@ impl Stats {
                     MetricKind::Counter => {
                         out.push_str(&format!("# TYPE {n} counter\n{n} {}\n", x.value))
                     }
-                    MetricKind::Gauge => out.push_str(&format!("# TYPE {n} gauge\n{n} {}\n", x.value)),
+                    MetricKind::Gauge => {
+                        out.push_str(&format!("# TYPE {n} gauge\n{n} {}\n", x.value))
+                    }
                     MetricKind::Histogram => out.push_str(&format!(
                         "# TYPE {n} summary\n{n}_count {}\n{n}_sum {}\n",
                         x.count, x.sum
@@ -140,8 +148,10 @@ fn esc(s: &str) -> String {
 
 /// Plugin metric names may contain `.`, `:` etc.; Prometheus allows `[a-zA-Z0-9_:]`.
 fn prom_name(name: &str) -> String {
-    let mut s: String =
-        name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == ':' { c } else { '_' }).collect();
+    let mut s: String = name
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '_' || c == ':' { c } else { '_' })
+        .collect();
     if s.chars().next().is_some_and(|c| c.is_ascii_digit()) {
         s.insert(0, '_');
     }

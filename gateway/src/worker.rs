@@ -1,7 +1,7 @@
 //! Workers: each one is a thread with its own Tokio runtime and its own plugin VM (wasmtime
 //! Store + instance of the module compiled once), like Envoy workers.
 
-use crate::abi::{self, Action, AbiVersion, CallResponse, HostState, StreamState};
+use crate::abi::{self, AbiVersion, Action, CallResponse, HostState, StreamState};
 use crate::body::HttpClient;
 use crate::cluster::Clusters;
 use crate::config::{PluginConfig, RouteConfig};
@@ -103,7 +103,14 @@ impl PluginRuntime {
             Some(v) => serde_json::to_string(v)?.into_bytes(),
             None => Vec::new(),
         };
-        Ok(PluginRuntime { engine, module, linker, abi, plugin_config: p.configuration_json()?.into_bytes(), vm_config })
+        Ok(PluginRuntime {
+            engine,
+            module,
+            linker,
+            abi,
+            plugin_config: p.configuration_json()?.into_bytes(),
+            vm_config,
+        })
     }
 }
 
@@ -129,7 +136,12 @@ impl Vm {
     /// Call an export with i32 arguments (adapted to the export's arity). Sets the current and
     /// effective context, then applies the deferred actions once the call has returned.
     /// Returns (result, local reply requested during the call); Ok((None, _)) if not exported.
-    pub fn call(&mut self, ctx: u32, name: &str, args: &[i32]) -> wasmtime::Result<(Option<i32>, bool)> {
+    pub fn call(
+        &mut self,
+        ctx: u32,
+        name: &str,
+        args: &[i32],
+    ) -> wasmtime::Result<(Option<i32>, bool)> {
         let Some(f) = self.func(name) else { return Ok((None, false)) };
         let ty = f.ty(&self.store);
         let params: Vec<Val> = ty
@@ -309,17 +321,22 @@ impl Worker {
                 }
             }
         }
-        vm.call(root_id, "proxy_on_context_create", &[root_id as i32, 0])
-            .map_err(|e| anyhow::anyhow!("plugin {plugin_name}: root context creation trapped: {e:?}"))?;
+        vm.call(root_id, "proxy_on_context_create", &[root_id as i32, 0]).map_err(|e| {
+            anyhow::anyhow!("plugin {plugin_name}: root context creation trapped: {e:?}")
+        })?;
         let (r, _) = vm
             .call(root_id, "proxy_on_vm_start", &[root_id as i32, p.vm_config.len() as i32])
-            .map_err(|e| anyhow::anyhow!("plugin {plugin_name}: proxy_on_vm_start trapped: {e:?}"))?;
+            .map_err(|e| {
+                anyhow::anyhow!("plugin {plugin_name}: proxy_on_vm_start trapped: {e:?}")
+            })?;
         if r == Some(0) {
             anyhow::bail!("plugin {plugin_name}: proxy_on_vm_start returned false");
         }
         let (r, _) = vm
             .call(root_id, "proxy_on_configure", &[root_id as i32, p.plugin_config.len() as i32])
-            .map_err(|e| anyhow::anyhow!("plugin {plugin_name}: proxy_on_configure trapped: {e:?}"))?;
+            .map_err(|e| {
+                anyhow::anyhow!("plugin {plugin_name}: proxy_on_configure trapped: {e:?}")
+            })?;
         if r == Some(0) {
             anyhow::bail!("plugin {plugin_name}: proxy_on_configure rejected the configuration");
         }
@@ -354,7 +371,12 @@ impl Worker {
 
     /// Call into the VM. On a trap: log it, count it, re-instantiate the VM (Envoy would fail the
     /// VM; we recover so one bad request does not take the gateway down) and return Err.
-    pub fn vm_call(&self, ctx: u32, name: &str, args: &[i32]) -> Result<(Option<i32>, bool), Trapped> {
+    pub fn vm_call(
+        &self,
+        ctx: u32,
+        name: &str,
+        args: &[i32],
+    ) -> Result<(Option<i32>, bool), Trapped> {
         let r = {
             let mut vm = self.vm.borrow_mut();
             let Some(vm) = vm.as_mut() else { return Ok((None, false)) };
@@ -381,7 +403,10 @@ impl Worker {
             }
         }
         if let Err(e) = self.start_vm() {
-            tracing::error!(worker = self.idx, "plugin VM restart failed: {e:#}; requests on this worker bypass the plugin");
+            tracing::error!(
+                worker = self.idx,
+                "plugin VM restart failed: {e:#}; requests on this worker bypass the plugin"
+            );
         }
     }
 
@@ -428,10 +453,15 @@ impl Worker {
                 };
                 if let Some(vm) = self.vm.borrow_mut().as_mut() {
                     let st = vm.state();
-                    st.last_status = if reply.is_some() { (0, String::new()) } else { (11, "reset".into()) };
+                    st.last_status =
+                        if reply.is_some() { (0, String::new()) } else { (11, "reset".into()) };
                     st.redis_response = reply;
                 }
-                let _ = self.vm_call(root, "proxy_on_redis_call_response", &[root as i32, token as i32, status, size]);
+                let _ = self.vm_call(
+                    root,
+                    "proxy_on_redis_call_response",
+                    &[root as i32, token as i32, status, size],
+                );
                 if let Some(vm) = self.vm.borrow_mut().as_mut() {
                     vm.state().redis_response = None;
                 }
@@ -441,15 +471,22 @@ impl Worker {
                     return;
                 }
                 let (nh, nb, nt) = match &result {
-                    Some(r) => (r.headers.len() as i32, r.body.len() as i32, r.trailers.len() as i32),
+                    Some(r) => {
+                        (r.headers.len() as i32, r.body.len() as i32, r.trailers.len() as i32)
+                    }
                     None => (0, 0, 0),
                 };
                 if let Some(vm) = self.vm.borrow_mut().as_mut() {
                     let st = vm.state();
-                    st.last_status = if result.is_some() { (0, String::new()) } else { (11, "reset".into()) };
+                    st.last_status =
+                        if result.is_some() { (0, String::new()) } else { (11, "reset".into()) };
                     st.call_response = result;
                 }
-                let _ = self.vm_call(root, "proxy_on_http_call_response", &[root as i32, token as i32, nh, nb, nt]);
+                let _ = self.vm_call(
+                    root,
+                    "proxy_on_http_call_response",
+                    &[root as i32, token as i32, nh, nb, nt],
+                );
                 if let Some(vm) = self.vm.borrow_mut().as_mut() {
                     vm.state().call_response = None;
                 }
@@ -461,7 +498,8 @@ impl Worker {
             }
             WorkerEvent::QueueReady { gen, queue_id } => {
                 if gen == cur {
-                    let _ = self.vm_call(root, "proxy_on_queue_ready", &[root as i32, queue_id as i32]);
+                    let _ =
+                        self.vm_call(root, "proxy_on_queue_ready", &[root as i32, queue_id as i32]);
                 }
             }
         }

@@ -7,7 +7,8 @@ use common::*;
 use std::time::{Duration, Instant};
 
 fn pairs(p: &[(&str, &str)]) -> Vec<u8> {
-    let v: Vec<(String, Vec<u8>)> = p.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect();
+    let v: Vec<(String, Vec<u8>)> =
+        p.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect();
     gateway::abi::marshal_pairs(&v)
 }
 
@@ -61,11 +62,29 @@ fn pause_plugin(marker: &str) -> String {
 
 async fn run_pause(marker: &str) -> (Vec<String>, Upstream) {
     let up = Upstream::start().await;
-    let cfg = one_cluster_config(&format!("\"{}\"", up.addr), true, &format!("  - name: up\n    endpoints: [\"{}\"]\n", up.addr));
+    let cfg = one_cluster_config(
+        &format!("\"{}\"", up.addr),
+        true,
+        &format!("  - name: up\n    endpoints: [\"{}\"]\n", up.addr),
+    );
     let gw = Gateway::start(&cfg, Some(&pause_plugin(marker)), 1);
-    let r = post_chunks(&gw.url("/v1/chat"), &[], &["aaaaa", "bbbbb", "ccccc"], Duration::from_millis(100)).await;
+    let r = post_chunks(
+        &gw.url("/v1/chat"),
+        &[],
+        &["aaaaa", "bbbbb", "ccccc"],
+        Duration::from_millis(100),
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
-    let ev = gw.wait_events(|e| idx(e, "callout").is_some() && e.iter().any(|x| x.ends_with(" 1") && x.starts_with("body")), "body eos").await;
+    let ev = gw
+        .wait_events(
+            |e| {
+                idx(e, "callout").is_some()
+                    && e.iter().any(|x| x.ends_with(" 1") && x.starts_with("body"))
+            },
+            "body eos",
+        )
+        .await;
     let posted: Vec<_> = up.requests().into_iter().filter(|r| r.path == "/v1/chat").collect();
     assert_eq!(posted.len(), 1);
     assert_eq!(&posted[0].body[..], b"aaaaabbbbbccccc", "the upstream gets the whole body once");
@@ -99,7 +118,10 @@ async fn abi_0_2_100_pause_in_headers_still_sees_body_chunks() {
         })
         .collect();
     assert!(bodies.len() >= 3, "several body callbacks (one per chunk): {ev:?}");
-    assert!(bodies.iter().all(|(i, _, _)| *i < callout), "all body callbacks before the continue: {ev:?}");
+    assert!(
+        bodies.iter().all(|(i, _, _)| *i < callout),
+        "all body callbacks before the continue: {ev:?}"
+    );
     // Cumulative sizes: 5, 10, 15 ... and the last one carries end_of_stream.
     assert_eq!(bodies[0].1, 5, "{ev:?}");
     assert!(bodies.windows(2).all(|w| w[1].1 >= w[0].1), "cumulative sizes: {ev:?}");
@@ -131,15 +153,26 @@ async fn local_reply_in_headers_stops_the_request_and_passes_response_callbacks(
         hk = w.s("x-seen-by-plugin"),
         hv = w.s("yes"),
     );
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 1);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&w.module("0_2_100", &body)),
+        1,
+    );
     let r = get(&gw.url("/x"), &[]).await;
     assert_eq!(r.status, 403);
     assert_eq!(r.text(), "blocked");
-    assert_eq!(r.header("x-seen-by-plugin").as_deref(), Some("yes"), "local replies pass the plugin's response callbacks");
+    assert_eq!(
+        r.header("x-seen-by-plugin").as_deref(),
+        Some("yes"),
+        "local replies pass the plugin's response callbacks"
+    );
     assert_eq!(up.requests().len(), 0, "a request answered locally never reaches the upstream");
     let ev = gw.wait_events(|e| idx(e, "resp_hdrs").is_some(), "resp_hdrs").await;
     assert!(ev.contains(&"second 2".to_string()), "a second local response is BadArgument: {ev:?}");
-    assert!(ev.contains(&"grpc 12".to_string()), "unimplemented hostcalls link and return Unimplemented: {ev:?}");
+    assert!(
+        ev.contains(&"grpc 12".to_string()),
+        "unimplemented hostcalls link and return Unimplemented: {ev:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -163,7 +196,11 @@ async fn continue_is_deferred_until_the_callback_returns() {
         ev_after = w.s("req_hdr_after_continue"),
         path = w.s(":path"),
     );
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 1);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&w.module("0_2_100", &body)),
+        1,
+    );
     let r = get(&gw.url("/deferred"), &[]).await;
     assert_eq!(r.status, 200, "{}", r.text());
     let reqs = up.requests();
@@ -171,7 +208,10 @@ async fn continue_is_deferred_until_the_callback_returns() {
     assert_eq!(reqs[0].headers.get("x-after-continue").map(|v| v.as_bytes()), Some(&b"1"[..]));
     let ev = gw.wait_events(|e| idx(e, "req_hdr_after_continue").is_some(), "response").await;
     assert!(ev.contains(&"add 0".to_string()), "{ev:?}");
-    assert!(ev.contains(&"req_hdr_after_continue 1".to_string()), "request headers are NotFound after continue: {ev:?}");
+    assert!(
+        ev.contains(&"req_hdr_after_continue 1".to_string()),
+        "request headers are NotFound after continue: {ev:?}"
+    );
 }
 
 fn override_plugin() -> String {
@@ -208,7 +248,13 @@ async fn override_host_is_honoured_and_non_strict() {
     }
     assert_eq!(seen.len(), 2, "unknown override host falls back to round robin: {seen:?}");
     // Unhealthy host: normal balancing over the healthy ones.
-    let r = request("POST", &gw.admin_url("/clusters/pods/health"), &[], &format!("{{\"{target}\": \"Unhealthy\"}}")).await;
+    let r = request(
+        "POST",
+        &gw.admin_url("/clusters/pods/health"),
+        &[],
+        &format!("{{\"{target}\": \"Unhealthy\"}}"),
+    )
+    .await;
     assert_eq!(r.status, 200, "{}", r.text());
     for _ in 0..4 {
         let r = get(&gw.url("/o"), &[("x-target", &target)]).await;
@@ -222,26 +268,45 @@ async fn plain_proxy_round_robin_and_admin_endpoints() {
     let eps = format!("\"{}\", \"{}\"", u1.addr, u2.addr);
     let gw = Gateway::start(&one_cluster_config(&eps, false, ""), None, 2);
     for _ in 0..4 {
-        let r = request("POST", &gw.url("/p"), &[("content-type", "application/json")], "{\"x\":1}").await;
+        let r =
+            request("POST", &gw.url("/p"), &[("content-type", "application/json")], "{\"x\":1}")
+                .await;
         assert_eq!(r.status, 200);
     }
     assert_eq!(u1.count("/p"), 2);
     assert_eq!(u2.count("/p"), 2);
     assert_eq!(&u1.requests()[0].body[..], b"{\"x\":1}");
     // Replace the endpoint set at run time.
-    let r = request("POST", &gw.admin_url("/clusters/pods/endpoints"), &[], &format!("[\"{}\"]", u2.addr)).await;
+    let r = request(
+        "POST",
+        &gw.admin_url("/clusters/pods/endpoints"),
+        &[],
+        &format!("[\"{}\"]", u2.addr),
+    )
+    .await;
     assert_eq!(r.status, 200);
     for _ in 0..3 {
-        assert_eq!(get(&gw.url("/p"), &[]).await.header("x-gateway-upstream-host"), Some(u2.addr.to_string()));
+        assert_eq!(
+            get(&gw.url("/p"), &[]).await.header("x-gateway-upstream-host"),
+            Some(u2.addr.to_string())
+        );
     }
     let stats = get(&gw.admin_url("/stats"), &[]).await.text();
     assert!(stats.contains("gateway_requests_total 7"), "{stats}");
-    assert!(stats.contains(&format!("gateway_upstream_requests_total{{cluster=\"pods\",host=\"{}\"}} 5", u2.addr)), "{stats}");
-    let clusters: serde_json::Value = serde_json::from_slice(&get(&gw.admin_url("/clusters"), &[]).await.body).unwrap();
+    assert!(
+        stats.contains(&format!(
+            "gateway_upstream_requests_total{{cluster=\"pods\",host=\"{}\"}} 5",
+            u2.addr
+        )),
+        "{stats}"
+    );
+    let clusters: serde_json::Value =
+        serde_json::from_slice(&get(&gw.admin_url("/clusters"), &[]).await.body).unwrap();
     assert_eq!(clusters[0]["endpoints"].as_array().unwrap().len(), 1);
     assert_eq!(get(&gw.admin_url("/ready"), &[]).await.status, 200);
     // No endpoint reachable: 503 local reply.
-    let r = request("POST", &gw.admin_url("/clusters/pods/endpoints"), &[], "[\"127.0.0.1:1\"]").await;
+    let r =
+        request("POST", &gw.admin_url("/clusters/pods/endpoints"), &[], "[\"127.0.0.1:1\"]").await;
     assert_eq!(r.status, 200);
     assert_eq!(get(&gw.url("/p"), &[]).await.status, 503);
 }
@@ -304,7 +369,8 @@ fn resp(args: &[&str]) -> String {
 }
 
 /// A fake Redis that records the commands it receives and answers PING/AUTH/SELECT/others.
-async fn fake_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>) {
+async fn fake_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>)
+{
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
@@ -323,25 +389,29 @@ async fn fake_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<
                         Ok(n) => n,
                     };
                     buf.extend_from_slice(&tmp[..n]);
-                    while let Ok(Some((frame, used))) = redis_protocol::resp2::decode::decode(&buf) {
+                    while let Ok(Some((frame, used))) = redis_protocol::resp2::decode::decode(&buf)
+                    {
                         buf.drain(..used);
                         let args: Vec<String> = match frame {
                             redis_protocol::resp2::types::OwnedFrame::Array(items) => items
                                 .into_iter()
                                 .map(|f| match f {
-                                    redis_protocol::resp2::types::OwnedFrame::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                                    redis_protocol::resp2::types::OwnedFrame::BulkString(b) => {
+                                        String::from_utf8_lossy(&b).into_owned()
+                                    }
                                     other => format!("{other:?}"),
                                 })
                                 .collect(),
                             other => vec![format!("{other:?}")],
                         };
                         seen.lock().unwrap().push(args.clone());
-                        let reply: &[u8] = match args.first().map(|a| a.to_ascii_uppercase()).as_deref() {
-                            Some("PING") => b"+PONG\r\n",
-                            Some("AUTH") | Some("SELECT") => b"+OK\r\n",
-                            Some("MGET") => b"*2\r\n$1\r\na\r\n$-1\r\n",
-                            _ => b"$5\r\nhello\r\n",
-                        };
+                        let reply: &[u8] =
+                            match args.first().map(|a| a.to_ascii_uppercase()).as_deref() {
+                                Some("PING") => b"+PONG\r\n",
+                                Some("AUTH") | Some("SELECT") => b"+OK\r\n",
+                                Some("MGET") => b"*2\r\n$1\r\na\r\n$-1\r\n",
+                                _ => b"$5\r\nhello\r\n",
+                            };
                         if s.write_all(reply).await.is_err() {
                             return;
                         }
@@ -361,19 +431,39 @@ async fn redis_auth_select_pipelining_and_raw_replies() {
     let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
     assert_eq!((r.status, r.text().as_str()), (200, "+PONG\r\n"));
     // An array reply with a nil element is one reply (framed whole).
-    let r = request("POST", &gw.url("/r"), &[("x-cluster", &format!("{CLUSTER}?db=1"))], &resp(&["MGET", "a", "b"])).await;
+    let r = request(
+        "POST",
+        &gw.url("/r"),
+        &[("x-cluster", &format!("{CLUSTER}?db=1"))],
+        &resp(&["MGET", "a", "b"]),
+    )
+    .await;
     assert_eq!((r.status, r.text().as_str()), (200, "*2\r\n$1\r\na\r\n$-1\r\n"));
     let cmds = seen.lock().unwrap().clone();
     assert_eq!(cmds[0], vec!["AUTH", "secret"], "AUTH first on a new connection: {cmds:?}");
     assert_eq!(cmds[1], vec!["SELECT", "1"], "then SELECT db: {cmds:?}");
     assert_eq!(cmds[2], vec!["PING"]);
     assert_eq!(cmds.len(), 4, "one connection, AUTH/SELECT once: {cmds:?}");
-    let ev = gw.wait_events(|e| e.iter().filter(|x| x.starts_with("redis")).count() >= 2, "two redis callbacks").await;
+    let ev = gw
+        .wait_events(
+            |e| e.iter().filter(|x| x.starts_with("redis")).count() >= 2,
+            "two redis callbacks",
+        )
+        .await;
     assert!(ev.contains(&"init 0".to_string()), "{ev:?}");
-    assert!(ev.contains(&"redis 7 0 7".to_string()), "first token 7, status Ok, size of +PONG: {ev:?}");
+    assert!(
+        ev.contains(&"redis 7 0 7".to_string()),
+        "first token 7, status Ok, size of +PONG: {ev:?}"
+    );
     assert!(ev.iter().any(|e| e.starts_with("redis 11 0 ")), "tokens step by 4: {ev:?}");
     // Unknown cluster: BadArgument at once.
-    let r = request("POST", &gw.url("/r"), &[("x-cluster", "outbound|1||nope.static")], &resp(&["PING"])).await;
+    let r = request(
+        "POST",
+        &gw.url("/r"),
+        &[("x-cluster", "outbound|1||nope.static")],
+        &resp(&["PING"]),
+    )
+    .await;
     assert_eq!(r.status, 592, "BadArgument (2) surfaced by the plugin");
 }
 
@@ -405,7 +495,16 @@ async fn redis_real_server_set_get_in_selected_db() {
     };
     let port = free_port();
     let mut child = std::process::Command::new(path)
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
         .stdout(std::process::Stdio::null())
         .spawn()
         .unwrap();
@@ -418,9 +517,12 @@ async fn redis_real_server_set_get_in_selected_db() {
     }
     let up = Upstream::start().await;
     let gw = Gateway::start(&redis_config(&up, &addr), Some(&redis_plugin()), 2);
-    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["SET", "gwkey", "v1"])).await;
+    let r =
+        request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["SET", "gwkey", "v1"]))
+            .await;
     assert_eq!((r.status, r.text().as_str()), (200, "+OK\r\n"));
-    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["GET", "gwkey"])).await;
+    let r =
+        request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["GET", "gwkey"])).await;
     assert_eq!((r.status, r.text().as_str()), (200, "$2\r\nv1\r\n"));
     let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["NOSUCHCMD"])).await;
     assert_eq!(r.status, 200, "an error reply is status Ok");
@@ -428,7 +530,11 @@ async fn redis_real_server_set_get_in_selected_db() {
     // The key went to db 1 (SELECT on connect), not db 0.
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(&addr).unwrap();
-    s.write_all(format!("{}{}{}", resp(&["GET", "gwkey"]), resp(&["SELECT", "1"]), resp(&["GET", "gwkey"])).as_bytes()).unwrap();
+    s.write_all(
+        format!("{}{}{}", resp(&["GET", "gwkey"]), resp(&["SELECT", "1"]), resp(&["GET", "gwkey"]))
+            .as_bytes(),
+    )
+    .unwrap();
     std::thread::sleep(Duration::from_millis(200));
     let mut buf = [0u8; 256];
     let n = s.read(&mut buf).unwrap();
@@ -469,7 +575,11 @@ async fn shared_data_cas_is_shared_across_workers() {
         ev_cnt = w.s("cnt"),
         ev_stale = w.s("stale"),
     );
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 2);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&w.module("0_2_100", &body)),
+        2,
+    );
     let n = 40;
     let mut tasks = Vec::new();
     for _ in 0..8 {
@@ -477,7 +587,10 @@ async fn shared_data_cas_is_shared_across_workers() {
         tasks.push(tokio::spawn(async move {
             let c = client();
             for _ in 0..(n / 8) {
-                let req = hyper::Request::get(&url).header("connection", "close").body(gateway::body::GwBody::full(bytes::Bytes::new())).unwrap();
+                let req = hyper::Request::get(&url)
+                    .header("connection", "close")
+                    .body(gateway::body::GwBody::full(bytes::Bytes::new()))
+                    .unwrap();
                 let r = c.request(req).await.unwrap();
                 assert_eq!(r.status(), 200);
             }
@@ -486,10 +599,17 @@ async fn shared_data_cas_is_shared_across_workers() {
     for t in tasks {
         t.await.unwrap();
     }
-    let ev = gw.wait_events(|e| e.iter().filter(|x| x.starts_with("cnt")).count() == n, "all counts").await;
-    let mut counts: Vec<u32> = ev.iter().filter_map(|e| e.strip_prefix("cnt ")).map(|x| x.parse().unwrap()).collect();
+    let ev = gw
+        .wait_events(|e| e.iter().filter(|x| x.starts_with("cnt")).count() == n, "all counts")
+        .await;
+    let mut counts: Vec<u32> =
+        ev.iter().filter_map(|e| e.strip_prefix("cnt ")).map(|x| x.parse().unwrap()).collect();
     counts.sort();
-    assert_eq!(counts, (1..=n as u32).collect::<Vec<_>>(), "every increment is unique: CAS works across workers");
+    assert_eq!(
+        counts,
+        (1..=n as u32).collect::<Vec<_>>(),
+        "every increment is unique: CAS works across workers"
+    );
     assert!(ev.iter().filter(|e| e.starts_with("stale")).all(|e| e == "stale 8"), "{ev:?}");
     let log = gw.log.lock().unwrap().clone();
     let w0 = log.iter().any(|l| l.contains("EV cnt") && l.contains("worker=0"));
@@ -523,7 +643,8 @@ fn lifecycle_of(ev: &[String], ctx: &str) -> Vec<String> {
     ev.iter()
         .filter(|e| {
             let p: Vec<&str> = e.split(' ').collect();
-            matches!(p.first(), Some(&"log") | Some(&"done") | Some(&"delete")) && p.get(1) == Some(&ctx)
+            matches!(p.first(), Some(&"log") | Some(&"done") | Some(&"delete"))
+                && p.get(1) == Some(&ctx)
         })
         .map(|e| e.split(' ').next().unwrap().to_string())
         .collect()
@@ -532,8 +653,14 @@ fn lifecycle_of(ev: &[String], ctx: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread")]
 async fn sse_passes_chunk_by_chunk_then_log_done_delete() {
     let up = Upstream::start().await;
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&lifecycle_plugin()), 1);
-    let req = hyper::Request::get(gw.url("/sse")).body(gateway::body::GwBody::full(bytes::Bytes::new())).unwrap();
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&lifecycle_plugin()),
+        1,
+    );
+    let req = hyper::Request::get(gw.url("/sse"))
+        .body(gateway::body::GwBody::full(bytes::Bytes::new()))
+        .unwrap();
     let resp = client().request(req).await.unwrap();
     assert_eq!(resp.headers().get("content-type").unwrap(), "text/event-stream");
     let mut body = resp.into_body();
@@ -548,19 +675,28 @@ async fn sse_passes_chunk_by_chunk_then_log_done_delete() {
     let all: String = arrivals.iter().map(|a| a.1.as_str()).collect();
     assert_eq!(all, "data: 0\n\ndata: 1\n\ndata: 2\n\n");
     assert!(arrivals.len() >= 3, "{arrivals:?}");
-    assert!(arrivals.last().unwrap().0 - arrivals[0].0 >= Duration::from_millis(250), "chunks arrive as sent, not buffered: {arrivals:?}");
+    assert!(
+        arrivals.last().unwrap().0 - arrivals[0].0 >= Duration::from_millis(250),
+        "chunks arrive as sent, not buffered: {arrivals:?}"
+    );
     let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete").await;
     let rb: Vec<_> = ev.iter().filter(|e| e.starts_with("resp_body")).collect();
     assert!(rb.len() >= 3, "one response body callback per chunk: {ev:?}");
     let ctx = rb[0].split(' ').nth(1).unwrap().to_string();
     assert_eq!(lifecycle_of(&ev, &ctx), vec!["log", "done", "delete"], "{ev:?}");
-    assert!(idx(&ev, "log").unwrap() > ev.iter().rposition(|e| e.starts_with("resp_body")).unwrap());
+    assert!(
+        idx(&ev, "log").unwrap() > ev.iter().rposition(|e| e.starts_with("resp_body")).unwrap()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn client_disconnect_mid_stream_still_ends_the_context() {
     let up = Upstream::start().await;
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&lifecycle_plugin()), 1);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&lifecycle_plugin()),
+        1,
+    );
     {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
@@ -571,7 +707,14 @@ async fn client_disconnect_mid_stream_still_ends_the_context() {
         // drop the connection mid-stream
     }
     let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete after disconnect").await;
-    let ctx = ev.iter().find(|e| e.starts_with("resp_body")).unwrap().split(' ').nth(1).unwrap().to_string();
+    let ctx = ev
+        .iter()
+        .find(|e| e.starts_with("resp_body"))
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .to_string();
     assert_eq!(lifecycle_of(&ev, &ctx), vec!["log", "done", "delete"], "{ev:?}");
     let t = Instant::now();
     while !*up.sse_closed.lock().unwrap() {
@@ -583,14 +726,22 @@ async fn client_disconnect_mid_stream_still_ends_the_context() {
 #[tokio::test(flavor = "multi_thread")]
 async fn upstream_failure_gives_503_and_still_ends_the_context() {
     let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{closed}\""), true, ""), Some(&lifecycle_plugin()), 1);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{closed}\""), true, ""),
+        Some(&lifecycle_plugin()),
+        1,
+    );
     let r = get(&gw.url("/x"), &[]).await;
     assert_eq!(r.status, 503);
     let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete").await;
-    let ctx = ev.iter().find(|e| e.starts_with("log")).unwrap().split(' ').nth(1).unwrap().to_string();
+    let ctx =
+        ev.iter().find(|e| e.starts_with("log")).unwrap().split(' ').nth(1).unwrap().to_string();
     assert_eq!(lifecycle_of(&ev, &ctx), vec!["log", "done", "delete"]);
     // the local reply passed the response body callback too
-    assert!(ev.iter().any(|e| e.starts_with(&format!("resp_body {ctx} ")) && e.ends_with(" 1")), "{ev:?}");
+    assert!(
+        ev.iter().any(|e| e.starts_with(&format!("resp_body {ctx} ")) && e.ends_with(" 1")),
+        "{ev:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -606,7 +757,11 @@ async fn trap_fails_the_request_and_the_vm_recovers() {
 "#,
         hk = w.s("x-trap"),
     );
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 1);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&w.module("0_2_100", &body)),
+        1,
+    );
     assert_eq!(get(&gw.url("/t"), &[("x-trap", "1")]).await.status, 500);
     assert_eq!(get(&gw.url("/t"), &[]).await.status, 200, "the worker's VM was re-instantiated");
     let stats = get(&gw.admin_url("/stats"), &[]).await.text();
@@ -628,8 +783,14 @@ async fn decoder_buffer_limit_gives_413() {
         k = w.s("set_decoder_buffer_limit"),
         v = w.s("12"),
     );
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 1);
-    let r = post_chunks(&gw.url("/big"), &[], &["aaaaa", "bbbbb", "ccccc"], Duration::from_millis(50)).await;
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&w.module("0_2_100", &body)),
+        1,
+    );
+    let r =
+        post_chunks(&gw.url("/big"), &[], &["aaaaa", "bbbbb", "ccccc"], Duration::from_millis(50))
+            .await;
     assert_eq!(r.status, 413);
     assert_eq!(up.requests().len(), 0);
 }
@@ -673,15 +834,27 @@ async fn upstream_hosts_carry_health_and_stored_metrics_and_properties() {
         let port = addr.rsplit(':').next().unwrap();
         let j: serde_json::Value = serde_json::from_slice(info).unwrap();
         assert_eq!(j["health_status"], "Healthy");
-        assert_eq!(j["metrics"], format!("vllm:num_requests_running {port}\n"), "health-check body stored as metrics");
+        assert_eq!(
+            j["metrics"],
+            format!("vllm:num_requests_running {port}\n"),
+            "health-check body stored as metrics"
+        );
     }
     let ev = gw.wait_events(|e| idx(e, "props").is_some(), "props").await;
     assert!(ev.contains(&"props test-route pods /hosts?x=1 test-root".to_string()), "{ev:?}");
     // Forced health shows up; a stopped pod turns Unhealthy through the health checker.
-    let r = request("POST", &gw.admin_url(&format!("/clusters/pods/health")), &[], &format!("{{\"{}\": \"Degraded\"}}", u1.addr)).await;
+    let r = request(
+        "POST",
+        &gw.admin_url(&format!("/clusters/pods/health")),
+        &[],
+        &format!("{{\"{}\": \"Degraded\"}}", u1.addr),
+    )
+    .await;
     assert_eq!(r.status, 200);
     let hosts = gateway::abi::unmarshal_pairs(&get(&gw.url("/hosts"), &[]).await.body).unwrap();
-    let u1info: serde_json::Value = serde_json::from_slice(&hosts.iter().find(|h| h.0 == u1.addr.to_string()).unwrap().1).unwrap();
+    let u1info: serde_json::Value =
+        serde_json::from_slice(&hosts.iter().find(|h| h.0 == u1.addr.to_string()).unwrap().1)
+            .unwrap();
     assert_eq!(u1info["health_status"], "Degraded");
 }
 
@@ -690,7 +863,12 @@ async fn http_call_honours_original_dst_host() {
     let (u1, u2) = (Upstream::start().await, Upstream::start().await);
     let mut w = Wat::new();
     let target = u2.addr.to_string();
-    let hdrs = w.b(&pairs(&[(":method", "GET"), (":path", "/callout"), (":authority", "pods"), ("x-envoy-original-dst-host", &target)]));
+    let hdrs = w.b(&pairs(&[
+        (":method", "GET"),
+        (":path", "/callout"),
+        (":authority", "pods"),
+        ("x-envoy-original-dst-host", &target),
+    ]));
     let bad = w.b(&pairs(&[(":method", "GET"), (":authority", "pods")]));
     let body = format!(
         r#"
@@ -714,15 +892,24 @@ async fn http_call_honours_original_dst_host() {
         ev_resp = w.s("resp"),
     );
     let eps = format!("\"{}\", \"{}\"", u1.addr, u2.addr);
-    let gw = Gateway::start(&one_cluster_config(&eps, true, ""), Some(&w.module("0_2_100", &body)), 1);
+    let gw =
+        Gateway::start(&one_cluster_config(&eps, true, ""), Some(&w.module("0_2_100", &body)), 1);
     for _ in 0..4 {
         assert_eq!(get(&gw.url("/x"), &[]).await.status, 200);
     }
     assert_eq!(u2.count("/callout"), 4);
     assert_eq!(u1.count("/callout"), 0);
-    let ev = gw.wait_events(|e| e.iter().filter(|x| x.starts_with("resp")).count() == 4, "4 callout responses").await;
+    let ev = gw
+        .wait_events(
+            |e| e.iter().filter(|x| x.starts_with("resp")).count() == 4,
+            "4 callout responses",
+        )
+        .await;
     assert!(ev.contains(&"bad 2".to_string()), "missing :path is BadArgument: {ev:?}");
-    assert!(ev.contains(&"call 0 4".to_string()) && ev.contains(&"call 0 8".to_string()), "tokens 4, 8: {ev:?}");
+    assert!(
+        ev.contains(&"call 0 4".to_string()) && ev.contains(&"call 0 8".to_string()),
+        "tokens 4, 8: {ev:?}"
+    );
     assert!(ev.contains(&format!("resp 4 ok {}", u2.addr.port())), "{ev:?}");
 }
 
@@ -778,16 +965,36 @@ async fn ticks_queues_metrics_and_header_properties() {
         ev_q = w.s("queue"),
         ev_empty = w.s("empty"),
     );
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&w.module("0_2_100", &body)), 2);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&w.module("0_2_100", &body)),
+        2,
+    );
     for i in 1..=3 {
         assert_eq!(get(&gw.url("/q"), &[("x-foo", "bar")]).await.status, 200);
         // one at a time, so each enqueue finds the queue empty again
-        gw.wait_events(|e| e.iter().filter(|x| *x == "queue item").count() == i && e.iter().filter(|x| x.starts_with("empty")).count() == i, "queue ready").await;
+        gw.wait_events(
+            |e| {
+                e.iter().filter(|x| *x == "queue item").count() == i
+                    && e.iter().filter(|x| x.starts_with("empty")).count() == i
+            },
+            "queue ready",
+        )
+        .await;
     }
-    let ev = gw.wait_events(|e| e.iter().filter(|x| *x == "queue item").count() == 3 && idx(e, "tick").is_some(), "queue and tick").await;
+    let ev = gw
+        .wait_events(
+            |e| e.iter().filter(|x| *x == "queue item").count() == 3 && idx(e, "tick").is_some(),
+            "queue and tick",
+        )
+        .await;
     assert_eq!(ev.iter().filter(|e| *e == "hdr bar").count(), 3, "{ev:?}");
     assert_eq!(ev.iter().filter(|e| *e == "enqueue 0").count(), 3, "{ev:?}");
-    assert_eq!(ev.iter().filter(|e| *e == "empty 7").count(), 3, "dequeue of an empty queue is Empty: {ev:?}");
+    assert_eq!(
+        ev.iter().filter(|e| *e == "empty 7").count(),
+        3,
+        "dequeue of an empty queue is Empty: {ev:?}"
+    );
     let stats = get(&gw.admin_url("/stats"), &[]).await.text();
     assert!(stats.contains("test_requests 3"), "plugin metrics on /stats: {stats}");
 }
@@ -804,7 +1011,9 @@ async fn concurrent_requests_all_complete_and_counters_return_to_zero() {
             let c = client();
             for i in 0..10 {
                 let body = format!("{{\"t\":{t},\"i\":{i}}}");
-                let req = hyper::Request::post(&url).body(gateway::body::GwBody::full(bytes::Bytes::from(body.clone()))).unwrap();
+                let req = hyper::Request::post(&url)
+                    .body(gateway::body::GwBody::full(bytes::Bytes::from(body.clone())))
+                    .unwrap();
                 let r = c.request(req).await.unwrap();
                 assert_eq!(r.status(), 200);
                 use http_body_util::BodyExt;
@@ -817,12 +1026,21 @@ async fn concurrent_requests_all_complete_and_counters_return_to_zero() {
         t.await.unwrap();
     }
     assert_eq!(u1.count("/load") + u2.count("/load"), 200);
-    let bodies: std::collections::HashSet<_> = u1.requests().into_iter().chain(u2.requests()).map(|r| r.body).collect();
+    let bodies: std::collections::HashSet<_> =
+        u1.requests().into_iter().chain(u2.requests()).map(|r| r.body).collect();
     assert_eq!(bodies.len(), 200, "every body arrived intact and once");
-    let ev = gw.wait_events(|e| e.iter().filter(|x| x.starts_with("delete")).count() == 200, "200 deletes").await;
+    let ev = gw
+        .wait_events(|e| e.iter().filter(|x| x.starts_with("delete")).count() == 200, "200 deletes")
+        .await;
     assert_eq!(ev.iter().filter(|x| x.starts_with("log")).count(), 200);
     let stats = get(&gw.admin_url("/stats"), &[]).await.text();
-    assert!(stats.lines().filter(|l| l.starts_with("gateway_upstream_rq_active")).all(|l| l.ends_with(" 0")), "{stats}");
+    assert!(
+        stats
+            .lines()
+            .filter(|l| l.starts_with("gateway_upstream_rq_active"))
+            .all(|l| l.ends_with(" 0")),
+        "{stats}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -849,7 +1067,11 @@ async fn redis_op_timeout_gives_network_error() {
     let t = Instant::now();
     let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
     assert_eq!(r.status, 503, "op timeout (1000 ms in redis_init) -> NetworkError");
-    assert!(t.elapsed() >= Duration::from_millis(900) && t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(900) && t.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
+    );
     let ev = gw.wait_events(|e| idx(e, "redis").is_some(), "redis callback").await;
     assert!(ev.contains(&"redis 7 1 0".to_string()), "{ev:?}");
 }
@@ -857,7 +1079,11 @@ async fn redis_op_timeout_gives_network_error() {
 #[tokio::test(flavor = "multi_thread")]
 async fn client_abort_while_waiting_for_the_upstream_ends_the_context_promptly() {
     let up = Upstream::start().await;
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&lifecycle_plugin()), 1);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&lifecycle_plugin()),
+        1,
+    );
     {
         use tokio::io::AsyncWriteExt;
         let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
@@ -866,10 +1092,22 @@ async fn client_abort_while_waiting_for_the_upstream_ends_the_context_promptly()
     }
     let t = Instant::now();
     let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete after abort").await;
-    assert!(t.elapsed() < Duration::from_secs(3), "the abort is noticed before the upstream answers (10 s)");
-    assert_eq!(ev.iter().map(|e| e.split(' ').next().unwrap()).collect::<Vec<_>>(), vec!["log", "done", "delete"]);
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "the abort is noticed before the upstream answers (10 s)"
+    );
+    assert_eq!(
+        ev.iter().map(|e| e.split(' ').next().unwrap()).collect::<Vec<_>>(),
+        vec!["log", "done", "delete"]
+    );
     let stats = get(&gw.admin_url("/stats"), &[]).await.text();
-    assert!(stats.contains(&format!("gateway_upstream_rq_active{{cluster=\"pods\",host=\"{}\"}} 0", up.addr)), "{stats}");
+    assert!(
+        stats.contains(&format!(
+            "gateway_upstream_rq_active{{cluster=\"pods\",host=\"{}\"}} 0",
+            up.addr
+        )),
+        "{stats}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -903,13 +1141,25 @@ async fn header_changes_rematch_the_route_unless_clear_route_cache_off() {
     );
     let gw = Gateway::start(&cfg, Some(&w.module("0_2_100", &body)), 1);
     let r = get(&gw.url("/b"), &[("x-rewrite", "1")]).await;
-    assert_eq!(r.header("x-gateway-upstream-host"), Some(u1.addr.to_string()), "path change re-matched to route r-a");
+    assert_eq!(
+        r.header("x-gateway-upstream-host"),
+        Some(u1.addr.to_string()),
+        "path change re-matched to route r-a"
+    );
     assert_eq!(u1.requests()[0].path, "/a/x");
     let r = get(&gw.url("/b"), &[("x-rewrite", "1"), ("x-off", "1")]).await;
-    assert_eq!(r.header("x-gateway-upstream-host"), Some(u2.addr.to_string()), "clear_route_cache=off keeps route r-root");
+    assert_eq!(
+        r.header("x-gateway-upstream-host"),
+        Some(u2.addr.to_string()),
+        "clear_route_cache=off keeps route r-root"
+    );
     assert_eq!(u2.requests()[0].path, "/a/x");
     let r = get(&gw.url("/"), &[("host", "hdr.test:8080"), ("x-set-cluster", "1")]).await;
-    assert_eq!(r.header("x-gateway-upstream-host"), Some(u1.addr.to_string()), "cluster_header read when the headers leave the filter");
+    assert_eq!(
+        r.header("x-gateway-upstream-host"),
+        Some(u1.addr.to_string()),
+        "cluster_header read when the headers leave the filter"
+    );
     let r = get(&gw.url("/"), &[("host", "hdr.test")]).await;
     assert_eq!(r.status, 404, "cluster_header absent");
 }
@@ -932,19 +1182,29 @@ async fn wasi_stdio_clock_and_random_work_inside_the_workers() {
     (call $ev_start {ev_r}) (call $ev_num (call $random_get (i32.const 832) (i32.const 16))) (call $ev_end)
     (i32.const 0))
 "#,
-        addr = { let s = w.s(text); s.split(' ').nth(1).unwrap().trim_end_matches(')').to_string() },
+        addr = {
+            let s = w.s(text);
+            s.split(' ').nth(1).unwrap().trim_end_matches(')').to_string()
+        },
         len = text.len(),
         ev_w = w.s("fd_write"),
         ev_c = w.s("clock"),
         ev_r = w.s("random"),
     );
     let module = w.module("0_2_100", &body);
-    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), true, ""), Some(&module), 1);
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&module),
+        1,
+    );
     assert_eq!(get(&gw.url("/w"), &[]).await.status, 200);
     let ev = gw.wait_events(|e| idx(e, "random").is_some(), "wasi calls").await;
     assert!(ev.contains(&format!("fd_write 0 {}", text.len())), "{ev:?}");
     assert!(ev.contains(&"clock 0 1".to_string()), "{ev:?}");
     assert!(ev.contains(&"random 0".to_string()), "{ev:?}");
     let log = gw.log.lock().unwrap().clone();
-    assert!(log.iter().any(|l| l.contains("hello from wasi stdout")), "plugin stdout goes to the gateway's stderr");
+    assert!(
+        log.iter().any(|l| l.contains("hello from wasi stdout")),
+        "plugin stdout goes to the gateway's stderr"
+    );
 }

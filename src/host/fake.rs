@@ -58,7 +58,12 @@ pub struct FakeHost {
 impl FakeHost {
     /// A fake with route `r1`, cluster `outbound|8000||llm.static` and no hosts.
     pub fn new() -> FakeHost {
-        let mut h = FakeHost { rng: 0x9E37_79B9_7F4A_7C15, now: 1_700_000_000_000_000_000, next_token: 3, ..Default::default() };
+        let mut h = FakeHost {
+            rng: 0x9E37_79B9_7F4A_7C15,
+            now: 1_700_000_000_000_000_000,
+            next_token: 3,
+            ..Default::default()
+        };
         h.properties.insert("route_name".into(), b"r1".to_vec());
         h.properties.insert("cluster_name".into(), b"outbound|8000||llm.static".into());
         h
@@ -119,7 +124,10 @@ impl Host for FakeHost {
         Ok(())
     }
     fn request_header(&self, name: &str) -> Option<String> {
-        self.request_headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.clone())
+        self.request_headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
     }
     fn set_request_header(&mut self, name: &str, value: Option<&str>) {
         self.request_headers.retain(|(k, _)| !k.eq_ignore_ascii_case(name));
@@ -132,7 +140,10 @@ impl Host for FakeHost {
         Some(self.request_body.iter().take(max).copied().collect())
     }
     fn response_header(&self, name: &str) -> Option<String> {
-        self.response_headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.clone())
+        self.response_headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.clone())
     }
     fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>> {
         self.hosts.clone()
@@ -141,7 +152,13 @@ impl Host for FakeHost {
         self.override_host = Some(addr.to_string());
         Ok(())
     }
-    fn redis_init(&mut self, cluster: &str, username: &str, password: &str, timeout_ms: u32) -> Result<(), HostError> {
+    fn redis_init(
+        &mut self,
+        cluster: &str,
+        username: &str,
+        password: &str,
+        timeout_ms: u32,
+    ) -> Result<(), HostError> {
         self.redis_inits.push((cluster.into(), username.into(), password.into(), timeout_ms));
         match self.redis_init_error {
             Some(e) => Err(e),

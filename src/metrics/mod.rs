@@ -61,7 +61,8 @@ impl Snapshot {
         let mut snap = Snapshot::default();
         let mut have_ts = false;
         let num = |v: &str| v.parse::<f64>().ok().filter(|x| !x.is_nan());
-        let list = |v: &str| v.split(',').filter(|a| !a.is_empty()).map(String::from).collect::<Vec<_>>();
+        let list =
+            |v: &str| v.split(',').filter(|a| !a.is_empty()).map(String::from).collect::<Vec<_>>();
         for line in lines {
             let Some((k, v)) = line.split_once('=') else { continue };
             let m = &mut snap.metrics;
@@ -76,8 +77,12 @@ impl Snapshot {
                 "t" => m.target = num(v),
                 "pq" => m.prefix_cache_queries = num(v),
                 "ph" => m.prefix_cache_hits = num(v),
-                "lm" => m.lora.get_or_insert_with(LoraInfo::default).max_lora = v.parse().unwrap_or(0),
-                "lt" => m.lora.get_or_insert_with(LoraInfo::default).timestamp = num(v).unwrap_or(0.0),
+                "lm" => {
+                    m.lora.get_or_insert_with(LoraInfo::default).max_lora = v.parse().unwrap_or(0)
+                }
+                "lt" => {
+                    m.lora.get_or_insert_with(LoraInfo::default).timestamp = num(v).unwrap_or(0.0)
+                }
                 "lr" => m.lora.get_or_insert_with(LoraInfo::default).running = list(v),
                 "lw" => m.lora.get_or_insert_with(LoraInfo::default).waiting = list(v),
                 _ => {}
@@ -104,7 +109,10 @@ mod tests {
         let snap = Snapshot { sampled_ms: 1_755_392_148_123, metrics };
         let back = Snapshot::decode(&snap.encode());
         assert_eq!(back.as_ref(), Some(&snap));
-        let sg = Snapshot { sampled_ms: 5, metrics: prometheus::parse(include_bytes!("testdata/sglang.txt"), None) };
+        let sg = Snapshot {
+            sampled_ms: 5,
+            metrics: prometheus::parse(include_bytes!("testdata/sglang.txt"), None),
+        };
         assert_eq!(Snapshot::decode(&sg.encode()), Some(sg));
     }
 

@@ -104,7 +104,8 @@ const FAMILIES: &[(&str, Family)] = &[
 
 /// Names whose value is a 0..1 KV usage: a `target_metric` naming one of these uses the
 /// averaged `kv_cache_usage` rather than a sum.
-const KV_NAMES: &[&str] = &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"];
+const KV_NAMES: &[&str] =
+    &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage"];
 
 /// Compares metric names treating `:` and `_` as the same character.
 pub fn names_equal(a: &[u8], b: &[u8]) -> bool {
@@ -152,15 +153,11 @@ pub fn parse(text: &[u8], target_metric: Option<&str>) -> PodMetrics {
         if line.is_empty() || line.first() == Some(&b'#') {
             continue;
         }
-        let name_end = line
-            .iter()
-            .position(|&b| b == b'{' || b == b' ' || b == b'\t')
-            .unwrap_or(line.len());
+        let name_end =
+            line.iter().position(|&b| b == b'{' || b == b' ' || b == b'\t').unwrap_or(line.len());
         let (name, rest) = line.split_at_checked(name_end).unwrap_or((line, &[]));
-        let family = FAMILIES
-            .iter()
-            .find(|(n, _)| names_equal(n.as_bytes(), name))
-            .map(|(_, f)| *f);
+        let family =
+            FAMILIES.iter().find(|(n, _)| names_equal(n.as_bytes(), name)).map(|(_, f)| *f);
         let is_target = target.is_some_and(|t| names_equal(t, name));
         if family.is_none() && !is_target {
             continue;

@@ -89,7 +89,9 @@ impl Candidate<'_> {
                 let m = self.metrics;
                 m.waiting.is_some() || m.running.is_some() || m.kv_cache_usage.is_some()
             }
-            MetricPolicy::Least | MetricPolicy::Most => self.metrics.target.is_some_and(f64::is_finite),
+            MetricPolicy::Least | MetricPolicy::Most => {
+                self.metrics.target.is_some_and(f64::is_finite)
+            }
         }
     }
 }
@@ -98,7 +100,8 @@ impl Candidate<'_> {
 /// at random. Pods not [`Candidate::usable_for`] the policy are ignored; an empty result means
 /// "no opinion" (the gateway then balances normally).
 pub fn filter(policy: MetricPolicy, model: &str, pods: &[Candidate<'_>]) -> Vec<usize> {
-    let usable: Vec<usize> = pods.iter().enumerate().filter(|(_, c)| c.usable_for(policy)).map(|(i, _)| i).collect();
+    let usable: Vec<usize> =
+        pods.iter().enumerate().filter(|(_, c)| c.usable_for(policy)).map(|(i, _)| i).collect();
     if usable.is_empty() {
         return usable;
     }
@@ -109,16 +112,24 @@ pub fn filter(policy: MetricPolicy, model: &str, pods: &[Candidate<'_>]) -> Vec<
     }
 }
 
-fn keep<'a>(pods: &[Candidate<'a>], set: &[usize], pred: impl Fn(&Candidate<'a>) -> bool) -> Vec<usize> {
+fn keep<'a>(
+    pods: &[Candidate<'a>],
+    set: &[usize],
+    pred: impl Fn(&Candidate<'a>) -> bool,
+) -> Vec<usize> {
     set.iter().copied().filter(|&i| pods.get(i).is_some_and(&pred)).collect()
 }
 
 /// Keeps the pods whose value lies in the lowest (or, with `most`, highest) 1/n-th of the range.
-fn band<'a>(pods: &[Candidate<'a>], set: Vec<usize>, value: impl Fn(&Candidate<'a>) -> f64, most: bool) -> Vec<usize> {
+fn band<'a>(
+    pods: &[Candidate<'a>],
+    set: Vec<usize>,
+    value: impl Fn(&Candidate<'a>) -> f64,
+    most: bool,
+) -> Vec<usize> {
     let vals: Vec<f64> = set.iter().map(|&i| pods.get(i).map_or(0.0, &value)).collect();
-    let (min, max) = vals
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let (min, max) =
+        vals.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
     if set.is_empty() || !min.is_finite() || !max.is_finite() {
         // Infinite values (a pod reporting +Inf) make the range meaningless: keep the extreme ones.
         let target = if most { max } else { min };
@@ -180,7 +191,11 @@ pub struct RecentPicks {
 impl RecentPicks {
     /// An empty window holding at most `max_entries` picks younger than `window_ms`.
     pub fn new(max_entries: usize, window_ms: u64) -> Self {
-        RecentPicks { entries: Default::default(), max_entries: max_entries.max(1), window_ms: window_ms.max(1) }
+        RecentPicks {
+            entries: Default::default(),
+            max_entries: max_entries.max(1),
+            window_ms: window_ms.max(1),
+        }
     }
 
     fn purge(&mut self, now_ms: u64) {
@@ -231,11 +246,8 @@ pub fn apply_rate_limit<'a>(
     if recent.share(now_ms, chosen) <= limit {
         return chosen;
     }
-    let others: Vec<(&str, f64)> = healthy
-        .iter()
-        .filter(|a| **a != chosen)
-        .map(|a| (*a, recent.share(now_ms, a)))
-        .collect();
+    let others: Vec<(&str, f64)> =
+        healthy.iter().filter(|a| **a != chosen).map(|a| (*a, recent.share(now_ms, a))).collect();
     if others.is_empty() {
         return chosen;
     }
@@ -267,7 +279,12 @@ mod tests {
     use crate::metrics::prometheus::LoraInfo;
 
     fn pm(waiting: f64, kv: f64) -> PodMetrics {
-        PodMetrics { running: Some(1.0), waiting: Some(waiting), kv_cache_usage: Some(kv), ..Default::default() }
+        PodMetrics {
+            running: Some(1.0),
+            waiting: Some(waiting),
+            kv_cache_usage: Some(kv),
+            ..Default::default()
+        }
     }
 
     fn with_lora(mut m: PodMetrics, max: u32, running: &[&str]) -> PodMetrics {
@@ -292,7 +309,8 @@ mod tests {
 
     #[test]
     fn default_prefers_short_queue_then_low_kv() {
-        let ms = [("a", pm(0.0, 0.9)), ("b", pm(0.0, 0.1)), ("c", pm(30.0, 0.0)), ("d", pm(1.0, 0.2))];
+        let ms =
+            [("a", pm(0.0, 0.9)), ("b", pm(0.0, 0.1)), ("c", pm(30.0, 0.0)), ("d", pm(1.0, 0.2))];
         let pods = cands(&ms);
         // Queue range 0..30 over 4 pods: band [0, 7.5] keeps a, b, d; KV band [0.1, 0.1+0.8/3] keeps b, d.
         assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["b", "d"]);

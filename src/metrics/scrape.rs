@@ -125,7 +125,9 @@ impl Scraper {
             if self.in_flight.values().any(|(c, p, _)| *c == cluster && *p == pod) {
                 continue;
             }
-            if !self.needs_scrape(host, &cluster, &pod, now_ms) || !self.take_lease(host, &cluster, &pod, now_ms) {
+            if !self.needs_scrape(host, &cluster, &pod, now_ms)
+                || !self.take_lease(host, &cluster, &pod, now_ms)
+            {
                 continue;
             }
             let headers = [
@@ -139,7 +141,10 @@ impl Scraper {
                 Ok(token) => {
                     self.in_flight.insert(token, (cluster, pod, now_ms));
                 }
-                Err(e) => host.log(LogLevel::Warn, &format!("endpoint_metrics: scrape of {pod} in {cluster} not sent: {e}")),
+                Err(e) => host.log(
+                    LogLevel::Warn,
+                    &format!("endpoint_metrics: scrape of {pod} in {cluster} not sent: {e}"),
+                ),
             }
         }
     }
@@ -162,27 +167,41 @@ impl Scraper {
                 return false;
             }
         }
-        let value = format!("{} {}", self.worker_id, now_ms.saturating_add(u64::from(self.timeout_ms)));
+        let value =
+            format!("{} {}", self.worker_id, now_ms.saturating_add(u64::from(self.timeout_ms)));
         host.set_shared_data(&key, value.as_bytes(), cas).is_ok()
     }
 
     /// Handles an HTTP-call reply; returns false if the token is not one of this scraper's calls.
-    pub fn on_reply(&mut self, host: &mut dyn Host, token: u32, reply: &HttpReply, now_ms: u64) -> bool {
+    pub fn on_reply(
+        &mut self,
+        host: &mut dyn Host,
+        token: u32,
+        reply: &HttpReply,
+        now_ms: u64,
+    ) -> bool {
         let Some((cluster, pod, _)) = self.in_flight.remove(&token) else {
             return false;
         };
         let metrics = if (200..300).contains(&reply.status) {
             prometheus::parse(&reply.body, self.target.as_deref())
         } else {
-            host.log(LogLevel::Debug, &format!("endpoint_metrics: scrape of {pod} failed (status {})", reply.status));
+            host.log(
+                LogLevel::Debug,
+                &format!("endpoint_metrics: scrape of {pod} failed (status {})", reply.status),
+            );
             Default::default()
         };
         if reply.status != 0 && metrics.is_empty() {
             host.log(LogLevel::Debug, &format!("endpoint_metrics: {pod} exposes no known metric"));
         }
         let snap = Snapshot { sampled_ms: now_ms, metrics };
-        if let Err(e) = host.set_shared_data(&self.snapshot_key(&cluster, &pod), &snap.encode(), 0) {
-            host.log(LogLevel::Warn, &format!("endpoint_metrics: cannot store metrics of {pod}: {e}"));
+        if let Err(e) = host.set_shared_data(&self.snapshot_key(&cluster, &pod), &snap.encode(), 0)
+        {
+            host.log(
+                LogLevel::Warn,
+                &format!("endpoint_metrics: cannot store metrics of {pod}: {e}"),
+            );
         }
         true
     }
@@ -205,7 +224,10 @@ mod tests {
         let now = h.now / 1_000_000;
         // metricsStaleMs 1000 with a 3 s interval would drop every snapshot before the next scrape.
         let s = Scraper::new("/metrics", 3_000, 1_000, None);
-        let snap = Snapshot { sampled_ms: now, metrics: prometheus::parse(b"vllm:num_requests_waiting 2\n", None) };
+        let snap = Snapshot {
+            sampled_ms: now,
+            metrics: prometheus::parse(b"vllm:num_requests_waiting 2\n", None),
+        };
         let key = s.snapshot_key("c", "10.0.0.1:80");
         assert!(h.set_shared_data(&key, &snap.encode(), 0).is_ok());
         assert!(s.read(&h, "c", "10.0.0.1:80", now + 5_000).is_some());

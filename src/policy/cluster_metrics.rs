@@ -73,7 +73,8 @@ fn now_ms(host: &dyn Host) -> u64 {
 impl ClusterMetrics {
     /// Creates the policy from its config.
     pub fn new(config: ClusterMetricsConfig) -> Self {
-        let stats = config.service_list.iter().map(|s| (s.clone(), ServiceStats::default())).collect();
+        let stats =
+            config.service_list.iter().map(|s| (s.clone(), ServiceStats::default())).collect();
         // Share over the last `queue_size` choices; age is not a criterion (u64::MAX window).
         let recent = RecentPicks::new(config.queue_size, u64::MAX);
         ClusterMetrics { config, stats, recent }
@@ -94,18 +95,22 @@ impl ClusterMetrics {
         let list = &self.config.service_list;
         let limited = self.config.rate_limit < 1.0;
         let shares: Vec<f64> = list.iter().map(|s| self.recent.share(now, s)).collect();
-        let eligible: Vec<usize> =
-            (0..list.len()).filter(|&i| !limited || shares.get(i).is_some_and(|&x| x < self.config.rate_limit)).collect();
+        let eligible: Vec<usize> = (0..list.len())
+            .filter(|&i| !limited || shares.get(i).is_some_and(|&x| x < self.config.rate_limit))
+            .collect();
         if eligible.is_empty() {
             let best = (0..list.len()).min_by(|&a, &b| {
-                let (x, y) = (shares.get(a).copied().unwrap_or(1.0), shares.get(b).copied().unwrap_or(1.0));
+                let (x, y) =
+                    (shares.get(a).copied().unwrap_or(1.0), shares.get(b).copied().unwrap_or(1.0));
                 x.total_cmp(&y)
             })?;
             return list.get(best).cloned();
         }
-        let values: Vec<f64> = eligible.iter().map(|&i| list.get(i).map_or(0.0, |s| self.value(s))).collect();
+        let values: Vec<f64> =
+            eligible.iter().map(|&i| list.get(i).map_or(0.0, |s| self.value(s))).collect();
         let min = values.iter().copied().fold(f64::INFINITY, f64::min);
-        let ties: Vec<usize> = eligible.iter().zip(&values).filter(|(_, &v)| v <= min).map(|(&i, _)| i).collect();
+        let ties: Vec<usize> =
+            eligible.iter().zip(&values).filter(|(_, &v)| v <= min).map(|(&i, _)| i).collect();
         let i = schedule::pick(&ties, rand)?;
         list.get(i).cloned()
     }
@@ -137,7 +142,12 @@ impl Policy for ClusterMetrics {
         "cluster_metrics"
     }
 
-    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream, _end_of_stream: bool) -> Decision {
+    fn on_request_headers(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        _end_of_stream: bool,
+    ) -> Decision {
         let now = now_ms(host);
         let rand = host.random_u64();
         let Some(service) = self.choose(now, rand) else {
@@ -149,25 +159,38 @@ impl Policy for ClusterMetrics {
         }
         host.log(LogLevel::Debug, &format!("cluster_metrics: -> {service}"));
         let start_ms = if stream.start_ns > 0 { stream.start_ns / 1_000_000 } else { now };
-        stream.set_data(Pick { service: service.clone(), start_ms, status: 0, first_byte_seen: false });
+        stream.set_data(Pick {
+            service: service.clone(),
+            start_ms,
+            status: 0,
+            first_byte_seen: false,
+        });
         Decision::SetHeader { name: self.config.cluster_header.clone(), value: service }
     }
 
     fn on_response_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) {
-        let status = host.response_header(":status").and_then(|s| s.trim().parse::<u16>().ok()).unwrap_or(0);
+        let status =
+            host.response_header(":status").and_then(|s| s.trim().parse::<u16>().ok()).unwrap_or(0);
         if let Some(p) = stream.data_mut::<Pick>() {
             p.status = status;
         }
     }
 
-    fn on_response_body(&mut self, host: &mut dyn Host, stream: &mut Stream, size: usize, _end_of_stream: bool) {
+    fn on_response_body(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        size: usize,
+        _end_of_stream: bool,
+    ) {
         let now = now_ms(host);
         let Some(p) = stream.data_mut::<Pick>() else { return };
         if p.first_byte_seen || size == 0 {
             return;
         }
         p.first_byte_seen = true;
-        let (service, status, duration) = (p.service.clone(), p.status, now.saturating_sub(p.start_ms) as f64);
+        let (service, status, duration) =
+            (p.service.clone(), p.status, now.saturating_sub(p.start_ms) as f64);
         let sample = if status == 200 { duration } else { self.punished(duration, true) };
         self.record(&service, true, sample);
     }
@@ -202,7 +225,11 @@ mod tests {
         let json = format!(
             r#"{{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{{"service_list":["{A}","{B}"]{extra}}}}}"#
         );
-        match PluginConfig::from_json(json.as_bytes()).ok().and_then(|c| c.default).map(|d| d.policy) {
+        match PluginConfig::from_json(json.as_bytes())
+            .ok()
+            .and_then(|c| c.default)
+            .map(|d| d.policy)
+        {
             Some(PolicyConfig::ClusterMetrics(c)) => ClusterMetrics::new(c),
             other => panic!("bad test config: {other:?}"),
         }
@@ -220,7 +247,14 @@ mod tests {
     }
 
     /// Runs one request to completion: response after `ttft_ms`, end after `total_ms`.
-    fn complete(p: &mut ClusterMetrics, h: &mut FakeHost, s: &mut Stream, status: &str, ttft_ms: u64, total_ms: u64) {
+    fn complete(
+        p: &mut ClusterMetrics,
+        h: &mut FakeHost,
+        s: &mut Stream,
+        status: &str,
+        ttft_ms: u64,
+        total_ms: u64,
+    ) {
         let t0 = s.start_ns;
         h.response_headers = vec![(":status".into(), status.into())];
         h.now = t0 + ttft_ms * 1_000_000;

@@ -68,7 +68,8 @@ impl EndpointMetrics {
             CfgPolicy::Least => MetricPolicy::Least,
             CfgPolicy::Most => MetricPolicy::Most,
         };
-        let recent = RecentPicks::new(config.window_size, config.window_seconds.saturating_mul(1000));
+        let recent =
+            RecentPicks::new(config.window_size, config.window_seconds.saturating_mul(1000));
         let scraper = Scraper::new(
             &config.scrape_path,
             u64::from(config.scrape_interval_ms),
@@ -85,7 +86,8 @@ impl EndpointMetrics {
         if healthy.is_empty() {
             return None;
         }
-        let host_has_metrics = healthy.iter().any(|h| h.metrics.as_deref().is_some_and(|m| !m.is_empty()));
+        let host_has_metrics =
+            healthy.iter().any(|h| h.metrics.as_deref().is_some_and(|m| !m.is_empty()));
         let target = self.config.target_metric.as_deref();
         if host_has_metrics {
             // Forget pods that left the cluster (bounded memory).
@@ -134,12 +136,19 @@ impl EndpointMetrics {
                 // Requests sent after the sample are not in it yet. Host-provided metrics carry no
                 // time: assume they are one scrape interval old.
                 let since = p.sampled_ms.unwrap_or_else(|| now.saturating_sub(interval));
-                Some(Candidate { address: &p.address, metrics: m, pending: self.recent.count_since(&p.address, since) })
+                Some(Candidate {
+                    address: &p.address,
+                    metrics: m,
+                    pending: self.recent.count_since(&p.address, since),
+                })
             })
             .collect();
         let survivors = schedule::filter(self.policy, model, &candidates);
         let Some(idx) = schedule::pick(&survivors, host.random_u64()) else {
-            host.log(LogLevel::Debug, "endpoint_metrics: no pod with fresh metrics; using normal balancing");
+            host.log(
+                LogLevel::Debug,
+                "endpoint_metrics: no pod with fresh metrics; using normal balancing",
+            );
             return Decision::Passthrough;
         };
         let Some(chosen) = candidates.get(idx).map(|c| c.address) else {
@@ -147,9 +156,19 @@ impl EndpointMetrics {
         };
         let healthy: Vec<&str> = pods.iter().map(|p| p.address.as_str()).collect();
         let rand = host.random_u64();
-        let fin = schedule::apply_rate_limit(&mut self.recent, now, self.config.rate_limit, chosen, &healthy, rand);
+        let fin = schedule::apply_rate_limit(
+            &mut self.recent,
+            now,
+            self.config.rate_limit,
+            chosen,
+            &healthy,
+            rand,
+        );
         if fin != chosen {
-            host.log(LogLevel::Debug, &format!("endpoint_metrics: {chosen} over rate_limit, using {fin}"));
+            host.log(
+                LogLevel::Debug,
+                &format!("endpoint_metrics: {chosen} over rate_limit, using {fin}"),
+            );
         }
         let fin = fin.to_string();
         self.recent.push(now, &fin);
@@ -167,7 +186,12 @@ impl Policy for EndpointMetrics {
         self.scraper.set_worker_id(host.random_u64());
     }
 
-    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream, end_of_stream: bool) -> Decision {
+    fn on_request_headers(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        end_of_stream: bool,
+    ) -> Decision {
         let now = now_ms(host);
         let Some(pods) = self.gather(host, stream, now) else {
             return Decision::Passthrough;
@@ -180,7 +204,12 @@ impl Policy for EndpointMetrics {
         self.decide(host, &pods, "", now)
     }
 
-    fn on_request_body(&mut self, host: &mut dyn Host, stream: &mut Stream, body: &[u8]) -> Decision {
+    fn on_request_body(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        body: &[u8],
+    ) -> Decision {
         let now = now_ms(host);
         let Some(pods) = self.gather(host, stream, now) else {
             return Decision::Passthrough;
@@ -189,7 +218,13 @@ impl Policy for EndpointMetrics {
         self.decide(host, &pods, &model, now)
     }
 
-    fn on_http_reply(&mut self, host: &mut dyn Host, _stream: Option<&mut Stream>, token: u32, reply: &HttpReply) -> Decision {
+    fn on_http_reply(
+        &mut self,
+        host: &mut dyn Host,
+        _stream: Option<&mut Stream>,
+        token: u32,
+        reply: &HttpReply,
+    ) -> Decision {
         let now = now_ms(host);
         self.scraper.on_reply(host, token, reply, now);
         Decision::Passthrough
@@ -221,7 +256,11 @@ mod tests {
 
     fn config(lb_config: &str) -> EndpointMetricsConfig {
         let json = format!(r#"{{"lb_policy":"endpoint_metrics","lb_config":{lb_config}}}"#);
-        match PluginConfig::from_json(json.as_bytes()).ok().and_then(|c| c.default).map(|d| d.policy) {
+        match PluginConfig::from_json(json.as_bytes())
+            .ok()
+            .and_then(|c| c.default)
+            .map(|d| d.policy)
+        {
             Some(PolicyConfig::EndpointMetrics(c)) => c,
             other => panic!("bad test config: {other:?}"),
         }
@@ -325,7 +364,9 @@ mod tests {
     #[test]
     fn no_metrics_passes_through_then_scrapes_and_routes_on_shared_snapshots() {
         let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
-        let mut p = EndpointMetrics::new(config(r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus"}"#));
+        let mut p = EndpointMetrics::new(config(
+            r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus"}"#,
+        ));
         assert_eq!(p.tick_period_ms(), 500);
         p.on_start(&mut h);
         // Nothing known yet: normal balancing, but the pods are now known to the scraper.
@@ -346,17 +387,31 @@ mod tests {
         let calls: Vec<(u32, String)> = h
             .http_calls
             .iter()
-            .map(|(t, _, hd, _)| (*t, hd.iter().find(|(n, _)| n == ":authority").map(|(_, v)| v.clone()).unwrap_or_default()))
+            .map(|(t, _, hd, _)| {
+                (
+                    *t,
+                    hd.iter()
+                        .find(|(n, _)| n == ":authority")
+                        .map(|(_, v)| v.clone())
+                        .unwrap_or_default(),
+                )
+            })
             .collect();
         for (token, pod) in &calls {
-            let body = if pod == "10.0.0.1:8000" { vllm(30, 12, 0.95, None) } else { vllm(1, 0, 0.1, None) };
+            let body = if pod == "10.0.0.1:8000" {
+                vllm(30, 12, 0.95, None)
+            } else {
+                vllm(1, 0, 0.1, None)
+            };
             let reply = HttpReply { status: 200, headers: vec![], body: body.into_bytes() };
             assert_eq!(p.on_http_reply(&mut h, None, *token, &reply), Decision::Passthrough);
         }
         assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
 
         // Another worker VM (same shared data) uses the snapshots without scraping itself.
-        let mut other = EndpointMetrics::new(config(r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus"}"#));
+        let mut other = EndpointMetrics::new(config(
+            r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus"}"#,
+        ));
         other.on_start(&mut h);
         assert_eq!(route(&mut other, &mut h), Decision::Route("10.0.0.2:8000".into()));
         other.on_tick(&mut h);
@@ -382,10 +437,22 @@ mod tests {
         let calls: Vec<(u32, String)> = h
             .http_calls
             .iter()
-            .map(|(t, _, hd, _)| (*t, hd.iter().find(|(n, _)| n == ":authority").map(|(_, v)| v.clone()).unwrap_or_default()))
+            .map(|(t, _, hd, _)| {
+                (
+                    *t,
+                    hd.iter()
+                        .find(|(n, _)| n == ":authority")
+                        .map(|(_, v)| v.clone())
+                        .unwrap_or_default(),
+                )
+            })
             .collect();
         for (token, pod) in &calls {
-            let reply = HttpReply { status: 200, headers: vec![], body: vllm(0, 0, 0.0, None).into_bytes() };
+            let reply = HttpReply {
+                status: 200,
+                headers: vec![],
+                body: vllm(0, 0, 0.0, None).into_bytes(),
+            };
             p.on_http_reply(&mut h, None, *token, &reply);
             let _ = pod;
         }
@@ -394,14 +461,26 @@ mod tests {
         p.on_tick(&mut h);
         let calls: Vec<(u32, String)> = h.http_calls[2..]
             .iter()
-            .map(|(t, _, hd, _)| (*t, hd.iter().find(|(n, _)| n == ":authority").map(|(_, v)| v.clone()).unwrap_or_default()))
+            .map(|(t, _, hd, _)| {
+                (
+                    *t,
+                    hd.iter()
+                        .find(|(n, _)| n == ":authority")
+                        .map(|(_, v)| v.clone())
+                        .unwrap_or_default(),
+                )
+            })
             .collect();
         assert_eq!(calls.len(), 2);
         for (token, pod) in &calls {
             let reply = if pod == "10.0.0.1:8000" {
                 HttpReply { status: 503, ..Default::default() }
             } else {
-                HttpReply { status: 200, headers: vec![], body: vllm(40, 20, 0.8, None).into_bytes() }
+                HttpReply {
+                    status: 200,
+                    headers: vec![],
+                    body: vllm(40, 20, 0.8, None).into_bytes(),
+                }
             };
             p.on_http_reply(&mut h, None, *token, &reply);
         }
@@ -419,10 +498,17 @@ mod tests {
         let mut p = EndpointMetrics::new(config(r#"{"metric_policy":"default"}"#));
         let mut s = stream();
         assert_eq!(p.on_request_headers(&mut h, &mut s, false), Decision::NeedBody);
-        let body = br#"{"model":"sql-lora","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
-        assert_eq!(p.on_request_body(&mut h, &mut s, body), Decision::Route("10.0.0.1:8000".into()));
+        let body =
+            br#"{"model":"sql-lora","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+        assert_eq!(
+            p.on_request_body(&mut h, &mut s, body),
+            Decision::Route("10.0.0.1:8000".into())
+        );
         let body = br#"{"model":"tweet-summary","prompt":"x"}"#;
-        assert_eq!(p.on_request_body(&mut h, &mut s, body), Decision::Route("10.0.0.2:8000".into()));
+        assert_eq!(
+            p.on_request_body(&mut h, &mut s, body),
+            Decision::Route("10.0.0.2:8000".into())
+        );
         // A bodiless request decides on its headers (never waits for a body that will not come).
         assert!(matches!(p.on_request_headers(&mut h, &mut s, true), Decision::Route(_)));
         // Without LoRA pods the headers suffice.
@@ -438,15 +524,22 @@ mod tests {
             ("10.0.0.3:8000", true, Some(vllm(5, 0, 0.5, None))),
         ];
         let mut h = host_with(&pods);
-        let mut least = EndpointMetrics::new(config(r#"{"metric_policy":"least","target_metric":"vllm:num_requests_running"}"#));
-        let mut most = EndpointMetrics::new(config(r#"{"metric_policy":"most","target_metric":"vllm:num_requests_running"}"#));
+        let mut least = EndpointMetrics::new(config(
+            r#"{"metric_policy":"least","target_metric":"vllm:num_requests_running"}"#,
+        ));
+        let mut most = EndpointMetrics::new(config(
+            r#"{"metric_policy":"most","target_metric":"vllm:num_requests_running"}"#,
+        ));
         for _ in 0..10 {
             assert_eq!(route(&mut least, &mut h), Decision::Route("10.0.0.2:8000".into()));
             assert_eq!(route(&mut most, &mut h), Decision::Route("10.0.0.1:8000".into()));
             h.now += 1_000_000_000;
         }
         // A pod whose metrics lack the target metric is never chosen by least/most.
-        let mut h = host_with(&[("10.0.0.9:8000", true, Some("sglang:num_running_reqs 0\n".into())), pods[0].clone()]);
+        let mut h = host_with(&[
+            ("10.0.0.9:8000", true, Some("sglang:num_running_reqs 0\n".into())),
+            pods[0].clone(),
+        ]);
         assert_eq!(route(&mut least, &mut h), Decision::Route("10.0.0.1:8000".into()));
     }
 
@@ -485,11 +578,28 @@ mod tests {
         let calls: Vec<(u32, String)> = h
             .http_calls
             .iter()
-            .map(|(t, _, hd, _)| (*t, hd.iter().find(|(n, _)| n == ":authority").map(|(_, v)| v.clone()).unwrap_or_default()))
+            .map(|(t, _, hd, _)| {
+                (
+                    *t,
+                    hd.iter()
+                        .find(|(n, _)| n == ":authority")
+                        .map(|(_, v)| v.clone())
+                        .unwrap_or_default(),
+                )
+            })
             .collect();
         for (token, pod) in calls {
-            let body = if pod == "10.0.0.2:8000" { vllm(0, 0, 0.05, None) } else { vllm(64, 70, 0.99, None) };
-            f.on_http_reply(&mut h, token, &HttpReply { status: 200, headers: vec![], body: body.into_bytes() }, false);
+            let body = if pod == "10.0.0.2:8000" {
+                vllm(0, 0, 0.05, None)
+            } else {
+                vllm(64, 70, 0.99, None)
+            };
+            f.on_http_reply(
+                &mut h,
+                token,
+                &HttpReply { status: 200, headers: vec![], body: body.into_bytes() },
+                false,
+            );
         }
         f.on_request_headers(&mut h, 11, true);
         assert_eq!(h.override_host.as_deref(), Some("10.0.0.2:8000"));

@@ -124,7 +124,11 @@ pub(crate) struct Picker {
 }
 
 impl Picker {
-    pub fn new(config: GlobalLeastRequestConfig, source: &'static str, name: &'static str) -> Picker {
+    pub fn new(
+        config: GlobalLeastRequestConfig,
+        source: &'static str,
+        name: &'static str,
+    ) -> Picker {
         Picker {
             redis: RedisClient::new(config.redis.clone()),
             config,
@@ -168,13 +172,27 @@ impl Picker {
 
     /// Sends the pick script for `stream` (`keys` start with [`Picker::base_keys`]). Returns
     /// `Pending`, or `Passthrough` if it could not be sent.
-    pub fn start(&mut self, host: &mut dyn Host, stream: &mut Stream, keys: Vec<String>, args: Vec<String>) -> Decision {
+    pub fn start(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        keys: Vec<String>,
+        args: Vec<String>,
+    ) -> Decision {
         let inflight_key = keys.first().cloned().unwrap_or_default();
         let req_key = keys.get(2).cloned().unwrap_or_default();
         let query = self.script.command(&keys, &args, false);
         match self.redis.call(host, &query) {
             Ok(token) => {
-                stream.set_data(PickState { inflight_key, req_key, keys, args, pending: Some(token), used_eval: false, picked: None });
+                stream.set_data(PickState {
+                    inflight_key,
+                    req_key,
+                    keys,
+                    args,
+                    pending: Some(token),
+                    used_eval: false,
+                    picked: None,
+                });
                 Decision::Pending
             }
             Err(_) => {
@@ -210,7 +228,10 @@ impl Picker {
         let bytes = match reply {
             RedisReply::Ok(b) => b,
             RedisReply::NetworkError => {
-                host.log(LogLevel::Warn, &format!("{name}: redis network error or timeout; using normal balancing"));
+                host.log(
+                    LogLevel::Warn,
+                    &format!("{name}: redis network error or timeout; using normal balancing"),
+                );
                 host.increment_counter("ai_lb_fallback_redis", 1);
                 // The pick may still run later (a stalled Redis): cancel it.
                 let (k, r) = (state.inflight_key.clone(), state.req_key.clone());
@@ -241,7 +262,10 @@ impl Picker {
             };
         }
         if let Frame::Error(msg) = &frame {
-            host.log(LogLevel::Warn, &format!("{name}: redis error reply {msg:?}; using normal balancing"));
+            host.log(
+                LogLevel::Warn,
+                &format!("{name}: redis error reply {msg:?}; using normal balancing"),
+            );
             host.increment_counter("ai_lb_fallback_redis", 1);
             self.redis.on_error_reply(msg);
             return Err(Decision::Passthrough);
@@ -249,7 +273,10 @@ impl Picker {
         // Redis answered: releases lost earlier can go out again (before this stream's own).
         self.flush_release_retries(host);
         let Some(pick) = parse_pick(&frame) else {
-            host.log(LogLevel::Warn, &format!("{name}: unexpected script reply; using normal balancing"));
+            host.log(
+                LogLevel::Warn,
+                &format!("{name}: unexpected script reply; using normal balancing"),
+            );
             let (k, r) = (state.inflight_key.clone(), state.req_key.clone());
             self.send_release(host, &k, &r, TOMBSTONE_TTL_S);
             return Err(Decision::Passthrough);
@@ -262,7 +289,12 @@ impl Picker {
                 LogLevel::Info,
                 &format!(
                     "{name}: route={} cluster={} host={} inflight={} admitted={} matched={}",
-                    stream.route, stream.cluster, pick.host, pick.count, pick.admitted, pick.matched
+                    stream.route,
+                    stream.cluster,
+                    pick.host,
+                    pick.count,
+                    pick.admitted,
+                    pick.matched
                 ),
             );
         }
@@ -290,8 +322,19 @@ impl Picker {
         }
     }
 
-    fn send_release(&mut self, host: &mut dyn Host, inflight_key: &str, req_key: &str, tombstone_ttl_s: u32) {
-        let rel = Release { inflight_key: inflight_key.to_string(), req_key: req_key.to_string(), tombstone_ttl_s, failures: 0 };
+    fn send_release(
+        &mut self,
+        host: &mut dyn Host,
+        inflight_key: &str,
+        req_key: &str,
+        tombstone_ttl_s: u32,
+    ) {
+        let rel = Release {
+            inflight_key: inflight_key.to_string(),
+            req_key: req_key.to_string(),
+            tombstone_ttl_s,
+            failures: 0,
+        };
         self.send_release_record(host, rel);
     }
 
@@ -336,7 +379,10 @@ impl Picker {
         if rel.failures >= MAX_RELEASE_ATTEMPTS || self.release_retry.len() >= MAX_QUEUED_RELEASES {
             host.log(
                 LogLevel::Warn,
-                &format!("{}: giving up the release of {} after {} failed sends", self.name, rel.req_key, rel.failures),
+                &format!(
+                    "{}: giving up the release of {} after {} failed sends",
+                    self.name, rel.req_key, rel.failures
+                ),
             );
             host.increment_counter("ai_lb_release_dropped", 1);
             return;
@@ -359,7 +405,9 @@ pub struct GlobalLeastRequest {
 impl GlobalLeastRequest {
     /// Creates the policy from its config.
     pub fn new(config: GlobalLeastRequestConfig) -> Self {
-        GlobalLeastRequest { picker: Picker::new(config, redis::LEAST_REQUEST_LUA, "global_least_request") }
+        GlobalLeastRequest {
+            picker: Picker::new(config, redis::LEAST_REQUEST_LUA, "global_least_request"),
+        }
     }
 }
 
@@ -372,9 +420,17 @@ impl Policy for GlobalLeastRequest {
         self.picker.redis.init(host);
     }
 
-    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream, _end_of_stream: bool) -> Decision {
+    fn on_request_headers(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        _end_of_stream: bool,
+    ) -> Decision {
         if stream.route.is_empty() || stream.cluster.is_empty() {
-            host.log(LogLevel::Warn, "global_least_request: no route_name/cluster_name; using normal balancing");
+            host.log(
+                LogLevel::Warn,
+                "global_least_request: no route_name/cluster_name; using normal balancing",
+            );
             return Decision::Passthrough;
         }
         let Some(hosts) = self.picker.host_args(host) else { return Decision::Passthrough };
@@ -384,7 +440,13 @@ impl Policy for GlobalLeastRequest {
         self.picker.start(host, stream, keys, args)
     }
 
-    fn on_redis_reply(&mut self, host: &mut dyn Host, stream: Option<&mut Stream>, token: u32, reply: &RedisReply) -> Decision {
+    fn on_redis_reply(
+        &mut self,
+        host: &mut dyn Host,
+        stream: Option<&mut Stream>,
+        token: u32,
+        reply: &RedisReply,
+    ) -> Decision {
         match self.picker.on_reply(host, stream, token, reply) {
             Ok(pick) => self.picker.decide(host, &pick),
             Err(d) => d,

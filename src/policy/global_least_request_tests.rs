@@ -8,7 +8,9 @@ use crate::testutil::*;
 const CLUSTER: &str = "outbound|8000||llm.static";
 
 fn cfg(extra: &str) -> String {
-    format!(r#"{{"lb_policy":"global_least_request","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379,"username":"u","password":"p"{extra}}}}}"#)
+    format!(
+        r#"{{"lb_policy":"global_least_request","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379,"username":"u","password":"p"{extra}}}}}"#
+    )
 }
 
 #[test]
@@ -30,7 +32,10 @@ fn redis_init_failure_does_not_fail_start() {
     let mut host = crate::host::fake::FakeHost::new();
     host.redis_init_error = Some(HostError::BadArgument);
     let mut f = crate::filter::Filter::new();
-    assert!(f.configure(&mut host, cfg("").as_bytes()), "Higress #1517: must not reject the config");
+    assert!(
+        f.configure(&mut host, cfg("").as_bytes()),
+        "Higress #1517: must not reject the config"
+    );
     assert!(host.logged("will retry"));
 }
 
@@ -54,7 +59,11 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     assert_eq!(cmd[1], crate::redis::sha1_hex_lower(LEAST_REQUEST_LUA.as_bytes()));
     let (keys, args) = keys_args(&cmd);
     assert_eq!(keys[..2], [inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER)]);
-    assert!(keys[2].starts_with("higress:ai-lb:{r1|outbound|8000||llm.static}:req:"), "{}", keys[2]);
+    assert!(
+        keys[2].starts_with("higress:ai-lb:{r1|outbound|8000||llm.static}:req:"),
+        "{}",
+        keys[2]
+    );
     assert_eq!(keys.len(), 3);
     assert_eq!(args[1], "300", "cleanInterval in seconds");
     assert_eq!(args[2], "10", "maxRequestCount");
@@ -66,7 +75,12 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     // Body chunks while the pick is in flight are buffered, not released.
     assert_eq!(f.on_request_body(&mut host, 7, 100, false), DATA_STOP_AND_BUFFER);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
+        true,
+    );
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.resumes, 1);
 }
@@ -76,7 +90,12 @@ fn bodiless_request_decides_in_headers_and_never_waits_for_a_body() {
     let (mut f, mut host) = setup(&cfg(""));
     assert_eq!(f.on_request_headers(&mut host, 7, true), HEADERS_STOP_ITERATION);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+        true,
+    );
     assert_eq!(host.resumes, 1, "resumed without any body callback");
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
 }
@@ -106,7 +125,12 @@ fn over_max_request_count_answers_429_and_never_decrements_again() {
     let (mut f, mut host) = setup(&cfg(r#","maxRequestCount":1"#));
     f.on_request_headers(&mut host, 7, true);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, false, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, false, None)),
+        true,
+    );
     assert_eq!(host.local_responses.len(), 1);
     assert_eq!(host.local_responses[0].0, 429);
     assert_eq!(host.resumes, 0, "a local reply is not resumed");
@@ -121,12 +145,20 @@ fn decrement_exactly_once_when_the_stream_ends() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, true);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
+        true,
+    );
     // on_log, on_done and on_delete all end the stream; only the first counts.
     f.on_stream_end(&mut host, 7);
     f.on_stream_end(&mut host, 7);
     f.on_delete(&mut host, 7);
-    assert_eq!(releases(&host), vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string())]);
+    assert_eq!(
+        releases(&host),
+        vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string())]
+    );
     assert_eq!(f.live_streams(), 0);
 }
 
@@ -135,7 +167,12 @@ fn decrement_on_delete_alone_for_reset_streams() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+        true,
+    );
     f.on_delete(&mut host, 7); // no on_log (e.g. a reset stream)
     assert_eq!(releases(&host).len(), 1);
 }
@@ -148,9 +185,17 @@ fn client_abort_while_pick_in_flight_cancels_the_pick_once() {
     f.on_stream_end(&mut host, 7);
     f.on_delete(&mut host, 7);
     // Sent at once, after the pick on the same connection: it undoes the pick or leaves a tombstone.
-    assert_eq!(releases(&host), vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "3600".to_string())]);
+    assert_eq!(
+        releases(&host),
+        vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "3600".to_string())]
+    );
     assert_eq!(f.stream_of_token(t), None, "the stream is gone: abi.rs must not switch to it");
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), false);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+        false,
+    );
     assert_eq!(releases(&host).len(), 1, "the late reply changes nothing");
     assert_eq!(host.resumes, 0, "nothing to resume");
 }
@@ -160,14 +205,24 @@ fn noscript_falls_back_to_eval_then_routes() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(b"-NOSCRIPT No matching script. Please use EVAL.\r\n".to_vec()), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(b"-NOSCRIPT No matching script. Please use EVAL.\r\n".to_vec()),
+        true,
+    );
     assert_eq!(host.resumes, 0, "still waiting for the EVAL");
     let cmd = command(&host, 1);
     assert_eq!(cmd[0], "EVAL");
     assert_eq!(cmd[1], LEAST_REQUEST_LUA);
     assert_eq!(keys_args(&cmd), keys_args(&command(&host, 0)), "same keys and args");
     let t2 = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t2, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t2,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+        true,
+    );
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(host.resumes, 1);
 }
@@ -191,8 +246,11 @@ fn redis_error_reply_resumes_on_normal_balancing() {
         assert_eq!(host.override_host, None, "{reply:?}");
         assert!(host.local_responses.is_empty());
         f.on_delete(&mut host, 7);
-        let expected: Vec<(String, String, String)> =
-            if cancel { vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "3600".into())] } else { vec![] };
+        let expected: Vec<(String, String, String)> = if cancel {
+            vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "3600".into())]
+        } else {
+            vec![]
+        };
         assert_eq!(releases(&host), expected, "{reply:?}");
     }
 }
@@ -202,7 +260,12 @@ fn noauth_reinitialises_redis_on_the_next_request() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(b"-NOAUTH Authentication required.\r\n".to_vec()), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(b"-NOAUTH Authentication required.\r\n".to_vec()),
+        true,
+    );
     assert_eq!(host.redis_inits.len(), 1);
     f.on_request_headers(&mut host, 8, false);
     assert_eq!(host.redis_inits.len(), 2);
@@ -230,7 +293,12 @@ fn redis_call_failure_or_missing_hosts_continue_immediately() {
 fn replies_for_other_tokens_do_not_resume() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
-    f.on_redis_reply(&mut host, 9999, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        9999,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+        true,
+    );
     assert_eq!(host.resumes, 0);
     assert_eq!(host.override_host, None);
 }
@@ -240,26 +308,50 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, true);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
+        true,
+    );
     f.on_delete(&mut host, 7);
     let first = (inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string());
     // Higress closes the pipeline on an op timeout: the -1 may never have reached Redis.
     let lost = host.last_redis_token().unwrap();
     f.on_redis_reply(&mut host, lost, &RedisReply::NetworkError, false);
-    assert_eq!(releases(&host), vec![first.clone()], "not resent into the broken connection at once");
+    assert_eq!(
+        releases(&host),
+        vec![first.clone()],
+        "not resent into the broken connection at once"
+    );
     // The next pick is answered: Redis is back, so the lost -1 goes out again (release.lua is
     // idempotent per pick record, so a -1 that did run is not applied twice).
     f.on_request_headers(&mut host, 9, true);
     let t2 = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t2, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t2,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+        true,
+    );
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(releases(&host), vec![first.clone(), first.clone()]);
     // Acknowledged this time: never sent again.
     let resent = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, resent, &RedisReply::Ok(b"$13\r\n10.0.0.2:8000\r\n".to_vec()), false);
+    f.on_redis_reply(
+        &mut host,
+        resent,
+        &RedisReply::Ok(b"$13\r\n10.0.0.2:8000\r\n".to_vec()),
+        false,
+    );
     f.on_request_headers(&mut host, 11, true);
     let t3 = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t3, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t3,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, true, None)),
+        true,
+    );
     assert_eq!(releases(&host), vec![first.clone(), first]);
 }
 
@@ -268,7 +360,12 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, true);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
+        true,
+    );
     f.on_delete(&mut host, 7);
     let mut ctx = 9;
     for _ in 0..10 {
@@ -277,7 +374,12 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
         f.on_redis_reply(&mut host, rt, &RedisReply::NetworkError, false);
         f.on_request_headers(&mut host, ctx, true);
         let pt = host.last_redis_token().unwrap();
-        f.on_redis_reply(&mut host, pt, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, false, None)), true);
+        f.on_redis_reply(
+            &mut host,
+            pt,
+            &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, false, None)),
+            true,
+        );
         ctx += 2;
     }
     let first = req_key(&host, 0);

@@ -74,7 +74,11 @@ pub struct Stream {
 
 impl core::fmt::Debug for Stream {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("Stream").field("id", &self.id).field("route", &self.route).field("cluster", &self.cluster).finish()
+        f.debug_struct("Stream")
+            .field("id", &self.id)
+            .field("route", &self.route)
+            .field("cluster", &self.cluster)
+            .finish()
     }
 }
 
@@ -112,10 +116,20 @@ pub trait Policy {
     fn on_start(&mut self, _host: &mut dyn Host) {}
 
     /// Request headers arrived. See the module docs for `end_of_stream`.
-    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream, end_of_stream: bool) -> Decision;
+    fn on_request_headers(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        end_of_stream: bool,
+    ) -> Decision;
 
     /// The complete request body (only after `NeedBody`).
-    fn on_request_body(&mut self, _host: &mut dyn Host, _stream: &mut Stream, _body: &[u8]) -> Decision {
+    fn on_request_body(
+        &mut self,
+        _host: &mut dyn Host,
+        _stream: &mut Stream,
+        _body: &[u8],
+    ) -> Decision {
         Decision::Passthrough
     }
 
@@ -145,7 +159,14 @@ pub trait Policy {
     fn on_response_headers(&mut self, _host: &mut dyn Host, _stream: &mut Stream) {}
 
     /// A response body chunk arrived (`size` bytes of this chunk; e.g. first token time).
-    fn on_response_body(&mut self, _host: &mut dyn Host, _stream: &mut Stream, _size: usize, _end_of_stream: bool) {}
+    fn on_response_body(
+        &mut self,
+        _host: &mut dyn Host,
+        _stream: &mut Stream,
+        _size: usize,
+        _end_of_stream: bool,
+    ) {
+    }
 
     /// The stream ended (exactly once per stream that reached this policy).
     fn on_stream_done(&mut self, _host: &mut dyn Host, _stream: &mut Stream) {}
@@ -162,10 +183,16 @@ pub trait Policy {
 /// Builds the policy for one config.
 pub fn build(config: &LbConfig) -> Box<dyn Policy> {
     match &config.policy {
-        PolicyConfig::GlobalLeastRequest(c) => Box::new(global_least_request::GlobalLeastRequest::new(c.clone())),
+        PolicyConfig::GlobalLeastRequest(c) => {
+            Box::new(global_least_request::GlobalLeastRequest::new(c.clone()))
+        }
         PolicyConfig::PrefixCache(c) => Box::new(prefix_cache::PrefixCache::new(c.clone())),
-        PolicyConfig::EndpointMetrics(c) => Box::new(endpoint_metrics::EndpointMetrics::new(c.clone())),
-        PolicyConfig::ClusterMetrics(c) => Box::new(cluster_metrics::ClusterMetrics::new(c.clone())),
+        PolicyConfig::EndpointMetrics(c) => {
+            Box::new(endpoint_metrics::EndpointMetrics::new(c.clone()))
+        }
+        PolicyConfig::ClusterMetrics(c) => {
+            Box::new(cluster_metrics::ClusterMetrics::new(c.clone()))
+        }
     }
 }
 
@@ -173,7 +200,10 @@ pub fn build(config: &LbConfig) -> Box<dyn Policy> {
 /// or has no healthy host — the caller then passes through to normal balancing.
 pub fn healthy_hosts(host: &dyn Host, policy: &str) -> Option<(Vec<String>, Vec<String>)> {
     let Some(list) = host.upstream_hosts() else {
-        host.log(crate::host::LogLevel::Warn, &format!("{policy}: no upstream host list; using normal balancing"));
+        host.log(
+            crate::host::LogLevel::Warn,
+            &format!("{policy}: no upstream host list; using normal balancing"),
+        );
         return None;
     };
     let mut healthy = Vec::new();
@@ -186,7 +216,10 @@ pub fn healthy_hosts(host: &dyn Host, policy: &str) -> Option<(Vec<String>, Vec<
         }
     }
     if healthy.is_empty() {
-        host.log(crate::host::LogLevel::Warn, &format!("{policy}: no healthy upstream host; using normal balancing"));
+        host.log(
+            crate::host::LogLevel::Warn,
+            &format!("{policy}: no healthy upstream host; using normal balancing"),
+        );
         return None;
     }
     Some((healthy, other))

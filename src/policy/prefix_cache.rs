@@ -35,7 +35,9 @@ pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> 
     }
     if let Some(Value::Array(messages)) = obj.get("messages") {
         let last = messages.len().saturating_sub(1);
-        let is_system = |m: &Value| matches!(m.get("role").and_then(Value::as_str), Some("system" | "developer"));
+        let is_system = |m: &Value| {
+            matches!(m.get("role").and_then(Value::as_str), Some("system" | "developer"))
+        };
         for (i, m) in messages.iter().enumerate() {
             let role = m.get("role").and_then(Value::as_str).unwrap_or("");
             cur.push_str(role);
@@ -90,9 +92,15 @@ fn push_content(out: &mut String, content: Option<&Value>) {
         Some(Value::Array(parts)) => {
             for p in parts {
                 match p.get("type").and_then(Value::as_str) {
-                    Some("text") => out.push_str(p.get("text").and_then(Value::as_str).unwrap_or("")),
+                    Some("text") => {
+                        out.push_str(p.get("text").and_then(Value::as_str).unwrap_or(""))
+                    }
                     Some("image_url") => {
-                        let url = p.get("image_url").and_then(|u| u.get("url").or(Some(u))).and_then(Value::as_str).unwrap_or("");
+                        let url = p
+                            .get("image_url")
+                            .and_then(|u| u.get("url").or(Some(u)))
+                            .and_then(Value::as_str)
+                            .unwrap_or("");
                         out.push_str("<image:");
                         out.push_str(url);
                         out.push('>');
@@ -155,7 +163,14 @@ pub struct PrefixCache {
 impl PrefixCache {
     /// Creates the policy from its config.
     pub fn new(config: PrefixCacheConfig) -> Self {
-        PrefixCache { picker: Picker::new(config.least_request.clone(), redis::PREFIX_CACHE_LUA, "prefix_cache"), config }
+        PrefixCache {
+            picker: Picker::new(
+                config.least_request.clone(),
+                redis::PREFIX_CACHE_LUA,
+                "prefix_cache",
+            ),
+            config,
+        }
     }
 
     fn pick(&mut self, host: &mut dyn Host, stream: &mut Stream, chain: &[String]) -> Decision {
@@ -180,9 +195,17 @@ impl Policy for PrefixCache {
         self.picker.redis.init(host);
     }
 
-    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream, end_of_stream: bool) -> Decision {
+    fn on_request_headers(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        end_of_stream: bool,
+    ) -> Decision {
         if stream.route.is_empty() || stream.cluster.is_empty() {
-            host.log(LogLevel::Warn, "prefix_cache: no route_name/cluster_name; using normal balancing");
+            host.log(
+                LogLevel::Warn,
+                "prefix_cache: no route_name/cluster_name; using normal balancing",
+            );
             return Decision::Passthrough;
         }
         if end_of_stream {
@@ -192,9 +215,17 @@ impl Policy for PrefixCache {
         Decision::NeedBody
     }
 
-    fn on_request_body(&mut self, host: &mut dyn Host, stream: &mut Stream, body: &[u8]) -> Decision {
+    fn on_request_body(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        body: &[u8],
+    ) -> Decision {
         let Some(blocks) = blocks_from_body(body, self.config.split_system_prompt) else {
-            host.log(LogLevel::Info, "prefix_cache: request body is not a JSON object; using normal balancing");
+            host.log(
+                LogLevel::Info,
+                "prefix_cache: request body is not a JSON object; using normal balancing",
+            );
             host.increment_counter("ai_lb_fallback_bad_body", 1);
             return Decision::Passthrough;
         };
@@ -202,10 +233,19 @@ impl Policy for PrefixCache {
         self.pick(host, stream, &keys)
     }
 
-    fn on_redis_reply(&mut self, host: &mut dyn Host, stream: Option<&mut Stream>, token: u32, reply: &RedisReply) -> Decision {
+    fn on_redis_reply(
+        &mut self,
+        host: &mut dyn Host,
+        stream: Option<&mut Stream>,
+        token: u32,
+        reply: &RedisReply,
+    ) -> Decision {
         match self.picker.on_reply(host, stream, token, reply) {
             Ok(pick) => {
-                host.increment_counter(if pick.matched > 0 { "ai_lb_prefix_hit" } else { "ai_lb_prefix_miss" }, 1);
+                host.increment_counter(
+                    if pick.matched > 0 { "ai_lb_prefix_hit" } else { "ai_lb_prefix_miss" },
+                    1,
+                );
                 self.picker.decide(host, &pick)
             }
             Err(d) => d,

@@ -14,7 +14,9 @@ const CHAT: &str = r#"{"model":"m","messages":[
   {"role":"user","content":"What is 2+2?"}]}"#;
 
 fn cfg(extra: &str) -> String {
-    format!(r#"{{"lb_policy":"prefix_cache","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379,"redisKeyTTL":600{extra}}}}}"#)
+    format!(
+        r#"{{"lb_policy":"prefix_cache","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379,"redisKeyTTL":600{extra}}}}}"#
+    )
 }
 
 fn unhex(s: &str) -> Vec<u8> {
@@ -36,8 +38,12 @@ fn sha1_matches_published_vectors_in_upper_case_hex() {
 fn blocks_cut_after_each_user_message_and_the_last_message() {
     let b = blocks_from_body(CHAT.as_bytes(), false).unwrap();
     assert_eq!(b, vec!["system:You are helpful.user:Hi", "assistant:Hello!user:What is 2+2?"]);
-    let ends_with_assistant = r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}]}"#;
-    assert_eq!(blocks_from_body(ends_with_assistant.as_bytes(), false).unwrap(), vec!["user:a", "assistant:b"]);
+    let ends_with_assistant =
+        r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}]}"#;
+    assert_eq!(
+        blocks_from_body(ends_with_assistant.as_bytes(), false).unwrap(),
+        vec!["user:a", "assistant:b"]
+    );
 }
 
 #[test]
@@ -45,7 +51,13 @@ fn chain_is_xor_of_block_sha1s() {
     // Expected values computed outside the code under test (Python hashlib).
     let blocks = blocks_from_body(CHAT.as_bytes(), false).unwrap();
     let c = chain(&blocks);
-    assert_eq!(c, vec!["DC6E080F28569CE3D07E77FC3A00DF1CCD9DA20E", "62EE2EB1856F804718FE25AA35DBBAEB27D78035"]);
+    assert_eq!(
+        c,
+        vec![
+            "DC6E080F28569CE3D07E77FC3A00DF1CCD9DA20E",
+            "62EE2EB1856F804718FE25AA35DBBAEB27D78035"
+        ]
+    );
     // And the XOR relation itself, from the two SHA-1 vectors above.
     let c = chain(&["abc".to_string(), String::new()]);
     let a = unhex("A9993E364706816ABA3E25717850C26C9CD0D89D");
@@ -76,7 +88,9 @@ fn never_produces_the_all_zero_key() {
 #[test]
 fn content_parts_images_tool_calls_tools_and_prompt() {
     let img = |url: &str| {
-        format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"what is this?"}},{{"type":"image_url","image_url":{{"url":"{url}"}}}}]}}]}}"#)
+        format!(
+            r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"what is this?"}},{{"type":"image_url","image_url":{{"url":"{url}"}}}}]}}]}}"#
+        )
     };
     let a = blocks_from_body(img("http://x/cat.png").as_bytes(), false).unwrap();
     let b = blocks_from_body(img("http://x/dog.png").as_bytes(), false).unwrap();
@@ -121,19 +135,28 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     assert_eq!(cmd[1], crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_bytes()));
     let (keys, args) = keys_args(&cmd);
     let expected_chain = chain(&blocks_from_body(CHAT.as_bytes(), false).unwrap());
-    let mut expected_keys = vec![inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER), req_key(&host, 0)];
+    let mut expected_keys =
+        vec![inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER), req_key(&host, 0)];
     expected_keys.extend(expected_chain.iter().map(|c| prefix_key("r1", CLUSTER, c)));
     assert_eq!(keys, expected_keys);
     assert_eq!(args[3], "600", "redisKeyTTL");
     assert_eq!(args[4], "2", "hitLoadFactor");
     assert_eq!(args[5], "2", "healthy count");
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.2:8000", 3, true, Some(2))), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 3, true, Some(2))),
+        true,
+    );
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
     f.on_delete(&mut host, 7);
-    assert_eq!(releases(&host), vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string())]);
+    assert_eq!(
+        releases(&host),
+        vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string())]
+    );
 }
 
 #[test]
@@ -168,7 +191,12 @@ fn bodiless_request_is_a_least_request_pick_in_the_headers_phase() {
     let (keys, _) = keys_args(&command(&host, 0));
     assert_eq!(keys.len(), 3, "no prefix keys");
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))),
+        true,
+    );
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_miss"), Some(&1));
 }
@@ -191,10 +219,19 @@ fn body_ending_with_trailers_is_still_routed() {
     f.on_request_headers(&mut host, 7, false);
     host.request_body = CHAT.as_bytes().to_vec();
     assert_eq!(f.on_request_body(&mut host, 7, CHAT.len(), false), DATA_STOP_AND_BUFFER);
-    assert_eq!(f.on_request_trailers(&mut host, 7), HEADERS_STOP_ITERATION, "trailers wait for the pick");
+    assert_eq!(
+        f.on_request_trailers(&mut host, 7),
+        HEADERS_STOP_ITERATION,
+        "trailers wait for the pick"
+    );
     assert_eq!(host.redis_calls.len(), 1);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))), true);
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))),
+        true,
+    );
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(host.resumes, 1);
 }
@@ -212,7 +249,10 @@ fn split_system_prompt_gives_shared_system_prompts_a_shared_first_key() {
     assert_eq!(blocks_from_body(a.as_bytes(), false).unwrap(), vec!["system:Sdeveloper:Duser:Q1"]);
     // Only the leading run is cut; a system message later in the conversation is not.
     let c = r#"{"messages":[{"role":"user","content":"Q"},{"role":"system","content":"S"},{"role":"assistant","content":"A"}]}"#;
-    assert_eq!(blocks_from_body(c.as_bytes(), true).unwrap(), vec!["user:Q", "system:Sassistant:A"]);
+    assert_eq!(
+        blocks_from_body(c.as_bytes(), true).unwrap(),
+        vec!["user:Q", "system:Sassistant:A"]
+    );
     // Config key.
     let (mut f, mut host) = setup(&cfg(r#","splitSystemPrompt":true"#));
     f.on_request_headers(&mut host, 7, false);

@@ -225,14 +225,8 @@ impl Gateway {
             std::thread::spawn(move || drain_lines(stderr, &log));
         }
 
-        let mut gw = Gateway {
-            child,
-            listeners: HashMap::new(),
-            admin: None,
-            log,
-            config_path,
-            _dir: dir,
-        };
+        let mut gw =
+            Gateway { child, listeners: HashMap::new(), admin: None, log, config_path, _dir: dir };
         let ready = async {
             while let Some(line) = rx.recv().await {
                 let mut parts = line.split_whitespace();
@@ -241,11 +235,13 @@ impl Gateway {
                         let (Some(name), Some(addr)) = (parts.next(), parts.next()) else {
                             bail!("malformed line {line:?}");
                         };
-                        let addr: SocketAddr = addr.parse().with_context(|| format!("in {line:?}"))?;
+                        let addr: SocketAddr =
+                            addr.parse().with_context(|| format!("in {line:?}"))?;
                         gw.listeners.insert(name.to_string(), addr);
                     }
                     Some("ADMIN") => {
-                        let addr = parts.next().ok_or_else(|| anyhow!("malformed line {line:?}"))?;
+                        let addr =
+                            parts.next().ok_or_else(|| anyhow!("malformed line {line:?}"))?;
                         gw.admin = Some(addr.parse().with_context(|| format!("in {line:?}"))?);
                     }
                     Some("READY") => return Ok(()),
@@ -356,7 +352,13 @@ impl Gateway {
 
     /// Waits until the admin API shows `host` in `cluster` with health `state`
     /// (the host applies admin changes asynchronously to its workers).
-    pub async fn wait_health(&self, cluster: &str, host: &str, state: &str, within: Duration) -> Result<()> {
+    pub async fn wait_health(
+        &self,
+        cluster: &str,
+        host: &str,
+        state: &str,
+        within: Duration,
+    ) -> Result<()> {
         let deadline = tokio::time::Instant::now() + within;
         loop {
             let clusters = self.clusters().await?;
@@ -475,10 +477,7 @@ pub fn prom_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> 
             continue;
         }
         let parsed = parse_labels(label_text);
-        if labels
-            .iter()
-            .all(|(k, v)| parsed.iter().any(|(pk, pv)| pk == k && pv == v))
-        {
+        if labels.iter().all(|(k, v)| parsed.iter().any(|(pk, pv)| pk == k && pv == v)) {
             if let Ok(x) = value.parse::<f64>() {
                 *sum.get_or_insert(0.0) += x;
             }

@@ -98,10 +98,7 @@ impl HttpResponse {
     /// First value of a header.
     pub fn header(&self, name: &str) -> Option<&str> {
         let name = name.to_ascii_lowercase();
-        self.headers
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.as_str())
     }
 
     /// The upstream `ip:port` the gateway says served this response.
@@ -154,10 +151,11 @@ pub fn chunked_body(chunks: Vec<Bytes>, delay: Duration) -> BoxBody<Bytes, Infal
     ChannelBody { rx }.boxed()
 }
 
-fn build(addr: SocketAddr, req: &HttpRequest) -> Result<hyper::Request<BoxBody<Bytes, Infallible>>> {
-    let mut builder = hyper::Request::builder()
-        .method(req.method.as_str())
-        .uri(req.path.as_str());
+fn build(
+    addr: SocketAddr,
+    req: &HttpRequest,
+) -> Result<hyper::Request<BoxBody<Bytes, Infallible>>> {
+    let mut builder = hyper::Request::builder().method(req.method.as_str()).uri(req.path.as_str());
     let mut has_host = false;
     for (name, value) in &req.headers {
         has_host |= name.eq_ignore_ascii_case("host");
@@ -193,9 +191,7 @@ impl Drop for Conn {
 }
 
 async fn connect(addr: SocketAddr) -> Result<Conn> {
-    let stream = TcpStream::connect(addr)
-        .await
-        .with_context(|| format!("connect to {addr}"))?;
+    let stream = TcpStream::connect(addr).await.with_context(|| format!("connect to {addr}"))?;
     let _ = stream.set_nodelay(true);
     let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
         .await
@@ -221,11 +217,7 @@ async fn send_inner(addr: SocketAddr, req: HttpRequest) -> Result<HttpResponse> 
     let resp = conn.sender.send_request(request).await.context("send request")?;
     let (parts, body) = resp.into_parts();
     let body = body.collect().await.context("read response body")?.to_bytes();
-    Ok(HttpResponse {
-        status: parts.status.as_u16(),
-        headers: headers_vec(&parts.headers),
-        body,
-    })
+    Ok(HttpResponse { status: parts.status.as_u16(), headers: headers_vec(&parts.headers), body })
 }
 
 fn headers_vec(map: &hyper::HeaderMap) -> Vec<(String, String)> {
@@ -240,7 +232,11 @@ pub async fn get(addr: SocketAddr, path: &str) -> Result<HttpResponse> {
 }
 
 /// `POST path` of a JSON value with the default timeout.
-pub async fn post_json(addr: SocketAddr, path: &str, value: &serde_json::Value) -> Result<HttpResponse> {
+pub async fn post_json(
+    addr: SocketAddr,
+    path: &str,
+    value: &serde_json::Value,
+) -> Result<HttpResponse> {
     send(addr, HttpRequest::post_json(path, value), DEFAULT_TIMEOUT).await
 }
 

@@ -36,10 +36,7 @@ pub fn gateway_bin() -> PathBuf {
 /// The plugin module: `$AI_LB_WASM` or `<target>/wasm32-wasip1/wasm-release/ai_load_balancer.wasm`.
 pub fn plugin_wasm() -> PathBuf {
     std::env::var_os("AI_LB_WASM").map(PathBuf::from).unwrap_or_else(|| {
-        target_dir()
-            .join("wasm32-wasip1")
-            .join("wasm-release")
-            .join("ai_load_balancer.wasm")
+        target_dir().join("wasm32-wasip1").join("wasm-release").join("ai_load_balancer.wasm")
     })
 }
 
@@ -54,10 +51,7 @@ pub fn free_port() -> std::io::Result<u16> {
 pub fn unique_name(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
     format!("{prefix}-{}-{n}-{nanos:x}", std::process::id())
 }
 

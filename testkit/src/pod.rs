@@ -45,10 +45,7 @@ pub struct Recorded {
 impl Recorded {
     /// First value of a header.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
+        self.headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
     }
 
     /// Whether this was an inference request (not `/metrics` or `/health`).
@@ -277,7 +274,12 @@ impl Drop for Pod {
 
 type PodBody = BoxBody<Bytes, Infallible>;
 
-fn full(status: u16, name: &str, content_type: &str, body: impl Into<Bytes>) -> hyper::Response<PodBody> {
+fn full(
+    status: u16,
+    name: &str,
+    content_type: &str,
+    body: impl Into<Bytes>,
+) -> hyper::Response<PodBody> {
     let mut resp = hyper::Response::new(Full::new(body.into()).boxed());
     *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::OK);
     let h = resp.headers_mut();
@@ -309,7 +311,9 @@ async fn handle(
         headers: parts
             .headers
             .iter()
-            .map(|(n, v)| (n.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned()))
+            .map(|(n, v)| {
+                (n.as_str().to_string(), String::from_utf8_lossy(v.as_bytes()).into_owned())
+            })
             .collect(),
         body: body.clone(),
         at: Instant::now(),
@@ -393,7 +397,10 @@ async fn handle(
     chunks.push(Bytes::from_static(b"data: [DONE]\n\n"));
     let mut resp = hyper::Response::new(chunked_body(chunks, behavior.stream_chunk_delay));
     let h = resp.headers_mut();
-    h.insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/event-stream"));
+    h.insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/event-stream"),
+    );
     if let Ok(v) = hyper::header::HeaderValue::from_str(&name) {
         h.insert("x-pod", v);
     }

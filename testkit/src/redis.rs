@@ -37,14 +37,8 @@ const CMD_TIMEOUT: Duration = Duration::from_secs(5);
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
 
 enum Backend {
-    Docker {
-        container: Box<ContainerAsync<GenericImage>>,
-    },
-    Local {
-        child: Option<Child>,
-        dir: TempDir,
-        bin: String,
-    },
+    Docker { container: Box<ContainerAsync<GenericImage>> },
+    Local { child: Option<Child>, dir: TempDir, bin: String },
 }
 
 /// A running Redis server reachable at `127.0.0.1:<port>`.
@@ -84,10 +78,9 @@ fn wanted_backend() -> Result<&'static str> {
 /// The Docker engine's unix socket path, from `DOCKER_HOST` (unix:// only) or the default.
 fn docker_socket() -> Result<String> {
     match std::env::var("DOCKER_HOST") {
-        Ok(h) if !h.is_empty() => h
-            .strip_prefix("unix://")
-            .map(str::to_string)
-            .ok_or_else(|| anyhow!("DOCKER_HOST={h:?} is not a unix:// socket; only local engines are supported")),
+        Ok(h) if !h.is_empty() => h.strip_prefix("unix://").map(str::to_string).ok_or_else(|| {
+            anyhow!("DOCKER_HOST={h:?} is not a unix:// socket; only local engines are supported")
+        }),
         _ => Ok("/var/run/docker.sock".to_string()),
     }
 }
@@ -217,8 +210,21 @@ impl RedisFixture {
                 // Same server settings as the image's CMD, plus the password.
                 request = request.with_cmd(
                     [
-                        "/usr/bin/redis-server", "--protected-mode", "no", "--bind", "0.0.0.0", "--port", "6379",
-                        "--save", "", "--appendonly", "no", "--dir", "/data", "--requirepass", pw,
+                        "/usr/bin/redis-server",
+                        "--protected-mode",
+                        "no",
+                        "--bind",
+                        "0.0.0.0",
+                        "--port",
+                        "6379",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        "/data",
+                        "--requirepass",
+                        pw,
                     ]
                     .map(str::to_string),
                 );
@@ -256,7 +262,11 @@ impl RedisFixture {
             let port = free_port()?;
             let mut fixture = RedisFixture {
                 port,
-                backend: Backend::Local { child: None, dir: TempDir::new("ai-lb-redis")?, bin: bin.clone() },
+                backend: Backend::Local {
+                    child: None,
+                    dir: TempDir::new("ai-lb-redis")?,
+                    bin: bin.clone(),
+                },
                 running: false,
                 password: password.map(str::to_string),
             };
@@ -341,7 +351,8 @@ impl RedisFixture {
         while Instant::now() < deadline {
             if let Backend::Local { child: Some(c), dir, .. } = &mut self.backend {
                 if let Ok(Some(status)) = c.try_wait() {
-                    let log = std::fs::read_to_string(dir.path().join("redis.log")).unwrap_or_default();
+                    let log =
+                        std::fs::read_to_string(dir.path().join("redis.log")).unwrap_or_default();
                     bail!("redis-server exited at start ({status}): {log}");
                 }
             }
@@ -364,10 +375,7 @@ impl RedisFixture {
     pub async fn stop(&mut self) -> Result<()> {
         match &mut self.backend {
             Backend::Docker { container } => {
-                container
-                    .stop_with_timeout(Some(0))
-                    .await
-                    .context("stop Redis container")?;
+                container.stop_with_timeout(Some(0)).await.context("stop Redis container")?;
             }
             Backend::Local { child, .. } => {
                 if let Some(mut c) = child.take() {
@@ -465,11 +473,15 @@ pub enum RedisValue {
 impl RedisValue {
     fn from_frame(f: OwnedFrame) -> RedisValue {
         match f {
-            OwnedFrame::SimpleString(s) => RedisValue::Status(String::from_utf8_lossy(&s).into_owned()),
+            OwnedFrame::SimpleString(s) => {
+                RedisValue::Status(String::from_utf8_lossy(&s).into_owned())
+            }
             OwnedFrame::Error(e) => RedisValue::Error(e.to_string()),
             OwnedFrame::Integer(i) => RedisValue::Int(i),
             OwnedFrame::BulkString(b) => RedisValue::Bulk(Some(b)),
-            OwnedFrame::Array(a) => RedisValue::Array(Some(a.into_iter().map(RedisValue::from_frame).collect())),
+            OwnedFrame::Array(a) => {
+                RedisValue::Array(Some(a.into_iter().map(RedisValue::from_frame).collect()))
+            }
             OwnedFrame::Null => RedisValue::Bulk(None),
         }
     }
@@ -535,7 +547,9 @@ impl RedisClient {
     async fn roundtrip(&mut self, out: &[u8]) -> Result<RedisValue> {
         self.stream.write_all(out).await?;
         loop {
-            if let Some((frame, used)) = decode(&self.buf).map_err(|e| anyhow!("bad RESP: {e:?}"))? {
+            if let Some((frame, used)) =
+                decode(&self.buf).map_err(|e| anyhow!("bad RESP: {e:?}"))?
+            {
                 self.buf.drain(..used);
                 return Ok(RedisValue::from_frame(frame));
             }

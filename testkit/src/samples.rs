@@ -14,7 +14,10 @@ fn histogram(name: &str, labels: &str, count: u64) -> String {
         cum = (count * (i as u64 + 1)) / 6;
         s.push_str(&format!("{name}_bucket{{le=\"{le}\",{labels}}} {cum}.0\n"));
     }
-    s.push_str(&format!("{name}_sum{{{labels}}} {:.3}\n{name}_count{{{labels}}} {cum}.0\n", cum as f64 * 0.07));
+    s.push_str(&format!(
+        "{name}_sum{{{labels}}} {:.3}\n{name}_count{{{labels}}} {cum}.0\n",
+        cum as f64 * 0.07
+    ));
     s
 }
 

@@ -11,7 +11,10 @@ use testkit::{samples, Pod, RedisFixture};
 async fn exercise_redis(mut redis: RedisFixture, backend: &str) {
     assert_eq!(redis.backend(), backend);
     let mut c = redis.client().await.expect("client");
-    assert_eq!(c.cmd(&["SET", "k1", "v1", "EX", "100"]).await.unwrap(), RedisValue::Status("OK".into()));
+    assert_eq!(
+        c.cmd(&["SET", "k1", "v1", "EX", "100"]).await.unwrap(),
+        RedisValue::Status("OK".into())
+    );
     assert_eq!(c.get("k1").await.unwrap().as_deref(), Some("v1"));
     let ttl = c.ttl("k1").await.unwrap();
     assert!((1..=100).contains(&ttl), "ttl {ttl}");
@@ -98,9 +101,13 @@ async fn pod_answers_chat_stream_metrics_and_records() {
     assert!(m.text().contains("vllm:kv_cache_usage_perc{engine=\"0\",model_name="));
     assert_eq!(pod.metrics_scrapes(), 1);
 
-    let bad = http::send(pod.addr(), HttpRequest::post("/v1/chat/completions", "{not json"), http::DEFAULT_TIMEOUT)
-        .await
-        .unwrap();
+    let bad = http::send(
+        pod.addr(),
+        HttpRequest::post("/v1/chat/completions", "{not json"),
+        http::DEFAULT_TIMEOUT,
+    )
+    .await
+    .unwrap();
     assert_eq!(bad.status, 400);
 
     let recs = pod.inference_records();
@@ -115,7 +122,8 @@ async fn pod_holds_fails_and_stops() {
     pod.set_hold(true);
     let addr = pod.addr();
     let body = json!({"model": "m", "messages": []});
-    let held = tokio::spawn(async move { http::post_json(addr, "/v1/chat/completions", &body).await });
+    let held =
+        tokio::spawn(async move { http::post_json(addr, "/v1/chat/completions", &body).await });
     let deadline = Instant::now() + Duration::from_secs(5);
     while pod.in_flight() == 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -123,7 +131,12 @@ async fn pod_holds_fails_and_stops() {
     assert_eq!(pod.in_flight(), 1);
     // A short client timeout reports a hang instead of waiting forever.
     let t = Instant::now();
-    let err = http::send(pod.addr(), HttpRequest::post("/v1/completions", "{}"), Duration::from_millis(300)).await;
+    let err = http::send(
+        pod.addr(),
+        HttpRequest::post("/v1/completions", "{}"),
+        Duration::from_millis(300),
+    )
+    .await;
     assert!(err.unwrap_err().to_string().contains("hangs"));
     assert!(t.elapsed() < Duration::from_secs(2));
     pod.set_hold(false);
@@ -132,7 +145,8 @@ async fn pod_holds_fails_and_stops() {
     assert_eq!(r.status, 200);
 
     pod.set_fail(Some(503));
-    let r = http::post_json(pod.addr(), "/v1/chat/completions", &json!({"model": "m"})).await.unwrap();
+    let r =
+        http::post_json(pod.addr(), "/v1/chat/completions", &json!({"model": "m"})).await.unwrap();
     assert_eq!(r.status, 503);
     pod.set_fail(None);
 
@@ -158,12 +172,15 @@ async fn pod_holds_fails_and_stops() {
 #[test]
 fn samples_hold_the_names_routers_read() {
     let v0 = samples::vllm_v0(2, 7, 0.5, Some((4, "sql-lora,tweet-lora")));
-    assert!(v0.contains("vllm:num_requests_waiting{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 7.0"));
+    assert!(v0.contains(
+        "vllm:num_requests_waiting{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 7.0"
+    ));
     assert!(v0.contains("vllm:gpu_cache_usage_perc{"));
     assert!(v0.contains("running_lora_adapters=\"sql-lora,tweet-lora\""));
     let v1 = samples::vllm_v1(2, 7, 0.5);
     assert!(v1.contains("vllm:kv_cache_usage_perc{") && !v1.contains("gpu_cache_usage_perc"));
-    assert!(samples::sglang(1, 2, 0.3).contains("sglang:num_queue_reqs{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 2.0"));
+    assert!(samples::sglang(1, 2, 0.3)
+        .contains("sglang:num_queue_reqs{model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 2.0"));
     assert!(samples::sglang_underscore(1, 2, 0.3).contains("sglang_token_usage{"));
 }
 
@@ -176,7 +193,6 @@ async fn password_checks(redis: RedisFixture) {
     let mut c = redis.client().await.unwrap();
     assert_eq!(c.cmd(&["PING"]).await.unwrap(), RedisValue::Status("PONG".into()));
 }
-
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn password_protected_redis_local() {

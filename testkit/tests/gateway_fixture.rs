@@ -21,11 +21,15 @@ async fn plain_gateway_round_robins_and_admin_api_works() {
 
     let mut seen = Vec::new();
     for i in 0..6 {
-        let body = json!({"model": "m", "messages": [{"role": "user", "content": format!("hi {i}")}]});
+        let body =
+            json!({"model": "m", "messages": [{"role": "user", "content": format!("hi {i}")}]});
         let r = gw.post_json("/v1/chat/completions", &body).await.unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
         let up = r.upstream().expect("x-gateway-upstream-host");
-        assert_eq!(Some(up.as_str()), r.header("x-pod").map(|n| if n == "plain-a" { a.host() } else { b.host() }).as_deref());
+        assert_eq!(
+            Some(up.as_str()),
+            r.header("x-pod").map(|n| if n == "plain-a" { a.host() } else { b.host() }).as_deref()
+        );
         seen.push(up);
     }
     let on_a = seen.iter().filter(|h| **h == a.host()).count();

@@ -42,7 +42,13 @@ pub fn pod_at<'a>(pods: &'a [Pod], host: &str) -> Result<&'a Pod> {
 
 /// A gateway config with one route (`route`, prefix `/`) to [`LLM_CLUSTER`] holding `pods`, the Redis
 /// cluster, and the plugin with `lb_policy` and `lb_config` = Redis settings merged with `extra`.
-pub fn redis_policy_config(route: &str, pods: &[Pod], redis: &RedisFixture, lb_policy: &str, extra: Value) -> GatewayConfig {
+pub fn redis_policy_config(
+    route: &str,
+    pods: &[Pod],
+    redis: &RedisFixture,
+    lb_policy: &str,
+    extra: Value,
+) -> GatewayConfig {
     let mut lb_config = redis_lb_config();
     if let (Some(base), Value::Object(add)) = (lb_config.as_object_mut(), extra) {
         base.extend(add);
@@ -93,7 +99,8 @@ impl Conversation {
         if resp.status != 200 {
             bail!("turn {:?}: status {} body {}", user_text, resp.status, resp.text());
         }
-        let upstream = resp.upstream().ok_or_else(|| anyhow!("no x-gateway-upstream-host in {resp:?}"))?;
+        let upstream =
+            resp.upstream().ok_or_else(|| anyhow!("no x-gateway-upstream-host in {resp:?}"))?;
         let answer = answer_text(&resp)?;
         self.messages.push(json!({"role": "assistant", "content": answer}));
         Ok(upstream)
@@ -143,7 +150,12 @@ pub fn tally(upstreams: &[String]) -> BTreeMap<String, usize> {
 pub fn named(pods: &[Pod], upstreams: &[String]) -> Vec<String> {
     upstreams
         .iter()
-        .map(|u| pods.iter().find(|p| p.host() == *u).map(|p| p.name().to_string()).unwrap_or_else(|| u.clone()))
+        .map(|u| {
+            pods.iter()
+                .find(|p| p.host() == *u)
+                .map(|p| p.name().to_string())
+                .unwrap_or_else(|| u.clone())
+        })
         .collect()
 }
 
@@ -173,7 +185,12 @@ where
 
 /// Waits until every pod has received at least `n` more `/metrics` requests than `before[i]`
 /// (someone — the host's health check or the plugin — has seen the current metrics).
-pub async fn wait_scrapes(pods: &[Pod], before: &[usize], n: usize, within: Duration) -> Result<()> {
+pub async fn wait_scrapes(
+    pods: &[Pod],
+    before: &[usize],
+    n: usize,
+    within: Duration,
+) -> Result<()> {
     eventually(within, "every pod scraped again", || async {
         Ok(pods.iter().zip(before).all(|(p, b)| p.metrics_scrapes() >= b + n))
     })

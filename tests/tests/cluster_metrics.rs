@@ -63,7 +63,12 @@ async fn least_busy_avoids_the_cluster_with_requests_in_flight() {
         assert_eq!(r.status, 200);
         sent.push(r.upstream().unwrap());
     }
-    assert!(count(&sent, &b) >= 14, "LeastBusy sent {}/20 to the idle cluster: {:?}", count(&sent, &b), tally(&sent));
+    assert!(
+        count(&sent, &b) >= 14,
+        "LeastBusy sent {}/20 to the idle cluster: {:?}",
+        count(&sent, &b),
+        tally(&sent)
+    );
     assert!(count(&sent, &a) >= 1, "both clusters are candidates");
     // The plugin told the router which cluster to use through the header, and the pods saw it.
     for r in b.inference_records() {
@@ -94,6 +99,11 @@ async fn least_first_token_latency_prefers_the_quick_starter() {
     a.set_stream_chunk_delay(Duration::from_millis(5));
     b.set_stream_chunk_delay(Duration::from_millis(5));
     let sent = sequential(&gw, 16, true).await;
-    assert!(count(&sent, &b) >= 12, "quick-start cluster got {}/16: {:?}", count(&sent, &b), tally(&sent));
+    assert!(
+        count(&sent, &b) >= 12,
+        "quick-start cluster got {}/16: {:?}",
+        count(&sent, &b),
+        tally(&sent)
+    );
     let _ = a;
 }

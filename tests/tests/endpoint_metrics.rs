@@ -7,7 +7,12 @@ use std::time::Duration;
 use e2e::*;
 use serde_json::{json, Value};
 
-fn metrics_config(route: &str, pods: &[Pod], lb_config: Value, host_metrics: bool) -> GatewayConfig {
+fn metrics_config(
+    route: &str,
+    pods: &[Pod],
+    lb_config: Value,
+    host_metrics: bool,
+) -> GatewayConfig {
     let mut cfg = GatewayConfig::new()
         .route(route, "/", LLM_CLUSTER)
         .cluster(LLM_CLUSTER, &hosts(pods))
@@ -67,7 +72,10 @@ async fn default_chain_scenario(host_metrics: bool, route: &str) {
     let sent = send_many(&gw, 12).await;
     let names = named(&pods, &sent);
     assert_eq!(count(&sent, a), 0, "the queueing pod got traffic: {names:?}");
-    assert!(count(&sent, c) >= 9, "traffic should follow the new metrics to the SGLang pod: {names:?}");
+    assert!(
+        count(&sent, c) >= 9,
+        "traffic should follow the new metrics to the SGLang pod: {names:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,7 +121,11 @@ async fn sglang_underscore_names_and_rate_limit() {
     let sent = send_many(&gw, 40).await;
     let best = sent.iter().filter(|h| **h == pods[2].host()).count();
     // rate_limit 0.5: the best pod may take about half of the recent requests, not all of them.
-    assert!((14..=28).contains(&best), "best pod got {best}/40 with rate_limit 0.5: {:?}", tally(&sent));
+    assert!(
+        (14..=28).contains(&best),
+        "best pod got {best}/40 with rate_limit 0.5: {:?}",
+        tally(&sent)
+    );
     for other in &pods[..2] {
         let n = sent.iter().filter(|h| **h == other.host()).count();
         assert!(n < best, "the best pod should still get the largest share: {:?}", tally(&sent));
@@ -124,7 +136,9 @@ async fn sglang_underscore_names_and_rate_limit() {
 async fn requests_without_a_model_or_metrics_still_served() {
     // Pods expose no metrics at all and requests carry no model: the plugin must not block traffic.
     let pods = start_pods("nm", 2).await.unwrap();
-    let gw = Gateway::start(&metrics_config("nm", &pods, json!({"scrapeIntervalMs": 200}), false)).await.unwrap();
+    let gw = Gateway::start(&metrics_config("nm", &pods, json!({"scrapeIntervalMs": 200}), false))
+        .await
+        .unwrap();
     let mut seen = Vec::new();
     for i in 0..6 {
         let body = json!({"messages": [{"role": "user", "content": format!("no model {i}")}]});

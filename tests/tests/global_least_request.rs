@@ -18,9 +18,11 @@ fn chat_request(i: usize, stream: bool) -> HttpRequest {
 }
 
 async fn wait_in_flight(pods: &[Pod], total: usize) {
-    eventually(Duration::from_secs(10), &format!("{total} requests in flight at the pods"), || async {
-        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == total)
-    })
+    eventually(
+        Duration::from_secs(10),
+        &format!("{total} requests in flight at the pods"),
+        || async { Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == total) },
+    )
     .await
     .unwrap();
 }
@@ -29,7 +31,15 @@ async fn wait_in_flight(pods: &[Pod], total: usize) {
 async fn long_requests_spread_evenly_and_counts_return_to_zero() {
     let redis = RedisFixture::start().await.unwrap();
     let pods = start_pods("glr", 3).await.unwrap();
-    let gw = Gateway::start(&redis_policy_config("route-glr", &pods, &redis, "global_least_request", json!({}))).await.unwrap();
+    let gw = Gateway::start(&redis_policy_config(
+        "route-glr",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({}),
+    ))
+    .await
+    .unwrap();
     for p in &pods {
         p.set_hold(true);
     }
@@ -69,7 +79,15 @@ async fn long_requests_spread_evenly_and_counts_return_to_zero() {
 async fn counts_return_to_zero_after_aborts_5xx_and_broken_streams() {
     let redis = RedisFixture::start().await.unwrap();
     let pods = start_pods("abort", 2).await.unwrap();
-    let gw = Gateway::start(&redis_policy_config("route-abort", &pods, &redis, "global_least_request", json!({}))).await.unwrap();
+    let gw = Gateway::start(&redis_policy_config(
+        "route-abort",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({}),
+    ))
+    .await
+    .unwrap();
 
     // 1. Clients that give up while the pod is still working.
     for p in &pods {
@@ -79,7 +97,13 @@ async fn counts_return_to_zero_after_aborts_5xx_and_broken_streams() {
     for i in 0..4 {
         let addr = gw.addr();
         aborts.push(tokio::spawn(async move {
-            http::send_and_abort(addr, chat_request(i, false), AbortAt::After(Duration::from_millis(700)), Duration::from_secs(10)).await
+            http::send_and_abort(
+                addr,
+                chat_request(i, false),
+                AbortAt::After(Duration::from_millis(700)),
+                Duration::from_secs(10),
+            )
+            .await
         }));
         tokio::time::sleep(Duration::from_millis(40)).await;
     }
@@ -113,9 +137,14 @@ async fn counts_return_to_zero_after_aborts_5xx_and_broken_streams() {
         p.set_stream_chunk_delay(Duration::from_millis(500));
     }
     for i in 0..3 {
-        let seen = http::send_and_abort(gw.addr(), chat_request(i, true), AbortAt::FirstBodyFrame, Duration::from_secs(10))
-            .await
-            .unwrap();
+        let seen = http::send_and_abort(
+            gw.addr(),
+            chat_request(i, true),
+            AbortAt::FirstBodyFrame,
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
         assert_eq!(seen.status, Some(200));
     }
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
@@ -166,7 +195,11 @@ async fn max_request_count_answers_429_and_undoes_the_increment() {
         assert_eq!(r.status, 429, "body {}", r.text());
         assert!(started.elapsed() < Duration::from_secs(4));
     }
-    assert_eq!(pods.iter().map(Pod::inference_count).sum::<usize>(), 2, "a refused request reached a pod");
+    assert_eq!(
+        pods.iter().map(Pod::inference_count).sum::<usize>(),
+        2,
+        "a refused request reached a pod"
+    );
     assert_eq!(counters_sum(&redis).await.unwrap(), 2, "a 429 left its +1 behind");
 
     for p in &pods {

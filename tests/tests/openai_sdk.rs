@@ -16,7 +16,11 @@ fn python() -> String {
 }
 
 fn ensure_openai_sdk() {
-    let has = Command::new(python()).args(["-c", "import openai"]).status().map(|s| s.success()).unwrap_or(false);
+    let has = Command::new(python())
+        .args(["-c", "import openai"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
     if has {
         return;
     }
@@ -40,22 +44,41 @@ async fn openai_python_sdk_conversation_sticks_to_one_pod() {
     for p in &pods {
         p.set_stream_chunk_delay(Duration::from_millis(10));
     }
-    let gw = Gateway::start(&redis_policy_config("route-sdk", &pods, &redis, "prefix_cache", json!({}))).await.unwrap();
+    let gw =
+        Gateway::start(&redis_policy_config("route-sdk", &pods, &redis, "prefix_cache", json!({})))
+            .await
+            .unwrap();
     let script = paths::workspace_root().join("tests/python/openai_conversation.py");
     let base_url = format!("http://{}/v1", gw.addr());
     let run = tokio::task::spawn_blocking(move || {
-        Command::new(python()).arg(script).env("GATEWAY_BASE_URL", base_url).env("MODEL", MODEL).output()
+        Command::new(python())
+            .arg(script)
+            .env("GATEWAY_BASE_URL", base_url)
+            .env("MODEL", MODEL)
+            .output()
     });
-    let out = tokio::time::timeout(Duration::from_secs(60), run).await.expect("the SDK script hangs").unwrap().unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(60), run)
+        .await
+        .expect("the SDK script hangs")
+        .unwrap()
+        .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    assert!(out.status.success(), "SDK script failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "SDK script failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let turns: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(turns.len(), 4, "{stdout}");
     let home = turns[0]["upstream"].as_str().unwrap().to_string();
     let pod = pod_at(&pods, &home).unwrap();
     for t in &turns {
         assert_eq!(t["upstream"].as_str(), Some(home.as_str()), "turn left its pod: {stdout}");
-        assert_eq!(t["answer"].as_str(), Some(format!("Hello from {}", pod.name()).as_str()), "{stdout}");
+        assert_eq!(
+            t["answer"].as_str(),
+            Some(format!("Hello from {}", pod.name()).as_str()),
+            "{stdout}"
+        );
     }
     assert!(turns.iter().any(|t| t["stream"] == true), "no streamed turn");
     assert_eq!(pod.inference_count(), 4);

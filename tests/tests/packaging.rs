@@ -22,7 +22,8 @@ use ai_load_balancer::config::{
 };
 use serde_json::{json, Map, Value};
 
-const POLICIES: [&str; 4] = ["global_least_request", "prefix_cache", "endpoint_metrics", "cluster_metrics"];
+const POLICIES: [&str; 4] =
+    ["global_least_request", "prefix_cache", "endpoint_metrics", "cluster_metrics"];
 
 /// Layers of the Higress plugin image, in push order (plugin.tar.gz must be last).
 const LAYERS: [(&str, &str); 4] = [
@@ -88,7 +89,8 @@ struct Schema {
 impl Schema {
     fn load() -> Schema {
         let path = root().join("plugin-config/schema.json");
-        let json: Value = serde_json::from_str(&read("plugin-config/schema.json")).expect("schema.json is JSON");
+        let json: Value =
+            serde_json::from_str(&read("plugin-config/schema.json")).expect("schema.json is JSON");
         let mut schemas = boon::Schemas::new();
         let mut compiler = boon::Compiler::new();
         let index = compiler
@@ -139,7 +141,11 @@ fn assert_matches_source(what: &str, src: &Value, parsed: &LbConfig) {
     };
     if let Some(r) = redis {
         let c = &src["lb_config"];
-        let mut cluster = format!("outbound|{}||{}", c["servicePort"], c["serviceFQDN"].as_str().unwrap_or_default());
+        let mut cluster = format!(
+            "outbound|{}||{}",
+            c["servicePort"],
+            c["serviceFQDN"].as_str().unwrap_or_default()
+        );
         if let Some(db) = c["database"].as_u64().filter(|d| *d != 0) {
             cluster.push_str(&format!("?db={db}"));
         }
@@ -178,7 +184,8 @@ fn every_example_is_accepted_by_the_parser_and_the_schema() {
 #[test]
 fn notable_options_have_examples() {
     // The options a user is most likely to look for each have an example that sets them.
-    let all: String = yaml_files("plugin-config").iter().map(|p| fs::read_to_string(p).expect("read")).collect();
+    let all: String =
+        yaml_files("plugin-config").iter().map(|p| fs::read_to_string(p).expect("read")).collect();
     for needle in [
         "maxRequestCount:",
         "redisKeyTTL:",
@@ -202,10 +209,7 @@ fn schema_defaults_are_the_parser_defaults() {
     let schema = Schema::load();
     let d = |k: &str| schema.default_of(k).clone();
     let one = |cfg: Value| -> LbConfig {
-        parse(&cfg)
-            .unwrap_or_else(|e| panic!("{cfg}: {e}"))
-            .default
-            .expect("top-level config")
+        parse(&cfg).unwrap_or_else(|e| panic!("{cfg}: {e}")).default.expect("top-level config")
     };
     let redis = json!({"serviceFQDN": "redis.static", "servicePort": 6379});
 
@@ -236,7 +240,9 @@ fn schema_defaults_are_the_parser_defaults() {
     assert_eq!(json!(e.scrape_path), d("scrapePath"));
     assert_eq!(json!(e.metrics_stale_ms), d("metricsStaleMs"));
 
-    let c = one(json!({"lb_type": "cluster", "lb_policy": "cluster_metrics", "lb_config": {"service_list": ["a"]}}));
+    let c = one(
+        json!({"lb_type": "cluster", "lb_policy": "cluster_metrics", "lb_config": {"service_list": ["a"]}}),
+    );
     let PolicyConfig::ClusterMetrics(m) = c.policy else { panic!("cluster_metrics") };
     assert_eq!(m.mode, ClusterMode::Random, "no mode: random, as documented");
     assert_eq!(json!(m.cluster_header), d("cluster_header"));
@@ -272,18 +278,29 @@ fn every_broken_example_is_refused_with_its_documented_message() {
             Ok(_) => panic!("{n}: the plugin accepts it, but it should fail with `{expect}`"),
             Err(e) => {
                 let msg = e.to_string();
-                assert!(msg.contains(&expect), "{n}: the plugin says\n  {msg}\nbut the file promises\n  {expect}");
+                assert!(
+                    msg.contains(&expect),
+                    "{n}: the plugin says\n  {msg}\nbut the file promises\n  {expect}"
+                );
                 assert!(!msg.contains('\n'), "{n}: the error is one line: {msg}");
                 messages.insert(msg);
             }
         }
         match (schema.check(&cfg), schema_accepts) {
-            (Ok(()), false) => panic!("{n}: schema.json accepts it; add `# schema: accepts <why>` if it cannot tell"),
-            (Err(e), true) => panic!("{n}: marked `# schema: accepts` but the schema refuses it: {e}"),
+            (Ok(()), false) => panic!(
+                "{n}: schema.json accepts it; add `# schema: accepts <why>` if it cannot tell"
+            ),
+            (Err(e), true) => {
+                panic!("{n}: marked `# schema: accepts` but the schema refuses it: {e}")
+            }
             _ => {}
         }
     }
-    assert!(messages.len() >= 15, "broken examples should cover distinct rules, got {} messages", messages.len());
+    assert!(
+        messages.len() >= 15,
+        "broken examples should cover distinct rules, got {} messages",
+        messages.len()
+    );
 }
 
 /// plugin-config/schema.json -> the OpenAPI 3.0 schema in higress/spec.yaml (same steps as
@@ -295,8 +312,10 @@ fn openapi_from_schema(schema: &Value) -> Value {
             Value::Array(a) => Value::Array(a.iter().map(|x| inline(x, defs)).collect()),
             Value::Object(m) => {
                 if let Some(r) = m.get("$ref").and_then(Value::as_str) {
-                    let key = r.strip_prefix("#/$defs/").unwrap_or_else(|| panic!("non-local $ref {r}"));
-                    let mut target = defs.get(key).unwrap_or_else(|| panic!("$ref to missing {key}")).clone();
+                    let key =
+                        r.strip_prefix("#/$defs/").unwrap_or_else(|| panic!("non-local $ref {r}"));
+                    let mut target =
+                        defs.get(key).unwrap_or_else(|| panic!("$ref to missing {key}")).clone();
                     let t = target.as_object_mut().expect("$defs entries are objects");
                     for (k, v) in m.iter().filter(|(k, _)| *k != "$ref") {
                         t.insert(k.clone(), v.clone());
@@ -326,8 +345,19 @@ fn assert_openapi_3_0(v: &Value, at: &str) {
             for (k, x) in m {
                 // JSON Schema keywords the console's OpenAPI 3.0 reader does not know.
                 assert!(
-                    !["$ref", "$defs", "$schema", "$id", "const", "if", "then", "else", "prefixItems", "examples"]
-                        .contains(&k.as_str()),
+                    ![
+                        "$ref",
+                        "$defs",
+                        "$schema",
+                        "$id",
+                        "const",
+                        "if",
+                        "then",
+                        "else",
+                        "prefixItems",
+                        "examples"
+                    ]
+                    .contains(&k.as_str()),
                     "spec.yaml {at}: `{k}` is not OpenAPI 3.0"
                 );
                 if k == "exclusiveMinimum" || k == "exclusiveMaximum" {
@@ -339,7 +369,9 @@ fn assert_openapi_3_0(v: &Value, at: &str) {
                 assert_openapi_3_0(x, &format!("{at}.{k}"));
             }
         }
-        Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| assert_openapi_3_0(x, &format!("{at}[{i}]"))),
+        Value::Array(a) => {
+            a.iter().enumerate().for_each(|(i, x)| assert_openapi_3_0(x, &format!("{at}[{i}]")))
+        }
         _ => {}
     }
 }
@@ -353,7 +385,11 @@ fn spec_yaml_embeds_the_schema_and_a_valid_example() {
     let schema = Schema::load();
     let spec = spec_yaml();
     assert_eq!(spec["apiVersion"], json!("1.0.0"));
-    assert_eq!(spec["info"]["version"], json!(plugin_version()), "spec.yaml info.version = Cargo.toml version");
+    assert_eq!(
+        spec["info"]["version"],
+        json!(plugin_version()),
+        "spec.yaml info.version = Cargo.toml version"
+    );
     assert_eq!(spec["info"]["category"], json!("ai"));
     assert!(spec["info"]["name"].as_str().is_some_and(|s| !s.is_empty()));
     assert!(spec["info"]["x-title-i18n"]["zh-CN"].is_string(), "Chinese title for the console");
@@ -364,15 +400,22 @@ fn spec_yaml_embeds_the_schema_and_a_valid_example() {
     for which in ["configSchema", "routeConfigSchema"] {
         let mut got = spec["spec"][which]["openAPIV3Schema"].clone();
         assert!(got.is_object(), "spec.yaml spec.{which}.openAPIV3Schema missing");
-        let example = got.as_object_mut().expect("object").remove("example").expect("an example in spec.yaml");
+        let example = got
+            .as_object_mut()
+            .expect("object")
+            .remove("example")
+            .expect("an example in spec.yaml");
         assert!(
             got == expected,
             "spec.yaml spec.{which} differs from plugin-config/schema.json: run `python3 higress/gen-spec.py`"
         );
         assert_openapi_3_0(&got, which);
-        let parsed = parse(&example).unwrap_or_else(|e| panic!("spec.yaml {which}.example: the plugin refuses it: {e}"));
+        let parsed = parse(&example)
+            .unwrap_or_else(|e| panic!("spec.yaml {which}.example: the plugin refuses it: {e}"));
         assert!(parsed.default.is_some());
-        schema.check(&example).unwrap_or_else(|e| panic!("spec.yaml {which}.example: schema refuses it: {e}"));
+        schema
+            .check(&example)
+            .unwrap_or_else(|e| panic!("spec.yaml {which}.example: schema refuses it: {e}"));
     }
 }
 
@@ -391,8 +434,15 @@ fn delivered_config(spec: &Value, n: &str) -> Value {
         if r["configDisable"].as_bool().unwrap_or(false) {
             continue;
         }
-        let mut rule = r["config"].as_object().cloned().unwrap_or_else(|| panic!("{n} matchRules[{i}]: no config"));
-        for (from, to) in [("ingress", "_match_route_"), ("domain", "_match_domain_"), ("service", "_match_service_")] {
+        let mut rule = r["config"]
+            .as_object()
+            .cloned()
+            .unwrap_or_else(|| panic!("{n} matchRules[{i}]: no config"));
+        for (from, to) in [
+            ("ingress", "_match_route_"),
+            ("domain", "_match_domain_"),
+            ("service", "_match_service_"),
+        ] {
             if let Some(list) = r.get(from) {
                 rule.insert(to.into(), list.clone());
             }
@@ -419,14 +469,26 @@ fn wasmplugin_resources_deliver_configs_the_plugin_accepts() {
         assert_eq!(cr["kind"], json!("WasmPlugin"), "{n}");
         assert_eq!(cr["metadata"]["namespace"], json!("higress-system"), "{n}");
         let spec = &cr["spec"];
-        assert_eq!(spec["failStrategy"], json!("FAIL_OPEN"), "{n}: traffic must keep flowing if the plugin fails");
+        assert_eq!(
+            spec["failStrategy"],
+            json!("FAIL_OPEN"),
+            "{n}: traffic must keep flowing if the plugin fails"
+        );
         let url = spec["url"].as_str().unwrap_or_default();
-        assert!(url.starts_with("oci://") && url.ends_with(&format!(":{version}")), "{n}: url {url} is not oci://…:{version}");
+        assert!(
+            url.starts_with("oci://") && url.ends_with(&format!(":{version}")),
+            "{n}: url {url} is not oci://…:{version}"
+        );
         assert_eq!(spec["phase"], spec_yaml["spec"]["phase"], "{n}: phase as in spec.yaml");
-        assert_eq!(spec["priority"], spec_yaml["spec"]["priority"], "{n}: priority as in spec.yaml");
+        assert_eq!(
+            spec["priority"], spec_yaml["spec"]["priority"],
+            "{n}: priority as in spec.yaml"
+        );
 
         let cfg = delivered_config(spec, &n);
-        let parsed = parse(&cfg).unwrap_or_else(|e| panic!("{n}: the plugin refuses what Higress delivers: {e}\n{cfg}"));
+        let parsed = parse(&cfg).unwrap_or_else(|e| {
+            panic!("{n}: the plugin refuses what Higress delivers: {e}\n{cfg}")
+        });
         schema.check(&cfg).unwrap_or_else(|e| panic!("{n}: schema refuses it: {e}"));
         if let Some(d) = &parsed.default {
             assert!(spec["matchRules"].is_null(), "{n}: one style per file");
@@ -436,7 +498,10 @@ fn wasmplugin_resources_deliver_configs_the_plugin_accepts() {
             per_route.insert(policy_name(&r.config.policy));
         }
         if spec["defaultConfigDisable"].as_bool() == Some(true) {
-            assert!(parsed.default.is_none(), "{n}: defaultConfigDisable leaves unmatched routes untouched");
+            assert!(
+                parsed.default.is_none(),
+                "{n}: defaultConfigDisable leaves unmatched routes untouched"
+            );
         }
     }
     for p in POLICIES {
@@ -449,8 +514,12 @@ fn wasmplugin_resources_deliver_configs_the_plugin_accepts() {
 fn local_envoy_setup_is_consistent() {
     let envoy = yaml_to_json(&read("higress/envoy.yaml"), "higress/envoy.yaml");
     let clusters = envoy["static_resources"]["clusters"].as_array().expect("static clusters");
-    let cluster_names: BTreeSet<&str> = clusters.iter().filter_map(|c| c["name"].as_str()).collect();
-    assert!(cluster_names.contains("outbound|6379||redis.static"), "Redis cluster name the plugin calls: {cluster_names:?}");
+    let cluster_names: BTreeSet<&str> =
+        clusters.iter().filter_map(|c| c["name"].as_str()).collect();
+    assert!(
+        cluster_names.contains("outbound|6379||redis.static"),
+        "Redis cluster name the plugin calls: {cluster_names:?}"
+    );
 
     // Every wasm filter: our module, ABI-compatible runtime, and a configuration the plugin accepts
     // whose Redis cluster exists.
@@ -464,7 +533,8 @@ fn local_envoy_setup_is_consistent() {
         let file = cfg["vm_config"]["code"]["local"]["filename"].as_str().unwrap_or_default();
         assert!(file.ends_with(".wasm"), "module path {file}");
         let conf = cfg["configuration"]["value"].as_str().expect("configuration StringValue");
-        let parsed = PluginConfig::from_json(conf.as_bytes()).unwrap_or_else(|e| panic!("envoy.yaml plugin configuration: {e}"));
+        let parsed = PluginConfig::from_json(conf.as_bytes())
+            .unwrap_or_else(|e| panic!("envoy.yaml plugin configuration: {e}"));
         let all = parsed.default.iter().chain(parsed.rules.iter().map(|r| &r.config));
         for c in all {
             let redis = match &c.policy {
@@ -473,7 +543,10 @@ fn local_envoy_setup_is_consistent() {
                 _ => None,
             };
             if let Some(r) = redis {
-                assert!(cluster_names.contains(r.as_str()), "plugin calls Redis cluster {r}, not defined in envoy.yaml");
+                assert!(
+                    cluster_names.contains(r.as_str()),
+                    "plugin calls Redis cluster {r}, not defined in envoy.yaml"
+                );
             }
             // cluster_metrics only works if a route forwards by the header the plugin writes, to
             // clusters that exist.
@@ -484,20 +557,32 @@ fn local_envoy_setup_is_consistent() {
                     m.cluster_header
                 );
                 for s in &m.service_list {
-                    assert!(cluster_names.contains(s.as_str()), "service_list names {s}, not defined in envoy.yaml");
+                    assert!(
+                        cluster_names.contains(s.as_str()),
+                        "service_list names {s}, not defined in envoy.yaml"
+                    );
                 }
             }
         }
     }
     // Pods' metrics reach the plugin through health checks that store the response body.
-    assert!(text.contains("\"store_metrics\":true"), "an LLM cluster health check with store_metrics: true");
+    assert!(
+        text.contains("\"store_metrics\":true"),
+        "an LLM cluster health check with store_metrics: true"
+    );
 
     let compose = yaml_to_json(&read("higress/docker-compose.yaml"), "higress/docker-compose.yaml");
     let services = compose["services"].as_object().expect("compose services");
     assert!(services.contains_key("redis"), "compose has a redis service");
-    let gw = services.values().find(|s| s["image"].as_str().is_some_and(|i| i.contains("higress"))).expect("a Higress service");
+    let gw = services
+        .values()
+        .find(|s| s["image"].as_str().is_some_and(|i| i.contains("higress")))
+        .expect("a Higress service");
     let vols = gw["volumes"].to_string();
-    assert!(vols.contains("envoy.yaml") && vols.contains(".wasm"), "Higress mounts envoy.yaml and the module: {vols}");
+    assert!(
+        vols.contains("envoy.yaml") && vols.contains(".wasm"),
+        "Higress mounts envoy.yaml and the module: {vols}"
+    );
 }
 
 fn find_key<'a>(v: &'a Value, name: &str, out: &mut Vec<&'a Value>) {
@@ -533,11 +618,17 @@ fn readmes_document_every_key_with_its_default() {
                     other => Some(other.to_string()),
                 };
                 if let Some(s) = shown {
-                    assert!(row.contains(&s), "{readme}: the row of `{key}` does not show its default {s}: {row}");
+                    assert!(
+                        row.contains(&s),
+                        "{readme}: the row of `{key}` does not show its default {s}: {row}"
+                    );
                 }
             }
         }
-        assert!(text.contains("oras push") || readme.ends_with("README.md"), "{readme}: publishing steps");
+        assert!(
+            text.contains("oras push") || readme.ends_with("README.md"),
+            "{readme}: publishing steps"
+        );
         assert!(text.contains("FAIL_OPEN"), "{readme}: WasmPlugin example with failStrategy");
     }
 }
@@ -593,7 +684,11 @@ fn artefact_dir_has_the_marketplace_layout() {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("packaging-artefact");
     let _ = fs::remove_dir_all(&out);
     let run = build_artifact(&out, &wasm);
-    assert!(run.status.success(), "build-artifact.sh failed: {}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "build-artifact.sh failed: {}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let stdout = String::from_utf8_lossy(&run.stdout);
     assert!(stdout.contains("oras push"), "the push command is printed: {stdout}");
 
@@ -612,21 +707,37 @@ fn artefact_dir_has_the_marketplace_layout() {
         .split_whitespace()
         .filter(|a| *a != "\\")
         .collect();
-    assert_eq!(args.first().copied(), Some("'registry.example.com/plugins/ai-load-balancer-rs:test'"));
-    let pushed: Vec<String> = args.iter().skip(1).map(|a| a.trim_start_matches("./").to_string()).collect();
+    assert_eq!(
+        args.first().copied(),
+        Some("'registry.example.com/plugins/ai-load-balancer-rs:test'")
+    );
+    let pushed: Vec<String> =
+        args.iter().skip(1).map(|a| a.trim_start_matches("./").to_string()).collect();
     assert_eq!(pushed, want, "push.sh pushes the layers in order, plugin.tar.gz last");
 
     // The documents are the ones in higress/, and spec.yaml is valid YAML with the schema.
     for f in ["spec.yaml", "README.md", "README_EN.md"] {
-        assert_eq!(fs::read_to_string(out.join(f)).expect("read"), read(&format!("higress/{f}")), "{f} copied");
+        assert_eq!(
+            fs::read_to_string(out.join(f)).expect("read"),
+            read(&format!("higress/{f}")),
+            "{f} copied"
+        );
     }
-    let spec = yaml_to_json(&fs::read_to_string(out.join("spec.yaml")).expect("read"), "artefact spec.yaml");
+    let spec = yaml_to_json(
+        &fs::read_to_string(out.join("spec.yaml")).expect("read"),
+        "artefact spec.yaml",
+    );
     assert!(spec["spec"]["configSchema"]["openAPIV3Schema"]["properties"]["lb_config"].is_object());
 
     // The tarball holds exactly plugin.wasm, byte for byte.
     let gz = fs::read(out.join("plugin.tar.gz")).expect("plugin.tar.gz");
     let entries = tar_entries(&gz);
-    assert_eq!(entries.len(), 1, "plugin.tar.gz holds one file: {:?}", entries.iter().map(|e| &e.0).collect::<Vec<_>>());
+    assert_eq!(
+        entries.len(),
+        1,
+        "plugin.tar.gz holds one file: {:?}",
+        entries.iter().map(|e| &e.0).collect::<Vec<_>>()
+    );
     assert_eq!(entries[0].0, "plugin.wasm");
     assert!(entries[0].1 == wasm_bytes, "plugin.tar.gz's plugin.wasm is the built module");
 
@@ -634,7 +745,10 @@ fn artefact_dir_has_the_marketplace_layout() {
     let out2 = Path::new(env!("CARGO_TARGET_TMPDIR")).join("packaging-artefact-2");
     let _ = fs::remove_dir_all(&out2);
     assert!(build_artifact(&out2, &wasm).status.success());
-    assert!(fs::read(out2.join("plugin.tar.gz")).expect("second tarball") == gz, "tarball is reproducible");
+    assert!(
+        fs::read(out2.join("plugin.tar.gz")).expect("second tarball") == gz,
+        "tarball is reproducible"
+    );
 }
 
 #[test]
@@ -673,7 +787,11 @@ fn docker_image_holds_exactly_plugin_wasm() {
         .arg(&ctx)
         .output()
         .expect("docker build");
-    assert!(build.status.success(), "docker build failed: {}", String::from_utf8_lossy(&build.stderr));
+    assert!(
+        build.status.success(),
+        "docker build failed: {}",
+        String::from_utf8_lossy(&build.stderr)
+    );
     let save = Command::new("docker").args(["save", &tag]).output().expect("docker save");
     let _ = Command::new("docker").args(["rmi", "-f", &tag]).output();
     assert!(save.status.success(), "docker save failed");

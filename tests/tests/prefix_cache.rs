@@ -13,7 +13,13 @@ use serde_json::json;
 const TTL_S: i64 = 120;
 
 fn prefix_config(route: &str, pods: &[Pod], redis: &RedisFixture) -> GatewayConfig {
-    redis_policy_config(route, pods, redis, "prefix_cache", json!({"redisKeyTTL": TTL_S, "timeout": 1000}))
+    redis_policy_config(
+        route,
+        pods,
+        redis,
+        "prefix_cache",
+        json!({"redisKeyTTL": TTL_S, "timeout": 1000}),
+    )
 }
 
 fn question(turn: usize) -> String {
@@ -39,7 +45,8 @@ async fn five_turn_conversations_stick_to_their_pod_and_new_ones_spread() {
     for i in 0..6 {
         let gw = gw.clone();
         first_turns.push(tokio::spawn(async move {
-            let mut conv = Conversation::new(&format!("contract review #{i} ({})", paths::unique_name("c")));
+            let mut conv =
+                Conversation::new(&format!("contract review #{i} ({})", paths::unique_name("c")));
             let host = conv.turn(&gw, &question(1)).await;
             (conv, host)
         }));
@@ -72,11 +79,14 @@ async fn five_turn_conversations_stick_to_their_pod_and_new_ones_spread() {
     // The pods really got those requests, with the whole history each time.
     for (conv, home) in &convs {
         let pod = pod_at(&pods, home).unwrap();
-        let last_user = conv.messages[conv.messages.len() - 2]["content"].as_str().unwrap().to_string();
+        let last_user =
+            conv.messages[conv.messages.len() - 2]["content"].as_str().unwrap().to_string();
         let seen = pod.inference_records().iter().any(|r| {
             serde_json::from_slice::<serde_json::Value>(&r.body)
-                .map(|b| b["messages"].as_array().map(Vec::len) == Some(conv.messages.len() - 1)
-                    && b["messages"][conv.messages.len() - 2]["content"] == last_user.as_str())
+                .map(|b| {
+                    b["messages"].as_array().map(Vec::len) == Some(conv.messages.len() - 1)
+                        && b["messages"][conv.messages.len() - 2]["content"] == last_user.as_str()
+                })
                 .unwrap_or(false)
         });
         assert!(seen, "pod {home} never received the 5th turn of its conversation");
@@ -109,9 +119,17 @@ async fn conversation_moves_off_a_removed_pod_and_stays_on_the_new_one() {
     assert_ne!(new_home, old, "turn 3 went to a pod that left the cluster");
     assert!(remaining.contains(&new_home));
     for turn in 4..=5 {
-        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), new_home, "turn {turn} left its new pod");
+        assert_eq!(
+            conv.turn(&gw, &question(turn)).await.unwrap(),
+            new_home,
+            "turn {turn} left its new pod"
+        );
     }
-    assert_eq!(pod_at(&pods, &old).unwrap().inference_count(), old_count, "removed pod still got traffic");
+    assert_eq!(
+        pod_at(&pods, &old).unwrap().inference_count(),
+        old_count,
+        "removed pod still got traffic"
+    );
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
 
@@ -129,15 +147,27 @@ async fn conversation_moves_off_an_unhealthy_pod_and_stays_after_it_recovers() {
     let new_home = conv.turn(&gw, &question(3)).await.unwrap();
     assert_ne!(new_home, old, "turn 3 went to an unhealthy pod");
     for turn in 4..=5 {
-        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), new_home, "turn {turn} left its new pod");
+        assert_eq!(
+            conv.turn(&gw, &question(turn)).await.unwrap(),
+            new_home,
+            "turn {turn} left its new pod"
+        );
     }
-    assert_eq!(pod_at(&pods, &old).unwrap().inference_count(), old_count, "unhealthy pod still got traffic");
+    assert_eq!(
+        pod_at(&pods, &old).unwrap().inference_count(),
+        old_count,
+        "unhealthy pod still got traffic"
+    );
 
     // The conversation was re-homed in Redis: the old pod coming back does not pull it back
     // (its KV cache for the later turns is on the new pod now).
     gw.set_health(LLM_CLUSTER, &[(old.as_str(), "Healthy")]).await.unwrap();
     gw.wait_health(LLM_CLUSTER, &old, "Healthy", Duration::from_secs(5)).await.unwrap();
-    assert_eq!(conv.turn(&gw, &question(6)).await.unwrap(), new_home, "turn 6 went back to the old pod");
+    assert_eq!(
+        conv.turn(&gw, &question(6)).await.unwrap(),
+        new_home,
+        "turn 6 went back to the old pod"
+    );
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
 
@@ -154,7 +184,11 @@ async fn streamed_turns_stick_too() {
     let home = conv.turn(&gw, &question(1)).await.unwrap();
     assert!(conv.messages.last().unwrap()["content"].as_str().unwrap().starts_with("Hello from"));
     for turn in 2..=5 {
-        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), home, "streamed turn {turn} left its pod");
+        assert_eq!(
+            conv.turn(&gw, &question(turn)).await.unwrap(),
+            home,
+            "streamed turn {turn} left its pod"
+        );
     }
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
@@ -243,11 +277,19 @@ async fn completions_prompts_and_tool_lists_are_part_of_the_prefix() {
     let gw = Gateway::start(&prefix_config("route-tools", &pods, &redis)).await.unwrap();
 
     // /v1/completions: the same long prompt goes to the same pod every time.
-    let prompt = "Translate the following legal text into plain English, keeping every obligation: ".repeat(20);
+    let prompt =
+        "Translate the following legal text into plain English, keeping every obligation: "
+            .repeat(20);
     let mut seen = Vec::new();
     for _ in 0..4 {
         let r = gw
-            .send(HttpRequest::post_json("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 16})), REQUEST_TIMEOUT)
+            .send(
+                HttpRequest::post_json(
+                    "/v1/completions",
+                    &json!({"model": MODEL, "prompt": prompt, "max_tokens": 16}),
+                ),
+                REQUEST_TIMEOUT,
+            )
             .await
             .unwrap();
         assert_eq!(r.status, 200);
@@ -265,7 +307,10 @@ async fn completions_prompts_and_tool_lists_are_part_of_the_prefix() {
     }
     let first = spawn_request(
         gw.addr(),
-        HttpRequest::post_json("/v1/chat/completions", &json!({"model": MODEL, "messages": messages, "tools": tool("get_weather")})),
+        HttpRequest::post_json(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": messages, "tools": tool("get_weather")}),
+        ),
         Duration::from_secs(20),
     );
     eventually(Duration::from_secs(10), "first request at a pod", || async {
@@ -278,18 +323,34 @@ async fn completions_prompts_and_tool_lists_are_part_of_the_prefix() {
         p.set_hold(false);
     }
     let second = gw
-        .send(HttpRequest::post_json("/v1/chat/completions", &json!({"model": MODEL, "messages": messages, "tools": tool("get_forecast_v2")})), REQUEST_TIMEOUT)
+        .send(
+            HttpRequest::post_json(
+                "/v1/chat/completions",
+                &json!({"model": MODEL, "messages": messages, "tools": tool("get_forecast_v2")}),
+            ),
+            REQUEST_TIMEOUT,
+        )
         .await
         .unwrap();
     assert_eq!(second.status, 200);
-    assert_ne!(second.upstream().unwrap(), first_pod, "a different tool list reused the other prefix's pod");
+    assert_ne!(
+        second.upstream().unwrap(),
+        first_pod,
+        "a different tool list reused the other prefix's pod"
+    );
     for p in &pods {
         p.release();
     }
     assert_eq!(first.await.unwrap().unwrap().status, 200);
     // Same tools again: a hit on the first pod.
     let again = gw
-        .send(HttpRequest::post_json("/v1/chat/completions", &json!({"model": MODEL, "messages": messages, "tools": tool("get_weather")})), REQUEST_TIMEOUT)
+        .send(
+            HttpRequest::post_json(
+                "/v1/chat/completions",
+                &json!({"model": MODEL, "messages": messages, "tools": tool("get_weather")}),
+            ),
+            REQUEST_TIMEOUT,
+        )
         .await
         .unwrap();
     assert_eq!(again.upstream().unwrap(), first_pod);

@@ -47,7 +47,11 @@ async fn wrong_password_still_serves_every_request() {
         let started = Instant::now();
         let r = chat_once(&gw, &format!("q{i}")).await.unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
-        assert!(started.elapsed() < Duration::from_secs(4), "request {i} took {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "request {i} took {:?}",
+            started.elapsed()
+        );
         seen.push(r.upstream().unwrap());
     }
     assert_eq!(tally(&seen).len(), 2, "normal balancing uses both pods: {:?}", named(&pods, &seen));

@@ -13,7 +13,8 @@ async fn redis_stopped_mid_test_requests_still_served_by_normal_balancing() {
     let mut redis = RedisFixture::start().await.unwrap();
     let pods = start_pods("down", 2).await.unwrap();
     // Redis op timeout 1000 ms: a request may wait at most about that long for Redis.
-    let cfg = redis_policy_config("route-down", &pods, &redis, "prefix_cache", json!({"timeout": 1000}));
+    let cfg =
+        redis_policy_config("route-down", &pods, &redis, "prefix_cache", json!({"timeout": 1000}));
     let gw = Gateway::start(&cfg).await.unwrap();
     let mut conv = Conversation::new("redis outage");
     let home = conv.turn(&gw, "first question").await.unwrap();
@@ -29,13 +30,23 @@ async fn redis_stopped_mid_test_requests_still_served_by_normal_balancing() {
         } else {
             chat_once(&gw, &format!("one-shot {i}")).await.map(|r| (r.status, r.upstream()))
         };
-        let (status, upstream) = resp.unwrap_or_else(|e| panic!("request {i} with Redis down: {e:#}"));
+        let (status, upstream) =
+            resp.unwrap_or_else(|e| panic!("request {i} with Redis down: {e:#}"));
         assert_eq!(status, 200);
-        assert!(started.elapsed() < Duration::from_secs(6), "request {i} took {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "request {i} took {:?}",
+            started.elapsed()
+        );
         served.push(upstream.unwrap());
     }
     // Normal balancing (round robin) uses both pods.
-    assert_eq!(tally(&served).len(), 2, "with Redis down all went to one pod: {:?}", tally(&served));
+    assert_eq!(
+        tally(&served).len(),
+        2,
+        "with Redis down all went to one pod: {:?}",
+        tally(&served)
+    );
     // The conversation itself is still served too.
     conv.turn(&gw, "third question, Redis is down").await.unwrap();
 
@@ -63,7 +74,13 @@ async fn frozen_redis_delays_requests_by_at_most_the_redis_timeout() {
     let pods = start_pods("frozen", 2).await.unwrap();
     // Redis answers nothing (paused), connections stay open: only the plugin's `timeout` (500 ms)
     // through the host's op timeout can unblock the requests.
-    let cfg = redis_policy_config("route-frozen", &pods, &redis, "global_least_request", json!({"timeout": 500}));
+    let cfg = redis_policy_config(
+        "route-frozen",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"timeout": 500}),
+    );
     let gw = Gateway::start(&cfg).await.unwrap();
     assert_eq!(chat_once(&gw, "warm up").await.unwrap().status, 200);
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
@@ -77,10 +94,19 @@ async fn frozen_redis_delays_requests_by_at_most_the_redis_timeout() {
             .await
             .unwrap_or_else(|e| panic!("request {i} with Redis frozen: {e:#}"));
         assert_eq!(r.status, 200, "{}", r.text());
-        assert!(started.elapsed() < Duration::from_secs(4), "request {i} took {:?}", started.elapsed());
+        assert!(
+            started.elapsed() < Duration::from_secs(4),
+            "request {i} took {:?}",
+            started.elapsed()
+        );
         served.push(r.upstream().unwrap());
     }
-    assert_eq!(tally(&served).len(), 2, "normal balancing should use both pods: {:?}", named(&pods, &served));
+    assert_eq!(
+        tally(&served).len(),
+        2,
+        "normal balancing should use both pods: {:?}",
+        named(&pods, &served)
+    );
     // Bodiless requests too.
     let started = Instant::now();
     let r = gw.send(HttpRequest::get("/v1/models"), Duration::from_secs(8)).await.unwrap();
@@ -92,7 +118,14 @@ async fn frozen_redis_delays_requests_by_at_most_the_redis_timeout() {
     for p in &pods {
         p.set_hold(true);
     }
-    let h = spawn_request(gw.addr(), HttpRequest::post_json("/v1/chat/completions", &json!({"model": MODEL, "messages": [{"role": "user", "content": "after thaw"}]})), Duration::from_secs(20));
+    let h = spawn_request(
+        gw.addr(),
+        HttpRequest::post_json(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": "after thaw"}]}),
+        ),
+        Duration::from_secs(20),
+    );
     eventually(Duration::from_secs(10), "the plugin counts in Redis again", || async {
         Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 1 && counters_sum(&redis).await? >= 1)
     })
@@ -111,7 +144,13 @@ async fn frozen_redis_delays_requests_by_at_most_the_redis_timeout() {
 async fn counts_return_to_zero_after_a_redis_freeze() {
     let mut redis = RedisFixture::start().await.unwrap();
     let pods = start_pods("leak", 2).await.unwrap();
-    let cfg = redis_policy_config("route-leak", &pods, &redis, "global_least_request", json!({"timeout": 500}));
+    let cfg = redis_policy_config(
+        "route-leak",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"timeout": 500}),
+    );
     let gw = Gateway::start(&cfg).await.unwrap();
     assert_eq!(chat_once(&gw, "warm up").await.unwrap().status, 200);
     redis.freeze().await.unwrap();
@@ -135,13 +174,21 @@ async fn client_gone_during_body_upload() {
     let pods = start_pods("upload", 2).await.unwrap();
     let cfg = redis_policy_config("route-upload", &pods, &redis, "prefix_cache", json!({}));
     let gw = Gateway::start(&cfg).await.unwrap();
-    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "x".repeat(20_000)}]}).to_string();
+    let body =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "x".repeat(20_000)}]})
+            .to_string();
     for _ in 0..3 {
         // First 1 KiB now, the rest only after 5 s: the client is gone long before.
-        let req = HttpRequest::post("/v1/chat/completions", body.clone()).chunked(1024, Duration::from_secs(5));
-        let seen = send_and_abort(gw.addr(), req, AbortAt::After(Duration::from_millis(300)), Duration::from_secs(5))
-            .await
-            .unwrap();
+        let req = HttpRequest::post("/v1/chat/completions", body.clone())
+            .chunked(1024, Duration::from_secs(5));
+        let seen = send_and_abort(
+            gw.addr(),
+            req,
+            AbortAt::After(Duration::from_millis(300)),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
         assert_eq!(seen.status, None);
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -169,7 +216,11 @@ async fn odd_requests_all_served(policy: &str, lb_extra: serde_json::Value, rout
     let r = gw.send(HttpRequest::get("/v1/models"), t).await.unwrap();
     assert_eq!(r.status, 200, "GET /v1/models: {}", r.text());
     assert!(r.upstream().is_some());
-    let rec = pods.iter().flat_map(|p| p.records()).find(|r| r.path == "/v1/models").expect("GET reached a pod");
+    let rec = pods
+        .iter()
+        .flat_map(|p| p.records())
+        .find(|r| r.path == "/v1/models")
+        .expect("GET reached a pod");
     assert_eq!(rec.method, "GET");
     assert!(rec.body.is_empty());
 
@@ -180,7 +231,8 @@ async fn odd_requests_all_served(policy: &str, lb_extra: serde_json::Value, rout
     assert!(r.upstream().is_some(), "bodiless POST not proxied: {} {}", r.status, r.text());
 
     // Malformed JSON reaches a pod unchanged and the pod's own 400 comes back.
-    let broken = "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"unterminated";
+    let broken =
+        "{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"unterminated";
     let r = gw.send(HttpRequest::post("/v1/chat/completions", broken), t).await.unwrap();
     assert_eq!(r.status, 400, "{}", r.text());
     assert!(r.upstream().is_some());
@@ -199,28 +251,55 @@ async fn odd_requests_all_served(policy: &str, lb_extra: serde_json::Value, rout
     }
 
     // Non-chat paths.
-    let r = gw.send(HttpRequest::post_json("/v1/embeddings", &json!({"model": MODEL, "input": "hello"})), t).await.unwrap();
+    let r = gw
+        .send(
+            HttpRequest::post_json("/v1/embeddings", &json!({"model": MODEL, "input": "hello"})),
+            t,
+        )
+        .await
+        .unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(r.json().unwrap()["path"], "/v1/embeddings");
-    let r = gw.send(HttpRequest::post_json("/v1/completions", &json!({"model": MODEL, "prompt": "Once upon a time"})), t).await.unwrap();
+    let r = gw
+        .send(
+            HttpRequest::post_json(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": "Once upon a time"}),
+            ),
+            t,
+        )
+        .await
+        .unwrap();
     assert_eq!(r.status, 200);
 
     // A 5 MiB chat body, sent in 64 KiB chunks, arrives whole.
     let filler = "lorem ipsum dolor sit amet ".repeat(5 * 1024 * 1024 / 27 + 1);
-    let big = json!({"model": MODEL, "messages": [{"role": "user", "content": filler}]}).to_string();
+    let big =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": filler}]}).to_string();
     assert!(big.len() >= 5 * 1024 * 1024);
     let big = Bytes::from(big);
     let r = gw
-        .send(HttpRequest::post("/v1/chat/completions", big.clone()).chunked(64 * 1024, Duration::ZERO), Duration::from_secs(20))
+        .send(
+            HttpRequest::post("/v1/chat/completions", big.clone())
+                .chunked(64 * 1024, Duration::ZERO),
+            Duration::from_secs(20),
+        )
         .await
         .unwrap();
     assert_eq!(r.status, 200, "5 MiB body: {}", r.text());
-    assert!(pods.iter().flat_map(|p| p.records()).any(|rec| rec.body == big), "the pod did not get the 5 MiB body intact");
+    assert!(
+        pods.iter().flat_map(|p| p.records()).any(|rec| rec.body == big),
+        "the pod did not get the 5 MiB body intact"
+    );
 
     // A chat body delivered slowly in small pieces (several body callbacks).
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "slow client ".repeat(200)}]});
     let r = gw
-        .send(HttpRequest::post_json("/v1/chat/completions", &body).chunked(300, Duration::from_millis(5)), t)
+        .send(
+            HttpRequest::post_json("/v1/chat/completions", &body)
+                .chunked(300, Duration::from_millis(5)),
+            t,
+        )
         .await
         .unwrap();
     assert_eq!(r.status, 200);

@@ -31,8 +31,12 @@ async fn rules_pick_the_policy_per_route_and_domain() {
     let mut conv = Conversation::new("rules");
     let mut seen = Vec::new();
     for turn in 1..=4 {
-        conv.messages.push(json!({"role": "user", "content": format!("turn {turn} on the prefix route")}));
-        let r = gw.send(HttpRequest::post_json("/pc/v1/chat/completions", &conv.body()), REQUEST_TIMEOUT).await.unwrap();
+        conv.messages
+            .push(json!({"role": "user", "content": format!("turn {turn} on the prefix route")}));
+        let r = gw
+            .send(HttpRequest::post_json("/pc/v1/chat/completions", &conv.body()), REQUEST_TIMEOUT)
+            .await
+            .unwrap();
         assert_eq!(r.status, 200);
         seen.push(r.upstream().unwrap());
         conv.messages.push(json!({"role": "assistant", "content": answer_text(&r).unwrap()}));
@@ -42,17 +46,29 @@ async fn rules_pick_the_policy_per_route_and_domain() {
     // route-plain, no matching rule: the same growing conversation is round robin.
     let mut seen = Vec::new();
     for turn in 1..=6 {
-        conv.messages.push(json!({"role": "user", "content": format!("turn {turn} on the plain route")}));
-        let r = gw.send(HttpRequest::post_json("/v1/chat/completions", &conv.body()), REQUEST_TIMEOUT).await.unwrap();
+        conv.messages
+            .push(json!({"role": "user", "content": format!("turn {turn} on the plain route")}));
+        let r = gw
+            .send(HttpRequest::post_json("/v1/chat/completions", &conv.body()), REQUEST_TIMEOUT)
+            .await
+            .unwrap();
         assert_eq!(r.status, 200);
         seen.push(r.upstream().unwrap());
         conv.messages.push(json!({"role": "assistant", "content": answer_text(&r).unwrap()}));
     }
-    assert_eq!(tally(&seen).values().copied().collect::<Vec<_>>(), vec![2, 2, 2], "plain route: {:?}", named(&pods, &seen));
+    assert_eq!(
+        tally(&seen).values().copied().collect::<Vec<_>>(),
+        vec![2, 2, 2],
+        "plain route: {:?}",
+        named(&pods, &seen)
+    );
     let mut c = redis.client().await.unwrap();
     let plain_keys = c.keys("*route-plain*").await.unwrap();
     assert!(plain_keys.is_empty(), "the plain route wrote Redis keys: {plain_keys:?}");
-    assert!(!c.keys("*route-pc*:pfx:*").await.unwrap().is_empty(), "the prefix route wrote no keys");
+    assert!(
+        !c.keys("*route-pc*:pfx:*").await.unwrap().is_empty(),
+        "the prefix route wrote no keys"
+    );
 
     // Domain rule on the plain route: global least request spreads held requests evenly.
     for p in &pods {
@@ -61,7 +77,8 @@ async fn rules_pick_the_policy_per_route_and_domain() {
     let mut pending = Vec::new();
     for i in 0..6 {
         let body = json!({"model": MODEL, "messages": [{"role": "user", "content": format!("domain job {i}")}]});
-        let req = HttpRequest::post_json("/v1/chat/completions", &body).header("host", "glr.example.com");
+        let req =
+            HttpRequest::post_json("/v1/chat/completions", &body).header("host", "glr.example.com");
         pending.push(spawn_request(gw.addr(), req, Duration::from_secs(30)));
         tokio::time::sleep(Duration::from_millis(60)).await;
     }
@@ -72,7 +89,8 @@ async fn rules_pick_the_policy_per_route_and_domain() {
     .unwrap();
     assert_eq!(pods.iter().map(Pod::in_flight).collect::<Vec<_>>(), vec![2, 2, 2]);
     let counters = redis_counters(&redis).await.unwrap();
-    let domain_total: i64 = counters.iter().filter(|(k, _, _)| k.contains("route-plain")).map(|(_, _, v)| v).sum();
+    let domain_total: i64 =
+        counters.iter().filter(|(k, _, _)| k.contains("route-plain")).map(|(_, _, v)| v).sum();
     assert_eq!(domain_total, 6, "global least request counters for the domain rule: {counters:?}");
     for p in &pods {
         p.set_hold(false);

@@ -43,7 +43,12 @@ async fn main() -> anyhow::Result<()> {
         Some(w) => serde_yaml::from_value(w.clone())?,
         None => serde_yaml::from_value(v)?,
     };
-    let target = Target { urls: a.url.clone(), model: a.model.clone(), timeout: Duration::from_secs(a.timeout_s), page: a.page };
+    let target = Target {
+        urls: a.url.clone(),
+        model: a.model.clone(),
+        timeout: Duration::from_secs(a.timeout_s),
+        page: a.page,
+    };
     let t0 = Instant::now();
     let records = run(w.plan(), target, w.concurrency(), Arc::new(AtomicU64::new(0))).await;
     let s = summarize(&records, t0.elapsed().as_secs_f64(), a.time_scale);

@@ -116,13 +116,24 @@ async fn send(client: &HttpClient, url: &str, body: Value, t0: Instant) -> Resul
     let status = resp.status();
     let h = resp.headers();
     let pod = h.get("x-pod-name").and_then(|v| v.to_str().ok()).map(str::to_string);
-    let pod_ms = h.get("x-pod-time-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<f64>().ok());
+    let pod_ms =
+        h.get("x-pod-time-ms").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<f64>().ok());
     let mut body = resp.into_body();
     if !status.is_success() {
         let b = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-        return Err(format!("HTTP {}: {}", status.as_u16(), String::from_utf8_lossy(&b).chars().take(200).collect::<String>()));
+        return Err(format!(
+            "HTTP {}: {}",
+            status.as_u16(),
+            String::from_utf8_lossy(&b).chars().take(200).collect::<String>()
+        ));
     }
-    let mut reply = Reply { text: String::new(), ttft: None, usage: None, pod, gateway_added_ms: pod_ms.map(|p| headers_ms - p) };
+    let mut reply = Reply {
+        text: String::new(),
+        ttft: None,
+        usage: None,
+        pod,
+        gateway_added_ms: pod_ms.map(|p| headers_ms - p),
+    };
     let mut buf: Vec<u8> = Vec::new();
     let mut done = false;
     while !done {
@@ -140,7 +151,8 @@ async fn send(client: &HttpClient, url: &str, body: Value, t0: Instant) -> Resul
                     continue;
                 }
                 let Ok(v) = serde_json::from_slice::<Value>(payload) else { continue };
-                let piece = v.pointer("/choices/0/delta/content").and_then(Value::as_str).unwrap_or("");
+                let piece =
+                    v.pointer("/choices/0/delta/content").and_then(Value::as_str).unwrap_or("");
                 if !piece.is_empty() {
                     if reply.ttft.is_none() {
                         reply.ttft = Some(t0.elapsed());
@@ -174,13 +186,16 @@ async fn run_session(
         history.push(Message { role: "user".into(), content: turn.user.clone() });
         let prompt = chat_prompt_tokens(&history, None);
         let oracle_hit = oracle.lock().map(|o| o.best(&s, &prompt)).unwrap_or(0);
-        let messages: Vec<Value> = history.iter().map(|m| json!({"role": m.role, "content": m.content})).collect();
+        let messages: Vec<Value> =
+            history.iter().map(|m| json!({"role": m.role, "content": m.content})).collect();
         let body = json!({
             "model": target.model, "messages": messages, "max_tokens": turn.max_tokens,
             "stream": true, "stream_options": {"include_usage": true},
         });
         let t0 = Instant::now();
-        let res = tokio::time::timeout(target.timeout, send(&client, url, body, t0)).await.unwrap_or_else(|_| Err("timeout".into()));
+        let res = tokio::time::timeout(target.timeout, send(&client, url, body, t0))
+            .await
+            .unwrap_or_else(|_| Err("timeout".into()));
         let e2e_ms = t0.elapsed().as_secs_f64() * 1000.0;
         let mut rec = RequestRecord {
             session: s.id,
@@ -198,10 +213,20 @@ async fn run_session(
                 rec.pod = r.pod;
                 rec.gateway_added_ms = r.gateway_added_ms;
                 let u = r.usage.unwrap_or(Value::Null);
-                rec.output_tokens = u.get("completion_tokens").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(gen.len());
-                rec.prompt_tokens = u.get("prompt_tokens").and_then(Value::as_u64).map(|v| v as usize).unwrap_or(prompt.len());
-                rec.cached_tokens =
-                    u.pointer("/prompt_tokens_details/cached_tokens").and_then(Value::as_u64).unwrap_or(0) as usize;
+                rec.output_tokens = u
+                    .get("completion_tokens")
+                    .and_then(Value::as_u64)
+                    .map(|v| v as usize)
+                    .unwrap_or(gen.len());
+                rec.prompt_tokens = u
+                    .get("prompt_tokens")
+                    .and_then(Value::as_u64)
+                    .map(|v| v as usize)
+                    .unwrap_or(prompt.len());
+                rec.cached_tokens = u
+                    .pointer("/prompt_tokens_details/cached_tokens")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0) as usize;
                 let mut seq = prompt;
                 seq.extend(gen);
                 if let Ok(mut o) = oracle.lock() {
@@ -223,11 +248,17 @@ async fn run_session(
 
 /// Runs all sessions against `target` with at most `concurrency` sessions in flight; returns
 /// one record per request, in completion order of sessions. `progress` counts finished requests.
-pub async fn run(sessions: Vec<SessionPlan>, target: Target, concurrency: usize, progress: Arc<AtomicU64>) -> Vec<RequestRecord> {
+pub async fn run(
+    sessions: Vec<SessionPlan>,
+    target: Target,
+    concurrency: usize,
+    progress: Arc<AtomicU64>,
+) -> Vec<RequestRecord> {
     // Nagle + delayed ACK would add ~40 ms to the first byte of each request.
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);
-    let client: HttpClient = Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build(conn);
+    let client: HttpClient =
+        Client::builder(TokioExecutor::new()).pool_max_idle_per_host(1024).build(conn);
     let target = Arc::new(target);
     let oracle = Arc::new(Mutex::new(Oracle::default()));
     let sem = Arc::new(Semaphore::new(concurrency.max(1)));
@@ -235,7 +266,8 @@ pub async fn run(sessions: Vec<SessionPlan>, target: Target, concurrency: usize,
     let mut tasks = Vec::new();
     for s in sessions {
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
-        let (client, target, oracle, progress) = (client.clone(), target.clone(), oracle.clone(), progress.clone());
+        let (client, target, oracle, progress) =
+            (client.clone(), target.clone(), oracle.clone(), progress.clone());
         tasks.push(tokio::spawn(async move {
             let r = run_session(client, target, s, oracle, started, progress).await;
             drop(permit);

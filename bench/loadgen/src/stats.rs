@@ -124,12 +124,23 @@ mod tests {
 
     #[test]
     fn summary_scales_to_simulated_time_and_skips_errors() {
-        let ok = RequestRecord { ttft_ms: Some(25.0), e2e_ms: 100.0, output_tokens: 10, prompt_tokens: 100, cached_tokens: 50, oracle_cached_tokens: 80, pod: Some("pod-0".into()), gateway_added_ms: Some(1.0), ..Default::default() };
+        let ok = RequestRecord {
+            ttft_ms: Some(25.0),
+            e2e_ms: 100.0,
+            output_tokens: 10,
+            prompt_tokens: 100,
+            cached_tokens: 50,
+            oracle_cached_tokens: 80,
+            pod: Some("pod-0".into()),
+            gateway_added_ms: Some(1.0),
+            ..Default::default()
+        };
         let mut gw = ok.clone();
         gw.gateway_added_ms = Some(5.0);
         gw.ttft_ms = Some(30.0);
         assert_eq!(summarize(&[gw], 1.0, 0.25).ttft_ms.p50, 105.0, "gateway time is not scaled");
-        let bad = RequestRecord { error: Some("HTTP 500".into()), e2e_ms: 5.0, ..Default::default() };
+        let bad =
+            RequestRecord { error: Some("HTTP 500".into()), e2e_ms: 5.0, ..Default::default() };
         let s = summarize(&[ok.clone(), ok, bad], 1.0, 0.25);
         assert_eq!(s.requests, 3);
         assert_eq!(s.errors, 1);

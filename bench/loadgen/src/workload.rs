@@ -100,7 +100,8 @@ impl Workload {
     /// Sessions (or requests) allowed in flight at once.
     pub fn concurrency(&self) -> usize {
         match self {
-            Workload::MultiTurn { concurrency, .. } | Workload::SharedPrefix { concurrency, .. } => (*concurrency).max(1),
+            Workload::MultiTurn { concurrency, .. }
+            | Workload::SharedPrefix { concurrency, .. } => (*concurrency).max(1),
         }
     }
 
@@ -121,28 +122,48 @@ impl Workload {
                 ..
             } => {
                 let mut rng = Rng::new(*seed);
-                let system = (*system_prompt_tokens > 0).then(|| words(&mut rng, *system_prompt_tokens));
+                let system =
+                    (*system_prompt_tokens > 0).then(|| words(&mut rng, *system_prompt_tokens));
                 (0..*sessions)
                     .map(|id| {
                         let n = sample(&mut rng, *turns_mean, *turns_stddev, 1);
                         let turns = (0..n)
                             .map(|t| {
-                                let len = sample(&mut rng, *input_tokens_mean, *input_tokens_stddev, 1);
+                                let len =
+                                    sample(&mut rng, *input_tokens_mean, *input_tokens_stddev, 1);
                                 let mut user = words(&mut rng, len);
                                 if t == 0 && *session_prefix_tokens > 0 {
-                                    user = format!("{} {user}", words(&mut rng, *session_prefix_tokens));
+                                    user = format!(
+                                        "{} {user}",
+                                        words(&mut rng, *session_prefix_tokens)
+                                    );
                                 }
-                                let max_tokens = sample(&mut rng, *output_tokens_mean, *output_tokens_stddev, 1);
+                                let max_tokens =
+                                    sample(&mut rng, *output_tokens_mean, *output_tokens_stddev, 1);
                                 TurnPlan { user, max_tokens }
                             })
                             .collect();
-                        SessionPlan { id, group: system.as_ref().map(|_| 0), system: system.clone(), turns }
+                        SessionPlan {
+                            id,
+                            group: system.as_ref().map(|_| 0),
+                            system: system.clone(),
+                            turns,
+                        }
                     })
                     .collect()
             }
-            Workload::SharedPrefix { groups, prompts_per_group, prefix_tokens, question_tokens, output_tokens, seed, .. } => {
+            Workload::SharedPrefix {
+                groups,
+                prompts_per_group,
+                prefix_tokens,
+                question_tokens,
+                output_tokens,
+                seed,
+                ..
+            } => {
                 let mut rng = Rng::new(*seed);
-                let prefixes: Vec<String> = (0..*groups).map(|_| words(&mut rng, *prefix_tokens)).collect();
+                let prefixes: Vec<String> =
+                    (0..*groups).map(|_| words(&mut rng, *prefix_tokens)).collect();
                 let mut out = Vec::new();
                 for (g, prefix) in prefixes.iter().enumerate() {
                     for _ in 0..*prompts_per_group {
@@ -150,7 +171,10 @@ impl Workload {
                             id: 0,
                             group: Some(g),
                             system: Some(prefix.clone()),
-                            turns: vec![TurnPlan { user: words(&mut rng, *question_tokens), max_tokens: *output_tokens }],
+                            turns: vec![TurnPlan {
+                                user: words(&mut rng, *question_tokens),
+                                max_tokens: *output_tokens,
+                            }],
                         });
                     }
                 }

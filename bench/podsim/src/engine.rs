@@ -26,7 +26,12 @@ pub struct LatencyModel {
 
 impl Default for LatencyModel {
     fn default() -> Self {
-        LatencyModel { base_ms: 6.0, prefill_ms_per_token: 0.030, decode_ms_per_seq: 0.05, ctx_ms_per_token: 0.000049 }
+        LatencyModel {
+            base_ms: 6.0,
+            prefill_ms_per_token: 0.030,
+            decode_ms_per_seq: 0.05,
+            ctx_ms_per_token: 0.000049,
+        }
     }
 }
 
@@ -57,7 +62,13 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { page: 16, capacity_tokens: 400_000, max_running: 128, prefill_budget: 8192, model: LatencyModel::default() }
+        EngineConfig {
+            page: 16,
+            capacity_tokens: 400_000,
+            max_running: 128,
+            prefill_budget: 8192,
+            model: LatencyModel::default(),
+        }
     }
 }
 
@@ -151,8 +162,21 @@ impl Scheduler {
     }
 
     /// Queues a request. `seed` makes its generated text deterministic.
-    pub fn submit(&mut self, id: u64, prompt: Vec<u32>, max_tokens: usize, seed: u64, adapter: Option<String>) {
-        self.waiting.push_back(Waiting { id, prompt, max_tokens: max_tokens.max(1), seed, adapter });
+    pub fn submit(
+        &mut self,
+        id: u64,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        seed: u64,
+        adapter: Option<String>,
+    ) {
+        self.waiting.push_back(Waiting {
+            id,
+            prompt,
+            max_tokens: max_tokens.max(1),
+            seed,
+            adapter,
+        });
         let inflight = (self.waiting.len() + self.running.len()) as u64;
         self.counters.peak_inflight = self.counters.peak_inflight.max(inflight);
     }
@@ -225,13 +249,15 @@ impl Scheduler {
             let page = self.cfg.page.max(1);
             let cached = hit.min(n.saturating_sub(1) / page * page);
             let need = n - cached + w.max_tokens;
-            let over = (self.cache.total_tokens() + self.private_tokens + need).saturating_sub(self.cfg.capacity_tokens);
+            let over = (self.cache.total_tokens() + self.private_tokens + need)
+                .saturating_sub(self.cfg.capacity_tokens);
             if over > 0 {
                 // Pin the match while evicting so the request's own prefix survives.
                 self.cache.lock(node);
                 self.cache.evict(over);
                 self.cache.unlock(node);
-                let still = self.cache.locked_tokens() + self.private_tokens + need > self.cfg.capacity_tokens;
+                let still = self.cache.locked_tokens() + self.private_tokens + need
+                    > self.cfg.capacity_tokens;
                 if still && !self.running.is_empty() {
                     break; // wait for running requests to free memory
                 }
@@ -311,13 +337,18 @@ impl Scheduler {
                 continue;
             }
             let r = self.running.swap_remove(i);
-            let usage = Usage { prompt_tokens: r.prompt.len(), cached_tokens: r.cached, completion_tokens: r.generated.len() };
+            let usage = Usage {
+                prompt_tokens: r.prompt.len(),
+                cached_tokens: r.cached,
+                completion_tokens: r.generated.len(),
+            };
             let mut all = r.prompt;
             all.extend_from_slice(&r.generated);
             self.cache.insert(&all);
             self.cache.unlock(r.lock);
             self.private_tokens -= r.reserved;
-            let over = (self.cache.total_tokens() + self.private_tokens).saturating_sub(self.cfg.capacity_tokens);
+            let over = (self.cache.total_tokens() + self.private_tokens)
+                .saturating_sub(self.cfg.capacity_tokens);
             self.cache.evict(over);
             self.counters.finished += 1;
             events.push((r.id, Event::Done(usage)));
@@ -375,7 +406,10 @@ mod tests {
         assert!(cold > 120.0, "{cold}");
         assert!(warm < 10.0, "{warm}");
         let done = run_to_completion(&mut s);
-        let usage = done.iter().find_map(|(_, e)| if let Event::Done(u) = e { Some(*u) } else { None }).expect("done");
+        let usage = done
+            .iter()
+            .find_map(|(_, e)| if let Event::Done(u) = e { Some(*u) } else { None })
+            .expect("done");
         assert_eq!(usage.prompt_tokens, 4000);
         assert_eq!(usage.cached_tokens, 3984, "page-aligned, last token recomputed");
     }

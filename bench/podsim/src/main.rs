@@ -107,7 +107,11 @@ async fn main() -> anyhow::Result<()> {
     for (i, addr) in addrs.iter().enumerate() {
         let faulty = a.fault_pods.is_empty() || a.fault_pods.contains(&i);
         let faults = if faulty {
-            Faults { error_rate: a.error_rate, slow_start_s: a.slow_start_s, hang_after_s: a.hang_after_s }
+            Faults {
+                error_rate: a.error_rate,
+                slow_start_s: a.slow_start_s,
+                hang_after_s: a.hang_after_s,
+            }
         } else {
             Faults::default()
         };

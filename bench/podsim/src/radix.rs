@@ -35,8 +35,21 @@ pub struct RadixCache {
 impl RadixCache {
     /// An empty cache with the given page size (tokens per KV block, >= 1).
     pub fn new(page: usize) -> Self {
-        let root = Node { key: Vec::new(), children: HashMap::new(), parent: ROOT, lock_ref: 1, last_access: 0 };
-        RadixCache { page: page.max(1), nodes: vec![Some(root)], free: Vec::new(), total: 0, evictable: 0, clock: 0 }
+        let root = Node {
+            key: Vec::new(),
+            children: HashMap::new(),
+            parent: ROOT,
+            lock_ref: 1,
+            last_access: 0,
+        };
+        RadixCache {
+            page: page.max(1),
+            nodes: vec![Some(root)],
+            free: Vec::new(),
+            total: 0,
+            evictable: 0,
+            clock: 0,
+        }
     }
 
     /// Page size in tokens.
@@ -145,7 +158,13 @@ impl RadixCache {
             let rest = tokens[matched..].to_vec();
             let first = rest[..self.page].to_vec();
             let len = rest.len();
-            let leaf = self.alloc(Node { key: rest, children: HashMap::new(), parent: node, lock_ref: 0, last_access: self.clock });
+            let leaf = self.alloc(Node {
+                key: rest,
+                children: HashMap::new(),
+                parent: node,
+                lock_ref: 0,
+                last_access: self.clock,
+            });
             self.node_mut(node).children.insert(first, leaf);
             self.total += len;
             self.evictable += len;

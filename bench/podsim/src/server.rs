@@ -184,25 +184,56 @@ impl Pod {
         let c = s.counters();
         let m = &self.cfg.model;
         let usage = s.used_tokens() as f64 / s.capacity_tokens().max(1) as f64;
-        let hit_rate = if c.prompt_tokens > 0 { c.cached_tokens as f64 / c.prompt_tokens as f64 } else { 0.0 };
+        let hit_rate =
+            if c.prompt_tokens > 0 { c.cached_tokens as f64 / c.prompt_tokens as f64 } else { 0.0 };
         let mut o = String::new();
         let g = |o: &mut String, name: &str, kind: &str, v: String| {
             let _ = writeln!(o, "# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {v}");
         };
         match self.cfg.flavor {
             Flavor::VllmV0 | Flavor::VllmV1 => {
-                g(&mut o, "vllm:num_requests_running", "gauge", format!("{:.1}", s.num_running() as f64));
-                g(&mut o, "vllm:num_requests_waiting", "gauge", format!("{:.1}", s.num_waiting() as f64));
+                g(
+                    &mut o,
+                    "vllm:num_requests_running",
+                    "gauge",
+                    format!("{:.1}", s.num_running() as f64),
+                );
+                g(
+                    &mut o,
+                    "vllm:num_requests_waiting",
+                    "gauge",
+                    format!("{:.1}", s.num_waiting() as f64),
+                );
                 if self.cfg.flavor == Flavor::VllmV0 {
                     g(&mut o, "vllm:gpu_cache_usage_perc", "gauge", format!("{usage}"));
                     g(&mut o, "vllm:gpu_prefix_cache_hit_rate", "gauge", format!("{hit_rate}"));
                 } else {
                     g(&mut o, "vllm:kv_cache_usage_perc", "gauge", format!("{usage}"));
-                    g(&mut o, "vllm:prefix_cache_queries_total", "counter", format!("{:.1}", c.prompt_tokens as f64));
-                    g(&mut o, "vllm:prefix_cache_hits_total", "counter", format!("{:.1}", c.cached_tokens as f64));
+                    g(
+                        &mut o,
+                        "vllm:prefix_cache_queries_total",
+                        "counter",
+                        format!("{:.1}", c.prompt_tokens as f64),
+                    );
+                    g(
+                        &mut o,
+                        "vllm:prefix_cache_hits_total",
+                        "counter",
+                        format!("{:.1}", c.cached_tokens as f64),
+                    );
                 }
-                g(&mut o, "vllm:prompt_tokens_total", "counter", format!("{:.1}", c.prompt_tokens as f64));
-                g(&mut o, "vllm:generation_tokens_total", "counter", format!("{:.1}", c.generation_tokens as f64));
+                g(
+                    &mut o,
+                    "vllm:prompt_tokens_total",
+                    "counter",
+                    format!("{:.1}", c.prompt_tokens as f64),
+                );
+                g(
+                    &mut o,
+                    "vllm:generation_tokens_total",
+                    "counter",
+                    format!("{:.1}", c.generation_tokens as f64),
+                );
                 let blocks = s.capacity_tokens() / self.cfg.engine.page.max(1);
                 let _ = writeln!(
                     o,
@@ -211,7 +242,10 @@ impl Pod {
                 );
                 if !self.cfg.loras.is_empty() {
                     let (run, wait) = s.adapters();
-                    let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0);
+                    let ts = SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .map(|d| d.as_secs_f64())
+                        .unwrap_or(0.0);
                     let _ = writeln!(
                         o,
                         "# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {ts:.9e}",
@@ -222,24 +256,88 @@ impl Pod {
                 }
             }
             Flavor::Sglang => {
-                g(&mut o, "sglang:num_running_reqs", "gauge", format!("{:.1}", s.num_running() as f64));
-                g(&mut o, "sglang:num_queue_reqs", "gauge", format!("{:.1}", s.num_waiting() as f64));
+                g(
+                    &mut o,
+                    "sglang:num_running_reqs",
+                    "gauge",
+                    format!("{:.1}", s.num_running() as f64),
+                );
+                g(
+                    &mut o,
+                    "sglang:num_queue_reqs",
+                    "gauge",
+                    format!("{:.1}", s.num_waiting() as f64),
+                );
                 g(&mut o, "sglang:token_usage", "gauge", format!("{usage}"));
-                g(&mut o, "sglang:num_used_tokens", "gauge", format!("{:.1}", s.used_tokens() as f64));
-                g(&mut o, "sglang:max_total_num_tokens", "gauge", format!("{:.1}", s.capacity_tokens() as f64));
+                g(
+                    &mut o,
+                    "sglang:num_used_tokens",
+                    "gauge",
+                    format!("{:.1}", s.used_tokens() as f64),
+                );
+                g(
+                    &mut o,
+                    "sglang:max_total_num_tokens",
+                    "gauge",
+                    format!("{:.1}", s.capacity_tokens() as f64),
+                );
                 g(&mut o, "sglang:cache_hit_rate", "gauge", format!("{hit_rate}"));
-                g(&mut o, "sglang:prompt_tokens_total", "counter", format!("{:.1}", c.prompt_tokens as f64));
-                g(&mut o, "sglang:generation_tokens_total", "counter", format!("{:.1}", c.generation_tokens as f64));
-                g(&mut o, "sglang:cached_tokens_total", "counter", format!("{:.1}", c.cached_tokens as f64));
-                g(&mut o, "sglang:num_requests_total", "counter", format!("{:.1}", c.requests as f64));
+                g(
+                    &mut o,
+                    "sglang:prompt_tokens_total",
+                    "counter",
+                    format!("{:.1}", c.prompt_tokens as f64),
+                );
+                g(
+                    &mut o,
+                    "sglang:generation_tokens_total",
+                    "counter",
+                    format!("{:.1}", c.generation_tokens as f64),
+                );
+                g(
+                    &mut o,
+                    "sglang:cached_tokens_total",
+                    "counter",
+                    format!("{:.1}", c.cached_tokens as f64),
+                );
+                g(
+                    &mut o,
+                    "sglang:num_requests_total",
+                    "counter",
+                    format!("{:.1}", c.requests as f64),
+                );
             }
         }
-        let _ = writeln!(o, "# TYPE podsim_prompt_tokens_total counter\npodsim_prompt_tokens_total {}", c.prompt_tokens);
-        let _ = writeln!(o, "# TYPE podsim_cached_tokens_total counter\npodsim_cached_tokens_total {}", c.cached_tokens);
-        let _ = writeln!(o, "# TYPE podsim_generation_tokens_total counter\npodsim_generation_tokens_total {}", c.generation_tokens);
-        let _ = writeln!(o, "# TYPE podsim_requests_total counter\npodsim_requests_total {}", c.requests);
-        let _ = writeln!(o, "# TYPE podsim_peak_inflight gauge\npodsim_peak_inflight {}", c.peak_inflight);
-        let _ = writeln!(o, "# TYPE podsim_cache_tree_tokens gauge\npodsim_cache_tree_tokens {}", s.cached_tree_tokens());
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_prompt_tokens_total counter\npodsim_prompt_tokens_total {}",
+            c.prompt_tokens
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_cached_tokens_total counter\npodsim_cached_tokens_total {}",
+            c.cached_tokens
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_generation_tokens_total counter\npodsim_generation_tokens_total {}",
+            c.generation_tokens
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_requests_total counter\npodsim_requests_total {}",
+            c.requests
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_peak_inflight gauge\npodsim_peak_inflight {}",
+            c.peak_inflight
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_cache_tree_tokens gauge\npodsim_cache_tree_tokens {}",
+            s.cached_tree_tokens()
+        );
         o
     }
 
@@ -259,7 +357,10 @@ impl Pod {
     }
 
     fn error(&self, status: StatusCode, msg: &str) -> Response<RespBody> {
-        self.json_response(status, &json!({"error": {"message": msg, "type": "server_error", "code": status.as_u16()}}))
+        self.json_response(
+            status,
+            &json!({"error": {"message": msg, "type": "server_error", "code": status.as_u16()}}),
+        )
     }
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<RespBody> {
@@ -280,12 +381,16 @@ impl Pod {
             }
             (Method::GET, "/metrics") => {
                 let mut r = Response::new(full(self.metrics_text()));
-                r.headers_mut().insert("content-type", hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"));
+                r.headers_mut().insert(
+                    "content-type",
+                    hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+                );
                 self.name_header(r.headers_mut());
                 r
             }
             (Method::GET, "/v1/models") => {
-                let mut data = vec![json!({"id": self.cfg.model, "object": "model", "owned_by": "podsim"})];
+                let mut data =
+                    vec![json!({"id": self.cfg.model, "object": "model", "owned_by": "podsim"})];
                 for l in &self.cfg.loras {
                     data.push(json!({"id": l, "object": "model", "owned_by": "podsim", "parent": self.cfg.model}));
                 }
@@ -296,7 +401,8 @@ impl Pod {
                 self.json_response(StatusCode::OK, &json!({"flushed": true}))
             }
             (Method::POST, "/admin/fault") => {
-                let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                let body =
+                    req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
                 let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
                 if let Some(r) = v.get("error_rate").and_then(Value::as_f64) {
                     self.lock().error_rate = r;
@@ -312,7 +418,12 @@ impl Pod {
         }
     }
 
-    async fn completion(self: Arc<Self>, req: Request<Incoming>, chat: bool, t0: Instant) -> Response<RespBody> {
+    async fn completion(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        chat: bool,
+        t0: Instant,
+    ) -> Response<RespBody> {
         if self.starting() {
             return self.error(StatusCode::SERVICE_UNAVAILABLE, "starting");
         }
@@ -340,7 +451,9 @@ impl Pod {
         } else {
             match v.get("prompt") {
                 Some(Value::String(s)) => tokenize(s),
-                Some(Value::Array(a)) => tokenize(&a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("\n")),
+                Some(Value::Array(a)) => {
+                    tokenize(&a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"))
+                }
                 _ => return self.error(StatusCode::BAD_REQUEST, "prompt missing"),
             }
         };
@@ -353,7 +466,8 @@ impl Pod {
         let model = v.get("model").and_then(Value::as_str).unwrap_or(&self.cfg.model).to_string();
         let adapter = self.cfg.loras.iter().find(|l| **l == model).cloned();
         let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
-        let include_usage = v.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
+        let include_usage =
+            v.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
 
         {
             let mut st = self.lock();
@@ -374,11 +488,22 @@ impl Pod {
             id
         };
         self.notify.notify_one();
-        let created = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let created =
+            SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let rid = format!("{}-{}-{id}", if chat { "chatcmpl" } else { "cmpl" }, self.cfg.name);
         if stream {
             let mut r = Response::new(
-                SseBody { rx, chat, include_usage, id: rid, model, created, first: true, finished: false }.boxed(),
+                SseBody {
+                    rx,
+                    chat,
+                    include_usage,
+                    id: rid,
+                    model,
+                    created,
+                    first: true,
+                    finished: false,
+                }
+                .boxed(),
             );
             let h = r.headers_mut();
             h.insert("content-type", hyper::header::HeaderValue::from_static("text/event-stream"));
@@ -423,9 +548,11 @@ impl Pod {
 fn content_text(c: Option<&Value>) -> String {
     match c {
         Some(Value::String(s)) => s.clone(),
-        Some(Value::Array(parts)) => {
-            parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect::<Vec<_>>().join("\n")
-        }
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
         _ => String::new(),
     }
 }
@@ -470,7 +597,11 @@ impl SseBody {
         match ev {
             Event::Token(t) => {
                 let choice = if self.chat {
-                    let delta = if self.first { json!({"role": "assistant", "content": t}) } else { json!({"content": t}) };
+                    let delta = if self.first {
+                        json!({"role": "assistant", "content": t})
+                    } else {
+                        json!({"content": t})
+                    };
                     json!([{"index": 0, "delta": delta, "finish_reason": null}])
                 } else {
                     json!([{"index": 0, "text": t, "finish_reason": null}])
@@ -498,7 +629,10 @@ impl SseBody {
 impl Body for SseBody {
     type Data = Bytes;
     type Error = Infallible;
-    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         let this = self.get_mut();
         let mut buf = String::new();
         while !this.finished && buf.len() < 64 * 1024 {

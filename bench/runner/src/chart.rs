@@ -83,9 +83,12 @@ fn draw_cdf(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn std
     let mut b = ChartBuilder::on(area);
     b.margin(15);
     if text {
-        b.caption(format!("{}: TTFT distribution (simulated ms)", rep.scenario), ("sans-serif", 22))
-            .x_label_area_size(40)
-            .y_label_area_size(55);
+        b.caption(
+            format!("{}: TTFT distribution (simulated ms)", rep.scenario),
+            ("sans-serif", 22),
+        )
+        .x_label_area_size(40)
+        .y_label_area_size(55);
     }
     let mut chart = b.build_cartesian_2d(0.0..xmax, 0.0..1.0)?;
     let mut mesh = chart.configure_mesh();
@@ -99,12 +102,15 @@ fn draw_cdf(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn std
         let mut v = r.ttfts.clone();
         v.sort_by(|a, b| a.total_cmp(b));
         let n = v.len().max(1) as f64;
-        let pts: Vec<(f64, f64)> = v.iter().enumerate().map(|(k, x)| (x.min(xmax), (k + 1) as f64 / n)).collect();
+        let pts: Vec<(f64, f64)> =
+            v.iter().enumerate().map(|(k, x)| (x.min(xmax), (k + 1) as f64 / n)).collect();
         let c = COLORS[i % COLORS.len()];
         let s = chart.draw_series(LineSeries::new(pts, c.stroke_width(3)))?;
         if text {
             let name = format!("{} (mean {:.0} ms)", label(r, multi), r.ttft_ms.mean);
-            s.label(name).legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3)));
+            s.label(name).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3))
+            });
         }
     }
     if text {
@@ -125,7 +131,9 @@ fn draw_hits(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn st
     let mut b = ChartBuilder::on(area);
     b.margin(15);
     if text {
-        b.caption("prefix cache hit rate (pods / oracle)", ("sans-serif", 22)).x_label_area_size(40).y_label_area_size(45);
+        b.caption("prefix cache hit rate (pods / oracle)", ("sans-serif", 22))
+            .x_label_area_size(40)
+            .y_label_area_size(45);
     }
     let mut chart = b.build_cartesian_2d(0.0..n as f64, 0.0..100.0)?;
     let mut mesh = chart.configure_mesh();
@@ -141,12 +149,28 @@ fn draw_hits(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn st
         let x = i as f64;
         let hit = r.prefix_hit_rate * 100.0;
         let oracle = r.oracle_hit_rate * 100.0;
-        chart.draw_series(std::iter::once(Rectangle::new([(x + 0.12, 0.0), (x + 0.52, hit)], c.filled())))?;
-        chart.draw_series(std::iter::once(Rectangle::new([(x + 0.52, 0.0), (x + 0.88, oracle)], c.mix(0.35).filled())))?;
+        chart.draw_series(std::iter::once(Rectangle::new(
+            [(x + 0.12, 0.0), (x + 0.52, hit)],
+            c.filled(),
+        )))?;
+        chart.draw_series(std::iter::once(Rectangle::new(
+            [(x + 0.52, 0.0), (x + 0.88, oracle)],
+            c.mix(0.35).filled(),
+        )))?;
         if text {
-            chart.draw_series(std::iter::once(Text::new(format!("{hit:.0}%"), (x + 0.14, (hit + 6.0).min(99.0)), ("sans-serif", 15))))?;
-            let short: String = label(r, multi).replace("global_least_request", "least_req").replace("endpoint_metrics", "metrics");
-            chart.draw_series(std::iter::once(Text::new(short, (x + 0.05, 3.0), ("sans-serif", 13).into_font().color(&BLACK))))?;
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{hit:.0}%"),
+                (x + 0.14, (hit + 6.0).min(99.0)),
+                ("sans-serif", 15),
+            )))?;
+            let short: String = label(r, multi)
+                .replace("global_least_request", "least_req")
+                .replace("endpoint_metrics", "metrics");
+            chart.draw_series(std::iter::once(Text::new(
+                short,
+                (x + 0.05, 3.0),
+                ("sans-serif", 13).into_font().color(&BLACK),
+            )))?;
         }
     }
     Ok(())

@@ -110,7 +110,13 @@ pub struct Report {
     pub policies: Vec<PolicyResult>,
 }
 
-fn gateway_config(paths: &Paths, sc: &Scenario, policy: &str, pods: &[String], redis: &str) -> Value {
+fn gateway_config(
+    paths: &Paths,
+    sc: &Scenario,
+    policy: &str,
+    pods: &[String],
+    redis: &str,
+) -> Value {
     let mut llm = json!({"name": LLM_CLUSTER, "lb_policy": "round_robin", "endpoints": pods});
     if policy == "endpoint_metrics" {
         // Like Higress: the health checker keeps each pod's /metrics body for the plugin.
@@ -152,7 +158,8 @@ pub async fn start_pods(paths: &Paths, sc: &Scenario) -> Result<(Proc, Vec<Strin
         .args(["--max-running", &sc.pods.max_running.to_string()])
         .args(&sc.pods.args);
     let p = Proc::spawn_until_ready(cmd, "podsim", Duration::from_secs(30)).await?;
-    let addrs: Vec<String> = p.lines_with("POD ").into_iter().filter_map(|v| v.get(1).cloned()).collect();
+    let addrs: Vec<String> =
+        p.lines_with("POD ").into_iter().filter_map(|v| v.get(1).cloned()).collect();
     if addrs.len() != sc.pods.count {
         return Err(anyhow!("podsim printed {} pods, expected {}", addrs.len(), sc.pods.count));
     }
@@ -176,9 +183,17 @@ pub async fn start_gateway(
     std::fs::create_dir_all(&dir)?;
     let file = dir.join(format!("gateway-{tag}.yaml"));
     // JSON is valid YAML.
-    std::fs::write(&file, serde_json::to_string_pretty(&gateway_config(paths, sc, policy, pods, redis))?)?;
+    std::fs::write(
+        &file,
+        serde_json::to_string_pretty(&gateway_config(paths, sc, policy, pods, redis))?,
+    )?;
     let mut cmd = Command::new(&paths.gateway);
-    cmd.arg("--config").arg(&file).args(["--workers", &sc.gateway_workers.to_string(), "--log-level", "warn"]);
+    cmd.arg("--config").arg(&file).args([
+        "--workers",
+        &sc.gateway_workers.to_string(),
+        "--log-level",
+        "warn",
+    ]);
     let p = Proc::spawn_until_ready(cmd, "gateway", Duration::from_secs(60)).await?;
     let addr = p
         .lines_with("LISTENING ")
@@ -204,7 +219,8 @@ pub async fn run_policy(
     let mut gws = Vec::new();
     let mut urls = Vec::new();
     for i in 0..replicas.max(1) {
-        let (p, addr) = start_gateway(paths, sc, policy, &pods, &redis.addr, &format!("{policy}-{i}")).await?;
+        let (p, addr) =
+            start_gateway(paths, sc, policy, &pods, &redis.addr, &format!("{policy}-{i}")).await?;
         urls.push(format!("http://{addr}"));
         gws.push(p);
     }
@@ -213,9 +229,15 @@ pub async fn run_policy(
         tokio::time::sleep(Duration::from_millis(600)).await;
     }
     redis_cmd(&redis.addr, &["CONFIG", "RESETSTAT"]).await?;
-    let target = loadgen::Target { urls, model: sc.model.clone(), timeout: Duration::from_secs(600), page: 16 };
+    let target = loadgen::Target {
+        urls,
+        model: sc.model.clone(),
+        timeout: Duration::from_secs(600),
+        page: 16,
+    };
     let t0 = Instant::now();
-    let records = loadgen::run(sc.workload.plan(), target, sc.workload.concurrency(), progress).await;
+    let records =
+        loadgen::run(sc.workload.plan(), target, sc.workload.concurrency(), progress).await;
     let wall = t0.elapsed().as_secs_f64();
     let (usec, bytes) = redis_usage(&redis.addr).await.unwrap_or((0, 0));
     let mut prompt = 0.0;
@@ -246,7 +268,11 @@ pub async fn run_policy(
         prefix_hit_rate: if prompt > 0.0 { cached / prompt } else { 0.0 },
         client_hit_rate: s.client_hit_rate,
         oracle_hit_rate: s.oracle_hit_rate,
-        max_over_mean_load: if mean_peak > 0.0 { *peaks.iter().max().unwrap_or(&0) as f64 / mean_peak } else { 0.0 },
+        max_over_mean_load: if mean_peak > 0.0 {
+            *peaks.iter().max().unwrap_or(&0) as f64 / mean_peak
+        } else {
+            0.0
+        },
         peak_inflight_per_pod: peaks,
         requests_per_pod: s.per_pod_requests,
         redis_usec_per_request: usec as f64 / routed,
@@ -267,8 +293,13 @@ pub async fn run_policy(
 /// Loads `bench/scenarios/<name>.yaml` (or a path).
 pub fn load_scenario(paths: &Paths, name: &str) -> Result<Scenario> {
     let p = Path::new(name);
-    let file = if p.exists() { p.to_path_buf() } else { paths.root.join("bench/scenarios").join(format!("{name}.yaml")) };
-    let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+    let file = if p.exists() {
+        p.to_path_buf()
+    } else {
+        paths.root.join("bench/scenarios").join(format!("{name}.yaml"))
+    };
+    let text =
+        std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
     serde_yaml::from_str(&text).with_context(|| format!("parsing {}", file.display()))
 }
 

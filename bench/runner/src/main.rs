@@ -49,12 +49,17 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
     }
     let redis = Redis::start().await?;
     let per_run = sc.workload.plan().iter().map(|s| s.turns.len()).sum::<usize>() as u64;
-    let runs: Vec<(usize, String)> =
-        sc.gateway_replicas.iter().flat_map(|r| sc.policies.iter().map(move |p| (*r, p.clone()))).collect();
+    let runs: Vec<(usize, String)> = sc
+        .gateway_replicas
+        .iter()
+        .flat_map(|r| sc.policies.iter().map(move |p| (*r, p.clone())))
+        .collect();
     let bar = ProgressBar::new(per_run * runs.len() as u64);
     bar.set_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let mut results = Vec::new();
     for (i, (replicas, policy)) in runs.iter().enumerate() {
@@ -96,7 +101,10 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
     std::fs::write(&json_path, serde_json::to_string_pretty(&rep)?)?;
     let png_path = paths.results.join(format!("{}.png", sc.name));
     chart::draw(&rep, &png_path)?;
-    println!("\n{}: {}\n(latencies in simulated ms at time scale {}; gateway added time in real ms)\n", sc.name, sc.description, sc.time_scale);
+    println!(
+        "\n{}: {}\n(latencies in simulated ms at time scale {}; gateway added time in real ms)\n",
+        sc.name, sc.description, sc.time_scale
+    );
     print!("{}", table(&rep));
     println!("\nwrote {} and {}", json_path.display(), png_path.display());
     Ok(())
@@ -110,9 +118,17 @@ async fn demo(paths: Paths) -> Result<()> {
     let (pods_proc, pods) = start_pods(&paths, &sc).await?;
     let (gw, addr) = start_gateway(&paths, &sc, "prefix_cache", &pods, &redis.addr, "demo").await?;
     println!("redis {}  pods {}  gateway {addr} (prefix_cache)", redis.addr, pods.join(" "));
-    let target = loadgen::Target { urls: vec![format!("http://{addr}")], model: sc.model.clone(), timeout: Duration::from_secs(60), page: 16 };
+    let target = loadgen::Target {
+        urls: vec![format!("http://{addr}")],
+        model: sc.model.clone(),
+        timeout: Duration::from_secs(60),
+        page: 16,
+    };
     let records = loadgen::run(sc.workload.plan(), target, 1, Arc::new(AtomicU64::new(0))).await;
-    println!("{:>4} {:>4} {:>8} {:>7} {:>7} {:>9}", "conv", "turn", "pod", "prompt", "cached", "TTFT ms");
+    println!(
+        "{:>4} {:>4} {:>8} {:>7} {:>7} {:>9}",
+        "conv", "turn", "pod", "prompt", "cached", "TTFT ms"
+    );
     let mut ok = true;
     for conv in 0..2 {
         let turns: Vec<_> = records.iter().filter(|r| r.session == conv).collect();
@@ -130,14 +146,18 @@ async fn demo(paths: Paths) -> Result<()> {
             );
         }
         let first = turns.first().and_then(|r| r.pod.clone());
-        if turns.len() != 5 || first.is_none() || turns.iter().any(|r| r.pod != first || r.error.is_some()) {
+        if turns.len() != 5
+            || first.is_none()
+            || turns.iter().any(|r| r.pod != first || r.error.is_some())
+        {
             ok = false;
         }
     }
     println!("plugin keys in Redis (TTL s):");
     if let Resp::Array(Some(v)) = redis_cmd(&redis.addr, &["KEYS", "*"]).await? {
         for k in v.iter().map(Resp::text).take(40) {
-            let ttl = redis_cmd(&redis.addr, &["TTL", &k]).await.map(|r| r.text()).unwrap_or_default();
+            let ttl =
+                redis_cmd(&redis.addr, &["TTL", &k]).await.map(|r| r.text()).unwrap_or_default();
             println!("  {k}  {ttl}");
         }
     }
@@ -166,7 +186,8 @@ async fn main() {
         _ = tokio::signal::ctrl_c() => Err(anyhow::anyhow!("interrupted")),
     };
     // Gateway config files written by this run.
-    let _ = std::fs::remove_dir_all(std::env::temp_dir().join(format!("bench-{}", std::process::id())));
+    let _ =
+        std::fs::remove_dir_all(std::env::temp_dir().join(format!("bench-{}", std::process::id())));
     if let Err(e) = res {
         eprintln!("bench: {e:#}");
         std::process::exit(1);

@@ -17,7 +17,11 @@ pub struct Proc {
 
 impl Proc {
     /// Spawns `cmd` and reads stdout until a line `READY` (or fails after `timeout`).
-    pub async fn spawn_until_ready(mut cmd: Command, what: &str, timeout: Duration) -> Result<Proc> {
+    pub async fn spawn_until_ready(
+        mut cmd: Command,
+        what: &str,
+        timeout: Duration,
+    ) -> Result<Proc> {
         cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).stdin(Stdio::null()).kill_on_drop(true);
         let mut child = cmd.spawn().with_context(|| format!("starting {what}"))?;
         let stdout = child.stdout.take().ok_or_else(|| anyhow!("{what}: no stdout"))?;
@@ -78,7 +82,16 @@ impl Redis {
     pub async fn start() -> Result<Redis> {
         let port = free_port()?;
         let proc = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
             .kill_on_drop(true)
@@ -187,12 +200,16 @@ pub async fn redis_info(addr: &str, section: &str) -> Result<Vec<(String, String
 /// INFO/CONFIG/FLUSHALL/PING/SCAN, bytes in + out).
 pub async fn redis_usage(addr: &str) -> Result<(u64, u64)> {
     let stats = redis_info(addr, "stats").await?;
-    let get = |k: &str| stats.iter().find(|(n, _)| n == k).and_then(|(_, v)| v.parse::<u64>().ok()).unwrap_or(0);
+    let get = |k: &str| {
+        stats.iter().find(|(n, _)| n == k).and_then(|(_, v)| v.parse::<u64>().ok()).unwrap_or(0)
+    };
     let bytes = get("total_net_input_bytes") + get("total_net_output_bytes");
     let mut usec = 0;
     for (k, v) in redis_info(addr, "commandstats").await? {
         let cmd = k.trim_start_matches("cmdstat_");
-        if ["info", "config", "flushall", "ping", "scan", "ttl", "type"].contains(&cmd) || cmd.starts_with("config") {
+        if ["info", "config", "flushall", "ping", "scan", "ttl", "type"].contains(&cmd)
+            || cmd.starts_with("config")
+        {
             continue;
         }
         if let Some(u) = v.split(',').find_map(|f| f.strip_prefix("usec=")) {

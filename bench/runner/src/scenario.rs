@@ -7,7 +7,10 @@ fn one() -> Vec<usize> {
     vec![1]
 }
 fn all_policies() -> Vec<String> {
-    ["round_robin", "global_least_request", "prefix_cache", "endpoint_metrics"].iter().map(|s| s.to_string()).collect()
+    ["round_robin", "global_least_request", "prefix_cache", "endpoint_metrics"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
 }
 fn default_scale() -> f64 {
     0.25
@@ -92,8 +95,13 @@ mod tests {
             if p.extension().and_then(|x| x.to_str()) != Some("yaml") {
                 continue;
             }
-            let s: Scenario = serde_yaml::from_str(&std::fs::read_to_string(&p).expect("read")).expect("parse");
-            assert_eq!(Some(s.name.as_str()), p.file_stem().and_then(|x| x.to_str()), "name matches file");
+            let s: Scenario =
+                serde_yaml::from_str(&std::fs::read_to_string(&p).expect("read")).expect("parse");
+            assert_eq!(
+                Some(s.name.as_str()),
+                p.file_stem().and_then(|x| x.to_str()),
+                "name matches file"
+            );
             assert!(!s.workload.plan().is_empty());
             n += 1;
         }

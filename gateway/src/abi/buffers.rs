@@ -114,7 +114,9 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 Ok(d) => d,
                 Err(e) => return e,
             };
-            match with_buffer(&mut c, ty, |b| b.set(start as u32 as usize, len as u32 as usize, &data)) {
+            match with_buffer(&mut c, ty, |b| {
+                b.set(start as u32 as usize, len as u32 as usize, &data)
+            }) {
                 Ok(()) => {
                     if ty == 1 {
                         if let Some(s) = c.data().effective_stream() {

@@ -8,7 +8,9 @@
 //! goes to the root context; on failure the counts are 0 and `proxy_get_status` gives
 //! BrokenConnection. Tokens start at 4 and step by 4.
 
-use super::{read_bytes, read_string, status, unmarshal_pairs, write_u32, CallResponse, HostState, Registrar};
+use super::{
+    read_bytes, read_string, status, unmarshal_pairs, write_u32, CallResponse, HostState, Registrar,
+};
 use crate::worker::WorkerEvent;
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -35,30 +37,47 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 Ok(x) => x,
                 Err(e) => return e,
             };
-            let (hdrs, body, _trl) =
-                match (read_bytes(&mut c, hp, hs), read_bytes(&mut c, bp, bs), read_bytes(&mut c, tp, ts)) {
-                    (Ok(h), Ok(b), Ok(t)) => (h, b, t),
-                    (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
-                };
+            let (hdrs, body, _trl) = match (
+                read_bytes(&mut c, hp, hs),
+                read_bytes(&mut c, bp, bs),
+                read_bytes(&mut c, tp, ts),
+            ) {
+                (Ok(h), Ok(b), Ok(t)) => (h, b, t),
+                (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
+            };
             let Some(headers) = unmarshal_pairs(&hdrs) else { return status::BAD_ARGUMENT };
-            let get = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| String::from_utf8_lossy(v).into_owned());
-            let (Some(method), Some(path), Some(authority)) = (get(":method"), get(":path"), get(":authority")) else {
+            let get = |k: &str| {
+                headers
+                    .iter()
+                    .find(|(n, _)| n == k)
+                    .map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+            };
+            let (Some(method), Some(path), Some(authority)) =
+                (get(":method"), get(":path"), get(":authority"))
+            else {
                 return status::BAD_ARGUMENT;
             };
             let st = c.data_mut();
             let Some(cl) = st.g.clusters.get(&cluster) else { return status::BAD_ARGUMENT };
             let token = st.next_http_token;
             st.next_http_token = st.next_http_token.wrapping_add(4);
-            let endpoint = get("x-envoy-original-dst-host").and_then(|h| cl.find(&h)).or_else(|| cl.pick());
+            let endpoint =
+                get("x-envoy-original-dst-host").and_then(|h| cl.find(&h)).or_else(|| cl.pick());
             let client = st.http_client.clone();
             let events = st.events.clone();
             let gen = st.gen;
             // 0 = no timeout.
-            let timeout = if timeout == 0 { Duration::from_secs(24 * 3600) } else { Duration::from_millis(timeout as u32 as u64) };
+            let timeout = if timeout == 0 {
+                Duration::from_secs(24 * 3600)
+            } else {
+                Duration::from_millis(timeout as u32 as u64)
+            };
             tokio::task::spawn_local(async move {
                 let result = async {
                     let ep = endpoint.ok_or("no healthy upstream")?;
-                    let mut b = hyper::Request::builder().method(method.as_str()).uri(format!("http://{}{}", ep.addr, path));
+                    let mut b = hyper::Request::builder()
+                        .method(method.as_str())
+                        .uri(format!("http://{}{}", ep.addr, path));
                     for (k, v) in &headers {
                         if k.starts_with(':') || k == "host" {
                             continue;
@@ -66,7 +85,9 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                         b = b.header(k.as_str(), v.as_slice());
                     }
                     b = b.header("host", authority.as_str());
-                    let req = b.body(crate::body::GwBody::full(Bytes::from(body))).map_err(|_| "bad request")?;
+                    let req = b
+                        .body(crate::body::GwBody::full(Bytes::from(body)))
+                        .map_err(|_| "bad request")?;
                     let resp = tokio::time::timeout(timeout, async {
                         let resp = client.request(req).await.map_err(|_| "connect")?;
                         let (parts, body) = resp.into_parts();
@@ -77,12 +98,17 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                     .await
                     .map_err(|_| "timeout")??;
                     let (parts, body, trailers) = resp;
-                    let mut headers = vec![(":status".to_string(), parts.status.as_str().as_bytes().to_vec())];
+                    let mut headers =
+                        vec![(":status".to_string(), parts.status.as_str().as_bytes().to_vec())];
                     for (k, v) in parts.headers.iter() {
                         headers.push((k.as_str().to_string(), v.as_bytes().to_vec()));
                     }
                     let trailers = trailers
-                        .map(|t| t.iter().map(|(k, v)| (k.as_str().to_string(), v.as_bytes().to_vec())).collect())
+                        .map(|t| {
+                            t.iter()
+                                .map(|(k, v)| (k.as_str().to_string(), v.as_bytes().to_vec()))
+                                .collect()
+                        })
                         .unwrap_or_default();
                     Ok::<_, &'static str>(CallResponse { headers, body, trailers })
                 }

@@ -6,7 +6,10 @@
 //! 6 callout response headers, 7 callout response trailers. Request headers are accessible only
 //! while this filter holds them (Envoy resets `request_headers_` on Continue).
 
-use super::{copy_out, marshal_pairs, read_bytes, read_string, status, unmarshal_pairs, HResult, HeaderMap, HostState, Registrar};
+use super::{
+    copy_out, marshal_pairs, read_bytes, read_string, status, unmarshal_pairs, HResult, HeaderMap,
+    HostState, Registrar,
+};
 use wasmtime::Caller;
 
 fn with_map<R>(
@@ -51,29 +54,35 @@ fn with_map<R>(
 
 /// Register the group.
 pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
-    l.func("proxy_get_header_map_pairs", |mut c: Caller<'_, HostState>, ty: i32, pp: i32, sp: i32| -> i32 {
-        match with_map(&mut c, ty, false, |m| Ok(marshal_pairs(m))) {
-            Ok(b) => match copy_out(&mut c, &b, pp, sp) {
+    l.func(
+        "proxy_get_header_map_pairs",
+        |mut c: Caller<'_, HostState>, ty: i32, pp: i32, sp: i32| -> i32 {
+            match with_map(&mut c, ty, false, |m| Ok(marshal_pairs(m))) {
+                Ok(b) => match copy_out(&mut c, &b, pp, sp) {
+                    Ok(()) => status::OK,
+                    Err(e) => e,
+                },
+                Err(e) => e,
+            }
+        },
+    )?;
+    l.func(
+        "proxy_set_header_map_pairs",
+        |mut c: Caller<'_, HostState>, ty: i32, p: i32, s: i32| -> i32 {
+            let data = match read_bytes(&mut c, p, s) {
+                Ok(d) => d,
+                Err(e) => return e,
+            };
+            let Some(pairs) = unmarshal_pairs(&data) else { return status::BAD_ARGUMENT };
+            match with_map(&mut c, ty, true, |m| {
+                *m = pairs;
+                Ok(())
+            }) {
                 Ok(()) => status::OK,
                 Err(e) => e,
-            },
-            Err(e) => e,
-        }
-    })?;
-    l.func("proxy_set_header_map_pairs", |mut c: Caller<'_, HostState>, ty: i32, p: i32, s: i32| -> i32 {
-        let data = match read_bytes(&mut c, p, s) {
-            Ok(d) => d,
-            Err(e) => return e,
-        };
-        let Some(pairs) = unmarshal_pairs(&data) else { return status::BAD_ARGUMENT };
-        match with_map(&mut c, ty, true, |m| {
-            *m = pairs;
-            Ok(())
-        }) {
-            Ok(()) => status::OK,
-            Err(e) => e,
-        }
-    })?;
+            }
+        },
+    )?;
     l.func(
         "proxy_get_header_map_value",
         |mut c: Caller<'_, HostState>, ty: i32, kp: i32, ks: i32, vpp: i32, vsp: i32| -> i32 {

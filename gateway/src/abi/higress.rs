@@ -9,7 +9,9 @@
 //! (`ip:port`, `{"health_status": ..., "metrics": ...}`); `set_upstream_override_host` always
 //! returns Ok and is read by the router when the request headers leave this filter (non-strict).
 
-use super::{copy_out, marshal_pairs, read_bytes, read_string, status, write_u32, HostState, Registrar};
+use super::{
+    copy_out, marshal_pairs, read_bytes, read_string, status, write_u32, HostState, Registrar,
+};
 use crate::redis::{RedisClient, RedisConfig};
 use bytes::Bytes;
 use wasmtime::Caller;
@@ -18,16 +20,28 @@ use wasmtime::Caller;
 pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
     l.func(
         "proxy_redis_init",
-        |mut c: Caller<'_, HostState>, cp: i32, cs: i32, up: i32, us: i32, pp: i32, ps: i32, timeout: i32| -> i32 {
-            let (full, user, pass) =
-                match (read_string(&mut c, cp, cs), read_string(&mut c, up, us), read_string(&mut c, pp, ps)) {
-                    (Ok(a), Ok(b), Ok(p)) => (a, b, p),
-                    (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
-                };
+        |mut c: Caller<'_, HostState>,
+         cp: i32,
+         cs: i32,
+         up: i32,
+         us: i32,
+         pp: i32,
+         ps: i32,
+         timeout: i32|
+         -> i32 {
+            let (full, user, pass) = match (
+                read_string(&mut c, cp, cs),
+                read_string(&mut c, up, us),
+                read_string(&mut c, pp, ps),
+            ) {
+                (Ok(a), Ok(b), Ok(p)) => (a, b, p),
+                (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
+            };
             let st = c.data_mut();
             let name = full.split('?').next().unwrap_or("").to_string();
             let Some(cluster) = st.g.clusters.get(&name) else { return status::BAD_ARGUMENT };
-            let cfg = RedisConfig::parse(&full, user, pass, timeout as u32, cluster.connect_timeout);
+            let cfg =
+                RedisConfig::parse(&full, user, pass, timeout as u32, cluster.connect_timeout);
             // Re-init closes the existing connection of this worker's client (dropped here).
             st.redis_clients.insert(name, RedisClient::new(cfg));
             status::OK
@@ -43,15 +57,16 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             let st = c.data_mut();
             let name = full.split('?').next().unwrap_or("").to_string();
             let Some(cluster) = st.g.clusters.get(&name) else { return status::BAD_ARGUMENT };
-            let Some(ep) = cluster.endpoints().first().cloned() else { return status::INTERNAL_FAILURE };
+            let Some(ep) = cluster.endpoints().first().cloned() else {
+                return status::INTERNAL_FAILURE;
+            };
             let token = st.next_redis_token;
             st.next_redis_token = st.next_redis_token.wrapping_add(4);
             let (events, gen) = (st.events.clone(), st.gen);
             let ct = cluster.connect_timeout;
-            let client = st
-                .redis_clients
-                .entry(name)
-                .or_insert_with(|| RedisClient::new(RedisConfig::parse(&full, String::new(), String::new(), 0, ct)));
+            let client = st.redis_clients.entry(name).or_insert_with(|| {
+                RedisClient::new(RedisConfig::parse(&full, String::new(), String::new(), 0, ct))
+            });
             if !client.send(ep.addr, token, Bytes::from(query), events, gen) {
                 return status::INTERNAL_FAILURE;
             }
@@ -86,18 +101,21 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             Err(e) => e,
         }
     })?;
-    l.func("proxy_set_upstream_override_host", |mut c: Caller<'_, HostState>, p: i32, s: i32| -> i32 {
-        let host = match read_string(&mut c, p, s) {
-            Ok(h) => h,
-            Err(e) => return e,
-        };
-        if let Some(stream) = c.data().effective_stream() {
-            if let Ok(mut s) = stream.lock() {
-                s.override_host = Some(host);
+    l.func(
+        "proxy_set_upstream_override_host",
+        |mut c: Caller<'_, HostState>, p: i32, s: i32| -> i32 {
+            let host = match read_string(&mut c, p, s) {
+                Ok(h) => h,
+                Err(e) => return e,
+            };
+            if let Some(stream) = c.data().effective_stream() {
+                if let Ok(mut s) = stream.lock() {
+                    s.override_host = Some(host);
+                }
             }
-        }
-        // Always Ok: misuse is not reported (Envoy).
-        status::OK
-    })?;
+            // Always Ok: misuse is not reported (Envoy).
+            status::OK
+        },
+    )?;
     Ok(())
 }

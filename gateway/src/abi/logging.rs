@@ -40,13 +40,16 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
         let lvl = c.data().g.log_level;
         code(write_u32(&mut c, out, lvl))
     })?;
-    l.func("proxy_get_current_time_nanoseconds", |mut c: Caller<'_, HostState>, out: i32| -> i32 {
-        let ns = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        code(write_bytes(&mut c, out, &ns.to_le_bytes()))
-    })?;
+    l.func(
+        "proxy_get_current_time_nanoseconds",
+        |mut c: Caller<'_, HostState>, out: i32| -> i32 {
+            let ns = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
+            code(write_bytes(&mut c, out, &ns.to_le_bytes()))
+        },
+    )?;
     l.func("proxy_set_tick_period_milliseconds", |c: Caller<'_, HostState>, ms: i32| -> i32 {
         code(set_tick(c, ms as u32))
     })?;

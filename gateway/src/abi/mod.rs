@@ -363,10 +363,7 @@ pub fn code(r: HResult<()>) -> i32 {
 }
 
 fn memory(caller: &mut Caller<'_, HostState>) -> HResult<wasmtime::Memory> {
-    caller
-        .get_export("memory")
-        .and_then(|e| e.into_memory())
-        .ok_or(status::INVALID_MEMORY_ACCESS)
+    caller.get_export("memory").and_then(|e| e.into_memory()).ok_or(status::INVALID_MEMORY_ACCESS)
 }
 
 /// Read guest bytes.
@@ -403,7 +400,12 @@ pub fn write_u32(caller: &mut Caller<'_, HostState>, ptr: i32, v: u32) -> HResul
 
 /// Allocate guest memory with the module's allocator and copy `bytes` there; write the pointer and
 /// size to `ptr_ptr`/`size_ptr` (cpp-host `copyToPointerSize`: empty data gives a null pointer).
-pub fn copy_out(caller: &mut Caller<'_, HostState>, bytes: &[u8], ptr_ptr: i32, size_ptr: i32) -> HResult<()> {
+pub fn copy_out(
+    caller: &mut Caller<'_, HostState>,
+    bytes: &[u8],
+    ptr_ptr: i32,
+    size_ptr: i32,
+) -> HResult<()> {
     let mut ptr = 0u32;
     if !bytes.is_empty() {
         let alloc = caller
@@ -498,21 +500,22 @@ pub fn build_linker(engine: &Engine, module: &Module) -> anyhow::Result<Linker<H
             let code = if imp.module().starts_with("wasi") { 52 } else { status::UNIMPLEMENTED };
             let results: Vec<ValType> = ft.results().collect();
             tracing::debug!("stubbing import {}.{} as Unimplemented", imp.module(), name);
-            linker.func_new(imp.module(), imp.name(), ft.clone(), move |_c, _p, out| {
-                tracing::debug!("unimplemented hostcall {name}");
-                for (i, ty) in results.iter().enumerate() {
-                    if let Some(o) = out.get_mut(i) {
-                        *o = match ty {
-                            ValType::I64 => Val::I64(code as i64),
-                            ValType::F32 => Val::F32(0),
-                            ValType::F64 => Val::F64(0),
-                            _ => Val::I32(code),
-                        };
+            linker
+                .func_new(imp.module(), imp.name(), ft.clone(), move |_c, _p, out| {
+                    tracing::debug!("unimplemented hostcall {name}");
+                    for (i, ty) in results.iter().enumerate() {
+                        if let Some(o) = out.get_mut(i) {
+                            *o = match ty {
+                                ValType::I64 => Val::I64(code as i64),
+                                ValType::F32 => Val::F32(0),
+                                ValType::F64 => Val::F64(0),
+                                _ => Val::I32(code),
+                            };
+                        }
                     }
-                }
-                Ok(())
-            })
-            .map_err(werr)?;
+                    Ok(())
+                })
+                .map_err(werr)?;
         }
     }
     Ok(linker)
@@ -561,8 +564,16 @@ mod tests {
         assert_eq!(HeaderAction::from_raw(1, AbiVersion::V0_1_0, false), StopAll);
         assert_eq!(HeaderAction::from_raw(1, AbiVersion::V0_2_100, false), StopIteration);
         assert_eq!(HeaderAction::from_raw(0, AbiVersion::V0_2_100, false), Continue);
-        assert_eq!(HeaderAction::from_raw(0, AbiVersion::V0_2_100, true), StopAll, "local reply forces StopAll");
-        assert_eq!(HeaderAction::from_raw(7, AbiVersion::V0_2_100, false), StopAll, "values above 4");
+        assert_eq!(
+            HeaderAction::from_raw(0, AbiVersion::V0_2_100, true),
+            StopAll,
+            "local reply forces StopAll"
+        );
+        assert_eq!(
+            HeaderAction::from_raw(7, AbiVersion::V0_2_100, false),
+            StopAll,
+            "values above 4"
+        );
         assert_eq!(HeaderAction::from_raw(2, AbiVersion::V0_2_1, false), Continue);
     }
 

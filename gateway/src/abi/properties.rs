@@ -38,15 +38,19 @@ fn stream_property(s: &StreamState, segs: &[&str]) -> Option<Vec<u8>> {
         ["connection_id"] => int(i.connection_id),
         ["request", "path"] => i.path.clone().into_bytes(),
         ["request", "url_path"] => i.path.split('?').next().unwrap_or("").as_bytes().to_vec(),
-        ["request", "query"] => i.path.split_once('?').map(|x| x.1).unwrap_or("").as_bytes().to_vec(),
+        ["request", "query"] => {
+            i.path.split_once('?').map(|x| x.1).unwrap_or("").as_bytes().to_vec()
+        }
         ["request", "host"] => i.host.clone().into_bytes(),
         ["request", "method"] => i.method.clone().into_bytes(),
         ["request", "scheme"] => i.scheme.clone().into_bytes(),
         ["request", "id"] => i.id.clone().into_bytes(),
         ["request", "protocol"] => i.protocol.clone().into_bytes(),
-        ["request", "time"] => int(
-            i.time.duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0),
-        ),
+        ["request", "time"] => int(i
+            .time
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)),
         ["request", "useragent"] => header(s, "user-agent")?,
         ["request", "referer"] => header(s, "referer")?,
         ["request", "headers", name] => header(s, name)?,

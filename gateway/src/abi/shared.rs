@@ -124,18 +124,21 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             g.shared_data.set(&g.plugin_vm_id, &key, val, cas as u32)
         },
     )?;
-    l.func("proxy_register_shared_queue", |mut c: Caller<'_, HostState>, np: i32, ns: i32, idp: i32| -> i32 {
-        let name = match read_string(&mut c, np, ns) {
-            Ok(n) => n,
-            Err(e) => return e,
-        };
-        let (g, w, gen) = (c.data().g.clone(), c.data().worker, c.data().gen);
-        let id = g.queues.register(&g.plugin_vm_id, &name, w, gen);
-        match write_u32(&mut c, idp, id) {
-            Ok(()) => status::OK,
-            Err(e) => e,
-        }
-    })?;
+    l.func(
+        "proxy_register_shared_queue",
+        |mut c: Caller<'_, HostState>, np: i32, ns: i32, idp: i32| -> i32 {
+            let name = match read_string(&mut c, np, ns) {
+                Ok(n) => n,
+                Err(e) => return e,
+            };
+            let (g, w, gen) = (c.data().g.clone(), c.data().worker, c.data().gen);
+            let id = g.queues.register(&g.plugin_vm_id, &name, w, gen);
+            match write_u32(&mut c, idp, id) {
+                Ok(()) => status::OK,
+                Err(e) => e,
+            }
+        },
+    )?;
     l.func(
         "proxy_resolve_shared_queue",
         |mut c: Caller<'_, HostState>, vp: i32, vs: i32, np: i32, ns: i32, idp: i32| -> i32 {
@@ -154,31 +157,37 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             }
         },
     )?;
-    l.func("proxy_dequeue_shared_queue", |mut c: Caller<'_, HostState>, id: i32, pp: i32, sp: i32| -> i32 {
-        let g = c.data().g.clone();
-        match g.queues.dequeue(id as u32) {
-            Ok(v) => match copy_out(&mut c, &v, pp, sp) {
-                Ok(()) => status::OK,
+    l.func(
+        "proxy_dequeue_shared_queue",
+        |mut c: Caller<'_, HostState>, id: i32, pp: i32, sp: i32| -> i32 {
+            let g = c.data().g.clone();
+            match g.queues.dequeue(id as u32) {
+                Ok(v) => match copy_out(&mut c, &v, pp, sp) {
+                    Ok(()) => status::OK,
+                    Err(e) => e,
+                },
                 Err(e) => e,
-            },
-            Err(e) => e,
-        }
-    })?;
-    l.func("proxy_enqueue_shared_queue", |mut c: Caller<'_, HostState>, id: i32, vp: i32, vs: i32| -> i32 {
-        let v = match read_bytes(&mut c, vp, vs) {
-            Ok(v) => v,
-            Err(e) => return e,
-        };
-        let g = c.data().g.clone();
-        match g.queues.enqueue(id as u32, v) {
-            Some((w, gen)) => {
-                if let Some(tx) = g.worker_events.get().and_then(|v| v.get(w)) {
-                    let _ = tx.send(WorkerEvent::QueueReady { gen, queue_id: id as u32 });
-                }
-                status::OK
             }
-            None => status::NOT_FOUND,
-        }
-    })?;
+        },
+    )?;
+    l.func(
+        "proxy_enqueue_shared_queue",
+        |mut c: Caller<'_, HostState>, id: i32, vp: i32, vs: i32| -> i32 {
+            let v = match read_bytes(&mut c, vp, vs) {
+                Ok(v) => v,
+                Err(e) => return e,
+            };
+            let g = c.data().g.clone();
+            match g.queues.enqueue(id as u32, v) {
+                Some((w, gen)) => {
+                    if let Some(tx) = g.worker_events.get().and_then(|v| v.get(w)) {
+                        let _ = tx.send(WorkerEvent::QueueReady { gen, queue_id: id as u32 });
+                    }
+                    status::OK
+                }
+                None => status::NOT_FOUND,
+            }
+        },
+    )?;
     Ok(())
 }

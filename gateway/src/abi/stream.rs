@@ -6,7 +6,10 @@
 //! (Envoy `addAfterVmCallAction`); `send_local_response` forces the current callback's result to
 //! StopAll, and a second one on the same stream gives BadArgument.
 
-use super::{copy_out, defer, read_bytes, read_string, status, unmarshal_pairs, write_u32, Action, HostState, LocalReply, Registrar};
+use super::{
+    copy_out, defer, read_bytes, read_string, status, unmarshal_pairs, write_u32, Action,
+    HostState, LocalReply, Registrar,
+};
 use bytes::Bytes;
 use wasmtime::Caller;
 
@@ -25,9 +28,15 @@ fn continue_stream(c: &mut Caller<'_, HostState>, ty: i32) -> i32 {
 
 /// Register the group.
 pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
-    l.func("proxy_continue_stream", |mut c: Caller<'_, HostState>, ty: i32| -> i32 { continue_stream(&mut c, ty) })?;
-    l.func("proxy_continue_request", |mut c: Caller<'_, HostState>| -> i32 { continue_stream(&mut c, 0) })?;
-    l.func("proxy_continue_response", |mut c: Caller<'_, HostState>| -> i32 { continue_stream(&mut c, 1) })?;
+    l.func("proxy_continue_stream", |mut c: Caller<'_, HostState>, ty: i32| -> i32 {
+        continue_stream(&mut c, ty)
+    })?;
+    l.func("proxy_continue_request", |mut c: Caller<'_, HostState>| -> i32 {
+        continue_stream(&mut c, 0)
+    })?;
+    l.func("proxy_continue_response", |mut c: Caller<'_, HostState>| -> i32 {
+        continue_stream(&mut c, 1)
+    })?;
     l.func("proxy_close_stream", |mut c: Caller<'_, HostState>, _ty: i32| -> i32 {
         let st = c.data_mut();
         if st.effective_stream().is_none() {
@@ -70,21 +79,33 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 return status::BAD_ARGUMENT;
             }
             st.local_reply_in_call = true;
-            let status_code = u16::try_from(code).ok().filter(|c| (100..=999).contains(c)).unwrap_or(500);
-            defer(st, Action::LocalReply(LocalReply { status: status_code, details, body: Bytes::from(body), headers }));
+            let status_code =
+                u16::try_from(code).ok().filter(|c| (100..=999).contains(c)).unwrap_or(500);
+            defer(
+                st,
+                Action::LocalReply(LocalReply {
+                    status: status_code,
+                    details,
+                    body: Bytes::from(body),
+                    headers,
+                }),
+            );
             status::OK
         },
     )?;
-    l.func("proxy_get_status", |mut c: Caller<'_, HostState>, codep: i32, mpp: i32, msp: i32| -> i32 {
-        let (code, msg) = c.data().last_status.clone();
-        if let Err(e) = write_u32(&mut c, codep, code) {
-            return e;
-        }
-        match copy_out(&mut c, msg.as_bytes(), mpp, msp) {
-            Ok(()) => status::OK,
-            Err(e) => e,
-        }
-    })?;
+    l.func(
+        "proxy_get_status",
+        |mut c: Caller<'_, HostState>, codep: i32, mpp: i32, msp: i32| -> i32 {
+            let (code, msg) = c.data().last_status.clone();
+            if let Err(e) = write_u32(&mut c, codep, code) {
+                return e;
+            }
+            match copy_out(&mut c, msg.as_bytes(), mpp, msp) {
+                Ok(()) => status::OK,
+                Err(e) => e,
+            }
+        },
+    )?;
     l.func("proxy_set_effective_context", |mut c: Caller<'_, HostState>, ctx: i32| -> i32 {
         let st = c.data_mut();
         let ctx = ctx as u32;
@@ -99,9 +120,14 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
     l.func("proxy_done", |_c: Caller<'_, HostState>| -> i32 { status::OK })?;
     l.func(
         "proxy_call_foreign_function",
-        |_c: Caller<'_, HostState>, _np: i32, _ns: i32, _ap: i32, _as: i32, _rpp: i32, _rsp: i32| -> i32 {
-            status::NOT_FOUND
-        },
+        |_c: Caller<'_, HostState>,
+         _np: i32,
+         _ns: i32,
+         _ap: i32,
+         _as: i32,
+         _rpp: i32,
+         _rsp: i32|
+         -> i32 { status::NOT_FOUND },
     )?;
     Ok(())
 }

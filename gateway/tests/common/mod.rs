@@ -168,7 +168,10 @@ pub async fn request(method: &str, url: &str, headers: &[(&str, &str)], body: &s
         b = b.header(*k, *v);
     }
     let req = b.body(GwBody::full(Bytes::from(body.to_string()))).unwrap();
-    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req)).await.expect("request timed out").expect("request failed");
+    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
+        .await
+        .expect("request timed out")
+        .expect("request failed");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
@@ -180,7 +183,12 @@ pub async fn get(url: &str, headers: &[(&str, &str)]) -> Resp {
 }
 
 /// POST a body in several chunks with a pause between them (chunked transfer encoding).
-pub async fn post_chunks(url: &str, headers: &[(&str, &str)], chunks: &[&str], pause: Duration) -> Resp {
+pub async fn post_chunks(
+    url: &str,
+    headers: &[(&str, &str)],
+    chunks: &[&str],
+    pause: Duration,
+) -> Resp {
     let (tx, body) = GwBody::channel();
     let mut b = hyper::Request::builder().method("POST").uri(url);
     for (k, v) in headers {
@@ -194,7 +202,10 @@ pub async fn post_chunks(url: &str, headers: &[(&str, &str)], chunks: &[&str], p
             tokio::time::sleep(pause).await;
         }
     });
-    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req)).await.expect("request timed out").expect("request failed");
+    let resp = tokio::time::timeout(Duration::from_secs(20), client().request(req))
+        .await
+        .expect("request timed out")
+        .expect("request failed");
     let status = resp.status().as_u16();
     let headers = resp.headers().clone();
     let body = resp.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
@@ -232,57 +243,72 @@ impl Upstream {
                 let Ok((stream, _)) = l.accept().await else { continue };
                 let (seen, closed) = (s2.clone(), c2.clone());
                 tokio::spawn(async move {
-                    let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                        let (seen, closed) = (seen.clone(), closed.clone());
-                        async move {
-                            let (parts, body) = req.into_parts();
-                            let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
-                            let path = parts.uri.path().to_string();
-                            seen.lock().unwrap().push(Recorded {
-                                method: parts.method.to_string(),
-                                path: path.clone(),
-                                headers: parts.headers.clone(),
-                                body,
-                            });
-                            let resp = match path.as_str() {
-                                "/slow" => {
-                                    tokio::time::sleep(Duration::from_millis(500)).await;
-                                    hyper::Response::new(GwBody::full(Bytes::from("slow")))
-                                }
-                                "/hang" => {
-                                    tokio::time::sleep(Duration::from_secs(10)).await;
-                                    hyper::Response::new(GwBody::full(Bytes::from("late")))
-                                }
-                                "/metrics" => hyper::Response::new(GwBody::full(Bytes::from(format!("vllm:num_requests_running {}\n", addr.port())))),
-                                "/sse" | "/sse-forever" => {
-                                    let forever = path == "/sse-forever";
-                                    let (tx, b) = GwBody::channel();
-                                    tokio::spawn(async move {
-                                        let mut i = 0;
-                                        loop {
-                                            if tx.send(Ok(Bytes::from(format!("data: {i}\n\n")))).await.is_err() {
-                                                *closed.lock().unwrap() = true;
-                                                return;
+                    let svc = hyper::service::service_fn(
+                        move |req: hyper::Request<hyper::body::Incoming>| {
+                            let (seen, closed) = (seen.clone(), closed.clone());
+                            async move {
+                                let (parts, body) = req.into_parts();
+                                let body =
+                                    body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+                                let path = parts.uri.path().to_string();
+                                seen.lock().unwrap().push(Recorded {
+                                    method: parts.method.to_string(),
+                                    path: path.clone(),
+                                    headers: parts.headers.clone(),
+                                    body,
+                                });
+                                let resp = match path.as_str() {
+                                    "/slow" => {
+                                        tokio::time::sleep(Duration::from_millis(500)).await;
+                                        hyper::Response::new(GwBody::full(Bytes::from("slow")))
+                                    }
+                                    "/hang" => {
+                                        tokio::time::sleep(Duration::from_secs(10)).await;
+                                        hyper::Response::new(GwBody::full(Bytes::from("late")))
+                                    }
+                                    "/metrics" => hyper::Response::new(GwBody::full(Bytes::from(
+                                        format!("vllm:num_requests_running {}\n", addr.port()),
+                                    ))),
+                                    "/sse" | "/sse-forever" => {
+                                        let forever = path == "/sse-forever";
+                                        let (tx, b) = GwBody::channel();
+                                        tokio::spawn(async move {
+                                            let mut i = 0;
+                                            loop {
+                                                if tx
+                                                    .send(Ok(Bytes::from(format!("data: {i}\n\n"))))
+                                                    .await
+                                                    .is_err()
+                                                {
+                                                    *closed.lock().unwrap() = true;
+                                                    return;
+                                                }
+                                                i += 1;
+                                                if !forever && i == 3 {
+                                                    return;
+                                                }
+                                                tokio::select! {
+                                                    _ = tokio::time::sleep(Duration::from_millis(150)) => {}
+                                                    _ = tx.closed() => { *closed.lock().unwrap() = true; return; }
+                                                }
                                             }
-                                            i += 1;
-                                            if !forever && i == 3 {
-                                                return;
-                                            }
-                                            tokio::select! {
-                                                _ = tokio::time::sleep(Duration::from_millis(150)) => {}
-                                                _ = tx.closed() => { *closed.lock().unwrap() = true; return; }
-                                            }
-                                        }
-                                    });
-                                    let mut r = hyper::Response::new(b);
-                                    r.headers_mut().insert("content-type", "text/event-stream".parse().unwrap());
-                                    r
-                                }
-                                _ => hyper::Response::new(GwBody::full(Bytes::from(format!("ok {}", addr.port())))),
-                            };
-                            Ok::<_, std::convert::Infallible>(resp)
-                        }
-                    });
+                                        });
+                                        let mut r = hyper::Response::new(b);
+                                        r.headers_mut().insert(
+                                            "content-type",
+                                            "text/event-stream".parse().unwrap(),
+                                        );
+                                        r
+                                    }
+                                    _ => hyper::Response::new(GwBody::full(Bytes::from(format!(
+                                        "ok {}",
+                                        addr.port()
+                                    )))),
+                                };
+                                Ok::<_, std::convert::Infallible>(resp)
+                            }
+                        },
+                    );
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
                         .await;
@@ -327,8 +353,16 @@ impl Wat {
             data.push_str(&format!("  (data (i32.const {addr}) \"{esc}\")\n"));
         }
         // Extra imports in `body` must precede every definition: hoist them before the memory.
-        let imports: String = body.lines().filter(|l| l.trim_start().starts_with("(import")).map(|l| format!("{l}\n")).collect();
-        let body: String = body.lines().filter(|l| !l.trim_start().starts_with("(import")).map(|l| format!("{l}\n")).collect();
+        let imports: String = body
+            .lines()
+            .filter(|l| l.trim_start().starts_with("(import"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let body: String = body
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("(import"))
+            .map(|l| format!("{l}\n"))
+            .collect();
         let prelude = PRELUDE.replacen("  (memory", &format!("{imports}  (memory"), 1);
         format!("{prelude}\n  (func (export \"proxy_abi_version_{marker}\"))\n{body}\n{data})\n")
     }
