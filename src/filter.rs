@@ -25,6 +25,9 @@ pub const HEADERS_STOP_ITERATION: u32 = 1;
 pub const DATA_CONTINUE: u32 = 0;
 /// proxy-wasm data action: StopIterationAndBuffer (the host accumulates the body).
 pub const DATA_STOP_AND_BUFFER: u32 = 1;
+/// proxy-wasm data action: StopIterationAndWatermark (the host accumulates the body, and past its
+/// buffer limit stops reading from the client instead of answering 413).
+pub const DATA_STOP_AND_WATERMARK: u32 = 2;
 
 type PolicyRef = Rc<RefCell<Box<dyn Policy>>>;
 
@@ -271,6 +274,7 @@ impl Filter {
                 HEADERS_CONTINUE
             }
             Decision::NeedBody => {
+                raise_decoder_buffer_limit(host, max_body);
                 self.set_phase(ctx, Phase::WaitingBody);
                 HEADERS_STOP_ITERATION
             }
@@ -305,8 +309,10 @@ impl Filter {
         let Some(entry) = self.streams.get(&ctx) else { return DATA_CONTINUE };
         match entry.phase {
             Phase::Done => DATA_CONTINUE,
-            // Keep buffering: continuing here would release the held headers before the pick.
-            Phase::Pending => DATA_STOP_AND_BUFFER,
+            // Hold the data: continuing here would release the held headers before the pick. The
+            // body is not needed, so past the buffer limit the client is slowed down (flow
+            // control), never answered 413.
+            Phase::Pending => DATA_STOP_AND_WATERMARK,
             Phase::WaitingBody => {
                 if body_size > entry.max_body {
                     let max = entry.max_body;
@@ -561,6 +567,20 @@ impl Filter {
 
     fn outstanding(&self, ctx: u32) -> u32 {
         self.streams.get(&ctx).map(|e| e.outstanding).unwrap_or(0)
+    }
+}
+
+/// Lets this stream buffer up to `max_body` bytes while the plugin waits for the whole body. Higress's default
+/// downstream buffer limit is 32 KiB and a held body over it is answered 413 by Envoy, so every plugin
+/// that reads bodies raises it per stream, as Higress's own AI plugins do (wasm-go
+/// `SetRequestBodyBufferLimit`). A host without the property (upstream Envoy) keeps its own limit.
+fn raise_decoder_buffer_limit(host: &mut dyn Host, max_body: usize) {
+    let limit = u32::try_from(max_body).unwrap_or(u32::MAX).to_string();
+    if let Err(e) = host.set_property(&["set_decoder_buffer_limit"], limit.as_bytes()) {
+        host.log(
+            LogLevel::Debug,
+            &format!("ai-load-balancer: set_decoder_buffer_limit not supported by the host: {e:?}"),
+        );
     }
 }
 

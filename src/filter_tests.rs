@@ -75,6 +75,8 @@ fn body_is_delivered_once_whole_and_route_applies() {
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    // The stream may buffer up to maxBodyBytes before Envoy answers 413.
+    assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), Some(b"100".to_vec()));
     host.request_body = b"hello".to_vec();
     assert_eq!(f.on_request_body(&mut host, 1, 5, false), DATA_STOP_AND_BUFFER);
     host.request_body = b"hello world".to_vec();

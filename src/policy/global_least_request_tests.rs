@@ -1,7 +1,7 @@
 //! `global_least_request` through the dispatcher against the fake host.
 
-use crate::filter::{DATA_STOP_AND_BUFFER, HEADERS_CONTINUE, HEADERS_STOP_ITERATION};
-use crate::host::{HostError, RedisReply};
+use crate::filter::{DATA_STOP_AND_WATERMARK, HEADERS_CONTINUE, HEADERS_STOP_ITERATION};
+use crate::host::{Host, HostError, RedisReply};
 use crate::redis::{inflight_key, last_clean_key, LEAST_REQUEST_LUA};
 use crate::testutil::*;
 
@@ -53,6 +53,8 @@ fn bad_config_fails_start_with_one_clear_line() {
 fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     let (mut f, mut host) = setup(&cfg(r#","maxRequestCount":10,"cleanInterval":5"#));
     assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_STOP_ITERATION);
+    // The body is not read: the stream keeps the gateway's own buffer limit.
+    assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), None);
     assert_eq!(host.redis_calls.len(), 1);
     let cmd = command(&host, 0);
     assert_eq!(cmd[0], "EVALSHA");
@@ -72,8 +74,9 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     healthy.sort();
     assert_eq!(healthy, vec!["10.0.0.1:8000", "10.0.0.2:8000"]);
     assert_eq!(args[6..], ["10.0.0.3:8000".to_string()], "unhealthy host kept by the cleanup");
-    // Body chunks while the pick is in flight are buffered, not released.
-    assert_eq!(f.on_request_body(&mut host, 7, 100, false), DATA_STOP_AND_BUFFER);
+    // Body chunks while the pick is in flight are held, not released: under flow control while the pick is out: a body over the buffer limit slows the client
+    // down instead of getting 413.
+    assert_eq!(f.on_request_body(&mut host, 7, 100, false), DATA_STOP_AND_WATERMARK);
     let t = host.last_redis_token().unwrap();
     f.on_redis_reply(
         &mut host,

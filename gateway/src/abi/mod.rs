@@ -228,8 +228,9 @@ pub struct StreamState {
     pub notify: Arc<tokio::sync::Notify>,
 }
 
-/// Default decoder/encoder buffer limit (32 MiB).
-pub const DEFAULT_BUFFER_LIMIT: usize = 32 * 1024 * 1024;
+/// Decoder/encoder buffer limit of a stream until its listener's limit is applied: Higress's
+/// default downstream connection buffer limit (32 KiB).
+pub const DEFAULT_BUFFER_LIMIT: usize = crate::config::HIGRESS_DOWNSTREAM_BUFFER_LIMIT as usize;
 
 impl StreamState {
     /// New stream state.
