@@ -30,6 +30,19 @@ pub struct ListenerConfig {
     pub name: String,
     /// `ip:port`; port 0 picks a free port.
     pub address: String,
+    /// Envoy's `per_connection_buffer_limit_bytes`: how much of a request or response body a
+    /// filter may hold on a stream of this listener before the stream gets 413 (request) or 500
+    /// (response). Default 32 KiB, Higress's `downstream.connectionBufferLimits`; a plugin raises
+    /// it per stream with the `set_decoder_buffer_limit` / `set_encoder_buffer_limit` properties.
+    #[serde(default = "default_connection_buffer_limit")]
+    pub per_connection_buffer_limit_bytes: u32,
+}
+
+/// Higress's helm default `downstream.connectionBufferLimits`.
+pub const HIGRESS_DOWNSTREAM_BUFFER_LIMIT: u32 = 32 * 1024;
+
+fn default_connection_buffer_limit() -> u32 {
+    HIGRESS_DOWNSTREAM_BUFFER_LIMIT
 }
 
 /// Admin listener.

@@ -91,7 +91,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let sock = std::net::TcpListener::bind(&l.address)
             .map_err(|e| anyhow::anyhow!("listener {}: bind {}: {e}", l.name, l.address))?;
         sock.set_nonblocking(true)?;
-        listeners.push((l.name.clone(), sock));
+        listeners.push((l.name.clone(), sock, l.per_connection_buffer_limit_bytes as usize));
     }
 
     let n = args.workers.max(1);
@@ -108,8 +108,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let g = g.clone();
         let plugin = plugin.clone();
         let events_tx = senders[idx].clone();
-        let socks: Vec<std::net::TcpListener> =
-            listeners.iter().filter_map(|(_, s)| s.try_clone().ok()).collect();
+        let socks: Vec<(std::net::TcpListener, usize)> = listeners
+            .iter()
+            .filter_map(|(_, s, limit)| s.try_clone().ok().map(|s| (s, *limit)))
+            .collect();
         let ready_tx = ready_tx.clone();
         std::thread::Builder::new().name(format!("worker-{idx}")).spawn(move || {
             let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
@@ -128,7 +130,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         return;
                     }
                 };
-                for s in socks {
+                for (s, buffer_limit) in socks {
                     let l = match tokio::net::TcpListener::from_std(s) {
                         Ok(l) => l,
                         Err(e) => {
@@ -147,6 +149,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                                         stream,
                                         peer,
                                         local_addr,
+                                        buffer_limit,
                                     ));
                                 }
                                 Err(e) => {
@@ -182,7 +185,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     {
         let mut out = std::io::stdout().lock();
-        for (name, s) in &listeners {
+        for (name, s, _) in &listeners {
             writeln!(out, "LISTENING {name} {}", s.local_addr()?)?;
         }
         if let Some(a) = &admin {

@@ -45,12 +45,17 @@ pub async fn serve_connection(
     stream: tokio::net::TcpStream,
     peer: SocketAddr,
     local: SocketAddr,
+    buffer_limit: usize,
 ) {
     let _ = stream.set_nodelay(true);
     let conn_id = w.next_connection_id();
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let w = w.clone();
-        async move { Ok::<_, std::convert::Infallible>(handle(w, req, peer, local, conn_id).await) }
+        async move {
+            Ok::<_, std::convert::Infallible>(
+                handle(w, req, peer, local, conn_id, buffer_limit).await,
+            )
+        }
     });
     let io = hyper_util::rt::TokioIo::new(stream);
     if let Err(e) =
@@ -66,10 +71,11 @@ async fn handle(
     peer: SocketAddr,
     local: SocketAddr,
     conn_id: u64,
+    buffer_limit: usize,
 ) -> Response<GwBody> {
     let (tx, rx) = oneshot::channel();
     tokio::task::spawn_local(async move {
-        let d = Drive::new(w, &req, peer, local, conn_id, tx);
+        let d = Drive::new(w, &req, peer, local, conn_id, buffer_limit, tx);
         d.run(req).await;
     });
     match rx.await {
@@ -129,6 +135,9 @@ struct Drive {
     active: Option<ActiveGuard>,
     timeout: Duration,
     trapped: bool,
+    /// The last data callback answered StopIterationAndWatermark: past the buffer limit Envoy
+    /// applies flow control (stops reading) instead of a 413/500 local reply.
+    data_watermark: bool,
 }
 
 fn local(status: u16, details: &str, body: &str) -> LocalReply {
@@ -169,6 +178,7 @@ impl Drive {
         peer: SocketAddr,
         local_addr: SocketAddr,
         conn_id: u64,
+        buffer_limit: usize,
         resp_tx: oneshot::Sender<Response<GwBody>>,
     ) -> Drive {
         w.g.stats.requests_total.fetch_add(1, Ordering::Relaxed);
@@ -220,6 +230,9 @@ impl Drive {
         };
         let ctx = w.new_ctx_id();
         let mut st = StreamState::new(ctx, headers, info);
+        // Envoy gives every stream its downstream connection's buffer limit, both directions.
+        st.decoder_limit = buffer_limit;
+        st.encoder_limit = buffer_limit;
         let route = match_route(&w.g.routes, &path, &authority);
         st.route = route;
         if let Some(r) = route.and_then(|i| w.g.routes.get(i)) {
@@ -249,6 +262,7 @@ impl Drive {
             active: None,
             timeout: Duration::ZERO,
             trapped: false,
+            data_watermark: false,
         }
     }
 
@@ -292,10 +306,15 @@ impl Drive {
 
     /// Returns true if the data callback said Continue.
     fn data_action(&mut self, name: &str, len: usize, eos: bool) -> Result<bool, ()> {
+        self.data_watermark = false;
         match self.call(name, &[self.ctx as i32, len as i32, eos as i32])? {
             None => Ok(true),
             Some((_, true)) => Ok(false),
-            Some((raw, false)) => Ok(raw == 0),
+            Some((raw, false)) => {
+                // FilterDataStatus::StopIterationAndWatermark
+                self.data_watermark = raw == 2;
+                Ok(raw == 0)
+            }
         }
     }
 
@@ -414,8 +433,14 @@ impl Drive {
                     data_stopped = false;
                 }
             }
-            // Buffer limit while this filter holds data.
-            if held || data_stopped {
+            // Buffer limit while this filter holds data. Over it, a filter that asked for
+            // watermark buffering gets flow control (reading pauses below), any other a 413.
+            let over_limit = {
+                let s = self.lock();
+                s.req_body.len() > s.decoder_limit
+            };
+            let flow_controlled = data_stopped && self.data_watermark && over_limit;
+            if (held || data_stopped) && !flow_controlled {
                 let s = self.lock();
                 if s.req_body.len() > s.decoder_limit {
                     drop(s);
@@ -479,7 +504,7 @@ impl Drive {
             });
             let resp_tx = self.resp_tx.as_mut();
             tokio::select! {
-                f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() => {
+                f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() && !flow_controlled => {
                     match f {
                         None => {
                             body = None;

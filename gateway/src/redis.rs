@@ -37,6 +37,12 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
+    /// Whether a write buffer of `len` bytes goes out now: batching is off (a zero timeout or
+    /// size) or the buffer reached `max_buffer_size_before_flush`.
+    fn flushes_at_once(&self, len: usize) -> bool {
+        self.max_buffer == 0 || len >= self.max_buffer || self.flush_timeout.is_zero()
+    }
+
     /// Parse `cluster?db=1&buffer_flush_timeout=3&max_buffer_size_before_flush=1024`.
     pub fn parse(
         full: &str,
@@ -118,6 +124,19 @@ fn deliver(
     let _ = events.send(WorkerEvent::Redis { gen, token, reply });
 }
 
+/// Fails every request still waiting on a connection that broke.
+fn deliver_all_failed(
+    events: &mpsc::UnboundedSender<WorkerEvent>,
+    gen: u64,
+    pending: &mut VecDeque<(Option<u32>, Instant)>,
+) {
+    for (t, _) in pending.drain(..) {
+        if let Some(t) = t {
+            deliver(events, gen, t, None);
+        }
+    }
+}
+
 fn resp_command(args: &[&[u8]]) -> Vec<u8> {
     let mut out = format!("*{}\r\n", args.len()).into_bytes();
     for a in args {
@@ -180,10 +199,16 @@ async fn run(
         wbuf.extend_from_slice(&req.1);
         pending.push_back((Some(req.0), Instant::now()));
         let mut flush_at: Option<tokio::time::Instant> = None;
-        if cfg.max_buffer == 0 || wbuf.len() >= cfg.max_buffer || cfg.flush_timeout.is_zero() {
-            flush_at = Some(tokio::time::Instant::now());
+        if cfg.flushes_at_once(wbuf.len()) {
+            // Written here, not through a timer: tokio timers round up to the millisecond, which
+            // would add ~1 ms to every Redis round trip.
+            if sock.write_all(&wbuf).await.is_err() {
+                deliver_all_failed(&events, gen, &mut pending);
+                continue;
+            }
+            wbuf.clear();
         } else {
-            flush_at.get_or_insert(tokio::time::Instant::now() + cfg.flush_timeout);
+            flush_at = Some(tokio::time::Instant::now() + cfg.flush_timeout);
         }
         let mut rbuf = BytesMut::with_capacity(4096);
         let mut channel_open = true;
@@ -195,8 +220,12 @@ async fn run(
                     Some((t, q)) => {
                         wbuf.extend_from_slice(&q);
                         pending.push_back((Some(t), Instant::now()));
-                        if cfg.max_buffer == 0 || wbuf.len() >= cfg.max_buffer || cfg.flush_timeout.is_zero() {
-                            flush_at = Some(tokio::time::Instant::now());
+                        if cfg.flushes_at_once(wbuf.len()) {
+                            flush_at = None;
+                            if sock.write_all(&wbuf).await.is_err() {
+                                break true;
+                            }
+                            wbuf.clear();
                         } else {
                             flush_at.get_or_insert(tokio::time::Instant::now() + cfg.flush_timeout);
                         }
@@ -244,11 +273,7 @@ async fn run(
             }
         };
         if failed {
-            for (t, _) in pending.drain(..) {
-                if let Some(t) = t {
-                    deliver(&events, gen, t, None);
-                }
-            }
+            deliver_all_failed(&events, gen, &mut pending);
         }
         if !channel_open {
             while let Ok((t, _)) = rx.try_recv() {

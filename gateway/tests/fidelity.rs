@@ -701,9 +701,19 @@ async fn client_disconnect_mid_stream_still_ends_the_context() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
         s.write_all(b"GET /sse-forever HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        // Read until a body chunk arrived: the headers may come in a read of their own, and the
+        // filter has only seen a response body once data reached the client.
+        let mut seen = Vec::new();
         let mut buf = vec![0u8; 4096];
-        let n = s.read(&mut buf).await.unwrap();
-        assert!(String::from_utf8_lossy(&buf[..n]).contains("200"));
+        while !String::from_utf8_lossy(&seen).contains("data: ") {
+            let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+                .await
+                .expect("no SSE data within 5 s")
+                .unwrap();
+            assert!(n > 0, "closed before any SSE data: {}", String::from_utf8_lossy(&seen));
+            seen.extend_from_slice(&buf[..n]);
+        }
+        assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
         // drop the connection mid-stream
     }
     let ev = gw.wait_events(|e| idx(e, "delete").is_some(), "delete after disconnect").await;
@@ -793,6 +803,57 @@ async fn decoder_buffer_limit_gives_413() {
             .await;
     assert_eq!(r.status, 413);
     assert_eq!(up.requests().len(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn watermark_buffering_over_the_limit_slows_the_client_instead_of_413() {
+    // Envoy: a body held with StopIterationAndWatermark past the buffer limit triggers flow control
+    // (the downstream stops being read), not the 413 that StopIterationAndBuffer gets. The plugin
+    // holds the request with headers paused until a tick continues it.
+    let up = Upstream::start().await;
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (global $held (mut i32) (i32.const 0))
+  (func (export "proxy_on_configure") (param $root i32) (param $size i32) (result i32)
+    (drop (call $proxy_set_tick_period_milliseconds (i32.const 300)))
+    (i32.const 1))
+  (func (export "proxy_on_tick") (param $root i32)
+    (if (global.get $held)
+      (then
+        (drop (call $proxy_set_effective_context (global.get $held)))
+        (global.set $held (i32.const 0))
+        (call $ev_start {ev_cont}) (call $ev_num (call $proxy_continue_stream (i32.const 0))) (call $ev_end))))
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (drop (call $proxy_set_property {k} {v}))
+    (global.set $held (local.get $ctx))
+    (i32.const 1))
+  (func (export "proxy_on_request_body") (param $ctx i32) (param $size i32) (param $eos i32) (result i32)
+    (if (global.get $held) (then (return (i32.const 2))))
+    (i32.const 0))
+"#,
+        k = w.s("set_decoder_buffer_limit"),
+        v = w.s("12"),
+        ev_cont = w.s("continued"),
+    );
+    let gw = Gateway::start(
+        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
+        Some(&w.module("0_2_100", &body)),
+        1,
+    );
+    let r = post_chunks(
+        &gw.url("/big"),
+        &[],
+        &["aaaaa", "bbbbb", "ccccc", "ddddd"],
+        Duration::from_millis(20),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let ev = gw.events();
+    assert!(ev.iter().any(|e| e == "continued 0"), "{ev:?}");
+    let got = up.requests();
+    assert_eq!(got.len(), 1);
+    assert_eq!(&got[0].body[..], b"aaaaabbbbbcccccddddd", "the whole body arrives");
 }
 
 #[tokio::test(flavor = "multi_thread")]
