@@ -355,3 +355,47 @@ async fn completions_prompts_and_tool_lists_are_part_of_the_prefix() {
         .unwrap();
     assert_eq!(again.upstream().unwrap(), first_pod);
 }
+
+/// Higress's default downstream buffer limit is 32 KiB and Envoy answers 413 to a held body over
+/// it. The gateway here runs with that default (no listener override), so these chats pass only
+/// because the plugin raises the stream's limit to `maxBodyBytes` while it reads the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_chats_over_higress_default_buffer_limit_are_routed_by_prefix() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("long", 3).await.unwrap();
+    let cfg = prefix_config("route-long", &pods, &redis);
+    assert!(
+        cfg.to_json()["listeners"][0].get("per_connection_buffer_limit_bytes").is_none(),
+        "the test must run at the gateway's Higress default"
+    );
+    let gw = Gateway::start(&cfg).await.unwrap();
+
+    for (name, doc_bytes) in [("200 KiB", 200 * 1024), ("3 MiB", 3 * 1024 * 1024)] {
+        let mut conv =
+            Conversation::new(&format!("a {name} contract ({})", paths::unique_name("l")));
+        let document = "The supplier shall deliver the goods in full. ".repeat(doc_bytes / 46 + 1);
+        let home = conv
+            .turn(&gw, &format!("Here is the contract:\n{document}\nSummarise clause 1."))
+            .await
+            .unwrap_or_else(|e| panic!("{name} chat, turn 1: {e}"));
+        for turn in 2..=4 {
+            let host = conv
+                .turn(&gw, &question(turn))
+                .await
+                .unwrap_or_else(|e| panic!("{name} chat, turn {turn}: {e}"));
+            assert_eq!(host, home, "{name} chat: turn {turn} left the pod holding its prefix");
+        }
+    }
+
+    // Above maxBodyBytes (4 MiB) the body is not read: normal balancing, still no 413.
+    let filler = "lorem ipsum dolor sit amet ".repeat(5 * 1024 * 1024 / 27 + 1);
+    let big = json!({"model": MODEL, "messages": [{"role": "user", "content": filler}]});
+    let r = gw
+        .send(
+            testkit::HttpRequest::post_json("/v1/chat/completions", &big),
+            Duration::from_secs(20),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "5 MiB chat: {}", r.text());
+}
