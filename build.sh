@@ -6,7 +6,9 @@
 #   ./build.sh test       all tests: plugin unit tests (native and as wasm in node), gateway fidelity
 #                         tests, end-to-end tests of the .wasm with real Redis and HTTP, packaging tests
 #   ./build.sh demo       route a multi-turn conversation through the gateway to simulated pods, with Redis
-#   ./build.sh bench S    run benchmark scenario S (seed, shared-prefix, cache-pressure, replicas)
+#   ./build.sh bench S    run benchmark scenario S (seed, shared-prefix, cache-pressure, replicas,
+#                         seed-aiperf: the published test driven by NVIDIA AIPerf)
+#   ./build.sh aiperf     install AIPerf (pinned, .venv-aiperf/) and build its podsim tokenizer
 #   ./build.sh package    build the Higress marketplace artefact directory (higress/dist)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -44,6 +46,23 @@ ensure_redis() {
   fi
 }
 
+# NVIDIA AIPerf, pinned, in a project-local venv, and a tokenizer that counts tokens as podsim does
+# (built from the corpus inside the aiperf package: nothing is fetched from a model hub).
+AIPERF_VERSION=0.13.0
+ensure_aiperf() {
+  local venv="$ROOT/.venv-aiperf"
+  if ! "$venv/bin/aiperf" --version 2>/dev/null | grep -q "$AIPERF_VERSION"; then
+    apt_install python3-venv
+    log "installing aiperf==$AIPERF_VERSION into $venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "aiperf==$AIPERF_VERSION"
+  fi
+  local tok="$ROOT/target/aiperf-tokenizer"
+  if [ ! -f "$tok/tokenizer.json" ] || [ "$ROOT/bench/aiperf/make_tokenizer.py" -nt "$tok/tokenizer.json" ]; then
+    "$venv/bin/python" "$ROOT/bench/aiperf/make_tokenizer.py" "$tok" >&2
+  fi
+}
+
 build_wasm() {
   ensure_wasm_target
   log "building the plugin (wasm32-wasip1, wasm-release profile)"
@@ -60,6 +79,7 @@ run_tests() {
   build_wasm
   build_native
   ensure_redis
+  ensure_aiperf
   command -v node >/dev/null 2>&1 || apt_install nodejs
   log "unit, fidelity, end-to-end and packaging tests (native, release)"
   cargo test --release --workspace --no-fail-fast
@@ -79,11 +99,12 @@ case "$cmd" in
     log "demo: a multi-turn conversation through the gateway host with the prefix_cache policy"
     "$ROOT/target/release/bench" demo "$@" ;;
   bench)
-    build_wasm; build_native; ensure_redis
+    build_wasm; build_native; ensure_redis; ensure_aiperf
     apt_install fonts-dejavu-core   # text in the PNG chart
     "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
+  aiperf) ensure_aiperf ;;
   package)
     build_wasm
     bash "$ROOT/higress/build-artifact.sh" "$WASM" "$ROOT/higress/dist" ;;
-  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|package)" >&2; exit 2 ;;
+  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|package)" >&2; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 //! bench: runs a scenario once per load-balancing policy (Redis + podsim pods + gateway
 //! replicas with the plugin) and reports latency, throughput, hit rates, balance and Redis cost.
 
+pub mod aiperf;
 pub mod chart;
 pub mod procs;
 pub mod scenario;
@@ -290,14 +291,19 @@ pub async fn run_policy(
     })
 }
 
-/// Loads `bench/scenarios/<name>.yaml` (or a path).
-pub fn load_scenario(paths: &Paths, name: &str) -> Result<Scenario> {
+/// The file of scenario `name`: a path, or `bench/scenarios/<name>.yaml`.
+pub fn scenario_file(paths: &Paths, name: &str) -> PathBuf {
     let p = Path::new(name);
-    let file = if p.exists() {
+    if p.exists() {
         p.to_path_buf()
     } else {
         paths.root.join("bench/scenarios").join(format!("{name}.yaml"))
-    };
+    }
+}
+
+/// Loads `bench/scenarios/<name>.yaml` (or a path).
+pub fn load_scenario(paths: &Paths, name: &str) -> Result<Scenario> {
+    let file = scenario_file(paths, name);
     let text =
         std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
     serde_yaml::from_str(&text).with_context(|| format!("parsing {}", file.display()))

@@ -47,6 +47,9 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
     if !only.is_empty() {
         sc.policies.retain(|p| only.contains(p));
     }
+    if let Some(opts) = bench::aiperf::aiperf_options(&bench::scenario_file(&paths, &name))? {
+        return bench::aiperf::run_scenario(&paths, sc, opts).await;
+    }
     let redis = Redis::start().await?;
     let per_run = sc.workload.plan().iter().map(|s| s.turns.len()).sum::<usize>() as u64;
     let runs: Vec<(usize, String)> = sc
