@@ -374,6 +374,9 @@ impl Host for WasmHost {
             sys::proxy_continue_stream(STREAM_REQUEST);
         }
     }
+    fn set_effective_stream(&mut self, ctx: u32) -> bool {
+        set_effective_context(ctx)
+    }
     fn increment_counter(&mut self, name: &str, delta: i64) {
         let id = METRIC_IDS.with(|m| {
             let mut m = m.try_borrow_mut().ok()?;

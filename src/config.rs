@@ -111,6 +111,37 @@ pub struct GlobalLeastRequestConfig {
     pub clean_interval_min: u64,
     /// `enableDetailLog` (default true): log each pick with the counts.
     pub enable_detail_log: bool,
+    /// Leases and the Redis breaker (ours).
+    pub state: SharedStateConfig,
+}
+
+/// How the in-flight counts survive dead gateways and a stalled Redis (keys of ours; a Go config
+/// gets these defaults, which only change what happens when something has failed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedStateConfig {
+    /// `leaseMs` (default 10000): a plugin VM's share of the in-flight counts is subtracted once it
+    /// has not renewed its lease for this long (it is renewed every third of it).
+    pub lease_ms: u32,
+    /// `breakerFailures` (default 3; 0 = no breaker): consecutive failed or slow Redis calls that
+    /// open the breaker.
+    pub breaker_failures: u32,
+    /// `breakerOpenMs` (default 1000): how long an open breaker decides without Redis before one
+    /// probe call is let through.
+    pub breaker_open_ms: u32,
+    /// `breakerSlowMs` (default 200; 0 = wait for the Redis `timeout`): a pick not answered within
+    /// this long is given up (normal balancing, counted as a failure).
+    pub breaker_slow_ms: u32,
+}
+
+impl Default for SharedStateConfig {
+    fn default() -> Self {
+        SharedStateConfig {
+            lease_ms: 10_000,
+            breaker_failures: 3,
+            breaker_open_ms: 1000,
+            breaker_slow_ms: 200,
+        }
+    }
 }
 
 /// `prefix_cache` settings (`lb_config`).
@@ -612,6 +643,30 @@ fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {
             .uint("cleanInterval", 10_000_000)?
             .unwrap_or(DEFAULT_CLEAN_INTERVAL_MIN),
         enable_detail_log: f.boolean("enableDetailLog")?.unwrap_or(true),
+        state: parse_state(f)?,
+    })
+}
+
+fn parse_state(f: &Fields<'_>) -> Result<SharedStateConfig, ConfigError> {
+    let d = SharedStateConfig::default();
+    let lease_ms = match f.uint("leaseMs", 3_600_000)? {
+        None => d.lease_ms,
+        Some(ms) if ms >= 1000 => ms as u32,
+        Some(_) => {
+            return Err(err(
+                &f.path("leaseMs"),
+                "at least 1000: leases are renewed every third of it",
+            ))
+        }
+    };
+    let u32_or = |key: &str, default: u32| -> Result<u32, ConfigError> {
+        Ok(f.uint(key, u64::from(u32::MAX))?.map(|v| v as u32).unwrap_or(default))
+    };
+    Ok(SharedStateConfig {
+        lease_ms,
+        breaker_failures: u32_or("breakerFailures", d.breaker_failures)?,
+        breaker_open_ms: u32_or("breakerOpenMs", d.breaker_open_ms)?,
+        breaker_slow_ms: u32_or("breakerSlowMs", d.breaker_slow_ms)?,
     })
 }
 

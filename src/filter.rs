@@ -132,6 +132,9 @@ impl Host for Tracking<'_> {
     fn resume_request(&mut self) {
         self.inner.resume_request()
     }
+    fn set_effective_stream(&mut self, ctx: u32) -> bool {
+        self.inner.set_effective_stream(ctx)
+    }
     fn increment_counter(&mut self, name: &str, delta: i64) {
         self.inner.increment_counter(name, delta)
     }
@@ -227,11 +230,36 @@ impl Filter {
             .unwrap_or(0)
     }
 
-    /// Root tick: every policy's periodic work.
+    /// Root tick: every policy's periodic work, then each held stream's policy may give up on the
+    /// call it waits for (the stream is made the effective context to resume it).
     pub fn on_tick(&mut self, host: &mut dyn Host) {
         let policies: Vec<PolicyRef> = self.policies.iter().flatten().cloned().collect();
         for p in policies {
             self.run_root(host, &p, |pol, h| pol.on_tick(h));
+        }
+        let mut held: Vec<u32> = self
+            .streams
+            .iter()
+            .filter(|(_, e)| e.phase == Phase::Pending)
+            .map(|(c, _)| *c)
+            .collect();
+        held.sort_unstable();
+        for ctx in held {
+            let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_pending_tick(h, s));
+            if matches!(decision, Decision::Pending | Decision::NeedBody) {
+                continue;
+            }
+            self.set_phase(ctx, Phase::Done);
+            if !host.set_effective_stream(ctx) {
+                host.log(
+                    LogLevel::Warn,
+                    "ai-load-balancer: could not switch to a held stream to resume it",
+                );
+                continue;
+            }
+            if apply_final(host, decision) {
+                host.resume_request();
+            }
         }
     }
 

@@ -195,6 +195,9 @@ pub trait Host {
     fn send_local_response(&mut self, status: u32, body: &[u8], headers: &[(&str, &str)]);
     /// Continues a paused request (deferred by the host until the current callback returns).
     fn resume_request(&mut self);
+    /// Makes stream `ctx` the context that stream calls (resume, override host, local reply) act on,
+    /// inside a root callback such as a tick. False when the host refuses (the stream is gone).
+    fn set_effective_stream(&mut self, ctx: u32) -> bool;
 
     /// Adds `delta` to a plugin counter named `name` (exported on the gateway's stats).
     fn increment_counter(&mut self, name: &str, delta: i64);

@@ -1,8 +1,10 @@
 //! The Lua scripts against a real `redis-server` (from PATH, or `$AI_LB_REDIS_SERVER`). Native only.
 //! These fail (not skip) without redis-server: install it (`apt-get install redis-server`).
 
+use crate::policy::picker::{parse_pick, PickCall, PickKind, StateKeys};
 use crate::redis::{
-    decode_reply, encode_command, Frame, Script, LEAST_REQUEST_LUA, PREFIX_CACHE_LUA, RELEASE_LUA,
+    decode_reply, encode_command, Frame, Script, HEARTBEAT_LUA, LEAST_REQUEST_LUA,
+    PREFIX_CACHE_LUA, RELEASE_LUA,
 };
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -18,7 +20,6 @@ struct Redis {
     sock: String,
     /// Pick record key of the last `run` (`rq:<n>`).
     last_req: String,
-    reqs: usize,
 }
 
 impl Drop for Redis {
@@ -51,7 +52,7 @@ impl Redis {
         loop {
             if let Ok(conn) = UnixStream::connect(&sock) {
                 conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-                return Redis { child, conn, sock, last_req: String::new(), reqs: 0 };
+                return Redis { child, conn, sock, last_req: String::new() };
             }
             if start.elapsed() > Duration::from_secs(10) {
                 let _ = child.kill();
@@ -101,14 +102,11 @@ impl Redis {
         }
     }
 
-    /// EVALSHA, loading with EVAL on NOSCRIPT (what the plugin does). `keys` = in-flight hash,
-    /// last-clean key, then prefix keys; a fresh pick record key `rq:<n>` is inserted third.
-    fn run(&mut self, script: &Script, keys: &[&str], args: &[String]) -> Frame {
-        self.reqs += 1;
-        self.last_req = format!("rq:{}", self.reqs);
-        let mut keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
-        keys.insert(2.min(keys.len()), self.last_req.clone());
-        self.run_keys(script, &keys, args)
+    /// EVALSHA, loading with EVAL on NOSCRIPT (what the plugin does).
+    fn run(&mut self, script: &Script, call: &PickCall) -> Frame {
+        self.last_req = call.request_id.clone();
+        let (keys, args) = call.keys_args();
+        self.run_keys(script, &keys, &args)
     }
 
     fn run_keys(&mut self, script: &Script, keys: &[String], args: &[String]) -> Frame {
@@ -119,41 +117,89 @@ impl Redis {
         r
     }
 
-    fn release(&mut self, req: &str, tombstone_ttl: u32) -> Frame {
+    fn release(&mut self, owner: &str, req: &str, abandoned: bool) -> Frame {
         let s = Script::new(RELEASE_LUA);
         self.raw(&s.command(
-            &["inflight".to_string(), req.to_string()],
-            &[tombstone_ttl.to_string()],
+            &["inflight".to_string(), format!("own:{owner}")],
+            &[req.to_string(), if abandoned { "1" } else { "0" }.to_string()],
             true,
         ))
     }
+
+    fn heartbeat(&mut self, owner: &str, lease_ms: u32) -> Frame {
+        let s = Script::new(HEARTBEAT_LUA);
+        self.raw(&s.command(&["owners".to_string()], &[lease_ms.to_string(), owner.into()], true))
+    }
+
+    fn hget(&mut self, key: &str, field: &str) -> Option<String> {
+        match self.cmd(&["HGET", key, field]) {
+            Frame::BulkString(b) => Some(String::from_utf8(b).unwrap()),
+            _ => None,
+        }
+    }
+
+    /// Redis's clock, in seconds.
+    fn now_s(&mut self) -> u64 {
+        match self.cmd(&["TIME"]) {
+            Frame::Array(v) => match &v[0] {
+                Frame::BulkString(b) => std::str::from_utf8(b).unwrap().parse().unwrap(),
+                other => panic!("{other:?}"),
+            },
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
-fn lr_args(now: u64, interval: u64, maxc: u64, healthy: &[&str], others: &[&str]) -> Vec<String> {
-    let mut a =
-        vec![now.to_string(), interval.to_string(), maxc.to_string(), healthy.len().to_string()];
-    a.extend(healthy.iter().map(|h| h.to_string()));
-    a.extend(others.iter().map(|h| h.to_string()));
-    a
+static REQ: AtomicUsize = AtomicUsize::new(0);
+
+/// A least-request pick by owner `vm1` (lease 10 s, no cleanup, no limit) with a fresh request id;
+/// change fields with struct update syntax. Keys are short names: `inflight`, `lc`, `owners`,
+/// `own:<owner>`.
+fn lr(healthy: &[&str], others: &[&str]) -> PickCall {
+    as_owner("vm1", 10_000, healthy, others)
 }
 
-fn pc_args(maxc: u64, ttl: u64, factor: f64, healthy: &[&str], others: &[&str]) -> Vec<String> {
-    let mut a = vec![
-        "1000".to_string(),
-        "0".to_string(),
-        maxc.to_string(),
-        ttl.to_string(),
-        factor.to_string(),
-        healthy.len().to_string(),
-    ];
-    a.extend(healthy.iter().map(|h| h.to_string()));
-    a.extend(others.iter().map(|h| h.to_string()));
-    a
+fn as_owner(owner: &str, lease_ms: u32, healthy: &[&str], others: &[&str]) -> PickCall {
+    PickCall {
+        keys: StateKeys {
+            inflight: "inflight".into(),
+            last_clean: "lc".into(),
+            owners: "owners".into(),
+            owner: format!("own:{owner}"),
+        },
+        clean_interval_s: 0,
+        max_inflight: 0,
+        lease_ms,
+        owner_id: owner.into(),
+        request_id: format!("q{}", REQ.fetch_add(1, Ordering::SeqCst)),
+        healthy: healthy.iter().map(|h| h.to_string()).collect(),
+        others: others.iter().map(|h| h.to_string()).collect(),
+        kind: PickKind::LeastRequest,
+    }
+}
+
+/// A prefix-cache pick over chain keys `chain` (see [`lr`]).
+fn pc(
+    chain: &[&str],
+    maxc: u64,
+    ttl_s: u64,
+    factor: f64,
+    healthy: &[&str],
+    others: &[&str],
+) -> PickCall {
+    PickCall {
+        max_inflight: maxc,
+        kind: PickKind::Prefix {
+            chain_keys: chain.iter().map(|k| k.to_string()).collect(),
+            ttl_s,
+            hit_load_factor: factor,
+        },
+        ..lr(healthy, others)
+    }
 }
 
 fn pick(f: &Frame) -> (String, i64, i64, i64) {
-    let p = crate::policy::global_least_request::parse_pick(f)
-        .unwrap_or_else(|| panic!("bad reply {f:?}"));
+    let p = parse_pick(f).unwrap_or_else(|| panic!("bad reply {f:?}"));
     (p.host, p.count, p.admitted as i64, p.matched)
 }
 
@@ -161,11 +207,8 @@ fn pick(f: &Frame) -> (String, i64, i64, i64) {
 fn script_sha_matches_redis_and_noscript_is_recognised() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
-    let first = r.raw(&s.command(
-        &["inflight".into(), "lc".into(), "rq".into()],
-        &lr_args(1, 0, 0, &["a"], &[]),
-        false,
-    ));
+    let (keys, args) = lr(&["a"], &[]).keys_args();
+    let first = r.raw(&s.command(&keys, &args, false));
     assert!(crate::redis::is_noscript(&first), "{first:?}");
     assert_eq!(
         r.cmd(&["SCRIPT", "LOAD", LEAST_REQUEST_LUA]),
@@ -178,10 +221,10 @@ fn least_request_picks_the_minimum_counting_missing_hosts_as_zero() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     r.cmd(&["HSET", "inflight", "a", "3", "b", "1"]);
-    let f = r.run(&s, &["inflight", "lc"], &lr_args(1, 0, 0, &["a", "b", "c"], &[]));
+    let f = r.run(&s, &lr(&["a", "b", "c"], &[]));
     assert_eq!(pick(&f).0, "c", "c is missing from the hash: 0 in flight");
     assert_eq!(r.count("c"), Some(1));
-    let f = r.run(&s, &["inflight", "lc"], &lr_args(1, 0, 0, &["a", "b", "c"], &[]));
+    let f = r.run(&s, &lr(&["a", "b", "c"], &[]));
     assert_eq!(pick(&f).0, "b", "first minimum in the (shuffled) order wins ties");
     assert_eq!(r.count("b"), Some(2));
 }
@@ -191,10 +234,12 @@ fn least_request_rejects_above_max_and_undoes_the_increment() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     r.cmd(&["HSET", "inflight", "a", "2", "b", "2"]);
-    let f = r.run(&s, &["inflight", "lc"], &lr_args(1, 0, 2, &["a", "b"], &[]));
+    let f = r.run(&s, &PickCall { max_inflight: 2, ..lr(&["a", "b"], &[]) });
     assert_eq!(pick(&f), ("a".to_string(), 3, 0, 0));
     assert_eq!(r.count("a"), Some(2), "undone");
-    let f = r.run(&s, &["inflight", "lc"], &lr_args(1, 0, 3, &["a", "b"], &[]));
+    assert_eq!(r.hget("own:vm1", "h:a"), None, "the owner's share undone too");
+    assert_eq!(r.hget("own:vm1", &format!("r:{}", r.last_req)), None, "no record");
+    let f = r.run(&s, &PickCall { max_inflight: 3, ..lr(&["a", "b"], &[]) });
     assert_eq!(pick(&f).2, 1);
     assert_eq!(r.count("a"), Some(3));
 }
@@ -204,14 +249,17 @@ fn least_request_cleans_out_hosts_that_left_every_interval() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     r.cmd(&["HSET", "inflight", "gone", "0", "sick", "4", "a", "1"]);
-    r.cmd(&["SET", "lc", "1000"]);
-    // Not yet due (interval 3600 s since t=1000).
-    r.run(&s, &["inflight", "lc"], &lr_args(2000, 3600, 0, &["a"], &["sick"]));
+    let now = r.now_s();
+    r.cmd(&["SET", "lc", &(now - 10).to_string()]);
+    // Not yet due (interval 3600 s, last cleanup 10 s ago).
+    r.run(&s, &PickCall { clean_interval_s: 3600, ..lr(&["a"], &["sick"]) });
     assert_eq!(r.count("gone"), Some(0));
-    r.run(&s, &["inflight", "lc"], &lr_args(4600, 3600, 0, &["a"], &["sick"]));
+    r.cmd(&["SET", "lc", &(now - 4000).to_string()]);
+    r.run(&s, &PickCall { clean_interval_s: 3600, ..lr(&["a"], &["sick"]) });
     assert_eq!(r.count("gone"), None, "removed");
     assert_eq!(r.count("sick"), Some(4), "unhealthy but still in the cluster: kept");
-    assert_eq!(r.get("lc").as_deref(), Some("4600"));
+    let last: u64 = r.get("lc").unwrap().parse().unwrap();
+    assert!(last >= now, "cleanup time set from Redis's clock: {last} vs {now}");
 }
 
 #[test]
@@ -219,7 +267,7 @@ fn least_request_repairs_negative_counts() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     r.cmd(&["HSET", "inflight", "a", "-2", "b", "0"]);
-    let f = r.run(&s, &["inflight", "lc"], &lr_args(1, 0, 0, &["a", "b"], &[]));
+    let f = r.run(&s, &lr(&["a", "b"], &[]));
     assert_eq!(pick(&f).0, "a");
     assert_eq!(r.count("a"), Some(1), "reset to 0 then +1");
 }
@@ -229,7 +277,7 @@ fn prefix_miss_writes_the_chain_to_the_least_loaded_host() {
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
     r.cmd(&["HSET", "inflight", "a", "5"]);
-    let f = r.run(&s, &["inflight", "lc", "k1", "k2"], &pc_args(0, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 0.0, &["a", "b"], &[]));
     assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
     assert_eq!(r.get("k1").as_deref(), Some("b"));
     assert_eq!(r.get("k2").as_deref(), Some("b"));
@@ -243,8 +291,7 @@ fn prefix_hit_routes_to_the_holder_refreshes_and_extends_the_chain() {
     r.cmd(&["SET", "k1", "a", "EX", "10"]);
     r.cmd(&["SET", "k2", "a", "EX", "10"]);
     r.cmd(&["HSET", "inflight", "a", "3", "b", "0"]);
-    let f =
-        r.run(&s, &["inflight", "lc", "k1", "k2", "k3"], &pc_args(0, 600, 0.0, &["b", "a"], &[]));
+    let f = r.run(&s, &pc(&["k1", "k2", "k3"], 0, 600, 0.0, &["b", "a"], &[]));
     assert_eq!(pick(&f), ("a".to_string(), 4, 1, 2));
     assert!(r.ttl("k1") > 10, "matched keys refreshed");
     assert_eq!(r.get("k3").as_deref(), Some("a"));
@@ -258,11 +305,7 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
     r.cmd(&["SET", "k1", "a"]);
     r.cmd(&["SET", "k2", "sick"]);
     r.cmd(&["SET", "k3", "sick"]);
-    let f = r.run(
-        &s,
-        &["inflight", "lc", "k1", "k2", "k3", "k4"],
-        &pc_args(0, 600, 0.0, &["b", "a"], &["sick"]),
-    );
+    let f = r.run(&s, &pc(&["k1", "k2", "k3", "k4"], 0, 600, 0.0, &["b", "a"], &["sick"]));
     assert_eq!(pick(&f), ("a".to_string(), 1, 1, 1), "longest prefix on a healthy host");
     for k in ["k1", "k2", "k3", "k4"] {
         assert_eq!(r.get(k).as_deref(), Some("a"), "{k} re-homed in place");
@@ -271,7 +314,7 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
     r.cmd(&["SET", "j1", "gone"]);
     r.cmd(&["SET", "j2", "gone"]);
     r.cmd(&["HSET", "inflight", "a", "9"]);
-    let f = r.run(&s, &["inflight", "lc", "j1", "j2"], &pc_args(0, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["j1", "j2"], 0, 600, 0.0, &["a", "b"], &[]));
     assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
     assert_eq!(r.get("j1").as_deref(), Some("b"));
     assert_eq!(r.get("j2").as_deref(), Some("b"));
@@ -280,7 +323,7 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
     assert_eq!(
         keys.len(),
         9,
-        "k1-k4, j1-j2, the in-flight hash and two pick records only: {keys:?}"
+        "k1-k4, j1-j2, the in-flight hash, the owners and one owner's hash only: {keys:?}"
     );
 }
 
@@ -291,20 +334,20 @@ fn prefix_load_guard_and_max_request_count() {
     r.cmd(&["SET", "k1", "a"]);
     r.cmd(&["HSET", "inflight", "a", "10", "b", "1"]);
     // factor 2: a has 10 > 2 * (1 + 1) -> spill to b, chain beyond the match goes to b.
-    let f = r.run(&s, &["inflight", "lc", "k1", "k2"], &pc_args(0, 600, 2.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 2.0, &["a", "b"], &[]));
     assert_eq!(pick(&f).0, "b");
     assert_eq!(r.get("k1").as_deref(), Some("a"), "a still holds the matched prefix");
     assert_eq!(r.get("k2").as_deref(), Some("b"));
     // Guard off: the hit wins despite the load.
-    let f = r.run(&s, &["inflight", "lc", "k1"], &pc_args(0, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1"], 0, 600, 0.0, &["a", "b"], &[]));
     assert_eq!(pick(&f).0, "a");
     // maxRequestCount 11: a is full (11 -> 12 > 11), falls back to b.
-    let f = r.run(&s, &["inflight", "lc", "k1"], &pc_args(11, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1"], 11, 600, 0.0, &["a", "b"], &[]));
     assert_eq!(pick(&f).0, "b");
     assert_eq!(r.count("a"), Some(11), "undone");
     // Everyone full: rejected, nothing counted, nothing written.
     r.cmd(&["HSET", "inflight", "b", "11"]);
-    let f = r.run(&s, &["inflight", "lc", "k1", "k9"], &pc_args(11, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1", "k9"], 11, 600, 0.0, &["a", "b"], &[]));
     assert_eq!(pick(&f).2, 0);
     assert_eq!(r.count("a"), Some(11));
     assert_eq!(r.count("b"), Some(11));
@@ -315,21 +358,17 @@ fn prefix_load_guard_and_max_request_count() {
 fn release_undoes_the_pick_exactly_once() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
-    let f = r.run(&s, &["inflight", "lc"], &lr_args(1, 0, 0, &["a"], &[]));
+    let f = r.run(&s, &lr(&["a"], &[]));
     assert_eq!(pick(&f).0, "a");
     let req = r.last_req.clone();
-    assert_eq!(r.get(&req).as_deref(), Some("a"), "pick record");
-    assert_eq!(r.release(&req, 0), Frame::BulkString(b"a".to_vec()));
+    assert_eq!(r.hget("own:vm1", &format!("r:{req}")).as_deref(), Some("a"), "pick record");
+    assert_eq!(r.hget("own:vm1", "h:a").as_deref(), Some("1"), "the owner's share");
+    assert_eq!(r.release("vm1", &req, false), Frame::BulkString(b"a".to_vec()));
     assert_eq!(r.count("a"), Some(0));
-    assert_eq!(r.get(&req), None, "record deleted: no key per finished request");
-    assert_eq!(r.release(&req, 0), Frame::BulkString(Vec::new()), "a second release does nothing");
+    assert_eq!(r.hget("own:vm1", &format!("r:{req}")), None, "record deleted");
+    assert_eq!(r.hget("own:vm1", "h:a"), None, "share back to nothing");
+    assert_eq!(r.release("vm1", &req, false), Frame::BulkString(Vec::new()), "second: no-op");
     assert_eq!(r.count("a"), Some(0));
-    // A rejected pick (maxRequestCount) writes no record: nothing to release.
-    r.cmd(&["HSET", "inflight", "a", "5"]);
-    let f = r.run(&s, &["inflight", "lc"], &lr_args(1, 0, 5, &["a"], &[]));
-    assert_eq!(pick(&f).2, 0);
-    let req = r.last_req.clone();
-    assert_eq!(r.get(&req), None);
 }
 
 #[test]
@@ -337,19 +376,69 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     // A stalled Redis runs the pick after the plugin gave up (timeout) and sent the cancel.
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
-    let keys: Vec<String> =
-        ["inflight", "lc", "rq:late", "k1"].iter().map(|k| k.to_string()).collect();
-    assert_eq!(r.release("rq:late", 3600), Frame::BulkString(Vec::new()));
-    assert!(r.ttl("rq:late") > 3000, "tombstone");
-    let f = r.run_keys(&s, &keys, &pc_args(0, 600, 0.0, &["a"], &[]));
-    assert!(crate::policy::global_least_request::parse_pick(&f).is_none(), "no pick: {f:?}");
+    let late = pc(&["k1"], 0, 600, 0.0, &["a"], &[]);
+    assert_eq!(r.release("vm1", &late.request_id, true), Frame::BulkString(Vec::new()));
+    assert_eq!(r.release("vm1", &late.request_id, true), Frame::BulkString(Vec::new()), "resent");
+    assert_eq!(r.hget("own:vm1", &format!("r:{}", late.request_id)).as_deref(), Some(""));
+    let f = r.run(&s, &late);
+    assert!(parse_pick(&f).is_none(), "no pick: {f:?}");
     assert_eq!(r.count("a"), None, "nothing counted");
     assert_eq!(r.get("k1"), None, "nothing written");
+    assert_eq!(r.hget("own:vm1", &format!("r:{}", late.request_id)), None, "tombstone consumed");
     // Cancel after the pick ran (same connection order): undone.
-    let keys: Vec<String> =
-        ["inflight", "lc", "rq:ran", "k1"].iter().map(|k| k.to_string()).collect();
-    let f = r.run_keys(&s, &keys, &pc_args(0, 600, 0.0, &["a"], &[]));
+    let ran = pc(&["k1"], 0, 600, 0.0, &["a"], &[]);
+    let f = r.run(&s, &ran);
     assert_eq!(pick(&f).0, "a");
-    assert_eq!(r.release("rq:ran", 3600), Frame::BulkString(b"a".to_vec()));
+    assert_eq!(r.release("vm1", &ran.request_id, true), Frame::BulkString(b"a".to_vec()));
     assert_eq!(r.count("a"), Some(0));
+}
+
+#[test]
+fn a_dead_owners_counts_are_subtracted_once_its_lease_runs_out() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    // vm1 (lease 1 s) takes a and b, then dies without releasing; vm2 (lease 10 s) takes c.
+    let first = as_owner("vm1", 1000, &["a", "b", "c"], &[]);
+    assert_eq!(pick(&r.run(&s, &first)).0, "a");
+    assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["b", "c"], &[]))).0, "b");
+    assert_eq!(pick(&r.run(&s, &as_owner("vm2", 10_000, &["c"], &[]))).0, "c");
+    // Within the lease nothing is taken away.
+    r.run(&s, &PickCall { max_inflight: 1, ..as_owner("vm2", 10_000, &["a"], &[]) });
+    assert_eq!((r.count("a"), r.count("b")), (Some(1), Some(1)));
+    std::thread::sleep(Duration::from_millis(1100));
+    // The next pick by anyone subtracts vm1's shares before it reads the counts.
+    let f = r.run(&s, &as_owner("vm2", 10_000, &["a", "c"], &[]));
+    assert_eq!(pick(&f), ("a".to_string(), 1, 1, 0), "a counted 0 again before the pick");
+    assert_eq!((r.count("b"), r.count("c")), (Some(0), Some(1)));
+    assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "the dead owner's hash is gone");
+    assert_eq!(r.cmd(&["ZSCORE", "owners", "vm1"]), Frame::Null);
+    // vm1's release, should it still arrive, changes nothing.
+    assert_eq!(r.release("vm1", &first.request_id, false), Frame::BulkString(Vec::new()));
+    assert_eq!(r.count("a"), Some(1));
+}
+
+#[test]
+fn heartbeats_keep_a_live_owners_counts() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["a"], &[]))).0, "a");
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(400));
+        assert_eq!(r.heartbeat("vm1", 1000), Frame::Integer(1));
+    }
+    r.run(&s, &PickCall { max_inflight: 1, ..as_owner("vm2", 1000, &["b"], &[]) });
+    assert_eq!(r.count("a"), Some(1), "1.2 s later, vm1's lease is still running");
+}
+
+#[test]
+fn no_key_the_counts_depend_on_has_a_ttl() {
+    // Under a volatile-* maxmemory policy Redis evicts only keys with a TTL.
+    let mut r = Redis::start();
+    let f = r.run(&Script::new(PREFIX_CACHE_LUA), &pc(&["k1"], 0, 600, 0.0, &["a"], &[]));
+    assert_eq!(pick(&f).0, "a");
+    r.release("vm1", "abandoned-before-it-ran", true);
+    for k in ["inflight", "owners", "own:vm1"] {
+        assert_eq!(r.ttl(k), -1, "{k} must not expire");
+    }
+    assert!(r.ttl("k1") > 0, "prefix keys do expire (a lost one only costs a cache miss)");
 }

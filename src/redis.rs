@@ -7,8 +7,14 @@
 //! * `higress:ai-lb:{<route>|<cluster>}:inflight`   hash: host -> in-flight requests
 //! * `higress:ai-lb:{<route>|<cluster>}:last_clean` unix seconds of the last cleanup
 //! * `higress:ai-lb:{<route>|<cluster>}:pfx:<40 upper-case hex>` prefix chain key -> host (TTL)
-//! * `higress:ai-lb:{<route>|<cluster>}:req:<16 hex>` one in-flight request's pick record -> host
-//!   (deleted at release; an empty value is the tombstone of an abandoned pick)
+//! * `higress:ai-lb:{<route>|<cluster>}:owners`     sorted set: owner (one plugin VM) -> lease
+//!   expiry (ms, Redis clock)
+//! * `higress:ai-lb:{<route>|<cluster>}:own:<owner>` hash: `h:<host>` -> that owner's share of the
+//!   in-flight count, `r:<request>` -> host of an admitted pick (an empty value is the tombstone of an
+//!   abandoned pick). Deleted, and its shares subtracted, once the owner's lease runs out.
+//!
+//! No key that correctness depends on has a TTL (eviction under a `volatile-*` policy would remove
+//! it); only prefix keys and the cleanup time do.
 
 use crate::config::RedisConfig;
 use crate::host::{Host, HostError, LogLevel};
@@ -17,12 +23,16 @@ use sha1::{Digest, Sha1};
 
 pub use redis_protocol::resp2::types::OwnedFrame as Frame;
 
-/// The global least-request script.
-pub const LEAST_REQUEST_LUA: &str = include_str!("lua/least_request.lua");
-/// The prefix-cache script.
-pub const PREFIX_CACHE_LUA: &str = include_str!("lua/prefix_cache.lua");
+/// The global least-request script (after the shared lease prelude).
+pub const LEAST_REQUEST_LUA: &str =
+    concat!(include_str!("lua/lease.lua"), include_str!("lua/least_request.lua"));
+/// The prefix-cache script (after the shared lease prelude).
+pub const PREFIX_CACHE_LUA: &str =
+    concat!(include_str!("lua/lease.lua"), include_str!("lua/prefix_cache.lua"));
 /// The release script (the `-1` at stream end, and the cancel of an abandoned pick).
 pub const RELEASE_LUA: &str = include_str!("lua/release.lua");
+/// Renews an owner's lease.
+pub const HEARTBEAT_LUA: &str = include_str!("lua/heartbeat.lua");
 
 /// How long to wait before retrying a failed `redis_init` (ns).
 const INIT_RETRY_NS: u64 = 5_000_000_000;
@@ -123,9 +133,14 @@ pub fn prefix_key(route: &str, cluster: &str, chain_hex: &str) -> String {
     format!("{}:pfx:{}", key_base(route, cluster), chain_hex)
 }
 
-/// One request's pick record key (`id` is random per request).
-pub fn request_key(route: &str, cluster: &str, id: u64) -> String {
-    format!("{}:req:{:016x}", key_base(route, cluster), id)
+/// The owners (lease) sorted set.
+pub fn owners_key(route: &str, cluster: &str) -> String {
+    format!("{}:owners", key_base(route, cluster))
+}
+
+/// One owner's hash (its shares of the counts and its requests' pick records).
+pub fn owner_key(route: &str, cluster: &str, owner: &str) -> String {
+    format!("{}:own:{owner}", key_base(route, cluster))
 }
 
 /// Per-policy Redis client: owns the cluster name and (re)initialisation.

@@ -51,19 +51,48 @@ pub fn pick_reply(host: &str, count: i64, admitted: bool, matched: Option<i64>) 
     buf
 }
 
-/// The release scripts sent, as (in-flight key, pick record key, tombstone TTL).
-pub fn releases(host: &FakeHost) -> Vec<(String, String, String)> {
+/// A release script call the plugin sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseSent {
+    /// The in-flight hash key.
+    pub inflight: String,
+    /// The picking owner's hash key.
+    pub owner: String,
+    /// The request id.
+    pub request: String,
+    /// True for the cancel of a pick the plugin gave up on.
+    pub abandoned: bool,
+}
+
+/// The release scripts sent, in order (EVALSHA, or EVAL after NOSCRIPT).
+pub fn releases(host: &FakeHost) -> Vec<ReleaseSent> {
+    let sha = crate::redis::sha1_hex_lower(crate::redis::RELEASE_LUA.as_bytes());
     (0..host.redis_calls.len())
         .map(|i| command(host, i))
-        .filter(|c| {
-            c.first().map(String::as_str) == Some("EVAL")
-                && c.get(1).map(String::as_str) == Some(crate::redis::RELEASE_LUA)
+        .filter(|c| match (c.first().map(String::as_str), c.get(1)) {
+            (Some("EVALSHA"), Some(x)) => *x == sha,
+            (Some("EVAL"), Some(x)) => x == crate::redis::RELEASE_LUA,
+            _ => false,
         })
-        .map(|c| (c[3].clone(), c[4].clone(), c[5].clone()))
+        .map(|c| {
+            let (keys, args) = keys_args(&c);
+            ReleaseSent {
+                inflight: keys[0].clone(),
+                owner: keys[1].clone(),
+                request: args[0].clone(),
+                abandoned: args[1] == "1",
+            }
+        })
         .collect()
 }
 
-/// The pick record key of the `n`-th Redis command (a pick script).
-pub fn req_key(host: &FakeHost, n: usize) -> String {
-    keys_args(&command(host, n)).0[2].clone()
+/// The release the plugin must send for the pick sent as the `n`-th Redis command.
+pub fn release_of(host: &FakeHost, n: usize, abandoned: bool) -> ReleaseSent {
+    let (keys, args) = keys_args(&command(host, n));
+    ReleaseSent {
+        inflight: keys[0].clone(),
+        owner: keys[3].clone(),
+        request: args[4].clone(),
+        abandoned,
+    }
 }

@@ -44,6 +44,8 @@ pub struct FakeHost {
     pub local_responses: Vec<(u32, Vec<u8>)>,
     /// Number of resume_request calls.
     pub resumes: u32,
+    /// Streams made effective by the dispatcher (inside root callbacks), in order.
+    pub effective_streams: Vec<u32>,
     /// Log lines.
     pub logs: RefCell<Vec<(LogLevel, String)>>,
     /// Wall clock in ns.
@@ -213,6 +215,10 @@ impl Host for FakeHost {
     }
     fn resume_request(&mut self) {
         self.resumes += 1;
+    }
+    fn set_effective_stream(&mut self, ctx: u32) -> bool {
+        self.effective_streams.push(ctx);
+        true
     }
     fn increment_counter(&mut self, name: &str, delta: i64) {
         *self.counters.entry(name.to_string()).or_insert(0) += delta;

@@ -2,7 +2,7 @@
 
 use crate::filter::{DATA_STOP_AND_WATERMARK, HEADERS_CONTINUE, HEADERS_STOP_ITERATION};
 use crate::host::{Host, HostError, RedisReply};
-use crate::redis::{inflight_key, last_clean_key, LEAST_REQUEST_LUA};
+use crate::redis::{inflight_key, last_clean_key, owner_key, owners_key, LEAST_REQUEST_LUA};
 use crate::testutil::*;
 
 const CLUSTER: &str = "outbound|8000||llm.static";
@@ -60,20 +60,22 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     assert_eq!(cmd[0], "EVALSHA");
     assert_eq!(cmd[1], crate::redis::sha1_hex_lower(LEAST_REQUEST_LUA.as_bytes()));
     let (keys, args) = keys_args(&cmd);
-    assert_eq!(keys[..2], [inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER)]);
-    assert!(
-        keys[2].starts_with("higress:ai-lb:{r1|outbound|8000||llm.static}:req:"),
-        "{}",
-        keys[2]
+    assert_eq!(
+        keys[..3],
+        [inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER), owners_key("r1", CLUSTER)]
     );
-    assert_eq!(keys.len(), 3);
-    assert_eq!(args[1], "300", "cleanInterval in seconds");
-    assert_eq!(args[2], "10", "maxRequestCount");
-    assert_eq!(args[3], "2", "two healthy candidates");
-    let mut healthy = args[4..6].to_vec();
+    assert_eq!(keys[3], owner_key("r1", CLUSTER, &args[3]), "this VM's hash");
+    assert_eq!(keys.len(), 4);
+    assert_eq!(args[0], "300", "cleanInterval in seconds");
+    assert_eq!(args[1], "10", "maxRequestCount");
+    assert_eq!(args[2], "10000", "leaseMs");
+    assert_eq!(args[3].len(), 16, "owner id");
+    assert_eq!(args[4].len(), 16, "request id");
+    assert_eq!(args[5], "2", "two healthy candidates");
+    let mut healthy = args[6..8].to_vec();
     healthy.sort();
     assert_eq!(healthy, vec!["10.0.0.1:8000", "10.0.0.2:8000"]);
-    assert_eq!(args[6..], ["10.0.0.3:8000".to_string()], "unhealthy host kept by the cleanup");
+    assert_eq!(args[8..], ["10.0.0.3:8000".to_string()], "unhealthy host kept by the cleanup");
     // Body chunks while the pick is in flight are held, not released: under flow control while the pick is out: a body over the buffer limit slows the client
     // down instead of getting 413.
     assert_eq!(f.on_request_body(&mut host, 7, 100, false), DATA_STOP_AND_WATERMARK);
@@ -114,7 +116,7 @@ fn ties_are_broken_uniformly_at_random() {
         f.on_request_headers(&mut host, 100 + i, false);
         let (_, args) = keys_args(&command(&host, before));
         // The script takes the first minimum: with equal counts, the first shuffled host wins.
-        *first.entry(args[4].clone()).or_insert(0) += 1;
+        *first.entry(args[6].clone()).or_insert(0) += 1;
         f.on_delete(&mut host, 100 + i);
     }
     assert_eq!(first.len(), 4);
@@ -158,10 +160,7 @@ fn decrement_exactly_once_when_the_stream_ends() {
     f.on_stream_end(&mut host, 7);
     f.on_stream_end(&mut host, 7);
     f.on_delete(&mut host, 7);
-    assert_eq!(
-        releases(&host),
-        vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string())]
-    );
+    assert_eq!(releases(&host), vec![release_of(&host, 0, false)]);
     assert_eq!(f.live_streams(), 0);
 }
 
@@ -188,10 +187,7 @@ fn client_abort_while_pick_in_flight_cancels_the_pick_once() {
     f.on_stream_end(&mut host, 7);
     f.on_delete(&mut host, 7);
     // Sent at once, after the pick on the same connection: it undoes the pick or leaves a tombstone.
-    assert_eq!(
-        releases(&host),
-        vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "3600".to_string())]
-    );
+    assert_eq!(releases(&host), vec![release_of(&host, 0, true)]);
     assert_eq!(f.stream_of_token(t), None, "the stream is gone: abi.rs must not switch to it");
     f.on_redis_reply(
         &mut host,
@@ -249,11 +245,7 @@ fn redis_error_reply_resumes_on_normal_balancing() {
         assert_eq!(host.override_host, None, "{reply:?}");
         assert!(host.local_responses.is_empty());
         f.on_delete(&mut host, 7);
-        let expected: Vec<(String, String, String)> = if cancel {
-            vec![(inflight_key("r1", CLUSTER), req_key(&host, 0), "3600".into())]
-        } else {
-            vec![]
-        };
+        let expected = if cancel { vec![release_of(&host, 0, true)] } else { vec![] };
         assert_eq!(releases(&host), expected, "{reply:?}");
     }
 }
@@ -318,7 +310,7 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
         true,
     );
     f.on_delete(&mut host, 7);
-    let first = (inflight_key("r1", CLUSTER), req_key(&host, 0), "0".to_string());
+    let first = release_of(&host, 0, false);
     // Higress closes the pipeline on an op timeout: the -1 may never have reached Redis.
     let lost = host.last_redis_token().unwrap();
     f.on_redis_reply(&mut host, lost, &RedisReply::NetworkError, false);
@@ -371,7 +363,7 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
     );
     f.on_delete(&mut host, 7);
     let mut ctx = 9;
-    for _ in 0..10 {
+    for _ in 0..15 {
         // Every send of the release is lost, every pick is answered.
         let rt = host.last_redis_token().unwrap();
         f.on_redis_reply(&mut host, rt, &RedisReply::NetworkError, false);
@@ -385,7 +377,127 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
         );
         ctx += 2;
     }
-    let first = req_key(&host, 0);
-    assert_eq!(releases(&host).iter().filter(|r| r.1 == first).count(), 5, "bounded resends");
+    let first = release_of(&host, 0, false);
+    assert_eq!(releases(&host).iter().filter(|r| **r == first).count(), 10, "bounded resends");
     assert!(host.logged("giving up the release"));
+}
+
+const MS: u64 = 1_000_000;
+
+/// Sends request `ctx` (bodiless) and answers its pick with `reply`; returns the pick's token.
+fn request_with_reply(
+    f: &mut crate::filter::Filter,
+    host: &mut crate::host::fake::FakeHost,
+    ctx: u32,
+    reply: RedisReply,
+) -> u32 {
+    f.on_request_headers(host, ctx, true);
+    let t = host.last_redis_token().unwrap();
+    f.on_redis_reply(host, t, &reply, true);
+    t
+}
+
+#[test]
+fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
+    let (mut f, mut host) = setup(&cfg(""));
+    for ctx in [7, 9, 11] {
+        request_with_reply(&mut f, &mut host, ctx, RedisReply::NetworkError);
+        f.on_delete(&mut host, ctx);
+    }
+    assert_eq!(host.resumes, 3);
+    // Open: decided at once, no call to Redis.
+    let calls = host.redis_calls.len();
+    assert_eq!(f.on_request_headers(&mut host, 13, true), HEADERS_CONTINUE);
+    assert_eq!(host.redis_calls.len(), calls, "no Redis call while open");
+    assert_eq!(host.counters.get("ai_lb_fallback_breaker"), Some(&1));
+    f.on_delete(&mut host, 13);
+    // After breakerOpenMs one request probes; while it is out, others do not wait.
+    host.now += 1000 * MS;
+    assert_eq!(f.on_request_headers(&mut host, 15, true), HEADERS_STOP_ITERATION);
+    let probe = host.last_redis_token().unwrap();
+    assert_eq!(f.on_request_headers(&mut host, 17, true), HEADERS_CONTINUE);
+    f.on_redis_reply(
+        &mut host,
+        probe,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+        true,
+    );
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    // Closed again: the next request calls Redis.
+    assert_eq!(f.on_request_headers(&mut host, 19, true), HEADERS_STOP_ITERATION);
+}
+
+#[test]
+fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
+    let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
+    assert_eq!(f.tick_period_ms(), 100, "slow picks are noticed within half of breakerSlowMs");
+    f.on_request_headers(&mut host, 7, false);
+    let t = host.last_redis_token().unwrap();
+    host.now += 150 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.resumes, 0, "still within breakerSlowMs");
+    host.now += 100 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.effective_streams, vec![7], "the held stream is made effective to resume it");
+    assert_eq!(host.resumes, 1, "normal balancing");
+    assert_eq!(host.override_host, None);
+    assert_eq!(releases(&host), vec![release_of(&host, 0, true)], "the pick is cancelled");
+    // Its late reply changes nothing, and the stream's end sends nothing more.
+    f.on_redis_reply(
+        &mut host,
+        t,
+        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+        true,
+    );
+    assert_eq!((host.resumes, host.override_host.clone()), (1, None));
+    f.on_delete(&mut host, 7);
+    assert_eq!(releases(&host).len(), 1);
+}
+
+#[test]
+fn leases_are_renewed_while_requests_are_held_and_not_after() {
+    let (mut f, mut host) = setup(&cfg(r#","leaseMs":3000"#));
+    request_with_reply(
+        &mut f,
+        &mut host,
+        7,
+        RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+    );
+    let owner = keys_args(&command(&host, 0)).1[3].clone();
+    let heartbeats = |host: &crate::host::fake::FakeHost| {
+        let sha = crate::redis::sha1_hex_lower(crate::redis::HEARTBEAT_LUA.as_bytes());
+        (0..host.redis_calls.len()).filter(|i| command(host, *i)[1] == sha).count()
+    };
+    host.now += 1000 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(heartbeats(&host), 1);
+    let hb = command(&host, host.redis_calls.len() - 1);
+    assert_eq!(keys_args(&hb), (vec![owners_key("r1", CLUSTER)], vec!["3000".into(), owner]));
+    f.on_tick(&mut host);
+    assert_eq!(heartbeats(&host), 1, "every third of the lease");
+    f.on_delete(&mut host, 7);
+    host.now += 1000 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(heartbeats(&host), 1, "nothing held: the lease may run out");
+}
+
+#[test]
+fn releases_wait_while_the_breaker_is_open_and_go_out_when_it_closes() {
+    let (mut f, mut host) = setup(&cfg(r#","breakerFailures":1"#));
+    request_with_reply(
+        &mut f,
+        &mut host,
+        7,
+        RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+    );
+    request_with_reply(&mut f, &mut host, 9, RedisReply::NetworkError);
+    f.on_delete(&mut host, 7);
+    assert_eq!(releases(&host), vec![], "the breaker is open: the cancel and the -1 wait");
+    // The tick probes Redis after breakerOpenMs (no request needed); its answer sends the -1.
+    host.now += 1000 * MS;
+    f.on_tick(&mut host);
+    let ping = host.last_redis_token().unwrap();
+    assert_eq!(command(&host, host.redis_calls.len() - 1), vec!["PING".to_string()]);
+    f.on_redis_reply(&mut host, ping, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
+    assert_eq!(releases(&host), vec![release_of(&host, 1, true), release_of(&host, 0, false)]);
 }

@@ -13,7 +13,9 @@
 //!   context), `None` for calls made at root level (tick) and for streams that ended meanwhile.
 //! * `on_stream_done`: exactly once per stream that reached the policy, whatever the outcome
 //!   (success, upstream failure, reset, client abort, local reply). The place to release counters.
-//! * `on_tick`: periodic, at root level (no stream); period from `tick_period_ms`.
+//! * `on_tick`: periodic, at root level (no stream); period from `tick_period_ms`. Then
+//!   `on_pending_tick` for each of the policy's streams held with a call in flight (a way to give
+//!   up on a call that takes too long).
 //!
 //! Every decision that is not `NeedBody`/`Pending` ends the policy's say over the request; the
 //! dispatcher applies it and resumes. A policy must never leave a request paused without a pending
@@ -23,9 +25,11 @@ use crate::config::{LbConfig, PolicyConfig};
 use crate::host::{Host, HttpReply, RedisReply};
 use std::any::Any;
 
+pub mod breaker;
 pub mod cluster_metrics;
 pub mod endpoint_metrics;
 pub mod global_least_request;
+pub mod picker;
 pub mod prefix_cache;
 
 /// What the dispatcher should do with the request.
@@ -178,6 +182,13 @@ pub trait Policy {
 
     /// Periodic work at root level.
     fn on_tick(&mut self, _host: &mut dyn Host) {}
+
+    /// At each tick, for each stream this policy holds with a call in flight: `Pending` keeps
+    /// waiting; any other decision gives up on the call and is applied at once (the policy must
+    /// then ignore the call's late reply).
+    fn on_pending_tick(&mut self, _host: &mut dyn Host, _stream: &mut Stream) -> Decision {
+        Decision::Pending
+    }
 }
 
 /// Builds the policy for one config.

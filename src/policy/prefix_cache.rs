@@ -9,7 +9,7 @@
 //! otherwise picks the least-loaded host, writes the rest of the chain, and counts in-flight like
 //! `global_least_request`.
 
-use super::global_least_request::Picker;
+use super::picker::{PickKind, Picker, ReplyOutcome};
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
 use crate::host::{Host, LogLevel, RedisReply};
@@ -174,15 +174,14 @@ impl PrefixCache {
     }
 
     fn pick(&mut self, host: &mut dyn Host, stream: &mut Stream, chain: &[String]) -> Decision {
-        let Some(hosts) = self.picker.host_args(host) else { return Decision::Passthrough };
-        let mut keys = self.picker.base_keys(host, stream);
-        keys.reserve(chain.len());
-        keys.extend(chain.iter().map(|c| redis::prefix_key(&stream.route, &stream.cluster, c)));
-        let mut args = self.picker.base_args(host);
-        args.push(self.config.redis_key_ttl_s.to_string());
-        args.push(format!("{}", self.config.hit_load_factor));
-        args.extend(hosts);
-        self.picker.start(host, stream, keys, args)
+        let chain_keys =
+            chain.iter().map(|c| redis::prefix_key(&stream.route, &stream.cluster, c)).collect();
+        let kind = PickKind::Prefix {
+            chain_keys,
+            ttl_s: self.config.redis_key_ttl_s,
+            hit_load_factor: self.config.hit_load_factor,
+        };
+        self.picker.start(host, stream, kind)
     }
 }
 
@@ -241,19 +240,32 @@ impl Policy for PrefixCache {
         reply: &RedisReply,
     ) -> Decision {
         match self.picker.on_reply(host, stream, token, reply) {
-            Ok(pick) => {
+            ReplyOutcome::Picked(pick) => {
                 host.increment_counter(
                     if pick.matched > 0 { "ai_lb_prefix_hit" } else { "ai_lb_prefix_miss" },
                     1,
                 );
                 self.picker.decide(host, &pick)
             }
-            Err(d) => d,
+            ReplyOutcome::NotForRequest => Decision::Pending,
+            ReplyOutcome::Fallback => Decision::Passthrough,
         }
     }
 
     fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         self.picker.on_done(host, stream);
+    }
+
+    fn tick_period_ms(&self) -> u32 {
+        self.picker.tick_period_ms()
+    }
+
+    fn on_tick(&mut self, host: &mut dyn Host) {
+        self.picker.on_tick(host);
+    }
+
+    fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
+        self.picker.on_pending_tick(host, stream)
     }
 }
 

@@ -1,0 +1,133 @@
+//! A circuit breaker for the shared Redis: after `failures` consecutive failed or slow calls,
+//! requests are decided at once without Redis for `open_ms`; then one probe call is let through,
+//! and its success closes the breaker again (its failure reopens it).
+//!
+//! Why: with a frozen Redis (SIGSTOP, a long fork, a partition that drops packets) every call waits
+//! for the Redis timeout (3 s by default) before normal balancing. The breaker bounds that cost to
+//! the few calls that detect the stall.
+
+/// Whether a call to Redis may be made now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// Closed: call Redis.
+    Call,
+    /// The breaker was open long enough: this call is the probe that decides whether it closes.
+    Probe,
+    /// Open (or a probe is already out): decide without Redis.
+    Refuse,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Closed { consecutive_failures: u32 },
+    Open { until_ns: u64 },
+    HalfOpen,
+}
+
+/// See the module docs. `failures == 0` disables the breaker (every call is admitted).
+#[derive(Debug, Clone)]
+pub struct Breaker {
+    failures: u32,
+    open_ns: u64,
+    state: State,
+}
+
+impl Breaker {
+    /// A closed breaker that opens after `failures` consecutive failures for `open_ms`.
+    pub fn new(failures: u32, open_ms: u32) -> Breaker {
+        Breaker {
+            failures,
+            open_ns: u64::from(open_ms) * 1_000_000,
+            state: State::Closed { consecutive_failures: 0 },
+        }
+    }
+
+    /// Asks to make a call at `now_ns`.
+    pub fn admit(&mut self, now_ns: u64) -> Admission {
+        match self.state {
+            State::Closed { .. } => Admission::Call,
+            State::Open { until_ns } if now_ns >= until_ns => {
+                self.state = State::HalfOpen;
+                Admission::Probe
+            }
+            State::Open { .. } | State::HalfOpen => Admission::Refuse,
+        }
+    }
+
+    /// True while calls are refused or a probe is out (releases wait instead of being sent).
+    pub fn is_closed(&self) -> bool {
+        matches!(self.state, State::Closed { .. })
+    }
+
+    /// Redis answered a call.
+    pub fn on_success(&mut self) {
+        self.state = State::Closed { consecutive_failures: 0 };
+    }
+
+    /// A call failed (network error, timeout) or was given up as too slow. Returns true when this
+    /// failure opened the breaker.
+    pub fn on_failure(&mut self, now_ns: u64) -> bool {
+        if self.failures == 0 {
+            return false;
+        }
+        let open = match self.state {
+            State::Closed { consecutive_failures } => {
+                let n = consecutive_failures.saturating_add(1);
+                self.state = State::Closed { consecutive_failures: n };
+                n >= self.failures
+            }
+            State::HalfOpen => true,
+            // Replies of calls sent before the breaker opened: it stays open as it is.
+            State::Open { .. } => false,
+        };
+        if open {
+            self.state = State::Open { until_ns: now_ns.saturating_add(self.open_ns) };
+        }
+        open
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn opens_after_consecutive_failures_and_a_success_resets_the_count() {
+        let mut b = Breaker::new(3, 1000);
+        assert!(!b.on_failure(0));
+        assert!(!b.on_failure(0));
+        b.on_success();
+        assert!(!b.on_failure(0));
+        assert!(!b.on_failure(0));
+        assert_eq!(b.admit(0), Admission::Call);
+        assert!(b.on_failure(5 * MS), "third consecutive failure opens it");
+        assert_eq!(b.admit(6 * MS), Admission::Refuse);
+        assert!(!b.is_closed());
+    }
+
+    #[test]
+    fn one_probe_after_the_open_period_closes_or_reopens_it() {
+        let mut b = Breaker::new(1, 1000);
+        assert!(b.on_failure(0));
+        assert_eq!(b.admit(999 * MS), Admission::Refuse);
+        assert_eq!(b.admit(1000 * MS), Admission::Probe);
+        assert_eq!(b.admit(1001 * MS), Admission::Refuse, "one probe at a time");
+        assert!(b.on_failure(1500 * MS), "a failed probe reopens");
+        assert_eq!(b.admit(2499 * MS), Admission::Refuse);
+        assert_eq!(b.admit(2500 * MS), Admission::Probe);
+        b.on_success();
+        assert_eq!(b.admit(2501 * MS), Admission::Call);
+        assert!(b.is_closed());
+    }
+
+    #[test]
+    fn zero_failures_disables_it() {
+        let mut b = Breaker::new(0, 1000);
+        for _ in 0..100 {
+            assert!(!b.on_failure(0));
+        }
+        assert_eq!(b.admit(0), Admission::Call);
+    }
+}

@@ -1,0 +1,672 @@
+//! The Redis pick engine shared by `global_least_request` and `prefix_cache`: one script call per
+//! request picks a host and adds `+1` to its in-flight count; the `-1` goes out when the stream
+//! ends, exactly once, whatever the outcome.
+//!
+//! Counts that cannot leak. Each plugin VM is an *owner* with a lease in Redis (renewed by every
+//! pick and, while it holds requests, by a heartbeat every third of `leaseMs`). Its `+1`s are
+//! recorded in its own hash; a pick that finds an owner whose lease ran out subtracts that owner's
+//! shares and deletes its hash. So the counts of a gateway that was SIGKILLed, ran out of memory or
+//! got cut off return to the truth within one lease, with no help from it, and no key correctness
+//! depends on has a TTL that eviction could remove.
+//!
+//! Exactly-once release: each pick carries a random request id. An admitted pick writes the chosen
+//! host under that id in the owner's hash; `release.lua` decrements from that record and deletes
+//! it. When the plugin gives up on a pick (Redis timeout, a pick slower than `breakerSlowMs`, client
+//! gone while waiting), it sends the same release marked "abandoned": if the pick already ran it is
+//! undone, and if it has not run yet (a frozen Redis runs it later) a tombstone makes it a no-op.
+//!
+//! A stalled Redis: [`Breaker`] opens after consecutive failed or slow calls; while it is open,
+//! requests are decided at once without Redis and releases wait in a bounded queue.
+
+use super::breaker::{Admission, Breaker};
+use super::{healthy_hosts, Decision, Stream};
+use crate::config::GlobalLeastRequestConfig;
+use crate::host::{Host, LogLevel, RedisReply};
+use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
+use std::collections::HashMap;
+
+/// Body of the local 429 reply (same text as the Go plugin).
+pub const REJECT_BODY: &str = "Exceeded maximum request limit from ai-load-balancer.";
+
+/// A release whose delivery failed is sent again at most this many times in all (failures while
+/// the breaker is open are not counted: the release waits for Redis instead).
+const MAX_RELEASE_ATTEMPTS: u32 = 10;
+/// At most this many releases wait for Redis to come back (bounded memory per worker).
+const MAX_QUEUED_RELEASES: usize = 16_384;
+
+/// The keys of one route+cluster's shared state, for one owner.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateKeys {
+    /// Hash host -> in-flight count.
+    pub inflight: String,
+    /// Time of the last cleanup of hosts that left the cluster.
+    pub last_clean: String,
+    /// Sorted set owner -> lease expiry.
+    pub owners: String,
+    /// This owner's hash.
+    pub owner: String,
+}
+
+impl StateKeys {
+    /// The keys of `route`+`cluster` for `owner`.
+    pub fn new(route: &str, cluster: &str, owner: &str) -> StateKeys {
+        StateKeys {
+            inflight: redis::inflight_key(route, cluster),
+            last_clean: redis::last_clean_key(route, cluster),
+            owners: redis::owners_key(route, cluster),
+            owner: redis::owner_key(route, cluster, owner),
+        }
+    }
+}
+
+/// What a policy adds to the common pick call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PickKind {
+    /// `least_request.lua`.
+    LeastRequest,
+    /// `prefix_cache.lua`.
+    Prefix {
+        /// Chain keys (full Redis keys), shortest prefix first.
+        chain_keys: Vec<String>,
+        /// `redisKeyTTL`.
+        ttl_s: u64,
+        /// `hitLoadFactor`.
+        hit_load_factor: f64,
+    },
+}
+
+/// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
+/// in the order the scripts' headers (`lua/lease.lua`, `lua/least_request.lua`,
+/// `lua/prefix_cache.lua`) read them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PickCall {
+    /// The route+cluster's keys for this owner.
+    pub keys: StateKeys,
+    /// `cleanInterval` in seconds (0 = never).
+    pub clean_interval_s: u64,
+    /// `maxRequestCount` (0 = no limit).
+    pub max_inflight: u64,
+    /// `leaseMs`.
+    pub lease_ms: u32,
+    /// This VM's owner id.
+    pub owner_id: String,
+    /// This request's id (its pick record).
+    pub request_id: String,
+    /// Healthy hosts, shuffled (the script takes the first minimum).
+    pub healthy: Vec<String>,
+    /// Other hosts still in the cluster (kept by the cleanup).
+    pub others: Vec<String>,
+    /// Policy-specific part.
+    pub kind: PickKind,
+}
+
+impl PickCall {
+    /// KEYS and ARGV of the script call.
+    pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
+        let k = &self.keys;
+        let mut keys =
+            vec![k.inflight.clone(), k.last_clean.clone(), k.owners.clone(), k.owner.clone()];
+        let mut args = vec![
+            self.clean_interval_s.to_string(),
+            self.max_inflight.to_string(),
+            self.lease_ms.to_string(),
+            self.owner_id.clone(),
+            self.request_id.clone(),
+        ];
+        if let PickKind::Prefix { chain_keys, ttl_s, hit_load_factor } = &self.kind {
+            keys.extend(chain_keys.iter().cloned());
+            args.push(ttl_s.to_string());
+            args.push(format!("{hit_load_factor}"));
+        }
+        args.reserve(1 + self.healthy.len() + self.others.len());
+        args.push(self.healthy.len().to_string());
+        args.extend(self.healthy.iter().cloned());
+        args.extend(self.others.iter().cloned());
+        (keys, args)
+    }
+}
+
+/// Result of a successful pick script reply.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PickResult {
+    /// The chosen host.
+    pub host: String,
+    /// Its in-flight count after the pick.
+    pub count: i64,
+    /// False when over `maxRequestCount` (the script undid the +1).
+    pub admitted: bool,
+    /// Matched prefix blocks (prefix_cache only; 0 otherwise).
+    pub matched: i64,
+}
+
+/// Parses `{host, count, admitted[, matched]}`.
+pub fn parse_pick(frame: &Frame) -> Option<PickResult> {
+    let Frame::Array(items) = frame else { return None };
+    let mut it = items.iter();
+    let host = match it.next()? {
+        Frame::BulkString(b) | Frame::SimpleString(b) => String::from_utf8(b.clone()).ok()?,
+        _ => return None,
+    };
+    let int = |f: Option<&Frame>| match f {
+        Some(Frame::Integer(i)) => Some(*i),
+        Some(Frame::BulkString(b)) => std::str::from_utf8(b).ok()?.parse().ok(),
+        _ => None,
+    };
+    let count = int(it.next())?;
+    let admitted = int(it.next())? == 1;
+    let matched = int(it.next()).unwrap_or(0);
+    if host.is_empty() {
+        return None;
+    }
+    Some(PickResult { host, count, admitted, matched })
+}
+
+/// Fisher–Yates shuffle with the host's randomness: the script takes the first minimum, so ties
+/// are broken uniformly at random.
+pub(crate) fn shuffle(host: &mut dyn Host, v: &mut [String]) {
+    let n = v.len();
+    for i in (1..n).rev() {
+        let j = (host.random_u64() % (i as u64 + 1)) as usize;
+        v.swap(i, j);
+    }
+}
+
+/// Why a request falls back to normal balancing after its pick was started (or instead of it).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fallback {
+    /// The pick could not be sent.
+    SendFailed,
+    /// NetworkError reply: connection failure or the host's Redis timeout.
+    NetworkError,
+    /// No reply within `breakerSlowMs`.
+    Slow,
+    /// The breaker is open.
+    BreakerOpen,
+    /// Undecodable or unexpected reply (the pick may have run).
+    BadReply(String),
+    /// An error reply such as NOAUTH, LOADING or a script error (the pick did not complete).
+    ErrorReply(String),
+}
+
+impl Fallback {
+    fn counter(&self) -> &'static str {
+        match self {
+            Fallback::BreakerOpen => "ai_lb_fallback_breaker",
+            _ => "ai_lb_fallback_redis",
+        }
+    }
+    fn describe(&self) -> String {
+        match self {
+            Fallback::SendFailed => "redis call could not be sent".into(),
+            Fallback::NetworkError => "redis network error or timeout".into(),
+            Fallback::Slow => "redis pick too slow, given up".into(),
+            Fallback::BreakerOpen => "redis breaker open".into(),
+            Fallback::BadReply(why) => format!("redis reply unusable ({why})"),
+            Fallback::ErrorReply(msg) => format!("redis error reply {msg:?}"),
+        }
+    }
+    /// Whether the pick may still run, or have run, so that it must be cancelled.
+    fn may_have_run(&self) -> bool {
+        matches!(self, Fallback::NetworkError | Fallback::Slow | Fallback::BadReply(_))
+    }
+}
+
+/// What a Redis reply means for the policy that made the call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReplyOutcome {
+    /// The pick ran: route (or 429 when not admitted).
+    Picked(PickResult),
+    /// Not a pick reply this request waits for (a release or heartbeat reply, an abandoned pick's
+    /// late reply), or the pick was resent with EVAL: nothing changes for the request.
+    NotForRequest,
+    /// Normal balancing.
+    Fallback,
+}
+
+/// Per-request state of a pick.
+#[derive(Debug)]
+pub(crate) struct PickState {
+    keys: StateKeys,
+    request_id: String,
+    /// Script keys and args, kept to resend with EVAL after NOSCRIPT.
+    call_keys: Vec<String>,
+    call_args: Vec<String>,
+    /// Token of the pick call in flight, and when it was sent.
+    pending: Option<(u32, u64)>,
+    /// EVAL fallback already tried.
+    used_eval: bool,
+    /// The host that got the `+1` (released exactly once at stream end).
+    picked: Option<String>,
+}
+
+/// One release (`-1`, or the cancel of an abandoned pick). `release.lua` is idempotent per pick
+/// record, so a release whose outcome is unknown can always be sent again.
+#[derive(Debug, Clone)]
+struct Release {
+    inflight_key: String,
+    owner_key: String,
+    request_id: String,
+    abandoned: bool,
+    /// Sends that failed so far while the breaker was closed.
+    failures: u32,
+    use_eval: bool,
+}
+
+/// A root-level call in flight (nothing waits for it).
+#[derive(Debug)]
+enum RootCall {
+    Release(Release),
+    Heartbeat { owners_key: String, use_eval: bool },
+    Probe,
+}
+
+/// The shared pick machinery.
+pub(crate) struct Picker {
+    pub redis: RedisClient,
+    pub config: GlobalLeastRequestConfig,
+    script: Script,
+    release: Script,
+    heartbeat: Script,
+    /// Name for logs.
+    name: &'static str,
+    /// This VM's owner id (random, made on first use).
+    owner: Option<String>,
+    breaker: Breaker,
+    /// Admitted picks not released yet, per owners key: their leases are renewed by heartbeats.
+    held: HashMap<String, u32>,
+    last_heartbeat_ns: u64,
+    /// Releases, heartbeats and probes sent and not yet answered, by token.
+    root_calls: HashMap<u32, RootCall>,
+    /// Releases waiting for Redis: sent as soon as a reply shows it answers again.
+    release_queue: Vec<Release>,
+}
+
+impl Picker {
+    pub fn new(
+        config: GlobalLeastRequestConfig,
+        source: &'static str,
+        name: &'static str,
+    ) -> Picker {
+        Picker {
+            redis: RedisClient::new(config.redis.clone()),
+            breaker: Breaker::new(config.state.breaker_failures, config.state.breaker_open_ms),
+            config,
+            script: Script::new(source),
+            release: Script::new(redis::RELEASE_LUA),
+            heartbeat: Script::new(redis::HEARTBEAT_LUA),
+            name,
+            owner: None,
+            held: HashMap::new(),
+            last_heartbeat_ns: 0,
+            root_calls: HashMap::new(),
+            release_queue: Vec::new(),
+        }
+    }
+
+    /// Tick period the picker needs: heartbeats every third of the lease, and slow picks noticed
+    /// within half of `breakerSlowMs`.
+    pub fn tick_period_ms(&self) -> u32 {
+        let heartbeat = self.config.state.lease_ms / 3;
+        let slow = self.config.state.breaker_slow_ms / 2;
+        let period = if slow > 0 { heartbeat.min(slow) } else { heartbeat };
+        period.max(20)
+    }
+
+    fn owner_id(&mut self, host: &mut dyn Host) -> String {
+        if let Some(o) = &self.owner {
+            return o.clone();
+        }
+        let o = format!("{:016x}", host.random_u64());
+        self.owner = Some(o.clone());
+        o
+    }
+
+    /// Starts a pick for `stream`: `Pending`, or `Passthrough` when there is no healthy host, the
+    /// breaker is open or the call could not be sent.
+    pub fn start(&mut self, host: &mut dyn Host, stream: &mut Stream, kind: PickKind) -> Decision {
+        let Some((mut healthy, others)) = healthy_hosts(host, self.name) else {
+            return Decision::Passthrough;
+        };
+        if self.breaker.admit(host.now_nanos()) == Admission::Refuse {
+            self.log_fallback(host, &Fallback::BreakerOpen);
+            return Decision::Passthrough;
+        }
+        shuffle(host, &mut healthy);
+        let owner_id = self.owner_id(host);
+        let call = PickCall {
+            keys: StateKeys::new(&stream.route, &stream.cluster, &owner_id),
+            clean_interval_s: self.config.clean_interval_min.saturating_mul(60),
+            max_inflight: self.config.max_request_count,
+            lease_ms: self.config.state.lease_ms,
+            owner_id,
+            request_id: format!("{:016x}", host.random_u64()),
+            healthy,
+            others,
+            kind,
+        };
+        let (call_keys, call_args) = call.keys_args();
+        let query = self.script.command(&call_keys, &call_args, false);
+        match self.redis.call(host, &query) {
+            Ok(token) => {
+                stream.set_data(PickState {
+                    keys: call.keys,
+                    request_id: call.request_id,
+                    call_keys,
+                    call_args,
+                    pending: Some((token, host.now_nanos())),
+                    used_eval: false,
+                    picked: None,
+                });
+                Decision::Pending
+            }
+            Err(_) => {
+                self.breaker.on_failure(host.now_nanos());
+                self.log_fallback(host, &Fallback::SendFailed);
+                Decision::Passthrough
+            }
+        }
+    }
+
+    /// Handles a reply to any call of this picker.
+    pub fn on_reply(
+        &mut self,
+        host: &mut dyn Host,
+        stream: Option<&mut Stream>,
+        token: u32,
+        reply: &RedisReply,
+    ) -> ReplyOutcome {
+        if let Some(call) = self.root_calls.remove(&token) {
+            self.on_root_reply(host, call, reply);
+            return ReplyOutcome::NotForRequest;
+        }
+        // A stream that ended while its pick was in flight already sent the cancel (on_done).
+        let Some(stream) = stream else { return ReplyOutcome::NotForRequest };
+        let Some(state) = stream.data_mut::<PickState>() else {
+            return ReplyOutcome::NotForRequest;
+        };
+        if state.pending.map(|(t, _)| t) != Some(token) {
+            return ReplyOutcome::NotForRequest; // the late reply of an abandoned pick
+        }
+        state.pending = None;
+        let frame = match reply {
+            RedisReply::NetworkError => {
+                self.breaker.on_failure(host.now_nanos());
+                return self.fallback(host, stream, Fallback::NetworkError);
+            }
+            RedisReply::Ok(bytes) => match decode_reply(bytes) {
+                Ok(f) => f,
+                Err(e) => return self.fallback(host, stream, Fallback::BadReply(e)),
+            },
+        };
+        self.breaker.on_success();
+        if redis::is_noscript(&frame) && !state.used_eval {
+            // The script is not cached on this Redis (restart, failover, new shard): send it once.
+            state.used_eval = true;
+            let query = self.script.command(&state.call_keys, &state.call_args, true);
+            return match self.redis.call(host, &query) {
+                Ok(t) => {
+                    state.pending = Some((t, host.now_nanos()));
+                    ReplyOutcome::NotForRequest
+                }
+                Err(_) => self.fallback(host, stream, Fallback::SendFailed),
+            };
+        }
+        if let Frame::Error(msg) = &frame {
+            self.redis.on_error_reply(msg);
+            return self.fallback(host, stream, Fallback::ErrorReply(msg.clone()));
+        }
+        // Redis answers: releases that waited can go out (before this stream's own).
+        self.flush_release_queue(host);
+        let Some(pick) = parse_pick(&frame) else {
+            return self.fallback(host, stream, Fallback::BadReply("unexpected reply".into()));
+        };
+        if pick.admitted {
+            state.picked = Some(pick.host.clone());
+            *self.held.entry(state.keys.owners.clone()).or_insert(0) += 1;
+        }
+        if self.config.enable_detail_log {
+            host.log(
+                LogLevel::Info,
+                &format!(
+                    "{}: route={} cluster={} host={} inflight={} admitted={} matched={}",
+                    self.name,
+                    stream.route,
+                    stream.cluster,
+                    pick.host,
+                    pick.count,
+                    pick.admitted,
+                    pick.matched
+                ),
+            );
+        }
+        ReplyOutcome::Picked(pick)
+    }
+
+    /// Every fallback after a pick was sent goes through here: log, count, and cancel the pick
+    /// (it may still run later).
+    fn fallback(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        why: Fallback,
+    ) -> ReplyOutcome {
+        self.log_fallback(host, &why);
+        if let Some(state) = stream.data_mut::<PickState>() {
+            state.pending = None;
+            if !why.may_have_run() {
+                return ReplyOutcome::Fallback;
+            }
+            let rel = Release {
+                inflight_key: state.keys.inflight.clone(),
+                owner_key: state.keys.owner.clone(),
+                request_id: state.request_id.clone(),
+                abandoned: true,
+                failures: 0,
+                use_eval: false,
+            };
+            self.send_release(host, rel);
+        }
+        ReplyOutcome::Fallback
+    }
+
+    fn log_fallback(&self, host: &mut dyn Host, why: &Fallback) {
+        host.log(
+            LogLevel::Warn,
+            &format!("{}: {}; using normal balancing", self.name, why.describe()),
+        );
+        host.increment_counter(why.counter(), 1);
+    }
+
+    /// The decision for a pick result: route there, or 429 (the script already undid the +1).
+    pub fn decide(&self, host: &mut dyn Host, pick: &PickResult) -> Decision {
+        if pick.admitted {
+            Decision::Route(pick.host.clone())
+        } else {
+            host.increment_counter("ai_lb_rejected", 1);
+            Decision::Reject { status: 429, body: REJECT_BODY.to_string() }
+        }
+    }
+
+    /// A tick while `stream` waits for its pick: give up a pick slower than `breakerSlowMs`.
+    pub fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
+        let slow_ns = u64::from(self.config.state.breaker_slow_ms) * 1_000_000;
+        let Some(state) = stream.data_mut::<PickState>() else { return Decision::Pending };
+        let Some((_, sent)) = state.pending else { return Decision::Pending };
+        let now = host.now_nanos();
+        if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
+            return Decision::Pending;
+        }
+        self.breaker.on_failure(now);
+        self.fallback(host, stream, Fallback::Slow);
+        Decision::Passthrough
+    }
+
+    /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
+    /// runs before the cancel on the same connection, or finds the tombstone).
+    pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
+        let Some(state) = stream.take_data::<PickState>() else { return };
+        let abandoned = if state.picked.is_some() {
+            if let Some(n) = self.held.get_mut(&state.keys.owners) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.held.remove(&state.keys.owners);
+                }
+            }
+            false
+        } else if state.pending.is_some() {
+            true
+        } else {
+            return;
+        };
+        let rel = Release {
+            inflight_key: state.keys.inflight,
+            owner_key: state.keys.owner,
+            request_id: state.request_id,
+            abandoned,
+            failures: 0,
+            use_eval: false,
+        };
+        self.send_release(host, rel);
+    }
+
+    /// Root tick: lease heartbeats, and the breaker's probe when no request comes to probe it.
+    pub fn on_tick(&mut self, host: &mut dyn Host) {
+        let now = host.now_nanos();
+        if !self.breaker.is_closed() {
+            if self.breaker.admit(now) == Admission::Probe {
+                match self.redis.call(host, &redis::encode_command(&["PING"])) {
+                    Ok(t) => {
+                        self.root_calls.insert(t, RootCall::Probe);
+                    }
+                    Err(_) => {
+                        self.breaker.on_failure(now);
+                    }
+                }
+            }
+            return;
+        }
+        let every_ns = u64::from(self.config.state.lease_ms / 3) * 1_000_000;
+        if now.saturating_sub(self.last_heartbeat_ns) < every_ns {
+            return;
+        }
+        self.last_heartbeat_ns = now;
+        let keys: Vec<String> = self.held.keys().cloned().collect();
+        for owners_key in keys {
+            self.send_heartbeat(host, owners_key, false);
+        }
+    }
+
+    fn send_heartbeat(&mut self, host: &mut dyn Host, owners_key: String, use_eval: bool) {
+        let Some(owner) = self.owner.clone() else { return };
+        let q = self.heartbeat.command(
+            std::slice::from_ref(&owners_key),
+            &[self.config.state.lease_ms.to_string(), owner],
+            use_eval,
+        );
+        if let Ok(t) = self.redis.call(host, &q) {
+            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval });
+        }
+    }
+
+    fn send_release(&mut self, host: &mut dyn Host, rel: Release) {
+        if !self.breaker.is_closed() {
+            self.queue_release(host, rel);
+            return;
+        }
+        let q = self.release.command(
+            &[rel.inflight_key.clone(), rel.owner_key.clone()],
+            &[rel.request_id.clone(), if rel.abandoned { "1" } else { "0" }.to_string()],
+            rel.use_eval,
+        );
+        match self.redis.call(host, &q) {
+            Ok(token) => {
+                self.root_calls.insert(token, RootCall::Release(rel));
+            }
+            Err(_) => self.release_failed(host, rel),
+        }
+    }
+
+    /// The reply to a release, heartbeat or probe.
+    fn on_root_reply(&mut self, host: &mut dyn Host, call: RootCall, reply: &RedisReply) {
+        let now = host.now_nanos();
+        let frame = match reply {
+            RedisReply::Ok(b) => decode_reply(b).ok(),
+            RedisReply::NetworkError => {
+                self.breaker.on_failure(now);
+                None
+            }
+        };
+        let noscript = frame.as_ref().is_some_and(redis::is_noscript);
+        let ran = match &frame {
+            Some(Frame::Error(msg)) => {
+                self.redis.on_error_reply(msg);
+                false
+            }
+            Some(_) => true,
+            None => false,
+        };
+        if frame.is_some() {
+            self.breaker.on_success();
+        }
+        match call {
+            RootCall::Release(mut rel) => {
+                if noscript && !rel.use_eval {
+                    rel.use_eval = true;
+                    self.send_release(host, rel);
+                } else if !ran {
+                    self.release_failed(host, rel);
+                }
+            }
+            RootCall::Heartbeat { owners_key, use_eval } => {
+                if noscript && !use_eval {
+                    self.send_heartbeat(host, owners_key, true);
+                }
+            }
+            RootCall::Probe => {}
+        }
+        if ran {
+            self.flush_release_queue(host);
+        }
+    }
+
+    /// A release that may not have run: sent again later.
+    fn release_failed(&mut self, host: &mut dyn Host, mut rel: Release) {
+        if self.breaker.is_closed() {
+            rel.failures = rel.failures.saturating_add(1);
+        }
+        if rel.failures >= MAX_RELEASE_ATTEMPTS {
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{}: giving up the release of request {} after {} failed sends; the count \
+                     returns when this VM's lease ends",
+                    self.name, rel.request_id, rel.failures
+                ),
+            );
+            host.increment_counter("ai_lb_release_dropped", 1);
+            return;
+        }
+        self.queue_release(host, rel);
+    }
+
+    fn queue_release(&mut self, host: &mut dyn Host, rel: Release) {
+        if self.release_queue.len() >= MAX_QUEUED_RELEASES {
+            host.log(
+                LogLevel::Warn,
+                &format!("{}: release queue full; dropping request {}", self.name, rel.request_id),
+            );
+            host.increment_counter("ai_lb_release_dropped", 1);
+            return;
+        }
+        self.release_queue.push(rel);
+    }
+
+    fn flush_release_queue(&mut self, host: &mut dyn Host) {
+        if !self.breaker.is_closed() {
+            return;
+        }
+        for rel in std::mem::take(&mut self.release_queue) {
+            self.send_release(host, rel);
+        }
+    }
+}
