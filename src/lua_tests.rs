@@ -128,7 +128,11 @@ impl Redis {
 
     fn heartbeat(&mut self, owner: &str, lease_ms: u32) -> Frame {
         let s = Script::new(HEARTBEAT_LUA);
-        self.raw(&s.command(&["owners".to_string()], &[lease_ms.to_string(), owner.into()], true))
+        self.raw(&s.command(
+            &["inflight".to_string(), "owners".to_string()],
+            &[lease_ms.to_string(), owner.into()],
+            true,
+        ))
     }
 
     fn hget(&mut self, key: &str, field: &str) -> Option<String> {
@@ -441,4 +445,17 @@ fn no_key_the_counts_depend_on_has_a_ttl() {
         assert_eq!(r.ttl(k), -1, "{k} must not expire");
     }
     assert!(r.ttl("k1") > 0, "prefix keys do expire (a lost one only costs a cache miss)");
+}
+
+#[test]
+fn a_live_owners_heartbeat_reaps_a_dead_one_without_any_pick() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    assert_eq!(pick(&r.run(&s, &as_owner("dead", 500, &["a"], &[]))).0, "a");
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.count("a"), Some(1));
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.count("a"), Some(0), "the dead owner's +1 is gone");
+    assert_eq!(r.cmd(&["ZSCORE", "owners", "dead"]), Frame::Null);
 }

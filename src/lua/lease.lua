@@ -1,4 +1,4 @@
--- ai-load-balancer: prelude of the pick scripts (prepended to least_request.lua and
+-- ai-load-balancer: prelude of the pick scripts (after reap.lua, before least_request.lua or
 -- prefix_cache.lua). In-flight counts are held under per-VM leases, so that a gateway that dies
 -- (SIGKILL, OOM, partition) cannot leave its +1s behind: nothing here has a TTL that eviction
 -- could remove.
@@ -20,21 +20,7 @@ local clock = redis.call('TIME')
 local now_ms = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local now = tonumber(clock[1])
 redis.call('ZADD', owners, now_ms + (tonumber(ARGV[3]) or 10000), ARGV[4])
--- Owners whose lease ran out are gone: subtract what they held. A few per call keep calls short.
-local base = string.sub(owners, 1, #owners - 6)
-for _, dead in ipairs(redis.call('ZRANGEBYSCORE', owners, '-inf', now_ms, 'LIMIT', 0, 4)) do
-  local own = base .. 'own:' .. dead
-  local held = redis.call('HGETALL', own)
-  for i = 1, #held, 2 do
-    local c = tonumber(held[i + 1]) or 0
-    if string.sub(held[i], 1, 2) == 'h:' and c > 0 then
-      local h = string.sub(held[i], 3)
-      if redis.call('HINCRBY', inflight, h, -c) < 0 then redis.call('HSET', inflight, h, 0) end
-    end
-  end
-  redis.call('DEL', own)
-  redis.call('ZREM', owners, dead)
-end
+reap(inflight, owners, now_ms)
 -- Cleanup of hosts that left the cluster. `first` is the ARGV index of the first host.
 local function cleanup(first)
   local interval = tonumber(ARGV[1]) or 0

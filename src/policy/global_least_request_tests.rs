@@ -455,7 +455,7 @@ fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
 }
 
 #[test]
-fn leases_are_renewed_while_requests_are_held_and_not_after() {
+fn leases_are_renewed_every_third_of_the_lease_while_the_route_is_used() {
     let (mut f, mut host) = setup(&cfg(r#","leaseMs":3000"#));
     request_with_reply(
         &mut f,
@@ -472,13 +472,19 @@ fn leases_are_renewed_while_requests_are_held_and_not_after() {
     f.on_tick(&mut host);
     assert_eq!(heartbeats(&host), 1);
     let hb = command(&host, host.redis_calls.len() - 1);
-    assert_eq!(keys_args(&hb), (vec![owners_key("r1", CLUSTER)], vec!["3000".into(), owner]));
+    assert_eq!(
+        keys_args(&hb),
+        (vec![inflight_key("r1", CLUSTER), owners_key("r1", CLUSTER)], vec!["3000".into(), owner])
+    );
     f.on_tick(&mut host);
     assert_eq!(heartbeats(&host), 1, "every third of the lease");
     f.on_delete(&mut host, 7);
     host.now += 1000 * MS;
     f.on_tick(&mut host);
-    assert_eq!(heartbeats(&host), 1, "nothing held: the lease may run out");
+    assert_eq!(heartbeats(&host), 2, "still used recently: keeps reaping dead owners");
+    host.now += 601_000 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(heartbeats(&host), 2, "idle for 10 minutes and nothing held: no more heartbeats");
 }
 
 #[test]

@@ -3,9 +3,9 @@
 //! ends, exactly once, whatever the outcome.
 //!
 //! Counts that cannot leak. Each plugin VM is an *owner* with a lease in Redis (renewed by every
-//! pick and, while it holds requests, by a heartbeat every third of `leaseMs`). Its `+1`s are
+//! pick and by a heartbeat every third of `leaseMs` while it uses that route+cluster). Its `+1`s are
 //! recorded in its own hash; a pick that finds an owner whose lease ran out subtracts that owner's
-//! shares and deletes its hash. So the counts of a gateway that was SIGKILLed, ran out of memory or
+//! shares and deletes its hash (so does every live VM's heartbeat). So the counts of a gateway that was SIGKILLed, ran out of memory or
 //! got cut off return to the truth within one lease, with no help from it, and no key correctness
 //! depends on has a TTL that eviction could remove.
 //!
@@ -33,6 +33,18 @@ pub const REJECT_BODY: &str = "Exceeded maximum request limit from ai-load-balan
 const MAX_RELEASE_ATTEMPTS: u32 = 10;
 /// At most this many releases wait for Redis to come back (bounded memory per worker).
 const MAX_QUEUED_RELEASES: usize = 16_384;
+/// A route+cluster this VM picked in gets heartbeats (which also reap dead owners, so a dead
+/// gateway's counts return even when no request comes) until it has been idle this long.
+const GROUP_IDLE_NS: u64 = 600 * 1_000_000_000;
+
+/// A route+cluster's shared state as this VM uses it.
+#[derive(Debug)]
+struct Group {
+    inflight_key: String,
+    /// Admitted picks not released yet.
+    held: u32,
+    last_pick_ns: u64,
+}
 
 /// The keys of one route+cluster's shared state, for one owner.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -256,7 +268,7 @@ struct Release {
 #[derive(Debug)]
 enum RootCall {
     Release(Release),
-    Heartbeat { owners_key: String, use_eval: bool },
+    Heartbeat { owners_key: String, inflight_key: String, use_eval: bool },
     Probe,
 }
 
@@ -272,8 +284,8 @@ pub(crate) struct Picker {
     /// This VM's owner id (random, made on first use).
     owner: Option<String>,
     breaker: Breaker,
-    /// Admitted picks not released yet, per owners key: their leases are renewed by heartbeats.
-    held: HashMap<String, u32>,
+    /// Route+clusters used, by owners key: their leases are renewed by heartbeats.
+    groups: HashMap<String, Group>,
     last_heartbeat_ns: u64,
     /// Releases, heartbeats and probes sent and not yet answered, by token.
     root_calls: HashMap<u32, RootCall>,
@@ -296,7 +308,7 @@ impl Picker {
             heartbeat: Script::new(redis::HEARTBEAT_LUA),
             name,
             owner: None,
-            held: HashMap::new(),
+            groups: HashMap::new(),
             last_heartbeat_ns: 0,
             root_calls: HashMap::new(),
             release_queue: Vec::new(),
@@ -420,9 +432,15 @@ impl Picker {
         let Some(pick) = parse_pick(&frame) else {
             return self.fallback(host, stream, Fallback::BadReply("unexpected reply".into()));
         };
+        let group = self.groups.entry(state.keys.owners.clone()).or_insert_with(|| Group {
+            inflight_key: state.keys.inflight.clone(),
+            held: 0,
+            last_pick_ns: 0,
+        });
+        group.last_pick_ns = host.now_nanos();
         if pick.admitted {
             state.picked = Some(pick.host.clone());
-            *self.held.entry(state.keys.owners.clone()).or_insert(0) += 1;
+            group.held += 1;
         }
         if self.config.enable_detail_log {
             host.log(
@@ -506,11 +524,8 @@ impl Picker {
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         let Some(state) = stream.take_data::<PickState>() else { return };
         let abandoned = if state.picked.is_some() {
-            if let Some(n) = self.held.get_mut(&state.keys.owners) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    self.held.remove(&state.keys.owners);
-                }
+            if let Some(g) = self.groups.get_mut(&state.keys.owners) {
+                g.held = g.held.saturating_sub(1);
             }
             false
         } else if state.pending.is_some() {
@@ -529,7 +544,8 @@ impl Picker {
         self.send_release(host, rel);
     }
 
-    /// Root tick: lease heartbeats, and the breaker's probe when no request comes to probe it.
+    /// Root tick: lease heartbeats (which also reap dead owners), and the breaker's probe when no
+    /// request comes to probe it.
     pub fn on_tick(&mut self, host: &mut dyn Host) {
         let now = host.now_nanos();
         if !self.breaker.is_closed() {
@@ -550,21 +566,29 @@ impl Picker {
             return;
         }
         self.last_heartbeat_ns = now;
-        let keys: Vec<String> = self.held.keys().cloned().collect();
-        for owners_key in keys {
-            self.send_heartbeat(host, owners_key, false);
+        self.groups.retain(|_, g| g.held > 0 || now.saturating_sub(g.last_pick_ns) < GROUP_IDLE_NS);
+        let groups: Vec<(String, String)> =
+            self.groups.iter().map(|(o, g)| (o.clone(), g.inflight_key.clone())).collect();
+        for (owners_key, inflight_key) in groups {
+            self.send_heartbeat(host, owners_key, inflight_key, false);
         }
     }
 
-    fn send_heartbeat(&mut self, host: &mut dyn Host, owners_key: String, use_eval: bool) {
+    fn send_heartbeat(
+        &mut self,
+        host: &mut dyn Host,
+        owners_key: String,
+        inflight_key: String,
+        use_eval: bool,
+    ) {
         let Some(owner) = self.owner.clone() else { return };
         let q = self.heartbeat.command(
-            std::slice::from_ref(&owners_key),
+            &[inflight_key.clone(), owners_key.clone()],
             &[self.config.state.lease_ms.to_string(), owner],
             use_eval,
         );
         if let Ok(t) = self.redis.call(host, &q) {
-            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval });
+            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, inflight_key, use_eval });
         }
     }
 
@@ -617,9 +641,9 @@ impl Picker {
                     self.release_failed(host, rel);
                 }
             }
-            RootCall::Heartbeat { owners_key, use_eval } => {
+            RootCall::Heartbeat { owners_key, inflight_key, use_eval } => {
                 if noscript && !use_eval {
-                    self.send_heartbeat(host, owners_key, true);
+                    self.send_heartbeat(host, owners_key, inflight_key, true);
                 }
             }
             RootCall::Probe => {}

@@ -294,6 +294,12 @@ impl Gateway {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
     }
 
+    /// Kills the process at once (SIGKILL): no callback of the plugin runs any more.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// Whether the process is still alive.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))

@@ -1,0 +1,131 @@
+//! Real faults against the shared state: a gateway SIGKILLed with requests in flight, Redis frozen
+//! (SIGSTOP / docker pause) under load. Each test asserts that no client request fails, that the
+//! in-flight counts in Redis return to the truth within the stated bound, and that nothing hangs.
+
+use std::time::{Duration, Instant};
+
+use e2e::*;
+use serde_json::json;
+use testkit::http::HttpRequest;
+
+fn chat(text: &str) -> HttpRequest {
+    HttpRequest::post_json(
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": text}]}),
+    )
+}
+
+/// Higress #3407: a gateway that dies with requests in flight must not leave its +1s behind. Its
+/// lease (here 2 s) runs out and the surviving gateway's heartbeat subtracts them, with no new
+/// request needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_gateways_counts_return_within_two_leases() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("killed", 2).await.unwrap();
+    let cfg = redis_policy_config(
+        "route-killed",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"leaseMs": 2000}),
+    );
+    let mut doomed = Gateway::start(&cfg).await.unwrap();
+    let survivor = Gateway::start(&cfg).await.unwrap();
+    assert_eq!(chat_once(&survivor, "the survivor routes here too").await.unwrap().status, 200);
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let held: Vec<_> = (0..6)
+        .map(|i| {
+            spawn_request(doomed.addr(), chat(&format!("in flight {i}")), Duration::from_secs(30))
+        })
+        .collect();
+    eventually(Duration::from_secs(10), "6 requests held by the pods and counted", || async {
+        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 6 && counters_sum(&redis).await? == 6)
+    })
+    .await
+    .unwrap();
+    doomed.kill();
+    for h in held {
+        assert!(
+            h.await.unwrap().is_err(),
+            "the client of a killed gateway sees its connection die"
+        );
+    }
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    let killed_at = Instant::now();
+    wait_counters_zero(&redis, Duration::from_secs(4)).await.unwrap();
+    eprintln!("counts back to 0 {:?} after the kill", killed_at.elapsed());
+    // The survivor goes on serving, and its own requests leave nothing behind.
+    for i in 0..4 {
+        assert_eq!(chat_once(&survivor, &format!("after the kill {i}")).await.unwrap().status, 200);
+    }
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
+
+/// Redis frozen under load: the breaker bounds what requests pay (the first few give up after
+/// `breakerSlowMs`, the rest do not wait at all), no request fails, Redis is used again within
+/// 5 s of SIGCONT, and the counts are exact afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_costs_a_few_requests_breaker_slow_ms_and_the_rest_nothing() {
+    let mut redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("breaker", 2).await.unwrap();
+    // The Redis timeout stays at Go's default (3 s): without the breaker, every request would wait
+    // 3 s.
+    let cfg = redis_policy_config(
+        "route-breaker",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"breakerFailures": 3, "breakerSlowMs": 200, "breakerOpenMs": 1000}),
+    );
+    let gw = Gateway::start(&cfg).await.unwrap();
+    assert_eq!(chat_once(&gw, "warm up").await.unwrap().status, 200);
+    redis.freeze().await.unwrap();
+    let mut took = Vec::new();
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(4) {
+        let started = Instant::now();
+        let r = gw.send(chat("during the freeze"), Duration::from_secs(10)).await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        took.push(started.elapsed());
+    }
+    let slow: Vec<_> = took.iter().filter(|t| **t > Duration::from_millis(100)).collect();
+    assert!(took.len() >= 10, "only {} requests in 4 s", took.len());
+    assert!(
+        slow.iter().all(|t| **t < Duration::from_millis(1000)),
+        "no request may wait for the Redis timeout: {slow:?}"
+    );
+    // Each worker VM (2) has its breaker: 3 slow picks open it, then one probe per breakerOpenMs
+    // (1 s) while Redis stays frozen. Every other request does not wait at all.
+    assert!(slow.len() <= 2 * (3 + 4), "{} slow of {}: {slow:?}", slow.len(), took.len());
+    eprintln!("{} requests during the freeze, {} slow: {slow:?}", took.len(), slow.len());
+    redis.unfreeze().await.unwrap();
+    let thawed = Instant::now();
+    // Back on Redis: a held request is counted there again.
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let h = spawn_request(gw.addr(), chat("after the thaw"), Duration::from_secs(20));
+    let mut back = false;
+    while thawed.elapsed() < Duration::from_secs(5) {
+        if counters_sum(&redis).await.unwrap() >= 1 {
+            back = true;
+            break;
+        }
+        // The request above may have been decided while the breaker was still open: new ones probe.
+        let _ = spawn_request(gw.addr(), chat("probe"), Duration::from_secs(20));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(back, "Redis not used again within 5 s of SIGCONT");
+    eprintln!("back on Redis {:?} after SIGCONT", thawed.elapsed());
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    assert_eq!(h.await.unwrap().unwrap().status, 200);
+    wait_counters_zero(&redis, Duration::from_secs(10)).await.unwrap();
+}
