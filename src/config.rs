@@ -6,6 +6,7 @@
 //! values (one clear log line when the plugin refuses to start).
 
 use serde_json::{Map, Value};
+use std::cell::RefCell;
 
 /// Default Redis operation timeout (ms), as in Go.
 pub const DEFAULT_REDIS_TIMEOUT_MS: u32 = 3000;
@@ -277,6 +278,9 @@ pub struct PluginConfig {
     pub default: Option<LbConfig>,
     /// Per-route rules, first match wins.
     pub rules: Vec<Rule>,
+    /// Values the Go plugin tolerates that were read with Go's meaning, one line each naming the
+    /// field (logged at plugin start).
+    pub warnings: Vec<String>,
 }
 
 /// Identity of a request used to pick a rule.
@@ -308,6 +312,7 @@ impl PluginConfig {
                 ))
             }
         };
+        let warnings = RefCell::new(Vec::new());
         let mut rules = Vec::new();
         if let Some(rv) = root.get("_rules_") {
             let arr =
@@ -325,13 +330,14 @@ impl PluginConfig {
                         merged.insert(k.clone(), val.clone());
                     }
                 }
-                let config = parse_lb(&merged, &format!("{path}."))?;
+                let config = parse_lb(&merged, &format!("{path}."), &warnings)?;
                 rules.push(Rule { matcher, config });
             }
         }
         let has_top = root.keys().any(|k| k != "_rules_");
-        let default = if has_top || rules.is_empty() { Some(parse_lb(&root, "")?) } else { None };
-        Ok(PluginConfig { default, rules })
+        let default =
+            if has_top || rules.is_empty() { Some(parse_lb(&root, "", &warnings)?) } else { None };
+        Ok(PluginConfig { default, rules, warnings: warnings.into_inner() })
     }
 
     /// The config for a request: the first matching rule, else the top-level config.
@@ -461,9 +467,33 @@ fn string_list(v: &Value, field: &str) -> Result<Vec<String>, ConfigError> {
 struct Fields<'a> {
     obj: &'a Map<String, Value>,
     prefix: String,
+    warnings: &'a RefCell<Vec<String>>,
 }
 
 impl Fields<'_> {
+    /// Records that `key` was read with the Go plugin's meaning of a value it tolerates.
+    fn warn(&self, key: &str, msg: impl std::fmt::Display) {
+        self.warnings
+            .borrow_mut()
+            .push(format!("ai-load-balancer config: {}: {msg}", self.path(key)));
+    }
+    /// An integer that may be negative (Go reads these with gjson `.Int()`): numbers or numeric
+    /// strings; anything else is an error.
+    fn int(&self, key: &str) -> Result<Option<i64>, ConfigError> {
+        let bad = |v: &Value| err(&self.path(key), format!("expected an integer, got {v}"));
+        match self.present(key) {
+            None => Ok(None),
+            Some(v @ Value::Number(n)) => n
+                .as_i64()
+                .or_else(|| {
+                    n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9e18).map(|f| f as i64)
+                })
+                .map(Some)
+                .ok_or_else(|| bad(v)),
+            Some(v @ Value::String(s)) => s.trim().parse::<i64>().map(Some).map_err(|_| bad(v)),
+            Some(v) => Err(bad(v)),
+        }
+    }
     fn path(&self, key: &str) -> String {
         format!("{}{}", self.prefix, key)
     }
@@ -531,10 +561,29 @@ impl Fields<'_> {
             Some(v) => Err(err(&self.path(key), format!("expected true or false, got {v}"))),
         }
     }
+    /// A boolean read as the Go plugin reads it (gjson `.Bool()`): JSON booleans; numbers are true
+    /// when not 0; strings as Go's `strconv.ParseBool` of their lower case (`1`, `t`, `true` are
+    /// true), anything else false. Values other than JSON booleans and "true"/"false" are warned.
+    fn go_boolean(&self, key: &str) -> Option<bool> {
+        let v = self.present(key)?;
+        let b = match v {
+            Value::Bool(b) => return Some(*b),
+            Value::String(s) if s == "true" || s == "false" => return Some(s == "true"),
+            Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+            Value::String(s) => matches!(s.to_ascii_lowercase().as_str(), "1" | "t" | "true"),
+            _ => false,
+        };
+        self.warn(key, format!("{v} read as {b}, as the Go plugin reads it"));
+        Some(b)
+    }
 }
 
-fn parse_lb(root: &Map<String, Value>, prefix: &str) -> Result<LbConfig, ConfigError> {
-    let top = Fields { obj: root, prefix: prefix.to_string() };
+fn parse_lb(
+    root: &Map<String, Value>,
+    prefix: &str,
+    warnings: &RefCell<Vec<String>>,
+) -> Result<LbConfig, ConfigError> {
+    let top = Fields { obj: root, prefix: prefix.to_string(), warnings };
     let lb_type = match top.string("lb_type")?.as_deref() {
         None | Some("") | Some("endpoint") => LbType::Endpoint,
         Some("cluster") => LbType::Cluster,
@@ -556,12 +605,20 @@ fn parse_lb(root: &Map<String, Value>, prefix: &str) -> Result<LbConfig, ConfigE
             ))
         }
     };
-    let f = Fields { obj: lb_obj, prefix: format!("{prefix}lb_config.") };
+    let f = Fields { obj: lb_obj, prefix: format!("{prefix}lb_config."), warnings };
     let policy_name = top.string("lb_policy")?;
     let policy = match (lb_type, policy_name.as_deref()) {
         (LbType::Endpoint, Some("global_least_request")) => PolicyConfig::GlobalLeastRequest(parse_glr(&f)?),
         (LbType::Endpoint, Some("prefix_cache")) => PolicyConfig::PrefixCache(PrefixCacheConfig {
-            least_request: parse_glr(&f)?,
+            least_request: {
+                let mut least_request = parse_glr(&f)?;
+                if least_request.max_request_count > 0 {
+                    // Go's prefix_cache never reads it: a Go config carrying it must not get 429s.
+                    f.warn("maxRequestCount", "ignored by prefix_cache, as in Go");
+                    least_request.max_request_count = 0;
+                }
+                least_request
+            },
             redis_key_ttl_s: match f.uint("redisKeyTTL", u32::MAX as u64)? {
                 None | Some(0) => DEFAULT_REDIS_KEY_TTL_S,
                 Some(x) => x,
@@ -624,9 +681,13 @@ fn parse_redis(f: &Fields<'_>) -> Result<RedisConfig, ConfigError> {
         service_port,
         username: f.string("username")?.unwrap_or_default(),
         password: f.string("password")?.unwrap_or_default(),
-        timeout_ms: match f.uint("timeout", u32::MAX as u64)? {
+        timeout_ms: match f.int("timeout")? {
             None | Some(0) => DEFAULT_REDIS_TIMEOUT_MS,
-            Some(t) => t as u32,
+            Some(t) if t < 0 => {
+                f.warn("timeout", format!("{t} is negative; using {DEFAULT_REDIS_TIMEOUT_MS} ms"));
+                DEFAULT_REDIS_TIMEOUT_MS
+            }
+            Some(t) => t.min(i64::from(u32::MAX)) as u32,
         },
         database: f.uint("database", 1_000_000)?.unwrap_or(0) as u32,
         buffer_flush_timeout_ms: f.uint("bufferFlushTimeout", 60_000)?.unwrap_or(0) as u32,
@@ -638,11 +699,29 @@ fn parse_redis(f: &Fields<'_>) -> Result<RedisConfig, ConfigError> {
 fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {
     Ok(GlobalLeastRequestConfig {
         redis: parse_redis(f)?,
-        max_request_count: f.uint("maxRequestCount", i64::MAX as u64)?.unwrap_or(0),
-        clean_interval_min: f
-            .uint("cleanInterval", 10_000_000)?
-            .unwrap_or(DEFAULT_CLEAN_INTERVAL_MIN),
-        enable_detail_log: f.boolean("enableDetailLog")?.unwrap_or(true),
+        max_request_count: match f.int("maxRequestCount")? {
+            None => 0,
+            Some(n) if n < 0 => {
+                f.warn("maxRequestCount", format!("{n} is negative: no limit, as in Go"));
+                0
+            }
+            Some(n) => n as u64,
+        },
+        // Go: 0 (or absent, or negative) means the default, 60 minutes; there is no "never".
+        clean_interval_min: match f.int("cleanInterval")? {
+            Some(n) if n > 0 => n as u64,
+            Some(n) if n < 0 => {
+                f.warn(
+                    "cleanInterval",
+                    format!(
+                        "{n} is negative: every {DEFAULT_CLEAN_INTERVAL_MIN} minutes, as in Go"
+                    ),
+                );
+                DEFAULT_CLEAN_INTERVAL_MIN
+            }
+            _ => DEFAULT_CLEAN_INTERVAL_MIN,
+        },
+        enable_detail_log: f.go_boolean("enableDetailLog").unwrap_or(true),
         state: parse_state(f)?,
     })
 }
@@ -681,10 +760,12 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
         Some("least") => MetricPolicy::Least,
         Some("most") => MetricPolicy::Most,
         Some(other) => {
-            return Err(err(
-                &f.path("metric_policy"),
-                format!("unknown value {other:?}; accepted: default, least, most"),
-            ))
+            // Go runs its default filter chain for any other value.
+            f.warn(
+                "metric_policy",
+                format!("unknown value {other:?} (accepted: default, least, most); using default, as Go does"),
+            );
+            MetricPolicy::Default
         }
     };
     let target_metric = match f.string("target_metric")? {
@@ -732,10 +813,12 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
         Some("LeastTotalLatency") => ClusterMode::LeastTotalLatency,
         Some("LeastFirstTokenLatency") => ClusterMode::LeastFirstTokenLatency,
         Some(other) => {
-            return Err(err(
-                &f.path("mode"),
-                format!("unknown value {other:?}; accepted: LeastBusy, LeastTotalLatency, LeastFirstTokenLatency"),
-            ))
+            // Go picks a random candidate for any other value.
+            f.warn(
+                "mode",
+                format!("unknown value {other:?} (accepted: LeastBusy, LeastTotalLatency, LeastFirstTokenLatency); picking at random, as Go does"),
+            );
+            ClusterMode::Random
         }
     };
     let service_list = match f.present("service_list") {
@@ -753,9 +836,13 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| DEFAULT_CLUSTER_HEADER.into()),
         rate_limit: f.float("rate_limit")?.unwrap_or(1.0),
-        queue_size: match f.uint("queue_size", 1_000_000)? {
+        queue_size: match f.int("queue_size")? {
             None | Some(0) => DEFAULT_QUEUE_SIZE,
-            Some(x) => x as usize,
+            Some(x) if x < 0 => {
+                f.warn("queue_size", format!("{x} is negative: 16, as in Go"));
+                16
+            }
+            Some(x) => x.min(1_000_000) as usize,
         },
     })
 }

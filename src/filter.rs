@@ -166,6 +166,9 @@ impl Filter {
                 return false;
             }
         };
+        for w in &cfg.warnings {
+            host.log(LogLevel::Warn, w);
+        }
         let mut policies: Vec<Option<PolicyRef>> = Vec::with_capacity(cfg.rules.len() + 1);
         let mut all: Vec<&LbConfig> = cfg.rules.iter().map(|r| &r.config).collect();
         if let Some(d) = &cfg.default {
@@ -214,6 +217,7 @@ impl Filter {
                 max_body_bytes: max_body,
             }),
             rules: Vec::new(),
+            warnings: Vec::new(),
         });
         f.policies = vec![Some(Rc::new(RefCell::new(policy)))];
         f
