@@ -251,6 +251,33 @@ fn schema_defaults_are_the_parser_defaults() {
     assert_eq!(json!(m.queue_size), d("queue_size"));
 }
 
+/// Values the Go plugin tolerates (plugin-config/go-tolerated/): the plugin starts with Go's meaning
+/// and one warning naming the field, as each file's `# warns:` line says.
+#[test]
+fn every_go_tolerated_example_starts_with_its_documented_warning() {
+    let files = yaml_files("plugin-config/go-tolerated");
+    assert!(files.len() >= 4, "found only {}", files.len());
+    for path in files {
+        let n = name(&path);
+        let text = fs::read_to_string(&path).expect("read");
+        let warns = text
+            .lines()
+            .find_map(|l| l.strip_prefix("# warns:"))
+            .unwrap_or_else(|| panic!("{n}: no `# warns:` line"))
+            .trim()
+            .to_string();
+        let cfg = yaml_to_json(&text, &n);
+        let parsed =
+            parse(&cfg).unwrap_or_else(|e| panic!("{n}: the Go plugin starts with it: {e}"));
+        assert_eq!(parsed.warnings.len(), 1, "{n}: {:?}", parsed.warnings);
+        assert!(
+            parsed.warnings[0].contains(&warns),
+            "{n}: the plugin warns\n  {}\nbut the file promises\n  {warns}",
+            parsed.warnings[0]
+        );
+    }
+}
+
 /// `# expect: <text>` and optional `# schema: accepts ...` lines of an invalid example.
 fn expectations(text: &str, n: &str) -> (String, bool) {
     let expect = text
