@@ -10,6 +10,9 @@
 #                         seed-aiperf: the published test driven by NVIDIA AIPerf)
 #   ./build.sh aiperf     install AIPerf (pinned, .venv-aiperf/) and build its podsim tokenizer
 #   ./build.sh package    build the Higress marketplace artefact directory (higress/dist)
+#   ./build.sh lint       cargo fmt --check and cargo clippy -D warnings on every crate (native and the
+#                         plugin as wasm, where the plugin's non-test code may not unwrap, expect,
+#                         panic or index)
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$(pwd)
@@ -75,6 +78,17 @@ build_native() {
   cargo build --release --workspace --bins
 }
 
+run_lint() {
+  ensure_wasm_target
+  rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+  rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+  log "cargo fmt --check"
+  cargo fmt --all --check
+  log "cargo clippy -D warnings (workspace, release profile, all targets; the plugin as wasm too)"
+  cargo clippy --release --workspace --all-targets -- -D warnings
+  cargo clippy --target wasm32-wasip1 --profile wasm-release -p ai-load-balancer -- -D warnings
+}
+
 run_tests() {
   build_wasm
   build_native
@@ -103,8 +117,9 @@ case "$cmd" in
     apt_install fonts-dejavu-core   # text in the PNG chart
     "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
   aiperf) ensure_aiperf ;;
+  lint) run_lint ;;
   package)
     build_wasm
     bash "$ROOT/higress/build-artifact.sh" "$WASM" "$ROOT/higress/dist" ;;
-  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|package)" >&2; exit 2 ;;
+  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|package|lint)" >&2; exit 2 ;;
 esac

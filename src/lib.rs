@@ -5,6 +5,11 @@
 //! policies; `config` the config types; `redis` RESP encoding and the Lua scripts.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
+// The plugin never panics on host- or client-supplied data: checked, not hoped (tests may unwrap).
+#![cfg_attr(
+    not(test),
+    deny(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)
+)]
 
 #[cfg(all(target_arch = "wasm32", not(test)))]
 pub mod abi;

@@ -71,16 +71,8 @@ pub fn decode_reply(bytes: &[u8]) -> Result<Frame, String> {
 
 /// Lower-case hex SHA-1 (the form EVALSHA expects).
 pub fn sha1_hex_lower(data: &[u8]) -> String {
-    let d = Sha1::digest(data);
-    let mut s = String::with_capacity(40);
-    for b in d.iter() {
-        s.push(char::from(HEX_LOWER[(b >> 4) as usize & 15]));
-        s.push(char::from(HEX_LOWER[(b & 15) as usize]));
-    }
-    s
+    hex::encode(Sha1::digest(data))
 }
-
-const HEX_LOWER: [u8; 16] = *b"0123456789abcdef";
 
 /// A Lua script with its SHA-1.
 #[derive(Debug, Clone)]

@@ -758,17 +758,16 @@ impl Drive {
             return;
         }
         loop {
-            {
+            let (local_reply, reset) = {
                 let mut s = self.lock();
-                if let Some(lr) = s.local_reply.take() {
-                    drop(s);
-                    return self.local_reply(lr).await;
-                }
-                if s.reset {
-                    drop(s);
-                    self.abort_downstream().await;
-                    return;
-                }
+                (s.local_reply.take(), s.reset)
+            };
+            if let Some(lr) = local_reply {
+                return self.local_reply(lr).await;
+            }
+            if reset {
+                self.abort_downstream().await;
+                return;
             }
             if self.orphaned() {
                 if held {

@@ -906,7 +906,7 @@ async fn upstream_hosts_carry_health_and_stored_metrics_and_properties() {
     // Forced health shows up; a stopped pod turns Unhealthy through the health checker.
     let r = request(
         "POST",
-        &gw.admin_url(&format!("/clusters/pods/health")),
+        &gw.admin_url("/clusters/pods/health"),
         &[],
         &format!("{{\"{}\": \"Degraded\"}}", u1.addr),
     )

@@ -126,13 +126,7 @@ pub fn sha1(block: &[u8]) -> [u8; 20] {
 
 /// Upper-case hex (like Higress's key names).
 pub fn hex_upper(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(char::from(HEX[(b >> 4) as usize & 15]));
-        s.push(char::from(HEX[(b & 15) as usize]));
-    }
-    s
+    hex::encode_upper(bytes)
 }
 
 /// The chain values `key_i = key_{i-1} XOR sha1(block_i)` (key_0 = 0), as upper-case hex, at most

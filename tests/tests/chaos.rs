@@ -117,7 +117,7 @@ async fn a_frozen_redis_costs_a_few_requests_breaker_slow_ms_and_the_rest_nothin
             break;
         }
         // The request above may have been decided while the breaker was still open: new ones probe.
-        let _ = spawn_request(gw.addr(), chat("probe"), Duration::from_secs(20));
+        drop(spawn_request(gw.addr(), chat("probe"), Duration::from_secs(20)));
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     assert!(back, "Redis not used again within 5 s of SIGCONT");

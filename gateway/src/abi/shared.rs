@@ -13,22 +13,32 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 use wasmtime::Caller;
 
+/// (vm id, key): the scope of one shared-data entry or queue name.
+type VmKey = (String, String);
+
+/// Shared-data entries (value, CAS) and the last CAS handed out.
+#[derive(Debug, Default)]
+struct DataTable {
+    entries: HashMap<VmKey, (Vec<u8>, u32)>,
+    last_cas: u32,
+}
+
 /// Process-wide shared data.
 #[derive(Debug, Default)]
 pub struct SharedData {
-    map: Mutex<(HashMap<(String, String), (Vec<u8>, u32)>, u32)>,
+    map: Mutex<DataTable>,
 }
 
 impl SharedData {
     /// Get value and CAS.
     pub fn get(&self, vm: &str, key: &str) -> Option<(Vec<u8>, u32)> {
         let g = self.map.lock().ok()?;
-        g.0.get(&(vm.to_string(), key.to_string())).cloned()
+        g.entries.get(&(vm.to_string(), key.to_string())).cloned()
     }
     /// Set with CAS check; returns a status code.
     pub fn set(&self, vm: &str, key: &str, value: Vec<u8>, cas: u32) -> i32 {
         let Ok(mut g) = self.map.lock() else { return status::INTERNAL_FAILURE };
-        let (map, counter) = &mut *g;
+        let DataTable { entries: map, last_cas: counter } = &mut *g;
         let k = (vm.to_string(), key.to_string());
         if let Some((_, cur)) = map.get(&k) {
             if cas != 0 && cas != *cur {
@@ -48,16 +58,24 @@ struct Queue {
     items: VecDeque<Vec<u8>>,
 }
 
+/// Queue ids by name, queues by id, and the last id handed out.
+#[derive(Debug, Default)]
+struct QueueTable {
+    names: HashMap<VmKey, u32>,
+    queues: HashMap<u32, Queue>,
+    next: u32,
+}
+
 /// Process-wide shared queues.
 #[derive(Debug, Default)]
 pub struct SharedQueues {
-    inner: Mutex<(HashMap<(String, String), u32>, HashMap<u32, Queue>, u32)>,
+    inner: Mutex<QueueTable>,
 }
 
 impl SharedQueues {
     fn register(&self, vm: &str, name: &str, worker: usize, gen: u64) -> u32 {
         let Ok(mut g) = self.inner.lock() else { return 0 };
-        let (names, queues, next) = &mut *g;
+        let QueueTable { names, queues, next } = &mut *g;
         let key = (vm.to_string(), name.to_string());
         if let Some(id) = names.get(&key).copied() {
             if let Some(q) = queues.get_mut(&id) {
@@ -74,17 +92,17 @@ impl SharedQueues {
     }
     fn resolve(&self, vm: &str, name: &str) -> Option<u32> {
         let g = self.inner.lock().ok()?;
-        g.0.get(&(vm.to_string(), name.to_string())).copied()
+        g.names.get(&(vm.to_string(), name.to_string())).copied()
     }
     fn enqueue(&self, id: u32, v: Vec<u8>) -> Option<(usize, u64)> {
         let mut g = self.inner.lock().ok()?;
-        let q = g.1.get_mut(&id)?;
+        let q = g.queues.get_mut(&id)?;
         q.items.push_back(v);
         Some((q.owner_worker, q.owner_gen))
     }
     fn dequeue(&self, id: u32) -> Result<Vec<u8>, i32> {
         let mut g = self.inner.lock().map_err(|_| status::INTERNAL_FAILURE)?;
-        let q = g.1.get_mut(&id).ok_or(status::NOT_FOUND)?;
+        let q = g.queues.get_mut(&id).ok_or(status::NOT_FOUND)?;
         q.items.pop_front().ok_or(status::EMPTY)
     }
 }
