@@ -117,22 +117,37 @@ impl Redis {
         r
     }
 
-    fn release(&mut self, owner: &str, req: &str, abandoned: bool) -> Frame {
+    /// The release of a request admitted to `admitted_to`, or (`None`) the cancel of an abandoned
+    /// pick.
+    fn release(&mut self, owner: &str, req: &str, admitted_to: Option<&str>) -> Frame {
         let s = Script::new(RELEASE_LUA);
+        let (flag, host) = match admitted_to {
+            Some(h) => ("0", h),
+            None => ("1", ""),
+        };
         self.raw(&s.command(
-            &["inflight".to_string(), format!("own:{owner}")],
-            &[req.to_string(), if abandoned { "1" } else { "0" }.to_string()],
+            &["inflight".to_string()],
+            &[owner.to_string(), req.to_string(), flag.to_string(), host.to_string()],
             true,
         ))
     }
 
+    /// A heartbeat of `owner` with no cleanup.
     fn heartbeat(&mut self, owner: &str, lease_ms: u32) -> Frame {
+        self.heartbeat_cleaning(owner, lease_ms, 0, &[])
+    }
+
+    fn heartbeat_cleaning(
+        &mut self,
+        owner: &str,
+        lease_ms: u32,
+        clean_interval_s: u64,
+        in_cluster: &[&str],
+    ) -> Frame {
         let s = Script::new(HEARTBEAT_LUA);
-        self.raw(&s.command(
-            &["inflight".to_string(), "owners".to_string()],
-            &[lease_ms.to_string(), owner.into()],
-            true,
-        ))
+        let mut args = vec![lease_ms.to_string(), owner.into(), clean_interval_s.to_string()];
+        args.extend(in_cluster.iter().map(|h| h.to_string()));
+        self.raw(&s.command(&["inflight".to_string()], &args, true))
     }
 
     fn hget(&mut self, key: &str, field: &str) -> Option<String> {
@@ -156,49 +171,40 @@ impl Redis {
 
 static REQ: AtomicUsize = AtomicUsize::new(0);
 
-/// A least-request pick by owner `vm1` (lease 10 s, no cleanup, no limit) with a fresh request id;
-/// change fields with struct update syntax. Keys are short names: `inflight`, `lc`, `owners`,
-/// `own:<owner>`.
-fn lr(healthy: &[&str], others: &[&str]) -> PickCall {
-    as_owner("vm1", 10_000, healthy, others)
+/// A least-request pick by owner `vm1` (lease 10 s, no limit) with a fresh request id; change fields
+/// with struct update syntax. The in-flight key is `inflight`, so the scripts' other keys are
+/// `owners`, `own:<owner>`, `pfx:<hex>` and `last_clean`.
+fn lr(healthy: &[&str]) -> PickCall {
+    as_owner("vm1", 10_000, healthy)
 }
 
-fn as_owner(owner: &str, lease_ms: u32, healthy: &[&str], others: &[&str]) -> PickCall {
+fn as_owner(owner: &str, lease_ms: u32, healthy: &[&str]) -> PickCall {
     PickCall {
         keys: StateKeys {
             inflight: "inflight".into(),
-            last_clean: "lc".into(),
+            last_clean: "last_clean".into(),
             owners: "owners".into(),
             owner: format!("own:{owner}"),
         },
-        clean_interval_s: 0,
         max_inflight: 0,
         lease_ms,
         owner_id: owner.into(),
         request_id: format!("q{}", REQ.fetch_add(1, Ordering::SeqCst)),
         healthy: healthy.iter().map(|h| h.to_string()).collect(),
-        others: others.iter().map(|h| h.to_string()).collect(),
         kind: PickKind::LeastRequest,
     }
 }
 
-/// A prefix-cache pick over chain keys `chain` (see [`lr`]).
-fn pc(
-    chain: &[&str],
-    maxc: u64,
-    ttl_s: u64,
-    factor: f64,
-    healthy: &[&str],
-    others: &[&str],
-) -> PickCall {
+/// A prefix-cache pick over chain values `chain` (keys `pfx:<value>`; see [`lr`]).
+fn pc(chain: &[&str], maxc: u64, ttl_s: u64, factor: f64, healthy: &[&str]) -> PickCall {
     PickCall {
         max_inflight: maxc,
         kind: PickKind::Prefix {
-            chain_keys: chain.iter().map(|k| k.to_string()).collect(),
+            chain: chain.iter().map(|k| k.to_string()).collect(),
             ttl_s,
             hit_load_factor: factor,
         },
-        ..lr(healthy, others)
+        ..lr(healthy)
     }
 }
 
@@ -211,7 +217,7 @@ fn pick(f: &Frame) -> (String, i64, i64, i64) {
 fn script_sha_matches_redis_and_noscript_is_recognised() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
-    let (keys, args) = lr(&["a"], &[]).keys_args();
+    let (keys, args) = lr(&["a"]).keys_args();
     let first = r.raw(&s.command(&keys, &args, false));
     assert!(crate::redis::is_noscript(&first), "{first:?}");
     assert_eq!(
@@ -225,10 +231,10 @@ fn least_request_picks_the_minimum_counting_missing_hosts_as_zero() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     r.cmd(&["HSET", "inflight", "a", "3", "b", "1"]);
-    let f = r.run(&s, &lr(&["a", "b", "c"], &[]));
+    let f = r.run(&s, &lr(&["a", "b", "c"]));
     assert_eq!(pick(&f).0, "c", "c is missing from the hash: 0 in flight");
     assert_eq!(r.count("c"), Some(1));
-    let f = r.run(&s, &lr(&["a", "b", "c"], &[]));
+    let f = r.run(&s, &lr(&["a", "b", "c"]));
     assert_eq!(pick(&f).0, "b", "first minimum in the (shuffled) order wins ties");
     assert_eq!(r.count("b"), Some(2));
 }
@@ -238,31 +244,32 @@ fn least_request_rejects_above_max_and_undoes_the_increment() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     r.cmd(&["HSET", "inflight", "a", "2", "b", "2"]);
-    let f = r.run(&s, &PickCall { max_inflight: 2, ..lr(&["a", "b"], &[]) });
+    let f = r.run(&s, &PickCall { max_inflight: 2, ..lr(&["a", "b"]) });
     assert_eq!(pick(&f), ("a".to_string(), 3, 0, 0));
     assert_eq!(r.count("a"), Some(2), "undone");
-    assert_eq!(r.hget("own:vm1", "h:a"), None, "the owner's share undone too");
     assert_eq!(r.hget("own:vm1", &format!("r:{}", r.last_req)), None, "no record");
-    let f = r.run(&s, &PickCall { max_inflight: 3, ..lr(&["a", "b"], &[]) });
+    let f = r.run(&s, &PickCall { max_inflight: 3, ..lr(&["a", "b"]) });
     assert_eq!(pick(&f).2, 1);
     assert_eq!(r.count("a"), Some(3));
 }
 
 #[test]
-fn least_request_cleans_out_hosts_that_left_every_interval() {
+fn heartbeats_clean_out_hosts_that_left_every_interval() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
     r.cmd(&["HSET", "inflight", "gone", "0", "sick", "4", "a", "1"]);
     let now = r.now_s();
-    r.cmd(&["SET", "lc", &(now - 10).to_string()]);
+    r.cmd(&["SET", "last_clean", &(now - 10).to_string()]);
     // Not yet due (interval 3600 s, last cleanup 10 s ago).
-    r.run(&s, &PickCall { clean_interval_s: 3600, ..lr(&["a"], &["sick"]) });
+    r.heartbeat_cleaning("vm1", 10_000, 3600, &["a", "sick"]);
     assert_eq!(r.count("gone"), Some(0));
-    r.cmd(&["SET", "lc", &(now - 4000).to_string()]);
-    r.run(&s, &PickCall { clean_interval_s: 3600, ..lr(&["a"], &["sick"]) });
+    r.cmd(&["SET", "last_clean", &(now - 4000).to_string()]);
+    // A VM that never saw the host list (no pick yet) sends none: nothing is removed.
+    r.heartbeat_cleaning("vm2", 10_000, 3600, &[]);
+    assert_eq!(r.count("gone"), Some(0));
+    r.heartbeat_cleaning("vm1", 10_000, 3600, &["a", "sick"]);
     assert_eq!(r.count("gone"), None, "removed");
     assert_eq!(r.count("sick"), Some(4), "unhealthy but still in the cluster: kept");
-    let last: u64 = r.get("lc").unwrap().parse().unwrap();
+    let last: u64 = r.get("last_clean").unwrap().parse().unwrap();
     assert!(last >= now, "cleanup time set from Redis's clock: {last} vs {now}");
 }
 
@@ -271,7 +278,7 @@ fn least_request_repairs_negative_counts() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     r.cmd(&["HSET", "inflight", "a", "-2", "b", "0"]);
-    let f = r.run(&s, &lr(&["a", "b"], &[]));
+    let f = r.run(&s, &lr(&["a", "b"]));
     assert_eq!(pick(&f).0, "a");
     assert_eq!(r.count("a"), Some(1), "reset to 0 then +1");
 }
@@ -281,24 +288,24 @@ fn prefix_miss_writes_the_chain_to_the_least_loaded_host() {
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
     r.cmd(&["HSET", "inflight", "a", "5"]);
-    let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
-    assert_eq!(r.get("k1").as_deref(), Some("b"));
-    assert_eq!(r.get("k2").as_deref(), Some("b"));
-    assert!((590..=600).contains(&r.ttl("k2")));
+    assert_eq!(r.get("pfx:k1").as_deref(), Some("b"));
+    assert_eq!(r.get("pfx:k2").as_deref(), Some("b"));
+    assert!((590..=600).contains(&r.ttl("pfx:k2")));
 }
 
 #[test]
 fn prefix_hit_routes_to_the_holder_refreshes_and_extends_the_chain() {
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
-    r.cmd(&["SET", "k1", "a", "EX", "10"]);
-    r.cmd(&["SET", "k2", "a", "EX", "10"]);
+    r.cmd(&["SET", "pfx:k1", "a", "EX", "10"]);
+    r.cmd(&["SET", "pfx:k2", "a", "EX", "10"]);
     r.cmd(&["HSET", "inflight", "a", "3", "b", "0"]);
-    let f = r.run(&s, &pc(&["k1", "k2", "k3"], 0, 600, 0.0, &["b", "a"], &[]));
+    let f = r.run(&s, &pc(&["k1", "k2", "k3"], 0, 600, 0.0, &["b", "a"]));
     assert_eq!(pick(&f), ("a".to_string(), 4, 1, 2));
-    assert!(r.ttl("k1") > 10, "matched keys refreshed");
-    assert_eq!(r.get("k3").as_deref(), Some("a"));
+    assert!(r.ttl("pfx:k1") > 10, "matched keys refreshed");
+    assert_eq!(r.get("pfx:k3").as_deref(), Some("a"));
 }
 
 #[test]
@@ -306,22 +313,22 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
     // k1 on healthy a; k2, k3 on sick (unhealthy) host; k4 new.
-    r.cmd(&["SET", "k1", "a"]);
-    r.cmd(&["SET", "k2", "sick"]);
-    r.cmd(&["SET", "k3", "sick"]);
-    let f = r.run(&s, &pc(&["k1", "k2", "k3", "k4"], 0, 600, 0.0, &["b", "a"], &["sick"]));
+    r.cmd(&["SET", "pfx:k1", "a"]);
+    r.cmd(&["SET", "pfx:k2", "sick"]);
+    r.cmd(&["SET", "pfx:k3", "sick"]);
+    let f = r.run(&s, &pc(&["k1", "k2", "k3", "k4"], 0, 600, 0.0, &["b", "a"]));
     assert_eq!(pick(&f), ("a".to_string(), 1, 1, 1), "longest prefix on a healthy host");
-    for k in ["k1", "k2", "k3", "k4"] {
+    for k in ["pfx:k1", "pfx:k2", "pfx:k3", "pfx:k4"] {
         assert_eq!(r.get(k).as_deref(), Some("a"), "{k} re-homed in place");
     }
     // Everything on a gone host: least-loaded host takes the whole chain, same keys.
-    r.cmd(&["SET", "j1", "gone"]);
-    r.cmd(&["SET", "j2", "gone"]);
+    r.cmd(&["SET", "pfx:j1", "gone"]);
+    r.cmd(&["SET", "pfx:j2", "gone"]);
     r.cmd(&["HSET", "inflight", "a", "9"]);
-    let f = r.run(&s, &pc(&["j1", "j2"], 0, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["j1", "j2"], 0, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
-    assert_eq!(r.get("j1").as_deref(), Some("b"));
-    assert_eq!(r.get("j2").as_deref(), Some("b"));
+    assert_eq!(r.get("pfx:j1").as_deref(), Some("b"));
+    assert_eq!(r.get("pfx:j2").as_deref(), Some("b"));
     let keys = r.cmd(&["KEYS", "*"]);
     let Frame::Array(keys) = keys else { panic!() };
     assert_eq!(
@@ -335,43 +342,42 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
 fn prefix_load_guard_and_max_request_count() {
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
-    r.cmd(&["SET", "k1", "a"]);
+    r.cmd(&["SET", "pfx:k1", "a"]);
     r.cmd(&["HSET", "inflight", "a", "10", "b", "1"]);
     // factor 2: a has 10 > 2 * (1 + 1) -> spill to b, chain beyond the match goes to b.
-    let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 2.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 2.0, &["a", "b"]));
     assert_eq!(pick(&f).0, "b");
-    assert_eq!(r.get("k1").as_deref(), Some("a"), "a still holds the matched prefix");
-    assert_eq!(r.get("k2").as_deref(), Some("b"));
+    assert_eq!(r.get("pfx:k1").as_deref(), Some("a"), "a still holds the matched prefix");
+    assert_eq!(r.get("pfx:k2").as_deref(), Some("b"));
     // Guard off: the hit wins despite the load.
-    let f = r.run(&s, &pc(&["k1"], 0, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1"], 0, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f).0, "a");
     // maxRequestCount 11: a is full (11 -> 12 > 11), falls back to b.
-    let f = r.run(&s, &pc(&["k1"], 11, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1"], 11, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f).0, "b");
     assert_eq!(r.count("a"), Some(11), "undone");
     // Everyone full: rejected, nothing counted, nothing written.
     r.cmd(&["HSET", "inflight", "b", "11"]);
-    let f = r.run(&s, &pc(&["k1", "k9"], 11, 600, 0.0, &["a", "b"], &[]));
+    let f = r.run(&s, &pc(&["k1", "k9"], 11, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f).2, 0);
     assert_eq!(r.count("a"), Some(11));
     assert_eq!(r.count("b"), Some(11));
-    assert_eq!(r.get("k9"), None);
+    assert_eq!(r.get("pfx:k9"), None);
 }
 
 #[test]
 fn release_undoes_the_pick_exactly_once() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
-    let f = r.run(&s, &lr(&["a"], &[]));
+    let f = r.run(&s, &lr(&["a"]));
     assert_eq!(pick(&f).0, "a");
     let req = r.last_req.clone();
     assert_eq!(r.hget("own:vm1", &format!("r:{req}")).as_deref(), Some("a"), "pick record");
-    assert_eq!(r.hget("own:vm1", "h:a").as_deref(), Some("1"), "the owner's share");
-    assert_eq!(r.release("vm1", &req, false), Frame::BulkString(b"a".to_vec()));
+    assert_eq!(r.release("vm1", &req, Some("a")), Frame::BulkString(b"a".to_vec()));
     assert_eq!(r.count("a"), Some(0));
     assert_eq!(r.hget("own:vm1", &format!("r:{req}")), None, "record deleted");
-    assert_eq!(r.hget("own:vm1", "h:a"), None, "share back to nothing");
-    assert_eq!(r.release("vm1", &req, false), Frame::BulkString(Vec::new()), "second: no-op");
+    assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "nothing left in the hash");
+    assert_eq!(r.release("vm1", &req, Some("a")), Frame::BulkString(Vec::new()), "second: no-op");
     assert_eq!(r.count("a"), Some(0));
 }
 
@@ -380,20 +386,20 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     // A stalled Redis runs the pick after the plugin gave up (timeout) and sent the cancel.
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
-    let late = pc(&["k1"], 0, 600, 0.0, &["a"], &[]);
-    assert_eq!(r.release("vm1", &late.request_id, true), Frame::BulkString(Vec::new()));
-    assert_eq!(r.release("vm1", &late.request_id, true), Frame::BulkString(Vec::new()), "resent");
+    let late = pc(&["k1"], 0, 600, 0.0, &["a"]);
+    assert_eq!(r.release("vm1", &late.request_id, None), Frame::BulkString(Vec::new()));
+    assert_eq!(r.release("vm1", &late.request_id, None), Frame::BulkString(Vec::new()), "resent");
     assert_eq!(r.hget("own:vm1", &format!("r:{}", late.request_id)).as_deref(), Some(""));
     let f = r.run(&s, &late);
     assert!(parse_pick(&f).is_none(), "no pick: {f:?}");
-    assert_eq!(r.count("a"), None, "nothing counted");
-    assert_eq!(r.get("k1"), None, "nothing written");
+    assert_eq!(r.count("a"), Some(0), "nothing counted (the +1 was undone at once)");
+    assert_eq!(r.get("pfx:k1"), None, "nothing written");
     assert_eq!(r.hget("own:vm1", &format!("r:{}", late.request_id)), None, "tombstone consumed");
     // Cancel after the pick ran (same connection order): undone.
-    let ran = pc(&["k1"], 0, 600, 0.0, &["a"], &[]);
+    let ran = pc(&["k1"], 0, 600, 0.0, &["a"]);
     let f = r.run(&s, &ran);
     assert_eq!(pick(&f).0, "a");
-    assert_eq!(r.release("vm1", &ran.request_id, true), Frame::BulkString(b"a".to_vec()));
+    assert_eq!(r.release("vm1", &ran.request_id, None), Frame::BulkString(b"a".to_vec()));
     assert_eq!(r.count("a"), Some(0));
 }
 
@@ -402,22 +408,23 @@ fn a_dead_owners_counts_are_subtracted_once_its_lease_runs_out() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     // vm1 (lease 1 s) takes a and b, then dies without releasing; vm2 (lease 10 s) takes c.
-    let first = as_owner("vm1", 1000, &["a", "b", "c"], &[]);
+    let first = as_owner("vm1", 1000, &["a", "b", "c"]);
     assert_eq!(pick(&r.run(&s, &first)).0, "a");
-    assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["b", "c"], &[]))).0, "b");
-    assert_eq!(pick(&r.run(&s, &as_owner("vm2", 10_000, &["c"], &[]))).0, "c");
+    assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["b", "c"]))).0, "b");
+    assert_eq!(pick(&r.run(&s, &as_owner("vm2", 10_000, &["c"]))).0, "c");
     // Within the lease nothing is taken away.
-    r.run(&s, &PickCall { max_inflight: 1, ..as_owner("vm2", 10_000, &["a"], &[]) });
+    assert_eq!(r.heartbeat("vm2", 10_000), Frame::Integer(1));
     assert_eq!((r.count("a"), r.count("b")), (Some(1), Some(1)));
     std::thread::sleep(Duration::from_millis(1100));
-    // The next pick by anyone subtracts vm1's shares before it reads the counts.
-    let f = r.run(&s, &as_owner("vm2", 10_000, &["a", "c"], &[]));
-    assert_eq!(pick(&f), ("a".to_string(), 1, 1, 0), "a counted 0 again before the pick");
-    assert_eq!((r.count("b"), r.count("c")), (Some(0), Some(1)));
+    // The next heartbeat of any live VM subtracts vm1's picks.
+    assert_eq!(r.heartbeat("vm2", 10_000), Frame::Integer(1));
+    assert_eq!((r.count("a"), r.count("b"), r.count("c")), (Some(0), Some(0), Some(1)));
+    let f = r.run(&s, &as_owner("vm2", 10_000, &["a", "c"]));
+    assert_eq!(pick(&f), ("a".to_string(), 1, 1, 0));
     assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "the dead owner's hash is gone");
     assert_eq!(r.cmd(&["ZSCORE", "owners", "vm1"]), Frame::Null);
     // vm1's release, should it still arrive, changes nothing.
-    assert_eq!(r.release("vm1", &first.request_id, false), Frame::BulkString(Vec::new()));
+    assert_eq!(r.release("vm1", &first.request_id, Some("a")), Frame::BulkString(Vec::new()));
     assert_eq!(r.count("a"), Some(1));
 }
 
@@ -425,12 +432,12 @@ fn a_dead_owners_counts_are_subtracted_once_its_lease_runs_out() {
 fn heartbeats_keep_a_live_owners_counts() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
-    assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["a"], &[]))).0, "a");
+    assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["a"]))).0, "a");
     for _ in 0..3 {
         std::thread::sleep(Duration::from_millis(400));
         assert_eq!(r.heartbeat("vm1", 1000), Frame::Integer(1));
     }
-    r.run(&s, &PickCall { max_inflight: 1, ..as_owner("vm2", 1000, &["b"], &[]) });
+    r.run(&s, &PickCall { max_inflight: 1, ..as_owner("vm2", 1000, &["b"]) });
     assert_eq!(r.count("a"), Some(1), "1.2 s later, vm1's lease is still running");
 }
 
@@ -438,20 +445,20 @@ fn heartbeats_keep_a_live_owners_counts() {
 fn no_key_the_counts_depend_on_has_a_ttl() {
     // Under a volatile-* maxmemory policy Redis evicts only keys with a TTL.
     let mut r = Redis::start();
-    let f = r.run(&Script::new(PREFIX_CACHE_LUA), &pc(&["k1"], 0, 600, 0.0, &["a"], &[]));
+    let f = r.run(&Script::new(PREFIX_CACHE_LUA), &pc(&["k1"], 0, 600, 0.0, &["a"]));
     assert_eq!(pick(&f).0, "a");
-    r.release("vm1", "abandoned-before-it-ran", true);
+    r.release("vm1", "abandoned-before-it-ran", None);
     for k in ["inflight", "owners", "own:vm1"] {
         assert_eq!(r.ttl(k), -1, "{k} must not expire");
     }
-    assert!(r.ttl("k1") > 0, "prefix keys do expire (a lost one only costs a cache miss)");
+    assert!(r.ttl("pfx:k1") > 0, "prefix keys do expire (a lost one only costs a cache miss)");
 }
 
 #[test]
 fn a_live_owners_heartbeat_reaps_a_dead_one_without_any_pick() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
-    assert_eq!(pick(&r.run(&s, &as_owner("dead", 500, &["a"], &[]))).0, "a");
+    assert_eq!(pick(&r.run(&s, &as_owner("dead", 500, &["a"]))).0, "a");
     assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
     assert_eq!(r.count("a"), Some(1));
     std::thread::sleep(Duration::from_millis(600));

@@ -9,9 +9,11 @@
 //! * `higress:ai-lb:{<route>|<cluster>}:pfx:<40 upper-case hex>` prefix chain key -> host (TTL)
 //! * `higress:ai-lb:{<route>|<cluster>}:owners`     sorted set: owner (one plugin VM) -> lease
 //!   expiry (ms, Redis clock)
-//! * `higress:ai-lb:{<route>|<cluster>}:own:<owner>` hash: `h:<host>` -> that owner's share of the
-//!   in-flight count, `r:<request>` -> host of an admitted pick (an empty value is the tombstone of an
-//!   abandoned pick). Deleted, and its shares subtracted, once the owner's lease runs out.
+//! * `higress:ai-lb:{<route>|<cluster>}:own:<owner>` hash: `r:<request>` -> host of each admitted
+//!   pick of that owner not released yet (an empty value is the tombstone of an abandoned pick).
+//!   Deleted, and its picks subtracted, once the owner's lease runs out.
+//!
+//! The scripts get only the in-flight key and derive the others from it (same hash tag, one slot).
 //!
 //! No key that correctness depends on has a TTL (eviction under a `volatile-*` policy would remove
 //! it); only prefix keys and the cleanup time do.
@@ -36,8 +38,9 @@ pub const PREFIX_CACHE_LUA: &str = concat!(
     include_str!("lua/prefix_cache.lua")
 );
 /// The release script (the `-1` at stream end, and the cancel of an abandoned pick).
-pub const RELEASE_LUA: &str = include_str!("lua/release.lua");
-/// Renews an owner's lease and reaps dead owners.
+pub const RELEASE_LUA: &str =
+    concat!(include_str!("lua/reap.lua"), include_str!("lua/release.lua"));
+/// Renews an owner's lease, reaps dead owners, cleans out hosts that left the cluster.
 pub const HEARTBEAT_LUA: &str =
     concat!(include_str!("lua/reap.lua"), include_str!("lua/heartbeat.lua"));
 

@@ -56,12 +56,14 @@ pub fn pick_reply(host: &str, count: i64, admitted: bool, matched: Option<i64>) 
 pub struct ReleaseSent {
     /// The in-flight hash key.
     pub inflight: String,
-    /// The picking owner's hash key.
+    /// The picking owner's id.
     pub owner: String,
     /// The request id.
     pub request: String,
     /// True for the cancel of a pick the plugin gave up on.
     pub abandoned: bool,
+    /// The host of an admitted request's release.
+    pub host: Option<String>,
 }
 
 /// The release scripts sent, in order (EVALSHA, or EVAL after NOSCRIPT).
@@ -78,21 +80,24 @@ pub fn releases(host: &FakeHost) -> Vec<ReleaseSent> {
             let (keys, args) = keys_args(&c);
             ReleaseSent {
                 inflight: keys[0].clone(),
-                owner: keys[1].clone(),
-                request: args[0].clone(),
-                abandoned: args[1] == "1",
+                owner: args[0].clone(),
+                request: args[1].clone(),
+                abandoned: args[2] == "1",
+                host: args.get(3).filter(|h| !h.is_empty()).cloned(),
             }
         })
         .collect()
 }
 
-/// The release the plugin must send for the pick sent as the `n`-th Redis command.
-pub fn release_of(host: &FakeHost, n: usize, abandoned: bool) -> ReleaseSent {
-    let (keys, args) = keys_args(&command(host, n));
+/// The release the plugin must send for the pick sent as the `n`-th Redis command: of a request
+/// admitted to `host`, or (`None`) the cancel of the abandoned pick.
+pub fn release_of(fake: &FakeHost, n: usize, host: Option<&str>) -> ReleaseSent {
+    let (keys, args) = keys_args(&command(fake, n));
     ReleaseSent {
         inflight: keys[0].clone(),
-        owner: keys[3].clone(),
-        request: args[4].clone(),
-        abandoned,
+        owner: args[2].clone(),
+        request: args[3].clone(),
+        abandoned: host.is_none(),
+        host: host.map(str::to_string),
     }
 }

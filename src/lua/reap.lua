@@ -1,18 +1,32 @@
--- ai-load-balancer: reap(inflight, owners, now_ms), shared by the pick scripts and heartbeat.lua.
--- Owners (plugin VMs) whose lease ran out are gone (killed, out of memory, cut off): subtract
--- what each held from the in-flight hash and delete its hash. A few per call keep calls short.
--- An owner's hash is `<base>own:<owner>` where the owners key is `<base>owners`.
-local function reap(inflight, owners, now_ms)
-  local base = string.sub(owners, 1, #owners - 6)
-  for _, dead in ipairs(redis.call('ZRANGEBYSCORE', owners, '-inf', now_ms, 'LIMIT', 0, 4)) do
+-- ai-load-balancer: shared functions of the scripts (prepended to each). Every key of a
+-- route+cluster shares one hash tag, so the scripts derive them from the in-flight hash key they are
+-- given (KEYS[1] = `<base>inflight`): `<base>owners`, `<base>own:<owner>`, `<base>pfx:<hex>`,
+-- `<base>last_clean`. One slot, and far fewer bytes per call than passing each key.
+if redis.replicate_commands then redis.replicate_commands() end
+local inflight = KEYS[1]
+local base = string.sub(inflight, 1, #inflight - 8)
+local owners = base .. 'owners'
+
+-- Redis's clock in ms (every gateway uses the same clock for leases).
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Owners (plugin VMs) whose lease ran out are gone (killed, out of memory, cut off): subtract what
+-- their admitted picks (`r:<request>` -> host in their hash) hold from the in-flight hash and delete
+-- their hash. A few per call keep calls short.
+local function reap(now)
+  for _, dead in ipairs(redis.call('ZRANGEBYSCORE', owners, '-inf', now, 'LIMIT', 0, 8)) do
     local own = base .. 'own:' .. dead
     local held = redis.call('HGETALL', own)
+    local per_host = {}
     for i = 1, #held, 2 do
-      local c = tonumber(held[i + 1]) or 0
-      if string.sub(held[i], 1, 2) == 'h:' and c > 0 then
-        local h = string.sub(held[i], 3)
-        if redis.call('HINCRBY', inflight, h, -c) < 0 then redis.call('HSET', inflight, h, 0) end
-      end
+      local h = held[i + 1]
+      if h ~= '' and string.sub(held[i], 1, 2) == 'r:' then per_host[h] = (per_host[h] or 0) + 1 end
+    end
+    for h, c in pairs(per_host) do
+      if redis.call('HINCRBY', inflight, h, -c) < 0 then redis.call('HSET', inflight, h, 0) end
     end
     redis.call('DEL', own)
     redis.call('ZREM', owners, dead)

@@ -2,7 +2,7 @@
 
 use crate::filter::{DATA_STOP_AND_WATERMARK, HEADERS_CONTINUE, HEADERS_STOP_ITERATION};
 use crate::host::{Host, HostError, RedisReply};
-use crate::redis::{inflight_key, last_clean_key, owner_key, owners_key, LEAST_REQUEST_LUA};
+use crate::redis::{inflight_key, LEAST_REQUEST_LUA};
 use crate::testutil::*;
 
 const CLUSTER: &str = "outbound|8000||llm.static";
@@ -60,22 +60,15 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     assert_eq!(cmd[0], "EVALSHA");
     assert_eq!(cmd[1], crate::redis::sha1_hex_lower(LEAST_REQUEST_LUA.as_bytes()));
     let (keys, args) = keys_args(&cmd);
-    assert_eq!(
-        keys[..3],
-        [inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER), owners_key("r1", CLUSTER)]
-    );
-    assert_eq!(keys[3], owner_key("r1", CLUSTER, &args[3]), "this VM's hash");
-    assert_eq!(keys.len(), 4);
-    assert_eq!(args[0], "300", "cleanInterval in seconds");
-    assert_eq!(args[1], "10", "maxRequestCount");
-    assert_eq!(args[2], "10000", "leaseMs");
-    assert_eq!(args[3].len(), 16, "owner id");
-    assert_eq!(args[4].len(), 16, "request id");
-    assert_eq!(args[5], "2", "two healthy candidates");
-    let mut healthy = args[6..8].to_vec();
+    assert_eq!(keys, vec![inflight_key("r1", CLUSTER)], "the scripts derive the other keys");
+    assert_eq!(args[0], "10", "maxRequestCount");
+    assert_eq!(args[1], "10000", "leaseMs");
+    assert_eq!(args[2].len(), 16, "owner id");
+    assert_eq!(args[3].len(), 16, "request id");
+    assert_eq!(args[4], "2", "two healthy candidates");
+    let mut healthy = args[5..].to_vec();
     healthy.sort();
-    assert_eq!(healthy, vec!["10.0.0.1:8000", "10.0.0.2:8000"]);
-    assert_eq!(args[8..], ["10.0.0.3:8000".to_string()], "unhealthy host kept by the cleanup");
+    assert_eq!(healthy, vec!["10.0.0.1:8000", "10.0.0.2:8000"], "only healthy hosts");
     // Body chunks while the pick is in flight are held, not released: under flow control while the pick is out: a body over the buffer limit slows the client
     // down instead of getting 413.
     assert_eq!(f.on_request_body(&mut host, 7, 100, false), DATA_STOP_AND_WATERMARK);
@@ -116,7 +109,7 @@ fn ties_are_broken_uniformly_at_random() {
         f.on_request_headers(&mut host, 100 + i, false);
         let (_, args) = keys_args(&command(&host, before));
         // The script takes the first minimum: with equal counts, the first shuffled host wins.
-        *first.entry(args[6].clone()).or_insert(0) += 1;
+        *first.entry(args[5].clone()).or_insert(0) += 1;
         f.on_delete(&mut host, 100 + i);
     }
     assert_eq!(first.len(), 4);
@@ -160,7 +153,7 @@ fn decrement_exactly_once_when_the_stream_ends() {
     f.on_stream_end(&mut host, 7);
     f.on_stream_end(&mut host, 7);
     f.on_delete(&mut host, 7);
-    assert_eq!(releases(&host), vec![release_of(&host, 0, false)]);
+    assert_eq!(releases(&host), vec![release_of(&host, 0, Some("10.0.0.2:8000"))]);
     assert_eq!(f.live_streams(), 0);
 }
 
@@ -187,7 +180,7 @@ fn client_abort_while_pick_in_flight_cancels_the_pick_once() {
     f.on_stream_end(&mut host, 7);
     f.on_delete(&mut host, 7);
     // Sent at once, after the pick on the same connection: it undoes the pick or leaves a tombstone.
-    assert_eq!(releases(&host), vec![release_of(&host, 0, true)]);
+    assert_eq!(releases(&host), vec![release_of(&host, 0, None)]);
     assert_eq!(f.stream_of_token(t), None, "the stream is gone: abi.rs must not switch to it");
     f.on_redis_reply(
         &mut host,
@@ -245,7 +238,7 @@ fn redis_error_reply_resumes_on_normal_balancing() {
         assert_eq!(host.override_host, None, "{reply:?}");
         assert!(host.local_responses.is_empty());
         f.on_delete(&mut host, 7);
-        let expected = if cancel { vec![release_of(&host, 0, true)] } else { vec![] };
+        let expected = if cancel { vec![release_of(&host, 0, None)] } else { vec![] };
         assert_eq!(releases(&host), expected, "{reply:?}");
     }
 }
@@ -310,7 +303,7 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
         true,
     );
     f.on_delete(&mut host, 7);
-    let first = release_of(&host, 0, false);
+    let first = release_of(&host, 0, Some("10.0.0.2:8000"));
     // Higress closes the pipeline on an op timeout: the -1 may never have reached Redis.
     let lost = host.last_redis_token().unwrap();
     f.on_redis_reply(&mut host, lost, &RedisReply::NetworkError, false);
@@ -377,7 +370,7 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
         );
         ctx += 2;
     }
-    let first = release_of(&host, 0, false);
+    let first = release_of(&host, 0, Some("10.0.0.2:8000"));
     assert_eq!(releases(&host).iter().filter(|r| **r == first).count(), 10, "bounded resends");
     assert!(host.logged("giving up the release"));
 }
@@ -441,7 +434,7 @@ fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     assert_eq!(host.effective_streams, vec![7], "the held stream is made effective to resume it");
     assert_eq!(host.resumes, 1, "normal balancing");
     assert_eq!(host.override_host, None);
-    assert_eq!(releases(&host), vec![release_of(&host, 0, true)], "the pick is cancelled");
+    assert_eq!(releases(&host), vec![release_of(&host, 0, None)], "the pick is cancelled");
     // Its late reply changes nothing, and the stream's end sends nothing more.
     f.on_redis_reply(
         &mut host,
@@ -463,7 +456,7 @@ fn leases_are_renewed_every_third_of_the_lease_while_the_route_is_used() {
         7,
         RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
     );
-    let owner = keys_args(&command(&host, 0)).1[3].clone();
+    let owner = keys_args(&command(&host, 0)).1[2].clone();
     let heartbeats = |host: &crate::host::fake::FakeHost| {
         let sha = crate::redis::sha1_hex_lower(crate::redis::HEARTBEAT_LUA.as_bytes());
         (0..host.redis_calls.len()).filter(|i| command(host, *i)[1] == sha).count()
@@ -471,10 +464,19 @@ fn leases_are_renewed_every_third_of_the_lease_while_the_route_is_used() {
     host.now += 1000 * MS;
     f.on_tick(&mut host);
     assert_eq!(heartbeats(&host), 1);
-    let hb = command(&host, host.redis_calls.len() - 1);
+    let (keys, args) = keys_args(&command(&host, host.redis_calls.len() - 1));
+    assert_eq!(keys, vec![inflight_key("r1", CLUSTER)]);
     assert_eq!(
-        keys_args(&hb),
-        (vec![inflight_key("r1", CLUSTER), owners_key("r1", CLUSTER)], vec!["3000".into(), owner])
+        args[..3],
+        ["3000".to_string(), owner, "3600".into()],
+        "lease, owner, cleanInterval s"
+    );
+    let mut in_cluster = args[3..].to_vec();
+    in_cluster.sort();
+    assert_eq!(
+        in_cluster,
+        vec!["10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"],
+        "the cleanup keeps every host still in the cluster, healthy or not"
     );
     f.on_tick(&mut host);
     assert_eq!(heartbeats(&host), 1, "every third of the lease");
@@ -505,5 +507,8 @@ fn releases_wait_while_the_breaker_is_open_and_go_out_when_it_closes() {
     let ping = host.last_redis_token().unwrap();
     assert_eq!(command(&host, host.redis_calls.len() - 1), vec!["PING".to_string()]);
     f.on_redis_reply(&mut host, ping, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
-    assert_eq!(releases(&host), vec![release_of(&host, 1, true), release_of(&host, 0, false)]);
+    assert_eq!(
+        releases(&host),
+        vec![release_of(&host, 1, None), release_of(&host, 0, Some("10.0.0.1:8000"))]
+    );
 }

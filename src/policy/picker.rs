@@ -44,6 +44,8 @@ struct Group {
     /// Admitted picks not released yet.
     held: u32,
     last_pick_ns: u64,
+    /// Every host of the cluster (healthy or not) at the last pick: the cleanup keeps these.
+    hosts: Vec<String>,
 }
 
 /// The keys of one route+cluster's shared state, for one owner.
@@ -78,8 +80,8 @@ pub enum PickKind {
     LeastRequest,
     /// `prefix_cache.lua`.
     Prefix {
-        /// Chain keys (full Redis keys), shortest prefix first.
-        chain_keys: Vec<String>,
+        /// Chain values (upper-case hex), shortest prefix first.
+        chain: Vec<String>,
         /// `redisKeyTTL`.
         ttl_s: u64,
         /// `hitLoadFactor`.
@@ -92,10 +94,9 @@ pub enum PickKind {
 /// `lua/prefix_cache.lua`) read them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PickCall {
-    /// The route+cluster's keys for this owner.
+    /// The route+cluster's keys for this owner (the scripts get the in-flight key and derive the
+    /// others from it).
     pub keys: StateKeys,
-    /// `cleanInterval` in seconds (0 = never).
-    pub clean_interval_s: u64,
     /// `maxRequestCount` (0 = no limit).
     pub max_inflight: u64,
     /// `leaseMs`.
@@ -106,8 +107,6 @@ pub struct PickCall {
     pub request_id: String,
     /// Healthy hosts, shuffled (the script takes the first minimum).
     pub healthy: Vec<String>,
-    /// Other hosts still in the cluster (kept by the cleanup).
-    pub others: Vec<String>,
     /// Policy-specific part.
     pub kind: PickKind,
 }
@@ -115,25 +114,23 @@ pub struct PickCall {
 impl PickCall {
     /// KEYS and ARGV of the script call.
     pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
-        let k = &self.keys;
-        let mut keys =
-            vec![k.inflight.clone(), k.last_clean.clone(), k.owners.clone(), k.owner.clone()];
+        let keys = vec![self.keys.inflight.clone()];
         let mut args = vec![
-            self.clean_interval_s.to_string(),
             self.max_inflight.to_string(),
             self.lease_ms.to_string(),
             self.owner_id.clone(),
             self.request_id.clone(),
         ];
-        if let PickKind::Prefix { chain_keys, ttl_s, hit_load_factor } = &self.kind {
-            keys.extend(chain_keys.iter().cloned());
+        if let PickKind::Prefix { chain, ttl_s, hit_load_factor } = &self.kind {
+            args.reserve(3 + chain.len());
             args.push(ttl_s.to_string());
             args.push(format!("{hit_load_factor}"));
+            args.push(chain.len().to_string());
+            args.extend(chain.iter().cloned());
         }
-        args.reserve(1 + self.healthy.len() + self.others.len());
+        args.reserve(1 + self.healthy.len());
         args.push(self.healthy.len().to_string());
         args.extend(self.healthy.iter().cloned());
-        args.extend(self.others.iter().cloned());
         (keys, args)
     }
 }
@@ -239,6 +236,7 @@ pub enum ReplyOutcome {
 #[derive(Debug)]
 pub(crate) struct PickState {
     keys: StateKeys,
+    owner_id: String,
     request_id: String,
     /// Script keys and args, kept to resend with EVAL after NOSCRIPT.
     call_keys: Vec<String>,
@@ -256,9 +254,10 @@ pub(crate) struct PickState {
 #[derive(Debug, Clone)]
 struct Release {
     inflight_key: String,
-    owner_key: String,
+    owner_id: String,
     request_id: String,
-    abandoned: bool,
+    /// The host an admitted request was sent to; `None` for the cancel of an abandoned pick.
+    admitted_to: Option<String>,
     /// Sends that failed so far while the breaker was closed.
     failures: u32,
     use_eval: bool,
@@ -268,7 +267,7 @@ struct Release {
 #[derive(Debug)]
 enum RootCall {
     Release(Release),
-    Heartbeat { owners_key: String, inflight_key: String, use_eval: bool },
+    Heartbeat { owners_key: String, use_eval: bool },
     Probe,
 }
 
@@ -343,25 +342,34 @@ impl Picker {
             self.log_fallback(host, &Fallback::BreakerOpen);
             return Decision::Passthrough;
         }
+        let mut in_cluster = Vec::with_capacity(healthy.len() + others.len());
+        in_cluster.extend(healthy.iter().cloned());
+        in_cluster.extend(others);
         shuffle(host, &mut healthy);
         let owner_id = self.owner_id(host);
         let call = PickCall {
             keys: StateKeys::new(&stream.route, &stream.cluster, &owner_id),
-            clean_interval_s: self.config.clean_interval_min.saturating_mul(60),
             max_inflight: self.config.max_request_count,
             lease_ms: self.config.state.lease_ms,
             owner_id,
             request_id: format!("{:016x}", host.random_u64()),
             healthy,
-            others,
             kind,
         };
+        let group = self.groups.entry(call.keys.owners.clone()).or_insert_with(|| Group {
+            inflight_key: call.keys.inflight.clone(),
+            held: 0,
+            last_pick_ns: 0,
+            hosts: Vec::new(),
+        });
+        group.hosts = in_cluster;
         let (call_keys, call_args) = call.keys_args();
         let query = self.script.command(&call_keys, &call_args, false);
         match self.redis.call(host, &query) {
             Ok(token) => {
                 stream.set_data(PickState {
                     keys: call.keys,
+                    owner_id: call.owner_id,
                     request_id: call.request_id,
                     call_keys,
                     call_args,
@@ -432,15 +440,15 @@ impl Picker {
         let Some(pick) = parse_pick(&frame) else {
             return self.fallback(host, stream, Fallback::BadReply("unexpected reply".into()));
         };
-        let group = self.groups.entry(state.keys.owners.clone()).or_insert_with(|| Group {
-            inflight_key: state.keys.inflight.clone(),
-            held: 0,
-            last_pick_ns: 0,
-        });
-        group.last_pick_ns = host.now_nanos();
+        let now = host.now_nanos();
+        if let Some(group) = self.groups.get_mut(&state.keys.owners) {
+            group.last_pick_ns = now;
+            if pick.admitted {
+                group.held += 1;
+            }
+        }
         if pick.admitted {
             state.picked = Some(pick.host.clone());
-            group.held += 1;
         }
         if self.config.enable_detail_log {
             host.log(
@@ -476,9 +484,9 @@ impl Picker {
             }
             let rel = Release {
                 inflight_key: state.keys.inflight.clone(),
-                owner_key: state.keys.owner.clone(),
+                owner_id: state.owner_id.clone(),
                 request_id: state.request_id.clone(),
-                abandoned: true,
+                admitted_to: None,
                 failures: 0,
                 use_eval: false,
             };
@@ -523,21 +531,18 @@ impl Picker {
     /// runs before the cancel on the same connection, or finds the tombstone).
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         let Some(state) = stream.take_data::<PickState>() else { return };
-        let abandoned = if state.picked.is_some() {
+        if state.picked.is_some() {
             if let Some(g) = self.groups.get_mut(&state.keys.owners) {
                 g.held = g.held.saturating_sub(1);
             }
-            false
-        } else if state.pending.is_some() {
-            true
-        } else {
+        } else if state.pending.is_none() {
             return;
-        };
+        }
         let rel = Release {
             inflight_key: state.keys.inflight,
-            owner_key: state.keys.owner,
+            owner_id: state.owner_id,
             request_id: state.request_id,
-            abandoned,
+            admitted_to: state.picked,
             failures: 0,
             use_eval: false,
         };
@@ -567,28 +572,25 @@ impl Picker {
         }
         self.last_heartbeat_ns = now;
         self.groups.retain(|_, g| g.held > 0 || now.saturating_sub(g.last_pick_ns) < GROUP_IDLE_NS);
-        let groups: Vec<(String, String)> =
-            self.groups.iter().map(|(o, g)| (o.clone(), g.inflight_key.clone())).collect();
-        for (owners_key, inflight_key) in groups {
-            self.send_heartbeat(host, owners_key, inflight_key, false);
+        let groups: Vec<String> = self.groups.keys().cloned().collect();
+        for owners_key in groups {
+            self.send_heartbeat(host, owners_key, false);
         }
     }
 
-    fn send_heartbeat(
-        &mut self,
-        host: &mut dyn Host,
-        owners_key: String,
-        inflight_key: String,
-        use_eval: bool,
-    ) {
+    /// Renews this VM's lease on one route+cluster, reaps dead owners there, and (every
+    /// `cleanInterval`) cleans out hosts that left the cluster (`heartbeat.lua`).
+    fn send_heartbeat(&mut self, host: &mut dyn Host, owners_key: String, use_eval: bool) {
         let Some(owner) = self.owner.clone() else { return };
-        let q = self.heartbeat.command(
-            &[inflight_key.clone(), owners_key.clone()],
-            &[self.config.state.lease_ms.to_string(), owner],
-            use_eval,
-        );
+        let Some(group) = self.groups.get(&owners_key) else { return };
+        let mut args = Vec::with_capacity(3 + group.hosts.len());
+        args.push(self.config.state.lease_ms.to_string());
+        args.push(owner);
+        args.push(self.config.clean_interval_min.saturating_mul(60).to_string());
+        args.extend(group.hosts.iter().cloned());
+        let q = self.heartbeat.command(std::slice::from_ref(&group.inflight_key), &args, use_eval);
         if let Ok(t) = self.redis.call(host, &q) {
-            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, inflight_key, use_eval });
+            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval });
         }
     }
 
@@ -598,8 +600,11 @@ impl Picker {
             return;
         }
         let q = self.release.command(
-            &[rel.inflight_key.clone(), rel.owner_key.clone()],
-            &[rel.request_id.clone(), if rel.abandoned { "1" } else { "0" }.to_string()],
+            std::slice::from_ref(&rel.inflight_key),
+            &match &rel.admitted_to {
+                Some(h) => [rel.owner_id.clone(), rel.request_id.clone(), "0".into(), h.clone()],
+                None => [rel.owner_id.clone(), rel.request_id.clone(), "1".into(), String::new()],
+            },
             rel.use_eval,
         );
         match self.redis.call(host, &q) {
@@ -641,9 +646,9 @@ impl Picker {
                     self.release_failed(host, rel);
                 }
             }
-            RootCall::Heartbeat { owners_key, inflight_key, use_eval } => {
+            RootCall::Heartbeat { owners_key, use_eval } => {
                 if noscript && !use_eval {
-                    self.send_heartbeat(host, owners_key, inflight_key, true);
+                    self.send_heartbeat(host, owners_key, true);
                 }
             }
             RootCall::Probe => {}

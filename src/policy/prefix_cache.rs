@@ -168,10 +168,8 @@ impl PrefixCache {
     }
 
     fn pick(&mut self, host: &mut dyn Host, stream: &mut Stream, chain: &[String]) -> Decision {
-        let chain_keys =
-            chain.iter().map(|c| redis::prefix_key(&stream.route, &stream.cluster, c)).collect();
         let kind = PickKind::Prefix {
-            chain_keys,
+            chain: chain.to_vec(),
             ttl_s: self.config.redis_key_ttl_s,
             hit_load_factor: self.config.hit_load_factor,
         };

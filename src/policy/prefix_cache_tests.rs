@@ -3,7 +3,7 @@
 use super::*;
 use crate::filter::{DATA_CONTINUE, DATA_STOP_AND_BUFFER, HEADERS_STOP_ITERATION};
 use crate::host::RedisReply;
-use crate::redis::{inflight_key, last_clean_key, owners_key, prefix_key, PREFIX_CACHE_LUA};
+use crate::redis::{inflight_key, PREFIX_CACHE_LUA};
 use crate::testutil::*;
 
 const CLUSTER: &str = "outbound|8000||llm.static";
@@ -135,16 +135,12 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     assert_eq!(cmd[1], crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_bytes()));
     let (keys, args) = keys_args(&cmd);
     let expected_chain = chain(&blocks_from_body(CHAT.as_bytes(), false).unwrap());
-    assert_eq!(
-        keys[..3],
-        [inflight_key("r1", CLUSTER), last_clean_key("r1", CLUSTER), owners_key("r1", CLUSTER)]
-    );
-    let expected_chain: Vec<String> =
-        expected_chain.iter().map(|c| prefix_key("r1", CLUSTER, c)).collect();
-    assert_eq!(keys[4..], expected_chain[..]);
-    assert_eq!(args[5], "600", "redisKeyTTL");
-    assert_eq!(args[6], "2", "hitLoadFactor");
-    assert_eq!(args[7], "2", "healthy count");
+    assert_eq!(keys, vec![inflight_key("r1", CLUSTER)]);
+    assert_eq!(args[4], "600", "redisKeyTTL");
+    assert_eq!(args[5], "2", "hitLoadFactor");
+    assert_eq!(args[6], expected_chain.len().to_string(), "chain length");
+    assert_eq!(args[7..7 + expected_chain.len()], expected_chain[..]);
+    assert_eq!(args[7 + expected_chain.len()], "2", "healthy count");
     let t = host.last_redis_token().unwrap();
     f.on_redis_reply(
         &mut host,
@@ -156,7 +152,7 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
     f.on_delete(&mut host, 7);
-    assert_eq!(releases(&host), vec![release_of(&host, 0, false)]);
+    assert_eq!(releases(&host), vec![release_of(&host, 0, Some("10.0.0.2:8000"))]);
 }
 
 #[test]
@@ -188,8 +184,8 @@ fn body_above_max_body_bytes_passes_through() {
 fn bodiless_request_is_a_least_request_pick_in_the_headers_phase() {
     let (mut f, mut host) = setup(&cfg(""));
     assert_eq!(f.on_request_headers(&mut host, 7, true), HEADERS_STOP_ITERATION);
-    let (keys, _) = keys_args(&command(&host, 0));
-    assert_eq!(keys.len(), 4, "no prefix keys");
+    let (_, args) = keys_args(&command(&host, 0));
+    assert_eq!(args[6], "0", "no prefix keys");
     let t = host.last_redis_token().unwrap();
     f.on_redis_reply(
         &mut host,
@@ -258,6 +254,6 @@ fn split_system_prompt_gives_shared_system_prompts_a_shared_first_key() {
     f.on_request_headers(&mut host, 7, false);
     host.request_body = a.as_bytes().to_vec();
     f.on_request_body(&mut host, 7, a.len(), true);
-    let (keys, _) = keys_args(&command(&host, 0));
-    assert_eq!(keys.len(), 6, "two prefix keys");
+    let (_, args) = keys_args(&command(&host, 0));
+    assert_eq!(args[6], "2", "two prefix keys");
 }

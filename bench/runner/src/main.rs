@@ -33,6 +33,16 @@ enum Cmd {
     },
     /// Two 5-turn conversations through one gateway with prefix_cache; checks session stickiness.
     Demo,
+    /// What one routed request costs Redis (script time, main-thread CPU, bytes) with the plugin's
+    /// scripts, beside a trivial EVALSHA floor; writes bench/results/redis-cost.json.
+    RedisCost {
+        /// Routed requests per repetition.
+        #[arg(long, default_value_t = 20_000)]
+        requests: u64,
+        /// Repetitions per case (interleaved); medians are reported.
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+    },
 }
 
 fn root(cli: &Cli) -> PathBuf {
@@ -113,6 +123,23 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
     Ok(())
 }
 
+async fn redis_cost(paths: Paths, requests: u64, reps: usize) -> Result<()> {
+    let rows = bench::redis_cost::measure(requests, reps).await?;
+    let table = bench::redis_cost::table(&rows, reps);
+    std::fs::create_dir_all(&paths.results)?;
+    let out = paths.results.join("redis-cost.json");
+    let json = serde_json::json!({
+        "unix_time": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        "requests_per_rep": requests,
+        "reps": reps,
+        "cases": rows,
+    });
+    std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
+    print!("{table}");
+    println!("\nwrote {}", out.display());
+    Ok(())
+}
+
 async fn demo(paths: Paths) -> Result<()> {
     let sc: bench::scenario::Scenario = serde_yaml::from_str(
         "name: demo\ntime_scale: 1.0\npods: {count: 3, flavor: vllm-v1}\nworkload: {kind: multi_turn, sessions: 2, turns_mean: 5, input_tokens_mean: 120, output_tokens_mean: 60, concurrency: 1}\n",
@@ -181,6 +208,7 @@ async fn main() {
         match cli.cmd {
             Cmd::Run { scenario, policies } => run(paths, scenario, policies).await,
             Cmd::Demo => demo(paths).await,
+            Cmd::RedisCost { requests, reps } => redis_cost(paths, requests, reps).await,
         }
     };
     // Dropping the work future on Ctrl-C kills every child (kill_on_drop).

@@ -1,0 +1,332 @@
+//! `bench redis-cost`: what one routed request costs the shared Redis, measured against a real
+//! `redis-server` with the plugin's own scripts and key layout (the `PickCall` the plugin sends),
+//! beside the machine's floor, a trivial `EVALSHA` that returns 1.
+//!
+//! Per routed request = one pick + its release (both `EVALSHA`). Not counted: each plugin VM's
+//! heartbeat, one small script per route every third of `leaseMs` whatever the traffic. The workload: 8 pods, 4 plugin VMs
+//! (owners), 5-block chats (prefix_cache) that are sent again with one more block (hits), 16 requests
+//! in flight at a time (each release goes out 16 picks after its pick). Figures per request:
+//! - script time: `usec` of `EVALSHA`/`EVAL` in `INFO commandstats` (commands run inside a script are
+//!   listed on their own lines too, and their time is already inside the script's: never added);
+//! - Redis main-thread CPU (`INFO cpu`, `used_cpu_{user,sys}_main_thread` deltas);
+//! - bytes into Redis (`total_net_input_bytes`) and out of it.
+//!
+//! Each case runs `reps` times, interleaved, on a fresh Redis per repetition; medians are reported
+//! with min-max.
+
+use ai_load_balancer::policy::picker::{PickCall, PickKind, StateKeys};
+use ai_load_balancer::redis::{
+    decode_reply, encode_command, is_noscript, Frame, Script, LEAST_REQUEST_LUA, PREFIX_CACHE_LUA,
+    RELEASE_LUA,
+};
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::TcpStream;
+
+use crate::procs::{redis_info, Redis};
+
+const PODS: usize = 8;
+const OWNERS: usize = 4;
+const BLOCKS: usize = 5;
+const IN_FLIGHT: usize = 16;
+const ROUTE: &str = "llm-route";
+const CLUSTER: &str = "outbound|8000||llm.static";
+const BASELINE_LUA: &str = "return 1";
+
+/// One case's figures per routed request.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Cost {
+    /// Case name.
+    pub case: String,
+    /// Routed requests measured.
+    pub requests: u64,
+    /// Script time (µs) per request.
+    pub script_usec: f64,
+    /// Redis main-thread CPU (µs) per request.
+    pub cpu_usec: f64,
+    /// Bytes into Redis per request.
+    pub bytes_in: f64,
+    /// Bytes out of Redis per request.
+    pub bytes_out: f64,
+}
+
+/// Median and range over the repetitions of one case.
+#[derive(Debug, Clone, Serialize)]
+pub struct Summary {
+    /// Case name.
+    pub case: String,
+    /// Median of each figure.
+    pub median: Cost,
+    /// (min, max) script time.
+    pub script_usec_range: (f64, f64),
+    /// (min, max) CPU.
+    pub cpu_usec_range: (f64, f64),
+    /// Median script time over the baseline's median.
+    pub script_vs_baseline: f64,
+}
+
+/// A blocking RESP connection (one command at a time: what a gateway worker does per request).
+struct Conn(TcpStream, Vec<u8>);
+
+impl Conn {
+    fn open(addr: &str) -> Result<Conn> {
+        let s = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
+        s.set_nodelay(true)?;
+        Ok(Conn(s, Vec::new()))
+    }
+
+    fn call(&mut self, q: &[u8]) -> Result<Frame> {
+        self.0.write_all(q)?;
+        self.1.clear();
+        let mut chunk = [0u8; 4096];
+        loop {
+            let n = self.0.read(&mut chunk)?;
+            if n == 0 {
+                bail!("redis closed the connection");
+            }
+            self.1.extend_from_slice(chunk.get(..n).unwrap_or_default());
+            if let Ok(f) = decode_reply(&self.1) {
+                return Ok(f);
+            }
+        }
+    }
+
+    /// EVALSHA, EVAL on NOSCRIPT.
+    fn script(&mut self, s: &Script, keys: &[String], args: &[String]) -> Result<Frame> {
+        let f = self.call(&s.command(keys, args, false))?;
+        if is_noscript(&f) {
+            return self.call(&s.command(keys, args, true));
+        }
+        if let Frame::Error(e) = &f {
+            bail!("script error: {e}");
+        }
+        Ok(f)
+    }
+}
+
+/// Deterministic xorshift for ids and chat contents.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Case {
+    Baseline,
+    LeastRequest,
+    PrefixCache,
+}
+
+impl Case {
+    fn name(self) -> &'static str {
+        match self {
+            Case::Baseline => "EVALSHA return 1 (floor)",
+            Case::LeastRequest => "global_least_request",
+            Case::PrefixCache => "prefix_cache",
+        }
+    }
+}
+
+async fn snapshot(addr: &str) -> Result<(f64, u64, u64)> {
+    let cpu = redis_info(addr, "cpu").await?;
+    let stats = redis_info(addr, "stats").await?;
+    let f = |v: &[(String, String)], k: &str| {
+        v.iter().find(|(n, _)| n == k).and_then(|(_, x)| x.parse::<f64>().ok()).unwrap_or(0.0)
+    };
+    let cpu_s = f(&cpu, "used_cpu_user_main_thread") + f(&cpu, "used_cpu_sys_main_thread");
+    Ok((
+        cpu_s,
+        f(&stats, "total_net_input_bytes") as u64,
+        f(&stats, "total_net_output_bytes") as u64,
+    ))
+}
+
+async fn script_usec(addr: &str) -> Result<u64> {
+    let mut usec = 0;
+    for (k, v) in redis_info(addr, "commandstats").await? {
+        let cmd = k.trim_start_matches("cmdstat_");
+        if ["eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro"].contains(&cmd) {
+            usec += v
+                .split(',')
+                .find_map(|f| f.strip_prefix("usec="))
+                .and_then(|u| u.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Ok(usec)
+}
+
+fn pick_call(rng: &mut Rng, owner: usize, chain: &[String], kind: Case) -> PickCall {
+    let owner_id = format!("{owner:016x}");
+    let mut healthy: Vec<String> = (0..PODS).map(|i| format!("10.0.0.{}:8000", i + 1)).collect();
+    let n = healthy.len();
+    for i in (1..n).rev() {
+        healthy.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
+    PickCall {
+        keys: StateKeys::new(ROUTE, CLUSTER, &owner_id),
+        max_inflight: 0,
+        lease_ms: 10_000,
+        owner_id,
+        request_id: format!("{:016x}", rng.next()),
+        healthy,
+        kind: match kind {
+            Case::PrefixCache => {
+                PickKind::Prefix { chain: chain.to_vec(), ttl_s: 1800, hit_load_factor: 0.0 }
+            }
+            _ => PickKind::LeastRequest,
+        },
+    }
+}
+
+/// Runs one case for `n` routed requests against a fresh Redis.
+async fn run_case(case: Case, n: u64) -> Result<Cost> {
+    let redis = Redis::start().await?;
+    let addr = redis.addr.clone();
+    let pick = Script::new(match case {
+        Case::PrefixCache => PREFIX_CACHE_LUA,
+        _ => LEAST_REQUEST_LUA,
+    });
+    let release = Script::new(RELEASE_LUA);
+    let baseline = Script::new(BASELINE_LUA);
+    let mut conn = Conn::open(&addr)?;
+    // Load the scripts before measuring (a gateway pays NOSCRIPT once per Redis start).
+    for s in [&pick, &release, &baseline] {
+        conn.call(&encode_command(&["SCRIPT", "LOAD", s.source]))?;
+    }
+    conn.call(&encode_command(&["CONFIG", "RESETSTAT"]))?;
+    let before = snapshot(&addr).await?;
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut outstanding: VecDeque<(String, String, String, String)> = VecDeque::new();
+    // 5-block chats: a conversation's next turn resends its blocks plus one (prefix hits).
+    let mut chats: Vec<Vec<String>> = Vec::new();
+    for i in 0..n {
+        if case == Case::Baseline {
+            conn.script(&baseline, &[], &[])?;
+            conn.script(&baseline, &[], &[])?;
+            continue;
+        }
+        // 64 conversations; each request is its conversation's 4 blocks so far plus a new one.
+        let conv = (rng.next() % 64) as usize;
+        if chats.len() <= conv {
+            chats.resize(conv + 1, Vec::new());
+        }
+        let mut chat = chats.get(conv).cloned().unwrap_or_default();
+        while chat.len() < BLOCKS {
+            chat.push(format!("{:040X}", u128::from(rng.next()) << 64 | u128::from(rng.next())));
+        }
+        let call = pick_call(&mut rng, (i as usize) % OWNERS, &chat, case);
+        chat.truncate(BLOCKS - 1);
+        if let Some(slot) = chats.get_mut(conv) {
+            *slot = chat;
+        }
+        let (keys, args) = call.keys_args();
+        let picked = match conn.script(&pick, &keys, &args)? {
+            Frame::Array(v) => match v.first() {
+                Some(Frame::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
+                other => bail!("unexpected pick reply {other:?}"),
+            },
+            other => bail!("unexpected pick reply {other:?}"),
+        };
+        outstanding.push_back((call.keys.inflight, call.owner_id, call.request_id, picked));
+        if outstanding.len() > IN_FLIGHT {
+            if let Some((inflight, owner, req, host)) = outstanding.pop_front() {
+                conn.script(&release, &[inflight], &[owner, req, "0".into(), host])?;
+            }
+        }
+    }
+    while let Some((inflight, owner, req, host)) = outstanding.pop_front() {
+        conn.script(&release, &[inflight], &[owner, req, "0".into(), host])?;
+    }
+    let after = snapshot(&addr).await?;
+    let usec = script_usec(&addr).await?;
+    // The INFO/CONFIG calls of the snapshot itself are a few hundred bytes over the whole run.
+    let nf = n as f64;
+    Ok(Cost {
+        case: case.name().to_string(),
+        requests: n,
+        script_usec: usec as f64 / nf,
+        cpu_usec: (after.0 - before.0) * 1e6 / nf,
+        bytes_in: after.1.saturating_sub(before.1) as f64 / nf,
+        bytes_out: after.2.saturating_sub(before.2) as f64 / nf,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+fn range(v: &[f64]) -> (f64, f64) {
+    (v.iter().copied().fold(f64::INFINITY, f64::min), v.iter().copied().fold(0.0, f64::max))
+}
+
+/// Runs every case `reps` times (interleaved) with `n` requests each; returns one summary per case.
+pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
+    let cases = [Case::Baseline, Case::LeastRequest, Case::PrefixCache];
+    let mut runs: Vec<Vec<Cost>> = vec![Vec::new(); cases.len()];
+    for _ in 0..reps.max(1) {
+        for (i, c) in cases.iter().enumerate() {
+            let cost = run_case(*c, n).await?;
+            if let Some(r) = runs.get_mut(i) {
+                r.push(cost);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut floor = 0.0;
+    for (c, costs) in cases.iter().zip(runs) {
+        let col = |f: fn(&Cost) -> f64| costs.iter().map(f).collect::<Vec<f64>>();
+        let script = col(|c| c.script_usec);
+        let cpu = col(|c| c.cpu_usec);
+        let med = Cost {
+            case: c.name().to_string(),
+            requests: n,
+            script_usec: median(script.clone()),
+            cpu_usec: median(cpu.clone()),
+            bytes_in: median(col(|c| c.bytes_in)),
+            bytes_out: median(col(|c| c.bytes_out)),
+        };
+        if *c == Case::Baseline {
+            floor = med.script_usec;
+        }
+        out.push(Summary {
+            case: c.name().to_string(),
+            script_vs_baseline: if floor > 0.0 { med.script_usec / floor } else { 0.0 },
+            median: med,
+            script_usec_range: range(&script),
+            cpu_usec_range: range(&cpu),
+        });
+    }
+    Ok(out)
+}
+
+/// A Markdown table of the summaries.
+pub fn table(rows: &[Summary], reps: usize) -> String {
+    let mut s = format!(
+        "| per routed request (pick + release), median of {reps} | script µs (min–max) | × floor | Redis main-thread CPU µs (min–max) | bytes in | bytes out |\n|---|---|---|---|---|---|\n"
+    );
+    for r in rows {
+        s.push_str(&format!(
+            "| {} | {:.1} ({:.1}–{:.1}) | {:.1} | {:.1} ({:.1}–{:.1}) | {:.0} | {:.0} |\n",
+            r.case,
+            r.median.script_usec,
+            r.script_usec_range.0,
+            r.script_usec_range.1,
+            r.script_vs_baseline,
+            r.median.cpu_usec,
+            r.cpu_usec_range.0,
+            r.cpu_usec_range.1,
+            r.median.bytes_in,
+            r.median.bytes_out
+        ));
+    }
+    s
+}
