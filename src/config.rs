@@ -190,6 +190,11 @@ pub struct EndpointMetricsConfig {
     pub scrape_interval_ms: u32,
     /// `scrapePath` (ours, default `/metrics`).
     pub scrape_path: String,
+    /// `scrapeCluster` (ours, default none): an Envoy ORIGINAL_DST cluster with `use_http_header`,
+    /// through which the plugin scrapes each pod itself (`x-envoy-original-dst-host` names the pod).
+    /// Envoy honours that header on no other cluster, so without one the plugin does not scrape
+    /// and uses the metrics the gateway's health check stores (`store_metrics`) only.
+    pub scrape_cluster: Option<String>,
     /// `metricsStaleMs` (ours, default 5000): older metrics count as unknown.
     pub metrics_stale_ms: u64,
 }
@@ -795,6 +800,10 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
             None | Some(0) => DEFAULT_SCRAPE_INTERVAL_MS,
             Some(x) => x as u32,
         },
+        scrape_cluster: f
+            .string("scrapeCluster")?
+            .map(|c| c.trim().to_string())
+            .filter(|c| !c.is_empty()),
         scrape_path: f
             .string("scrapePath")?
             .filter(|s| s.starts_with('/'))

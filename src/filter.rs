@@ -211,6 +211,7 @@ impl Filter {
                         window_seconds: 1,
                         scrape_interval_ms: 1000,
                         scrape_path: "/metrics".into(),
+                        scrape_cluster: None,
                         metrics_stale_ms: 1000,
                     },
                 ),

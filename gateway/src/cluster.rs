@@ -3,7 +3,7 @@
 //! Shared by all workers (Envoy keeps a thread-local copy per worker; one shared copy behaves the same
 //! for our purposes and lets the admin API change endpoints atomically).
 
-use crate::config::{ClusterConfig, HealthCheckConfig, LbPolicy};
+use crate::config::{ClusterConfig, ClusterType, HealthCheckConfig, LbPolicy};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -101,6 +101,10 @@ pub struct Cluster {
     pub health_check: Option<HealthCheckConfig>,
     /// Connect timeout.
     pub connect_timeout: Duration,
+    /// STATIC or ORIGINAL_DST.
+    pub cluster_type: ClusterType,
+    /// ORIGINAL_DST: destination from `x-envoy-original-dst-host`.
+    pub use_http_header: bool,
     rr: AtomicUsize,
 }
 
@@ -176,6 +180,27 @@ impl Cluster {
 
     /// Pick with an override host (non-strict): used when it is an endpoint of this cluster whose
     /// health is Healthy or Degraded; otherwise the normal LB decides.
+    /// The endpoint a request (or a plugin's HTTP call) goes to, as Envoy decides it: on an
+    /// ORIGINAL_DST cluster with `use_http_header`, the address in `x-envoy-original-dst-host`
+    /// (`None` without it); on any other cluster the header means nothing and the override host or
+    /// the LB decides.
+    pub fn pick_for_request(
+        &self,
+        original_dst_header: Option<&str>,
+        override_host: Option<&str>,
+    ) -> Option<Arc<Endpoint>> {
+        match self.cluster_type {
+            ClusterType::OriginalDst if self.use_http_header => {
+                let addr = original_dst_header?.trim();
+                self.find(addr).or_else(|| Endpoint::new(addr))
+            }
+            ClusterType::OriginalDst => None,
+            ClusterType::Static => self.pick_with_override(override_host),
+        }
+    }
+
+    /// Pick with Higress's override host (non-strict: an unknown or unhealthy host falls back to
+    /// the LB).
     pub fn pick_with_override(&self, override_host: Option<&str>) -> Option<Arc<Endpoint>> {
         if let Some(h) = override_host {
             if let Some(e) = self.find(h) {
@@ -213,6 +238,8 @@ impl Clusters {
                     endpoints: RwLock::new(eps),
                     health_check: cfg.health_check.clone(),
                     connect_timeout: Duration::from_millis(cfg.connect_timeout_ms.max(1)),
+                    cluster_type: cfg.cluster_type,
+                    use_http_header: cfg.original_dst_lb_config.use_http_header,
                     rr: AtomicUsize::new(0),
                 }),
             );

@@ -116,6 +116,35 @@ pub struct ClusterConfig {
     /// Connect timeout in milliseconds.
     #[serde(default = "default_connect_timeout")]
     pub connect_timeout_ms: u64,
+    /// Envoy's cluster discovery type: `STATIC` (default: the listed endpoints) or `ORIGINAL_DST`.
+    #[serde(default, rename = "type")]
+    pub cluster_type: ClusterType,
+    /// `ORIGINAL_DST` only: Envoy's `original_dst_lb_config`.
+    #[serde(default)]
+    pub original_dst_lb_config: OriginalDstLbConfig,
+}
+
+/// Envoy's cluster discovery types the host knows.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+pub enum ClusterType {
+    /// The endpoints listed in the config (and set through the admin API).
+    #[default]
+    #[serde(rename = "STATIC", alias = "static")]
+    Static,
+    /// Envoy's ORIGINAL_DST: each request goes to the address it names. With
+    /// `use_http_header: true` that is the `x-envoy-original-dst-host` header (`ip:port`); without
+    /// it (or without the header) the downstream connection's original destination, which neither
+    /// a plugin's HTTP call nor this host's listeners have: such requests fail (503).
+    #[serde(rename = "ORIGINAL_DST", alias = "original_dst")]
+    OriginalDst,
+}
+
+/// Envoy's `original_dst_lb_config`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+pub struct OriginalDstLbConfig {
+    /// Take the destination from the `x-envoy-original-dst-host` request header.
+    #[serde(default)]
+    pub use_http_header: bool,
 }
 
 fn default_connect_timeout() -> u64 {

@@ -616,7 +616,9 @@ impl Drive {
             };
             return Err(local(code, "cluster_not_found", ""));
         };
-        let Some(ep) = cluster.pick_with_override(override_host.as_deref()) else {
+        let original_dst = header_value(&headers, "x-envoy-original-dst-host");
+        let Some(ep) = cluster.pick_for_request(original_dst.as_deref(), override_host.as_deref())
+        else {
             return Err(local(503, "no_healthy_upstream", "no healthy upstream"));
         };
         self.lock().upstream_host = Some(ep.address.clone());

@@ -920,58 +920,82 @@ async fn upstream_hosts_carry_health_and_stored_metrics_and_properties() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn http_call_honours_original_dst_host() {
+async fn original_dst_host_is_honoured_only_on_an_original_dst_cluster_with_use_http_header() {
     let (u1, u2) = (Upstream::start().await, Upstream::start().await);
     let mut w = Wat::new();
     let target = u2.addr.to_string();
-    let hdrs = w.b(&pairs(&[
+    let to_static = w.b(&pairs(&[
         (":method", "GET"),
-        (":path", "/callout"),
+        (":path", "/callout-static"),
         (":authority", "pods"),
         ("x-envoy-original-dst-host", &target),
     ]));
+    let to_dst = w.b(&pairs(&[
+        (":method", "GET"),
+        (":path", "/callout-dst"),
+        (":authority", "pods"),
+        ("x-envoy-original-dst-host", &target),
+    ]));
+    let no_header =
+        w.b(&pairs(&[(":method", "GET"), (":path", "/callout-none"), (":authority", "pods")]));
     let bad = w.b(&pairs(&[(":method", "GET"), (":authority", "pods")]));
     let body = format!(
         r#"
   (global $stream (mut i32) (i32.const 0))
+  (global $left (mut i32) (i32.const 0))
   (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
     (global.set $stream (local.get $ctx))
+    (global.set $left (i32.const 4))
     (call $ev_start {ev_bad}) (call $ev_num (call $proxy_http_call {cl} {bad} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000) (i32.const 264))) (call $ev_end)
-    (call $ev_start {ev_tok}) (call $ev_num (call $proxy_http_call {cl} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000) (i32.const 264))) (call $ev_num (i32.load (i32.const 264))) (call $ev_end)
+    (drop (call $proxy_http_call {cl} {to_static} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000) (i32.const 264)))
+    (drop (call $proxy_http_call {cl} {to_static} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000) (i32.const 264)))
+    (drop (call $proxy_http_call {dst} {to_dst} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000) (i32.const 264)))
+    (drop (call $proxy_http_call {dst} {no_header} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000) (i32.const 264)))
     (i32.const 1))
   (func (export "proxy_on_http_call_response") (param $root i32) (param $token i32) (param $nh i32) (param $nb i32) (param $nt i32)
-    (drop (call $proxy_get_buffer_bytes (i32.const 4) (i32.const 0) (local.get $nb) (i32.const 256) (i32.const 260)))
-    (call $ev_start {ev_resp}) (call $ev_num (local.get $token)) (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260))) (call $ev_end)
-    (drop (call $proxy_set_effective_context (global.get $stream)))
-    (drop (call $proxy_continue_stream (i32.const 0))))
+    (call $ev_start {ev_resp}) (call $ev_num (local.get $nb)) (call $ev_end)
+    (global.set $left (i32.sub (global.get $left) (i32.const 1)))
+    (if (i32.eqz (global.get $left)) (then
+      (drop (call $proxy_set_effective_context (global.get $stream)))
+      (drop (call $proxy_continue_stream (i32.const 0))))))
 "#,
         cl = w.s("pods"),
-        hdrs = hdrs,
+        dst = w.s("pods-dst"),
+        to_static = to_static,
+        to_dst = to_dst,
+        no_header = no_header,
         bad = bad,
         ev_bad = w.s("bad"),
-        ev_tok = w.s("call"),
         ev_resp = w.s("resp"),
     );
     let eps = format!("\"{}\", \"{}\"", u1.addr, u2.addr);
-    let gw =
-        Gateway::start(&one_cluster_config(&eps, true, ""), Some(&w.module("0_2_100", &body)), 1);
+    let dst_cluster = "  - name: pods-dst\n    type: ORIGINAL_DST\n    original_dst_lb_config: {use_http_header: true}\n";
+    let gw = Gateway::start(
+        &one_cluster_config(&eps, true, dst_cluster),
+        Some(&w.module("0_2_100", &body)),
+        1,
+    );
     for _ in 0..4 {
         assert_eq!(get(&gw.url("/x"), &[]).await.status, 200);
     }
-    assert_eq!(u2.count("/callout"), 4);
-    assert_eq!(u1.count("/callout"), 0);
     let ev = gw
         .wait_events(
-            |e| e.iter().filter(|x| x.starts_with("resp")).count() == 4,
-            "4 callout responses",
+            |e| e.iter().filter(|x| x.starts_with("resp")).count() == 16,
+            "16 callout responses",
         )
         .await;
     assert!(ev.contains(&"bad 2".to_string()), "missing :path is BadArgument: {ev:?}");
+    // ORIGINAL_DST + use_http_header: the header is the destination.
+    assert_eq!((u1.count("/callout-dst"), u2.count("/callout-dst")), (0, 4));
+    // Without the header there is no destination: the call fails (no body), reaching no pod.
+    assert_eq!(u1.count("/callout-none") + u2.count("/callout-none"), 0);
+    // Any other cluster: the header means nothing and round robin spreads the calls (two in a row
+    // per request, so both pods get some whatever the requests in between).
+    assert_eq!(u1.count("/callout-static") + u2.count("/callout-static"), 8);
     assert!(
-        ev.contains(&"call 0 4".to_string()) && ev.contains(&"call 0 8".to_string()),
-        "tokens 4, 8: {ev:?}"
+        u1.count("/callout-static") > 0 && u2.count("/callout-static") > 0,
+        "the header must not pin a STATIC cluster's calls"
     );
-    assert!(ev.contains(&format!("resp 4 ok {}", u2.addr.port())), "{ev:?}");
 }
 
 #[test]

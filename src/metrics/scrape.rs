@@ -6,8 +6,10 @@
 //! - On each tick, for every known pod whose shared snapshot is older than half the interval, a
 //!   worker takes a short **lease** in shared data (compare-and-swap, so normally one worker scrapes
 //!   a pod per round no matter how many workers there are) and sends `GET <scrapePath>` with
-//!   `dispatch_http_call` to the pod's cluster. The headers `:authority: ip:port` and
-//!   `x-envoy-original-dst-host: ip:port` make the gateway send the call to that very pod.
+//!   `dispatch_http_call` to the `scrapeCluster`: an Envoy ORIGINAL_DST cluster with
+//!   `use_http_header`, where `x-envoy-original-dst-host: ip:port` sends the call to that very pod.
+//!   (Envoy ignores the header on any other cluster: a call to the pods' own cluster would reach
+//!   whichever pod its LB picks, and its metrics would be filed under the wrong pod.)
 //! - The reply is parsed and written to shared data as a [`Snapshot`] stamped with the receive time.
 //!   A failed scrape writes an empty snapshot, so the pod at once counts as "metrics unknown".
 //! - Readers treat snapshots older than `metricsStaleMs` as unknown.
@@ -34,6 +36,8 @@ struct ClusterPods {
 /// Per-worker scraper state.
 #[derive(Debug)]
 pub struct Scraper {
+    /// The ORIGINAL_DST cluster the scrapes go through.
+    via: String,
     path: String,
     interval_ms: u64,
     stale_ms: u64,
@@ -47,7 +51,14 @@ pub struct Scraper {
 impl Scraper {
     /// A scraper for `path` every `interval_ms`; snapshots older than `stale_ms` are unknown.
     /// `target` is the `target_metric` to extract besides the standard signals.
-    pub fn new(path: &str, interval_ms: u64, stale_ms: u64, target: Option<String>) -> Scraper {
+    /// `via` is the ORIGINAL_DST cluster the calls go through.
+    pub fn new(
+        via: &str,
+        path: &str,
+        interval_ms: u64,
+        stale_ms: u64,
+        target: Option<String>,
+    ) -> Scraper {
         let interval_ms = interval_ms.max(10);
         // Data must survive until the next scrape lands, or every pod would be unknown between
         // scrapes: the bound is at least two intervals whatever `metricsStaleMs` says.
@@ -55,6 +66,7 @@ impl Scraper {
         // A reply later than the staleness bound would be useless; more than 5 s ties up a lease.
         let timeout_ms = interval_ms.clamp(250, stale_ms.clamp(250, 5_000));
         Scraper {
+            via: via.to_string(),
             path: path.to_string(),
             interval_ms,
             stale_ms,
@@ -137,7 +149,7 @@ impl Scraper {
                 ("x-envoy-original-dst-host", pod.as_str()),
                 ("accept", "text/plain"),
             ];
-            match host.http_call(&cluster, &headers, None, self.timeout_ms) {
+            match host.http_call(&self.via, &headers, None, self.timeout_ms) {
                 Ok(token) => {
                     self.in_flight.insert(token, (cluster, pod, now_ms));
                 }
@@ -223,7 +235,7 @@ mod tests {
         let mut h = FakeHost::new();
         let now = h.now / 1_000_000;
         // metricsStaleMs 1000 with a 3 s interval would drop every snapshot before the next scrape.
-        let s = Scraper::new("/metrics", 3_000, 1_000, None);
+        let s = Scraper::new("scrape-cluster", "/metrics", 3_000, 1_000, None);
         let snap = Snapshot {
             sampled_ms: now,
             metrics: prometheus::parse(b"vllm:num_requests_waiting 2\n", None),

@@ -30,7 +30,8 @@ pub struct EndpointMetrics {
     config: EndpointMetricsConfig,
     policy: MetricPolicy,
     recent: RecentPicks,
-    scraper: Scraper,
+    /// Scrapes pods itself when `scrapeCluster` names an ORIGINAL_DST cluster to do it through.
+    scraper: Option<Scraper>,
     /// Last parsed host-provided body per pod: health-check bodies change once per check interval
     /// while every request reads them, so an equal body (a memcmp) reuses the parse.
     parsed: HashMap<String, (String, PodMetrics)>,
@@ -70,12 +71,15 @@ impl EndpointMetrics {
         };
         let recent =
             RecentPicks::new(config.window_size, config.window_seconds.saturating_mul(1000));
-        let scraper = Scraper::new(
-            &config.scrape_path,
-            u64::from(config.scrape_interval_ms),
-            config.metrics_stale_ms,
-            config.target_metric.clone(),
-        );
+        let scraper = config.scrape_cluster.as_deref().map(|via| {
+            Scraper::new(
+                via,
+                &config.scrape_path,
+                u64::from(config.scrape_interval_ms),
+                config.metrics_stale_ms,
+                config.target_metric.clone(),
+            )
+        });
         EndpointMetrics { config, policy, recent, scraper, parsed: HashMap::new() }
     }
 
@@ -113,12 +117,22 @@ impl EndpointMetrics {
             return Some(out);
         }
         let addrs: Vec<String> = healthy.into_iter().map(|h| h.address).collect();
-        self.scraper.learn(&stream.cluster, &addrs, now);
+        let Some(scraper) = self.scraper.as_mut() else {
+            // No metrics stored by the host and no way to scrape each pod: normal balancing.
+            return Some(
+                addrs
+                    .into_iter()
+                    .map(|address| PodView { address, metrics: None, sampled_ms: None })
+                    .collect(),
+            );
+        };
+        scraper.learn(&stream.cluster, &addrs, now);
+        let scraper = &*scraper;
         Some(
             addrs
                 .into_iter()
                 .map(|address| {
-                    let snap = self.scraper.read(host, &stream.cluster, &address, now);
+                    let snap = scraper.read(host, &stream.cluster, &address, now);
                     let sampled_ms = snap.as_ref().map(|s| s.sampled_ms);
                     let metrics = snap.map(|s| s.metrics).filter(|m| !m.is_empty());
                     PodView { address, metrics, sampled_ms }
@@ -183,7 +197,14 @@ impl Policy for EndpointMetrics {
     }
 
     fn on_start(&mut self, host: &mut dyn Host) {
-        self.scraper.set_worker_id(host.random_u64());
+        match self.scraper.as_mut() {
+            Some(scraper) => scraper.set_worker_id(host.random_u64()),
+            None => host.log(
+                LogLevel::Info,
+                "endpoint_metrics: no scrapeCluster set: pod metrics come from the gateway's health \
+                 check (store_metrics) only; without them requests use normal balancing",
+            ),
+        }
     }
 
     fn on_request_headers(
@@ -226,22 +247,29 @@ impl Policy for EndpointMetrics {
         reply: &HttpReply,
     ) -> Decision {
         let now = now_ms(host);
-        self.scraper.on_reply(host, token, reply, now);
+        if let Some(scraper) = self.scraper.as_mut() {
+            scraper.on_reply(host, token, reply, now);
+        }
         Decision::Passthrough
     }
 
     fn tick_period_ms(&self) -> u32 {
-        self.config.scrape_interval_ms
+        if self.scraper.is_some() {
+            self.config.scrape_interval_ms
+        } else {
+            0
+        }
     }
 
     fn on_tick(&mut self, host: &mut dyn Host) {
         let now = now_ms(host);
-        if !self.scraper.has_worker_id() {
+        let Some(scraper) = self.scraper.as_mut() else { return };
+        if !scraper.has_worker_id() {
             // Lazily, in case on_start was not delivered to this instance.
             let id = host.random_u64();
-            self.scraper.set_worker_id(id);
+            scraper.set_worker_id(id);
         }
-        self.scraper.on_tick(host, now);
+        scraper.on_tick(host, now);
     }
 }
 
@@ -365,7 +393,7 @@ mod tests {
     fn no_metrics_passes_through_then_scrapes_and_routes_on_shared_snapshots() {
         let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
         let mut p = EndpointMetrics::new(config(
-            r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus"}"#,
+            r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus","scrapeCluster":"pods-original-dst"}"#,
         ));
         assert_eq!(p.tick_period_ms(), 500);
         p.on_start(&mut h);
@@ -374,7 +402,7 @@ mod tests {
         p.on_tick(&mut h);
         assert_eq!(h.http_calls.len(), 2);
         for (_, cluster, headers, body) in &h.http_calls {
-            assert_eq!(cluster, CLUSTER);
+            assert_eq!(cluster, "pods-original-dst", "through the ORIGINAL_DST cluster");
             assert!(body.is_none());
             let get = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
             assert_eq!(get(":method").as_deref(), Some("GET"));
@@ -410,7 +438,7 @@ mod tests {
 
         // Another worker VM (same shared data) uses the snapshots without scraping itself.
         let mut other = EndpointMetrics::new(config(
-            r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus"}"#,
+            r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus","scrapeCluster":"pods-original-dst"}"#,
         ));
         other.on_start(&mut h);
         assert_eq!(route(&mut other, &mut h), Decision::Route("10.0.0.2:8000".into()));
@@ -431,7 +459,7 @@ mod tests {
     #[test]
     fn a_failed_scrape_makes_the_pod_unknown_at_once() {
         let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
-        let mut p = EndpointMetrics::new(config("{}"));
+        let mut p = EndpointMetrics::new(config(r#"{"scrapeCluster":"pods-original-dst"}"#));
         route(&mut p, &mut h);
         p.on_tick(&mut h);
         let calls: Vec<(u32, String)> = h
@@ -561,11 +589,28 @@ mod tests {
     }
 
     #[test]
+    fn without_scrape_cluster_the_plugin_never_scrapes_and_says_so() {
+        use crate::filter::Filter;
+        let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+        let mut f = Filter::new();
+        // A pod's own cluster is not an ORIGINAL_DST cluster: Envoy would ignore
+        // x-envoy-original-dst-host there and file one pod's metrics under another.
+        let cfg = br#"{"lb_policy":"endpoint_metrics","lb_config":{"scrapeIntervalMs":200}}"#;
+        assert!(f.configure(&mut h, cfg));
+        assert!(h.logged("no scrapeCluster set"), "{:?}", h.logs.borrow());
+        assert_eq!(f.tick_period_ms(), 0, "nothing to do on ticks");
+        f.on_request_headers(&mut h, 10, true);
+        assert_eq!(h.override_host, None, "no metrics: normal balancing");
+        f.on_tick(&mut h);
+        assert!(h.http_calls.is_empty());
+    }
+
+    #[test]
     fn through_the_dispatcher_scrape_on_tick_then_pin_requests() {
         use crate::filter::Filter;
         let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
         let mut f = Filter::new();
-        let cfg = br#"{"lb_policy":"endpoint_metrics","lb_config":{"scrapeIntervalMs":200}}"#;
+        let cfg = br#"{"lb_policy":"endpoint_metrics","lb_config":{"scrapeIntervalMs":200,"scrapeCluster":"pods-original-dst"}}"#;
         assert!(f.configure(&mut h, cfg));
         assert_eq!(f.tick_period_ms(), 200);
         // First request: nothing known, normal balancing; the pods become known.

@@ -7,18 +7,31 @@ use std::time::Duration;
 use e2e::*;
 use serde_json::{json, Value};
 
+/// The ORIGINAL_DST cluster (with `use_http_header`) the plugin scrapes pods through.
+const SCRAPE_CLUSTER: &str = "ai-lb-scrape-original-dst";
+
+/// With `host_metrics` the host's health check stores each pod's `/metrics`; without it the
+/// plugin scrapes each pod itself through [`SCRAPE_CLUSTER`].
 fn metrics_config(
     route: &str,
     pods: &[Pod],
-    lb_config: Value,
+    mut lb_config: Value,
     host_metrics: bool,
 ) -> GatewayConfig {
+    if !host_metrics {
+        lb_config["scrapeCluster"] = json!(SCRAPE_CLUSTER);
+    }
     let mut cfg = GatewayConfig::new()
         .route(route, "/", LLM_CLUSTER)
         .cluster(LLM_CLUSTER, &hosts(pods))
         .plugin(json!({"lb_policy": "endpoint_metrics", "lb_config": lb_config}));
     if host_metrics {
         cfg = cfg.metrics_health_check(LLM_CLUSTER, 200);
+    } else {
+        cfg = cfg.cluster_json(json!({
+            "name": SCRAPE_CLUSTER, "type": "ORIGINAL_DST",
+            "original_dst_lb_config": {"use_http_header": true}
+        }));
     }
     cfg
 }
@@ -147,4 +160,25 @@ async fn requests_without_a_model_or_metrics_still_served() {
         seen.push(r.upstream().unwrap());
     }
     assert_eq!(tally(&seen).len(), 2, "normal balancing uses both pods: {:?}", tally(&seen));
+}
+
+/// Envoy honours `x-envoy-original-dst-host` only on an ORIGINAL_DST cluster: without
+/// `scrapeCluster` the plugin must not scrape through the pods' own cluster (each "pod" scrape
+/// would reach whichever pod the LB picks, and its metrics would be filed under the wrong pod).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_scrape_cluster_the_plugin_never_scrapes() {
+    let pods = start_pods("no-scrape", 2).await.unwrap();
+    for p in &pods {
+        p.set_metrics(samples::vllm_v1(1, 0, 0.1));
+    }
+    let cfg = GatewayConfig::new()
+        .route("no-scrape", "/", LLM_CLUSTER)
+        .cluster(LLM_CLUSTER, &hosts(&pods))
+        .plugin(json!({"lb_policy": "endpoint_metrics", "lb_config": {"scrapeIntervalMs": 100}}));
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let sent = send_many(&gw, 6).await;
+    assert_eq!(tally(&sent).len(), 2, "normal balancing: {:?}", tally(&sent));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(scrape_counts(&pods), vec![0, 0], "no scrape without an ORIGINAL_DST cluster");
+    assert!(gw.logs().contains("no scrapeCluster set"), "the plugin says so at start");
 }

@@ -3,8 +3,9 @@
 //! `proxy_grpc_close`) are not implemented: they link to the Unimplemented (12) stub.
 //!
 //! The headers need `:method`, `:path` and `:authority` (else BadArgument); an unknown cluster is
-//! BadArgument. `x-envoy-original-dst-host: ip:port` naming an endpoint of the cluster picks that
-//! endpoint (ORIGINAL_DST with use_http_header); otherwise the cluster's LB picks. The response
+//! BadArgument. On an ORIGINAL_DST cluster with `use_http_header`, `x-envoy-original-dst-host:
+//! ip:port` is the destination (without it the call fails); on any other cluster the header means
+//! nothing and the cluster's LB picks, as in Envoy. The response
 //! goes to the root context; on failure the counts are 0 and `proxy_get_status` gives
 //! BrokenConnection. Tokens start at 4 and step by 4.
 
@@ -61,8 +62,9 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             let Some(cl) = st.g.clusters.get(&cluster) else { return status::BAD_ARGUMENT };
             let token = st.next_http_token;
             st.next_http_token = st.next_http_token.wrapping_add(4);
-            let endpoint =
-                get("x-envoy-original-dst-host").and_then(|h| cl.find(&h)).or_else(|| cl.pick());
+            // Envoy honours `x-envoy-original-dst-host` only on an ORIGINAL_DST cluster with
+            // `use_http_header`; on any other cluster the LB picks.
+            let endpoint = cl.pick_for_request(get("x-envoy-original-dst-host").as_deref(), None);
             let client = st.http_client.clone();
             let events = st.events.clone();
             let gen = st.gen;
