@@ -21,6 +21,14 @@ pub struct Config {
     /// The proxy-wasm plugin; without it the gateway is a plain proxy.
     #[serde(default)]
     pub plugin: Option<PluginConfig>,
+    /// On SIGTERM/SIGINT: how long in-flight streams may take to finish before they are cut
+    /// (Envoy's `--drain-time-s`, here in ms).
+    #[serde(default = "default_drain_timeout")]
+    pub drain_timeout_ms: u64,
+}
+
+fn default_drain_timeout() -> u64 {
+    30_000
 }
 
 /// One listener.

@@ -68,7 +68,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         plugin_vm_id: cfg.plugin.as_ref().map(|p| p.vm_id.clone()).unwrap_or_default(),
         plugin: cfg.plugin.clone(),
         log_level: abi::logging::level_from_name(&args.log_level),
+        shutdown: tokio::sync::watch::Sender::new(worker::Shutdown::Running),
+        live_streams: Default::default(),
+        redis_outstanding: Default::default(),
     });
+    let drain_timeout = std::time::Duration::from_millis(cfg.drain_timeout_ms);
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     // Like Envoy cluster warming: one health-check round before serving.
@@ -139,9 +143,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         }
                     };
                     let w = w.clone();
+                    let mut stop = w.g.shutdown.subscribe();
                     tokio::task::spawn_local(async move {
                         loop {
-                            match l.accept().await {
+                            let accepted = tokio::select! {
+                                a = l.accept() => a,
+                                // A stop closes the listener (dropped below): new connections
+                                // are refused, as Envoy's listeners stop on drain.
+                                _ = stop.wait_for(|s| *s != worker::Shutdown::Running) => break,
+                            };
+                            match accepted {
                                 Ok((stream, peer)) => {
                                     let local_addr = stream.local_addr().unwrap_or(peer);
                                     tokio::task::spawn_local(proxy::serve_connection(
@@ -194,34 +205,88 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         writeln!(out, "READY")?;
         out.flush()?;
     }
+    // Each worker accepts on its own clone of every listening socket; with these gone, the sockets
+    // close (new connections are refused) once the workers drop theirs at a drain.
+    drop(listeners);
     rt.block_on(async move {
-        match admin {
-            Some(a) => {
-                a.set_nonblocking(true)?;
-                let l = tokio::net::TcpListener::from_std(a)?;
-                loop {
-                    let (stream, _) = match l.accept().await {
-                        Ok(x) => x,
-                        Err(_) => continue,
-                    };
-                    let g = g.clone();
-                    tokio::spawn(async move {
-                        let svc = hyper::service::service_fn(move |req| {
-                            let g = g.clone();
-                            async move { Ok::<_, std::convert::Infallible>(admin::handle(g, req).await) }
+        let serve_admin = async {
+            match admin {
+                Some(a) => {
+                    a.set_nonblocking(true)?;
+                    let l = tokio::net::TcpListener::from_std(a)?;
+                    loop {
+                        let (stream, _) = match l.accept().await {
+                            Ok(x) => x,
+                            Err(_) => continue,
+                        };
+                        let g = g.clone();
+                        tokio::spawn(async move {
+                            let svc = hyper::service::service_fn(move |req| {
+                                let g = g.clone();
+                                async move {
+                                    Ok::<_, std::convert::Infallible>(admin::handle(g, req).await)
+                                }
+                            });
+                            let _ = hyper::server::conn::http1::Builder::new()
+                                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                                .await;
                         });
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                            .await;
-                    });
+                    }
                 }
+                None => std::future::pending::<anyhow::Result<()>>().await,
             }
-            None => {
-                std::future::pending::<()>().await;
-                Ok::<(), anyhow::Error>(())
-            }
+        };
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = serve_admin => r,
+            _ = term.recv() => drain(&g, drain_timeout, "SIGTERM").await,
+            _ = tokio::signal::ctrl_c() => drain(&g, drain_timeout, "SIGINT").await,
         }
     })
+}
+
+/// Envoy's drain on SIGTERM: stop accepting, let in-flight streams finish (idle keep-alive
+/// connections close at once), cut what is left after `timeout`, then wait briefly until every
+/// stream's on_log/on_done/on_delete ran and the Redis commands they sent were answered.
+async fn drain(
+    g: &Arc<worker::Global>,
+    timeout: std::time::Duration,
+    why: &str,
+) -> anyhow::Result<()> {
+    use std::sync::atomic::Ordering;
+    let started = std::time::Instant::now();
+    let live = || g.live_streams.load(Ordering::Relaxed);
+    tracing::info!("{why}: draining {} stream(s) for up to {timeout:?}", live());
+    g.shutdown.send_replace(worker::Shutdown::Draining);
+    if !settled(|| live() == 0, timeout).await {
+        tracing::warn!("drain timeout: cutting {} stream(s)", live());
+        g.shutdown.send_replace(worker::Shutdown::Cut);
+        settled(|| live() == 0, std::time::Duration::from_secs(2)).await;
+    }
+    let redis_done = settled(
+        || g.redis_outstanding.load(Ordering::Relaxed) == 0,
+        std::time::Duration::from_secs(2),
+    )
+    .await;
+    tracing::info!(
+        "stopped after {:?} ({} stream(s) left, Redis {})",
+        started.elapsed(),
+        live(),
+        if redis_done { "flushed" } else { "not flushed within 2 s" }
+    );
+    Ok(())
+}
+
+/// Waits until `done()` holds, checking every 10 ms; false when `within` passed first.
+async fn settled(done: impl Fn() -> bool, within: std::time::Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + within;
+    while !done() {
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    true
 }
 
 /// Log writer: lines go to stderr from a background thread through a bounded queue, so a slow or

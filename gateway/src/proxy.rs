@@ -12,7 +12,7 @@
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
 use crate::body::{BodyError, GwBody};
 use crate::cluster::Endpoint;
-use crate::worker::Worker;
+use crate::worker::{Global, Shutdown, Worker};
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -49,6 +49,7 @@ pub async fn serve_connection(
 ) {
     let _ = stream.set_nodelay(true);
     let conn_id = w.next_connection_id();
+    let shutdown = w.g.shutdown.clone();
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let w = w.clone();
         async move {
@@ -58,10 +59,37 @@ pub async fn serve_connection(
         }
     });
     let io = hyper_util::rt::TokioIo::new(stream);
-    if let Err(e) =
-        hyper::server::conn::http1::Builder::new().keep_alive(true).serve_connection(io, svc).await
-    {
-        tracing::debug!("downstream connection error: {e}");
+    let conn =
+        hyper::server::conn::http1::Builder::new().keep_alive(true).serve_connection(io, svc);
+    tokio::pin!(conn);
+    let mut stop = shutdown.subscribe();
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!("downstream connection error: {e}");
+                }
+                return;
+            }
+            changed = stop.changed() => {
+                if changed.is_err() {
+                    // No stop can come any more: serve to the end.
+                    if let Err(e) = conn.as_mut().await {
+                        tracing::debug!("downstream connection error: {e}");
+                    }
+                    return;
+                }
+                let now = *stop.borrow_and_update();
+                match now {
+                    // Finish the request in flight, then close (an idle connection closes now).
+                    Shutdown::Draining => conn.as_mut().graceful_shutdown(),
+                    // Dropping the connection ends its streams as a client abort would: the
+                    // plugin's on_log/on_done/on_delete still run.
+                    Shutdown::Cut => return,
+                    Shutdown::Running => {}
+                }
+            }
+        }
     }
 }
 
@@ -138,6 +166,22 @@ struct Drive {
     /// The last data callback answered StopIterationAndWatermark: past the buffer limit Envoy
     /// applies flow control (stops reading) instead of a 413/500 local reply.
     data_watermark: bool,
+    /// Counts this stream in [`Global::live_streams`] until it is dropped (after `finish`).
+    _live: LiveStream,
+}
+
+/// One live stream in [`Global::live_streams`] (the drain waits for them).
+struct LiveStream(Arc<Global>);
+impl LiveStream {
+    fn new(g: &Arc<Global>) -> LiveStream {
+        g.live_streams.fetch_add(1, Ordering::Relaxed);
+        LiveStream(g.clone())
+    }
+}
+impl Drop for LiveStream {
+    fn drop(&mut self) {
+        self.0.live_streams.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 fn local(status: u16, details: &str, body: &str) -> LocalReply {
@@ -248,6 +292,7 @@ impl Drive {
         let notify = st.notify.clone();
         let st = Arc::new(Mutex::new(st));
         let gen = w.register_stream(ctx, &st);
+        let live = LiveStream::new(&w.g);
         Drive {
             w,
             ctx,
@@ -263,6 +308,7 @@ impl Drive {
             timeout: Duration::ZERO,
             trapped: false,
             data_watermark: false,
+            _live: live,
         }
     }
 

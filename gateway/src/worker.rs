@@ -38,6 +38,24 @@ pub struct Global {
     pub plugin_vm_id: String,
     /// proxy-wasm log level for `proxy_get_log_level`.
     pub log_level: u32,
+    /// Where a stop (SIGTERM/SIGINT) is; workers and connections watch it.
+    pub shutdown: tokio::sync::watch::Sender<Shutdown>,
+    /// Streams whose context has not finished yet (on_log/on_done/on_delete pending), all workers.
+    pub live_streams: std::sync::atomic::AtomicUsize,
+    /// Redis calls sent whose reply (or failure) has not reached the plugin yet, all workers.
+    pub redis_outstanding: std::sync::atomic::AtomicUsize,
+}
+
+/// The gateway's stop sequence, as Envoy drains on SIGTERM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shutdown {
+    /// Serving.
+    Running,
+    /// Listeners closed; connections close once their in-flight request is answered.
+    Draining,
+    /// The drain timeout passed: remaining connections are closed (their streams end as on a
+    /// client abort, so the plugin's on_log/on_done/on_delete still run).
+    Cut,
 }
 
 /// Asynchronous results delivered to a worker's VM.
@@ -444,6 +462,11 @@ impl Worker {
         let cur = self.gen.get();
         match ev {
             WorkerEvent::Redis { gen, token, reply } => {
+                let _ = self.g.redis_outstanding.fetch_update(
+                    std::sync::atomic::Ordering::Relaxed,
+                    std::sync::atomic::Ordering::Relaxed,
+                    |n| n.checked_sub(1),
+                );
                 if gen != cur {
                     return;
                 }

@@ -38,6 +38,7 @@ pub struct GatewayConfig {
     plugin: Option<Value>,
     workers: usize,
     log_level: String,
+    drain_timeout_ms: Option<u64>,
 }
 
 impl Default for GatewayConfig {
@@ -57,7 +58,14 @@ impl GatewayConfig {
             plugin: None,
             workers: 2,
             log_level: "info".into(),
+            drain_timeout_ms: None,
         }
+    }
+
+    /// `drain_timeout_ms`: how long in-flight streams may take to finish after SIGTERM.
+    pub fn drain_timeout_ms(mut self, ms: u64) -> GatewayConfig {
+        self.drain_timeout_ms = Some(ms);
+        self
     }
 
     /// Adds a route `{name, match: {prefix}, cluster, timeout_ms: 60000}`.
@@ -141,6 +149,9 @@ impl GatewayConfig {
         }
         if let Some(p) = &self.plugin {
             doc["plugin"] = p.clone();
+        }
+        if let Some(ms) = self.drain_timeout_ms {
+            doc["drain_timeout_ms"] = json!(ms);
         }
         doc
     }
@@ -292,6 +303,30 @@ impl Gateway {
     /// Everything the gateway printed so far (stdout and stderr, interleaved by arrival).
     pub fn logs(&self) -> String {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Asks the process to stop (SIGTERM), as Kubernetes does before it kills a pod.
+    pub fn terminate(&self) -> Result<()> {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .context("running kill -TERM")?;
+        anyhow::ensure!(status.success(), "kill -TERM failed: {status}");
+        Ok(())
+    }
+
+    /// Waits up to `within` for the process to exit; its exit status, or `None` if still running.
+    pub async fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Kills the process at once (SIGKILL): no callback of the plugin runs any more.

@@ -129,3 +129,95 @@ async fn a_frozen_redis_costs_a_few_requests_breaker_slow_ms_and_the_rest_nothin
     assert_eq!(h.await.unwrap().unwrap().status, 200);
     wait_counters_zero(&redis, Duration::from_secs(10)).await.unwrap();
 }
+
+/// A normal stop (SIGTERM, as Kubernetes sends it) with requests in flight: the gateway stops
+/// accepting, lets them finish, runs the plugin's on_log/on_done/on_delete, writes the releases to
+/// Redis, then exits 0. Nothing is left counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_requests_and_their_counts() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("drain", 2).await.unwrap();
+    let cfg = redis_policy_config(
+        "route-drain",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"leaseMs": 60_000}),
+    )
+    .drain_timeout_ms(10_000);
+    let mut gw = Gateway::start(&cfg).await.unwrap();
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let held: Vec<_> = (0..3)
+        .map(|i| spawn_request(gw.addr(), chat(&format!("in flight {i}")), Duration::from_secs(30)))
+        .collect();
+    eventually(Duration::from_secs(10), "3 requests held and counted", || async {
+        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 3 && counters_sum(&redis).await? == 3)
+    })
+    .await
+    .unwrap();
+    gw.terminate().unwrap();
+    // Listeners close: new connections are refused while the held requests are still served.
+    eventually(Duration::from_secs(3), "new connections refused", || async {
+        Ok(std::net::TcpStream::connect(gw.addr()).is_err())
+    })
+    .await
+    .unwrap();
+    assert!(gw.is_running(), "still draining the 3 requests in flight");
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    for h in held {
+        let r = h.await.unwrap().expect("a request in flight at SIGTERM completes");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let status = gw.wait_exit(Duration::from_secs(5)).await.expect("exits after the drain");
+    assert!(status.success(), "{status}");
+    // The releases were written before the exit (the lease is 60 s: only they can zero it).
+    assert_eq!(counters_sum(&redis).await.unwrap(), 0, "{:?}", redis_counters(&redis).await);
+}
+
+/// Streams still running at the drain timeout are cut, and the plugin still ends them (their
+/// counts released) before the process exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_timeout_cuts_streams_but_still_releases_their_counts() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("cut", 2).await.unwrap();
+    let cfg = redis_policy_config(
+        "route-cut",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"leaseMs": 60_000}),
+    )
+    .drain_timeout_ms(300);
+    let mut gw = Gateway::start(&cfg).await.unwrap();
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let held: Vec<_> = (0..2)
+        .map(|i| {
+            spawn_request(gw.addr(), chat(&format!("never ends {i}")), Duration::from_secs(30))
+        })
+        .collect();
+    eventually(Duration::from_secs(10), "2 requests held and counted", || async {
+        Ok(counters_sum(&redis).await? == 2)
+    })
+    .await
+    .unwrap();
+    let stopped = Instant::now();
+    gw.terminate().unwrap();
+    let status = gw.wait_exit(Duration::from_secs(6)).await.expect("exits after the timeout");
+    assert!(status.success(), "{status}");
+    assert!(stopped.elapsed() >= Duration::from_millis(300), "waited for the drain timeout");
+    for h in held {
+        assert!(h.await.unwrap().is_err(), "a cut stream's client sees its connection close");
+    }
+    assert_eq!(counters_sum(&redis).await.unwrap(), 0, "{:?}", redis_counters(&redis).await);
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+}

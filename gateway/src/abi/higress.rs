@@ -70,6 +70,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             if !client.send(ep.addr, token, Bytes::from(query), events, gen) {
                 return status::INTERNAL_FAILURE;
             }
+            st.g.redis_outstanding.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             match write_u32(&mut c, tokp, token) {
                 Ok(()) => status::OK,
                 Err(e) => e,
