@@ -6,7 +6,7 @@
 //! whatever the outcome. The decision is taken in the headers phase (no body needed). The machinery
 //! is shared with `prefix_cache`: see [`super::picker`].
 
-use super::picker::{PickKind, Picker, ReplyOutcome};
+use super::picker::{PickKind, Picker};
 use super::{Decision, Policy, Stream};
 use crate::config::GlobalLeastRequestConfig;
 use crate::host::{Host, LogLevel, RedisReply};
@@ -58,11 +58,8 @@ impl Policy for GlobalLeastRequest {
         token: u32,
         reply: &RedisReply,
     ) -> Decision {
-        match self.picker.on_reply(host, stream, token, reply) {
-            ReplyOutcome::Picked(pick) => self.picker.decide(host, &pick),
-            ReplyOutcome::NotForRequest => Decision::Pending,
-            ReplyOutcome::Fallback => Decision::Passthrough,
-        }
+        let outcome = self.picker.on_reply(host, stream, token, reply);
+        self.picker.decide(host, outcome)
     }
 
     fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {

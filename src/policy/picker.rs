@@ -503,13 +503,17 @@ impl Picker {
         host.increment_counter(why.counter(), 1);
     }
 
-    /// The decision for a pick result: route there, or 429 (the script already undid the +1).
-    pub fn decide(&self, host: &mut dyn Host, pick: &PickResult) -> Decision {
-        if pick.admitted {
-            Decision::Route(pick.host.clone())
-        } else {
-            host.increment_counter("ai_lb_rejected", 1);
-            Decision::Reject { status: 429, body: REJECT_BODY.to_string() }
+    /// The decision for a reply's outcome: route to the pick, 429 when it was not admitted (the
+    /// script already undid the +1), keep waiting, or normal balancing.
+    pub fn decide(&self, host: &mut dyn Host, outcome: ReplyOutcome) -> Decision {
+        match outcome {
+            ReplyOutcome::Picked(pick) if pick.admitted => Decision::Route(pick.host),
+            ReplyOutcome::Picked(_) => {
+                host.increment_counter("ai_lb_rejected", 1);
+                Decision::Reject { status: 429, body: REJECT_BODY.to_string() }
+            }
+            ReplyOutcome::NotForRequest => Decision::Pending,
+            ReplyOutcome::Fallback => Decision::Passthrough,
         }
     }
 

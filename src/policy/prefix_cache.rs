@@ -231,17 +231,14 @@ impl Policy for PrefixCache {
         token: u32,
         reply: &RedisReply,
     ) -> Decision {
-        match self.picker.on_reply(host, stream, token, reply) {
-            ReplyOutcome::Picked(pick) => {
-                host.increment_counter(
-                    if pick.matched > 0 { "ai_lb_prefix_hit" } else { "ai_lb_prefix_miss" },
-                    1,
-                );
-                self.picker.decide(host, &pick)
-            }
-            ReplyOutcome::NotForRequest => Decision::Pending,
-            ReplyOutcome::Fallback => Decision::Passthrough,
+        let outcome = self.picker.on_reply(host, stream, token, reply);
+        if let ReplyOutcome::Picked(pick) = &outcome {
+            host.increment_counter(
+                if pick.matched > 0 { "ai_lb_prefix_hit" } else { "ai_lb_prefix_miss" },
+                1,
+            );
         }
+        self.picker.decide(host, outcome)
     }
 
     fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
