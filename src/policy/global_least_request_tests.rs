@@ -403,6 +403,8 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     assert_eq!(f.on_request_headers(&mut host, 13, true), HEADERS_CONTINUE);
     assert_eq!(host.redis_calls.len(), calls, "no Redis call while open");
     assert_eq!(host.counters.get("ai_lb_fallback_breaker"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    assert!(host.logged("breaker open after 3 failed or slow calls"));
     f.on_delete(&mut host, 13);
     // After breakerOpenMs one request probes; while it is out, others do not wait.
     host.now += 1000 * MS;
@@ -416,6 +418,7 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
         true,
     );
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    assert!(host.logged("breaker closed"));
     // Closed again: the next request calls Redis.
     assert_eq!(f.on_request_headers(&mut host, 19, true), HEADERS_STOP_ITERATION);
 }

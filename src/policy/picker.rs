@@ -380,7 +380,7 @@ impl Picker {
                 Decision::Pending
             }
             Err(_) => {
-                self.breaker.on_failure(host.now_nanos());
+                self.redis_failed(host);
                 self.log_fallback(host, &Fallback::SendFailed);
                 Decision::Passthrough
             }
@@ -410,7 +410,7 @@ impl Picker {
         state.pending = None;
         let frame = match reply {
             RedisReply::NetworkError => {
-                self.breaker.on_failure(host.now_nanos());
+                self.redis_failed(host);
                 return self.fallback(host, stream, Fallback::NetworkError);
             }
             RedisReply::Ok(bytes) => match decode_reply(bytes) {
@@ -418,7 +418,7 @@ impl Picker {
                 Err(e) => return self.fallback(host, stream, Fallback::BadReply(e)),
             },
         };
-        self.breaker.on_success();
+        self.redis_answered(host);
         if redis::is_noscript(&frame) && !state.used_eval {
             // The script is not cached on this Redis (restart, failover, new shard): send it once.
             state.used_eval = true;
@@ -496,11 +496,38 @@ impl Picker {
     }
 
     fn log_fallback(&self, host: &mut dyn Host, why: &Fallback) {
-        host.log(
-            LogLevel::Warn,
-            &format!("{}: {}; using normal balancing", self.name, why.describe()),
-        );
+        // While the breaker is open every request comes here: its opening was logged once.
+        let level = if *why == Fallback::BreakerOpen { LogLevel::Debug } else { LogLevel::Warn };
+        host.log(level, &format!("{}: {}; using normal balancing", self.name, why.describe()));
         host.increment_counter(why.counter(), 1);
+    }
+
+    /// A Redis call failed or was too slow: one step towards opening the breaker.
+    fn redis_failed(&mut self, host: &mut dyn Host) {
+        if self.breaker.on_failure(host.now_nanos()) {
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{}: redis breaker open after {} failed or slow calls: deciding without redis \
+                     for {} ms, then probing",
+                    self.name,
+                    self.config.state.breaker_failures,
+                    self.config.state.breaker_open_ms
+                ),
+            );
+            host.increment_counter("ai_lb_breaker_opened", 1);
+        }
+    }
+
+    /// Redis answered a call: the breaker closes (if it was open, say so).
+    fn redis_answered(&mut self, host: &mut dyn Host) {
+        if !self.breaker.is_closed() {
+            host.log(
+                LogLevel::Info,
+                &format!("{}: redis answers again: breaker closed", self.name),
+            );
+        }
+        self.breaker.on_success();
     }
 
     /// The decision for a reply's outcome: route to the pick, 429 when it was not admitted (the
@@ -526,7 +553,7 @@ impl Picker {
         if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
             return Decision::Pending;
         }
-        self.breaker.on_failure(now);
+        self.redis_failed(host);
         self.fallback(host, stream, Fallback::Slow);
         Decision::Passthrough
     }
@@ -564,7 +591,7 @@ impl Picker {
                         self.root_calls.insert(t, RootCall::Probe);
                     }
                     Err(_) => {
-                        self.breaker.on_failure(now);
+                        self.redis_failed(host);
                     }
                 }
             }
@@ -621,11 +648,10 @@ impl Picker {
 
     /// The reply to a release, heartbeat or probe.
     fn on_root_reply(&mut self, host: &mut dyn Host, call: RootCall, reply: &RedisReply) {
-        let now = host.now_nanos();
         let frame = match reply {
             RedisReply::Ok(b) => decode_reply(b).ok(),
             RedisReply::NetworkError => {
-                self.breaker.on_failure(now);
+                self.redis_failed(host);
                 None
             }
         };
@@ -639,7 +665,7 @@ impl Picker {
             None => false,
         };
         if frame.is_some() {
-            self.breaker.on_success();
+            self.redis_answered(host);
         }
         match call {
             RootCall::Release(mut rel) => {
