@@ -11,7 +11,7 @@
 #![allow(unsafe_code)]
 
 use crate::filter::{Filter, DATA_CONTINUE, HEADERS_CONTINUE};
-use crate::host::{Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
+use crate::host::{Counter, Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -127,6 +127,7 @@ const MAP_REQUEST_HEADERS: u32 = 0;
 const MAP_RESPONSE_HEADERS: u32 = 2;
 const MAP_HTTP_CALL_RESPONSE_HEADERS: u32 = 6;
 const BUFFER_REQUEST_BODY: u32 = 0;
+const BUFFER_RESPONSE_BODY: u32 = 1;
 const BUFFER_HTTP_CALL_RESPONSE_BODY: u32 = 4;
 const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
 const BUFFER_REDIS_CALL_RESPONSE: u32 = 9;
@@ -259,6 +260,9 @@ impl Host for WasmHost {
     fn response_header(&self, name: &str) -> Option<String> {
         header_value(MAP_RESPONSE_HEADERS, name)
     }
+    fn response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
+        buffer_bytes(BUFFER_RESPONSE_BODY, start, max)
+    }
     fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>> {
         // SAFETY: out-pointers are valid locals.
         match get_bytes(|p, l| unsafe { sys::proxy_get_upstream_hosts(p, l) }) {
@@ -377,7 +381,20 @@ impl Host for WasmHost {
     fn set_effective_stream(&mut self, ctx: u32) -> bool {
         set_effective_context(ctx)
     }
-    fn increment_counter(&mut self, name: &str, delta: i64) {
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        // SAFETY: valid slices.
+        unsafe {
+            sys::proxy_replace_header_map_value(
+                MAP_RESPONSE_HEADERS,
+                name.as_ptr(),
+                name.len(),
+                value.as_ptr(),
+                value.len(),
+            );
+        }
+    }
+    fn increment_counter(&mut self, counter: Counter, delta: i64) {
+        let name = counter.name();
         let id = METRIC_IDS.with(|m| {
             let mut m = m.try_borrow_mut().ok()?;
             if let Some(id) = m.get(name) {

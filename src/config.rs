@@ -114,6 +114,8 @@ pub struct GlobalLeastRequestConfig {
     pub enable_detail_log: bool,
     /// Leases and the Redis breaker (ours).
     pub state: SharedStateConfig,
+    /// The pods' metrics, used when Redis cannot be (ours; same keys as `endpoint_metrics`).
+    pub metrics: PodMetricsSource,
 }
 
 /// How the in-flight counts survive dead gateways and a stalled Redis (keys of ours; a Go config
@@ -185,18 +187,37 @@ pub struct EndpointMetricsConfig {
     pub window_size: usize,
     /// `window_seconds` (default 60): how long a request stays in the window.
     pub window_seconds: u64,
-    /// `scrapeIntervalMs` (ours, default 1000): when the host list carries no metrics the plugin
+    /// Where the pods' metrics come from.
+    pub source: PodMetricsSource,
+}
+
+/// Where a policy gets the pods' metrics (keys of ours): the metrics the gateway's health check
+/// stores (`store_metrics`), or the plugin's own scrapes through `scrapeCluster`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodMetricsSource {
+    /// `scrapeIntervalMs` (default 1000): when the host list carries no metrics the plugin
     /// scrapes each pod's `/metrics` this often.
     pub scrape_interval_ms: u32,
-    /// `scrapePath` (ours, default `/metrics`).
+    /// `scrapePath` (default `/metrics`).
     pub scrape_path: String,
-    /// `scrapeCluster` (ours, default none): an Envoy ORIGINAL_DST cluster with `use_http_header`,
+    /// `scrapeCluster` (default none): an Envoy ORIGINAL_DST cluster with `use_http_header`,
     /// through which the plugin scrapes each pod itself (`x-envoy-original-dst-host` names the pod).
     /// Envoy honours that header on no other cluster, so without one the plugin does not scrape
     /// and uses the metrics the gateway's health check stores (`store_metrics`) only.
     pub scrape_cluster: Option<String>,
-    /// `metricsStaleMs` (ours, default 5000): older metrics count as unknown.
+    /// `metricsStaleMs` (default 5000): older metrics count as unknown.
     pub metrics_stale_ms: u64,
+}
+
+impl Default for PodMetricsSource {
+    fn default() -> Self {
+        PodMetricsSource {
+            scrape_interval_ms: DEFAULT_SCRAPE_INTERVAL_MS,
+            scrape_path: "/metrics".to_string(),
+            scrape_cluster: None,
+            metrics_stale_ms: DEFAULT_METRICS_STALE_MS,
+        }
+    }
 }
 
 /// `cluster_metrics` `mode`.
@@ -249,6 +270,9 @@ pub struct LbConfig {
     pub policy: PolicyConfig,
     /// `lb_config.maxBodyBytes` (ours, default 4 MiB): larger bodies pass through.
     pub max_body_bytes: usize,
+    /// `lb_config.decisionHeader` (ours, default none): a response header that names how the
+    /// request was routed (e.g. `prefix_hit; blocks=3`), for debugging and load tests.
+    pub decision_header: Option<String>,
 }
 
 /// What a `_rules_` entry matches on. A rule may combine kinds: all given kinds must match
@@ -652,7 +676,21 @@ fn parse_lb(
         .uint("maxBodyBytes", u32::MAX as u64)?
         .map(|x| x as usize)
         .unwrap_or(DEFAULT_MAX_BODY_BYTES);
-    Ok(LbConfig { lb_type, policy, max_body_bytes })
+    let decision_header = match f.string("decisionHeader")?.map(|h| h.trim().to_ascii_lowercase()) {
+        None => None,
+        Some(h) if h.is_empty() => None,
+        Some(h)
+            if h.starts_with(':')
+                || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') =>
+        {
+            return Err(err(
+                &f.path("decisionHeader"),
+                "a header name: letters, digits, '-' and '_'",
+            ))
+        }
+        Some(h) => Some(h),
+    };
+    Ok(LbConfig { lb_type, policy, max_body_bytes, decision_header })
 }
 
 fn describe(v: Option<&str>) -> String {
@@ -728,6 +766,7 @@ fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {
         },
         enable_detail_log: f.go_boolean("enableDetailLog").unwrap_or(true),
         state: parse_state(f)?,
+        metrics: parse_metrics_source(f)?,
     })
 }
 
@@ -796,8 +835,15 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
             None | Some(0) => DEFAULT_WINDOW_SECONDS,
             Some(x) => x,
         },
+        source: parse_metrics_source(f)?,
+    })
+}
+
+fn parse_metrics_source(f: &Fields<'_>) -> Result<PodMetricsSource, ConfigError> {
+    let d = PodMetricsSource::default();
+    Ok(PodMetricsSource {
         scrape_interval_ms: match f.uint("scrapeIntervalMs", 3_600_000)? {
-            None | Some(0) => DEFAULT_SCRAPE_INTERVAL_MS,
+            None | Some(0) => d.scrape_interval_ms,
             Some(x) => x as u32,
         },
         scrape_cluster: f
@@ -807,9 +853,9 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
         scrape_path: f
             .string("scrapePath")?
             .filter(|s| s.starts_with('/'))
-            .unwrap_or_else(|| "/metrics".to_string()),
+            .unwrap_or(d.scrape_path),
         metrics_stale_ms: match f.uint("metricsStaleMs", 86_400_000)? {
-            None | Some(0) => DEFAULT_METRICS_STALE_MS,
+            None | Some(0) => d.metrics_stale_ms,
             Some(x) => x,
         },
     })

@@ -397,3 +397,31 @@ fn warnings_are_logged_at_plugin_start() {
     assert!(f.configure(&mut host, glr(r#","maxRequestCount":-1"#).as_bytes()));
     assert!(host.logged("lb_config.maxRequestCount: -1 is negative: no limit, as in Go"));
 }
+
+#[test]
+fn decision_header_is_off_by_default_and_must_be_a_header_name() {
+    let d = parse(&glr("")).unwrap().default.unwrap();
+    assert_eq!(d.decision_header, None);
+    let d = parse(&glr(r#","decisionHeader":"X-AI-LB-Decision""#)).unwrap().default.unwrap();
+    assert_eq!(d.decision_header.as_deref(), Some("x-ai-lb-decision"));
+    expect_err(
+        &glr(r#","decisionHeader":"x decision""#),
+        "lb_config.decisionHeader",
+        "header name",
+    );
+    expect_err(&glr(r#","decisionHeader":":status""#), "lb_config.decisionHeader", "header name");
+}
+
+#[test]
+fn redis_policies_read_the_metrics_source_keys() {
+    let d = parse(&glr(r#","scrapeCluster":"pods-original-dst","scrapeIntervalMs":250"#))
+        .unwrap()
+        .default
+        .unwrap();
+    let PolicyConfig::GlobalLeastRequest(g) = d.policy else { panic!("wrong policy") };
+    assert_eq!(g.metrics.scrape_cluster.as_deref(), Some("pods-original-dst"));
+    assert_eq!(g.metrics.scrape_interval_ms, 250);
+    let d = parse(&glr("")).unwrap().default.unwrap();
+    let PolicyConfig::GlobalLeastRequest(g) = d.policy else { panic!("wrong policy") };
+    assert_eq!(g.metrics, PodMetricsSource::default(), "no scraping unless asked");
+}

@@ -11,7 +11,7 @@
 //! * `Policy::on_stream_done` runs exactly once per stream (on_log, else on_done, else on_delete).
 
 use crate::config::{LbConfig, MatchInput, PluginConfig};
-use crate::host::{Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
+use crate::host::{Counter, Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
 use crate::policy::{self, Decision, Policy, Stream};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -46,6 +46,8 @@ struct StreamEntry {
     stream: Stream,
     phase: Phase,
     max_body: usize,
+    /// `decisionHeader`, if set.
+    decision_header: Option<String>,
     ended: bool,
     outstanding: u32,
 }
@@ -88,6 +90,9 @@ impl Host for Tracking<'_> {
     }
     fn response_header(&self, name: &str) -> Option<String> {
         self.inner.response_header(name)
+    }
+    fn response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
+        self.inner.response_body(start, max)
     }
     fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>> {
         self.inner.upstream_hosts()
@@ -135,8 +140,11 @@ impl Host for Tracking<'_> {
     fn set_effective_stream(&mut self, ctx: u32) -> bool {
         self.inner.set_effective_stream(ctx)
     }
-    fn increment_counter(&mut self, name: &str, delta: i64) {
-        self.inner.increment_counter(name, delta)
+    fn increment_counter(&mut self, counter: Counter, delta: i64) {
+        self.inner.increment_counter(counter, delta)
+    }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.inner.set_response_header(name, value)
     }
 }
 
@@ -209,13 +217,14 @@ impl Filter {
                         rate_limit: 1.0,
                         window_size: 1,
                         window_seconds: 1,
-                        scrape_interval_ms: 1000,
-                        scrape_path: "/metrics".into(),
-                        scrape_cluster: None,
-                        metrics_stale_ms: 1000,
+                        source: crate::config::PodMetricsSource {
+                            metrics_stale_ms: 1000,
+                            ..Default::default()
+                        },
                     },
                 ),
                 max_body_bytes: max_body,
+                decision_header: Some("x-ai-lb-decision".into()),
             }),
             rules: Vec::new(),
             warnings: Vec::new(),
@@ -285,14 +294,23 @@ impl Filter {
             return HEADERS_CONTINUE;
         };
         let max_body = lb.max_body_bytes;
+        let decision_header = lb.decision_header.clone();
         let Some(Some(p)) = self.policies.get(idx).cloned() else { return HEADERS_CONTINUE };
-        let stream =
-            Stream { id: ctx, route, cluster, authority, start_ns: host.now_nanos(), data: None };
+        let stream = Stream {
+            id: ctx,
+            route,
+            cluster,
+            authority,
+            start_ns: host.now_nanos(),
+            data: None,
+            decision: None,
+        };
         let entry = StreamEntry {
             policy: p,
             stream,
             phase: Phase::Done,
             max_body,
+            decision_header,
             ended: false,
             outstanding: 0,
         };
@@ -373,7 +391,10 @@ impl Filter {
             LogLevel::Info,
             &format!("ai-load-balancer: request body larger than maxBodyBytes ({size} > {max}); using normal balancing"),
         );
-        host.increment_counter("ai_lb_fallback_body_too_large", 1);
+        host.increment_counter(Counter::FallbackBodyTooLarge, 1);
+        if let Some(entry) = self.streams.get_mut(&ctx) {
+            entry.stream.decision = Some(Counter::FallbackBodyTooLarge.label().to_string());
+        }
         self.set_phase(ctx, Phase::Done);
         DATA_CONTINUE
     }
@@ -428,7 +449,13 @@ impl Filter {
 
     /// Response headers of stream `ctx`.
     pub fn on_response_headers(&mut self, host: &mut dyn Host, ctx: u32) {
-        if self.streams.contains_key(&ctx) {
+        if let Some(entry) = self.streams.get(&ctx) {
+            if let Some(name) = &entry.decision_header {
+                host.set_response_header(
+                    name,
+                    entry.stream.decision.as_deref().unwrap_or("normal_balancing"),
+                );
+            }
             self.call_stream(host, ctx, |pol, h, s| {
                 pol.on_response_headers(h, s);
                 Decision::Passthrough

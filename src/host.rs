@@ -159,6 +159,9 @@ pub trait Host {
     fn request_body(&self, max: usize) -> Option<Vec<u8>>;
     /// A response header (e.g. `:status`); only valid in response callbacks.
     fn response_header(&self, name: &str) -> Option<String>;
+    /// Bytes `start..start+max` of the response body chunk being delivered (not buffered: only
+    /// this chunk); only valid in the response body callback.
+    fn response_body(&self, start: usize, max: usize) -> Option<Vec<u8>>;
 
     /// Hosts of the stream's cluster with health and stored metrics. `None` when the host has no
     /// list (call failed / not supported): the caller then falls back to normal balancing.
@@ -199,8 +202,129 @@ pub trait Host {
     /// inside a root callback such as a tick. False when the host refuses (the stream is gone).
     fn set_effective_stream(&mut self, ctx: u32) -> bool;
 
-    /// Adds `delta` to a plugin counter named `name` (exported on the gateway's stats).
-    fn increment_counter(&mut self, name: &str, delta: i64);
+    /// Adds `delta` to one of the plugin's counters (exported on the gateway's stats).
+    fn increment_counter(&mut self, counter: Counter, delta: i64);
+    /// Sets a response header; only effective in the response headers callback.
+    fn set_response_header(&mut self, name: &str, value: &str);
+}
+
+/// The plugin's counters, one per decision kind and failure path, so an operator sees from the
+/// gateway's stats how requests were routed (Envoy exports proxy-wasm metrics as
+/// `wasmcustom.<name>`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Counter {
+    /// `global_least_request`: routed to the pod with the fewest in-flight requests.
+    LeastRequestRouted,
+    /// `prefix_cache`: routed to the pod holding the request's longest known prefix.
+    PrefixHit,
+    /// `prefix_cache`: the prefix's pod was too loaded (`hitLoadFactor`); routed to the least loaded.
+    PrefixHitDiverted,
+    /// `prefix_cache`: no known prefix; routed to the least loaded pod.
+    PrefixMiss,
+    /// `prefix_cache`: sum of the matched prefix blocks over all hits.
+    PrefixMatchedBlocks,
+    /// A Redis policy answered 429 (`maxRequestCount`).
+    Rejected,
+    /// `endpoint_metrics`: routed by the pods' metrics.
+    MetricsRouted,
+    /// A Redis policy could not use Redis and routed by the pods' metrics instead.
+    RedisDownRoutedByMetrics,
+    /// Redis answered with an error or an unusable reply, or the call could not be sent.
+    FallbackRedisError,
+    /// Redis connection failure or the host's Redis timeout.
+    FallbackRedisTimeout,
+    /// The pick took longer than `breakerSlowMs` and was given up.
+    FallbackRedisSlow,
+    /// The breaker was open: decided without Redis.
+    FallbackBreakerOpen,
+    /// The body was not a JSON object the policy could read.
+    FallbackBadBody,
+    /// The body was larger than `maxBodyBytes`.
+    FallbackBodyTooLarge,
+    /// Normal balancing because no pod had usable metrics (`endpoint_metrics`, or a Redis policy
+    /// without Redis).
+    FallbackNoMetrics,
+    /// The Redis breaker opened.
+    BreakerOpened,
+    /// An in-flight count release was given up (the lease returns it later).
+    ReleaseDropped,
+    /// `prefix_cache`: prompt tokens the engines reported (`usage.prompt_tokens`).
+    EnginePromptTokens,
+    /// `prefix_cache`: prompt tokens the engines found cached
+    /// (`usage.prompt_tokens_details.cached_tokens`).
+    EngineCachedTokens,
+    /// `prefix_cache`: predicted a hit, and the engine had cached tokens.
+    PredictedHitEngineHit,
+    /// `prefix_cache`: predicted a hit, and the engine had none cached.
+    PredictedHitEngineMiss,
+    /// `prefix_cache`: predicted a miss, and the engine had cached tokens.
+    PredictedMissEngineHit,
+    /// `prefix_cache`: predicted a miss, and the engine had none cached.
+    PredictedMissEngineMiss,
+}
+
+impl Counter {
+    /// Every counter (for docs and tests).
+    pub const ALL: [Counter; 23] = [
+        Counter::LeastRequestRouted,
+        Counter::PrefixHit,
+        Counter::PrefixHitDiverted,
+        Counter::PrefixMiss,
+        Counter::PrefixMatchedBlocks,
+        Counter::Rejected,
+        Counter::MetricsRouted,
+        Counter::RedisDownRoutedByMetrics,
+        Counter::FallbackRedisError,
+        Counter::FallbackRedisTimeout,
+        Counter::FallbackRedisSlow,
+        Counter::FallbackBreakerOpen,
+        Counter::FallbackBadBody,
+        Counter::FallbackBodyTooLarge,
+        Counter::FallbackNoMetrics,
+        Counter::BreakerOpened,
+        Counter::ReleaseDropped,
+        Counter::EnginePromptTokens,
+        Counter::EngineCachedTokens,
+        Counter::PredictedHitEngineHit,
+        Counter::PredictedHitEngineMiss,
+        Counter::PredictedMissEngineHit,
+        Counter::PredictedMissEngineMiss,
+    ];
+
+    /// The metric name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Counter::LeastRequestRouted => "ai_lb_least_request_routed",
+            Counter::PrefixHit => "ai_lb_prefix_hit",
+            Counter::PrefixHitDiverted => "ai_lb_prefix_hit_diverted",
+            Counter::PrefixMiss => "ai_lb_prefix_miss",
+            Counter::PrefixMatchedBlocks => "ai_lb_prefix_matched_blocks",
+            Counter::Rejected => "ai_lb_rejected",
+            Counter::MetricsRouted => "ai_lb_metrics_routed",
+            Counter::RedisDownRoutedByMetrics => "ai_lb_redis_down_routed_by_metrics",
+            Counter::FallbackRedisError => "ai_lb_fallback_redis_error",
+            Counter::FallbackRedisTimeout => "ai_lb_fallback_redis_timeout",
+            Counter::FallbackRedisSlow => "ai_lb_fallback_redis_slow",
+            Counter::FallbackBreakerOpen => "ai_lb_fallback_breaker_open",
+            Counter::FallbackBadBody => "ai_lb_fallback_bad_body",
+            Counter::FallbackBodyTooLarge => "ai_lb_fallback_body_too_large",
+            Counter::FallbackNoMetrics => "ai_lb_fallback_no_metrics",
+            Counter::BreakerOpened => "ai_lb_breaker_opened",
+            Counter::ReleaseDropped => "ai_lb_release_dropped",
+            Counter::EnginePromptTokens => "ai_lb_engine_prompt_tokens",
+            Counter::EngineCachedTokens => "ai_lb_engine_cached_tokens",
+            Counter::PredictedHitEngineHit => "ai_lb_predicted_hit_engine_hit",
+            Counter::PredictedHitEngineMiss => "ai_lb_predicted_hit_engine_miss",
+            Counter::PredictedMissEngineHit => "ai_lb_predicted_miss_engine_hit",
+            Counter::PredictedMissEngineMiss => "ai_lb_predicted_miss_engine_miss",
+        }
+    }
+
+    /// The name without `ai_lb_`: the decision header's value for requests counted here.
+    pub fn label(self) -> &'static str {
+        let name = self.name();
+        name.strip_prefix("ai_lb_").unwrap_or(name)
+    }
 }
 
 #[cfg(any(test, feature = "fake-host"))]

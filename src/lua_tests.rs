@@ -347,11 +347,13 @@ fn prefix_load_guard_and_max_request_count() {
     // factor 2: a has 10 > 2 * (1 + 1) -> spill to b, chain beyond the match goes to b.
     let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 2.0, &["a", "b"]));
     assert_eq!(pick(&f).0, "b");
+    assert!(parse_pick(&f).is_some_and(|p| p.diverted && p.matched == 1), "a diverted hit");
     assert_eq!(r.get("pfx:k1").as_deref(), Some("a"), "a still holds the matched prefix");
     assert_eq!(r.get("pfx:k2").as_deref(), Some("b"));
     // Guard off: the hit wins despite the load.
     let f = r.run(&s, &pc(&["k1"], 0, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f).0, "a");
+    assert!(parse_pick(&f).is_some_and(|p| !p.diverted), "a plain hit");
     // maxRequestCount 11: a is full (11 -> 12 > 11), falls back to b.
     let f = r.run(&s, &pc(&["k1"], 11, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f).0, "b");

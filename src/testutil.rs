@@ -101,3 +101,28 @@ pub fn release_of(fake: &FakeHost, n: usize, host: Option<&str>) -> ReleaseSent 
         host: host.map(str::to_string),
     }
 }
+
+/// A pod's vLLM V1 `/metrics` text with these gauges.
+pub fn vllm_metrics(running: u32, waiting: u32, kv_cache_usage: f64) -> String {
+    format!(
+        "vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} {running}.0\n\
+         vllm:num_requests_waiting{{engine=\"0\",model_name=\"m\"}} {waiting}.0\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {kv_cache_usage}\n"
+    )
+}
+
+/// Hosts .1 and .2 healthy with these metrics bodies (as a Higress health check stores them),
+/// .3 unhealthy and idle.
+pub fn set_hosts_with_metrics(host: &mut FakeHost, one: String, two: String) {
+    use crate::host::{Health, UpstreamHost};
+    let pod = |address: &str, health, metrics| UpstreamHost {
+        address: address.to_string(),
+        health,
+        metrics: Some(metrics),
+    };
+    host.hosts = Some(vec![
+        pod("10.0.0.1:8000", Health::Healthy, one),
+        pod("10.0.0.2:8000", Health::Healthy, two),
+        pod("10.0.0.3:8000", Health::Unhealthy, vllm_metrics(0, 0, 0.0)),
+    ]);
+}

@@ -2,7 +2,7 @@
 //! `fake-host` feature). It records every side effect so tests can assert what a user would see:
 //! where the request went, which Redis commands were sent, local replies, resumes.
 
-use super::{Host, HostError, LogLevel, UpstreamHost};
+use super::{Counter, Host, HostError, LogLevel, UpstreamHost};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -22,6 +22,8 @@ pub struct FakeHost {
     pub body_reads: std::cell::Cell<u32>,
     /// Response headers (lower-case names, `:status` included).
     pub response_headers: Vec<(String, String)>,
+    /// The response body chunk being delivered.
+    pub response_body: Vec<u8>,
     /// The cluster's hosts; `None` simulates a failing `proxy_get_upstream_hosts`.
     pub hosts: Option<Vec<UpstreamHost>>,
     /// Last override host set.
@@ -54,6 +56,8 @@ pub struct FakeHost {
     pub rng: u64,
     /// Counters by name.
     pub counters: HashMap<String, i64>,
+    /// `(name, value)` of each response header the plugin set.
+    pub response_headers_set: Vec<(String, String)>,
     next_token: u32,
 }
 
@@ -141,6 +145,10 @@ impl Host for FakeHost {
         self.body_reads.set(self.body_reads.get() + 1);
         Some(self.request_body.iter().take(max).copied().collect())
     }
+    fn response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
+        let end = start.saturating_add(max).min(self.response_body.len());
+        self.response_body.get(start.min(end)..end).map(<[u8]>::to_vec)
+    }
     fn response_header(&self, name: &str) -> Option<String> {
         self.response_headers
             .iter()
@@ -220,7 +228,10 @@ impl Host for FakeHost {
         self.effective_streams.push(ctx);
         true
     }
-    fn increment_counter(&mut self, name: &str, delta: i64) {
-        *self.counters.entry(name.to_string()).or_insert(0) += delta;
+    fn increment_counter(&mut self, counter: Counter, delta: i64) {
+        *self.counters.entry(counter.name().to_string()).or_insert(0) += delta;
+    }
+    fn set_response_header(&mut self, name: &str, value: &str) {
+        self.response_headers_set.push((name.to_string(), value.to_string()));
     }
 }

@@ -5,7 +5,8 @@
 -- ARGV[8 .. 7+K]  the chain values, upper-case hex, shortest prefix first
 -- ARGV[8+K]  N = number of healthy candidates
 -- ARGV[9+K .. 8+K+N]  healthy hosts, shuffled by the plugin (first minimum wins => random among ties)
--- Returns {host, in-flight after the pick, admitted 1|0, matched blocks}.
+-- Returns {host, in-flight after the pick, admitted 1|0, matched blocks, diverted 1|0} (diverted:
+-- a prefix was found but its pod was too loaded, so the least loaded pod was chosen instead).
 local ttl = tonumber(ARGV[5]) or 1800
 local factor = tonumber(ARGV[6]) or 0
 local nk = tonumber(ARGV[7]) or 0
@@ -13,7 +14,7 @@ local chain = {}
 for i = 1, nk do chain[i] = base .. 'pfx:' .. ARGV[7 + i] end
 local first = 9 + nk
 local n = tonumber(ARGV[8 + nk]) or 0
-if n < 1 then return {'', 0, 0, 0} end
+if n < 1 then return {'', 0, 0, 0, 0} end
 local healthy = {}
 for i = first, first + n - 1 do healthy[ARGV[i]] = true end
 
@@ -49,20 +50,21 @@ if target ~= nil then
   -- Load guard (ours): a hot prefix must not pile every request onto one pod.
   if factor > 0 and targetc > factor * (leastc + 1) then chosen = least end
 end
+local function diverted() if target ~= nil and chosen ~= target then return 1 end return 0 end
 
 local after = take(chosen)
 if maxc > 0 and after > maxc then
   untake(chosen)
-  if chosen == least then return {chosen, after, 0, matched} end
+  if chosen == least then return {chosen, after, 0, matched, diverted()} end
   chosen = least
   after = take(chosen)
   if after > maxc then
     untake(chosen)
-    return {chosen, after, 0, matched}
+    return {chosen, after, 0, matched, diverted()}
   end
 end
 
-if not admit(chosen) then return {'', 0, 0, 0} end
+if not admit(chosen) then return {'', 0, 0, 0, 0} end
 
 -- Matched keys still name a healthy host that holds that prefix: refresh them. The rest of the
 -- chain (new blocks, and keys that named a gone/unhealthy host) now belongs to the chosen host.
@@ -74,4 +76,4 @@ for i = 1, nk do
     redis.call('SET', k, chosen, 'EX', ttl)
   end
 end
-return {chosen, after, 1, matched}
+return {chosen, after, 1, matched, diverted()}

@@ -7,6 +7,7 @@
 //! the others through proxy-wasm shared data as a compact [`Snapshot`].
 
 pub mod prometheus;
+pub mod router;
 pub mod schedule;
 pub mod scrape;
 

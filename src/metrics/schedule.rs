@@ -38,16 +38,7 @@ pub const QUEUEING_THRESHOLD_LORA: f64 = 50.0;
 /// KV-cache usage from which a pod is considered full (GIE `kvCacheThreshold`).
 pub const KV_CACHE_THRESHOLD: f64 = 0.8;
 
-/// How `endpoint_metrics` uses the metrics (`metric_policy`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MetricPolicy {
-    /// The GIE filter chain (queue, LoRA affinity, KV cache).
-    Default,
-    /// Pods with the lowest `target_metric`.
-    Least,
-    /// Pods with the highest `target_metric`.
-    Most,
-}
+pub use crate::config::MetricPolicy;
 
 /// One schedulable pod: its address, its metrics and how many requests this worker sent it since
 /// those metrics were sampled.

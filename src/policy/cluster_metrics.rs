@@ -158,6 +158,7 @@ impl Policy for ClusterMetrics {
             s.in_flight = s.in_flight.saturating_add(1);
         }
         host.log(LogLevel::Debug, &format!("cluster_metrics: -> {service}"));
+        stream.decision = Some(format!("cluster_metrics; service={service}"));
         let start_ms = if stream.start_ns > 0 { stream.start_ns / 1_000_000 } else { now };
         stream.set_data(Pick {
             service: service.clone(),

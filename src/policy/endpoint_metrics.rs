@@ -18,31 +18,13 @@
 //! Otherwise the decision is made on the request headers, with no body buffering delay.
 
 use super::{Decision, Policy, Stream};
-use crate::config::{EndpointMetricsConfig, MetricPolicy as CfgPolicy};
-use crate::host::{Host, HttpReply, LogLevel};
-use crate::metrics::schedule::{self, Candidate, MetricPolicy, RecentPicks};
-use crate::metrics::scrape::Scraper;
-use crate::metrics::{prometheus, PodMetrics};
-use std::collections::HashMap;
+use crate::config::EndpointMetricsConfig;
+use crate::host::{Counter, Host, HttpReply, LogLevel};
+use crate::metrics::router::{MetricsRouter, PodView, Ranking};
 
 /// The `endpoint_metrics` policy (one per config per worker VM).
 pub struct EndpointMetrics {
-    config: EndpointMetricsConfig,
-    policy: MetricPolicy,
-    recent: RecentPicks,
-    /// Scrapes pods itself when `scrapeCluster` names an ORIGINAL_DST cluster to do it through.
-    scraper: Option<Scraper>,
-    /// Last parsed host-provided body per pod: health-check bodies change once per check interval
-    /// while every request reads them, so an equal body (a memcmp) reuses the parse.
-    parsed: HashMap<String, (String, PodMetrics)>,
-}
-
-/// Metrics of one healthy pod at decision time.
-struct PodView {
-    address: String,
-    metrics: Option<PodMetrics>,
-    /// When the metrics were sampled (ms); `None` for host-provided metrics (time unknown).
-    sampled_ms: Option<u64>,
+    router: MetricsRouter,
 }
 
 /// The request body's `model` (the LoRA adapter or base model name), "" if absent or not JSON.
@@ -64,130 +46,41 @@ fn now_ms(host: &dyn Host) -> u64 {
 impl EndpointMetrics {
     /// Creates the policy from its config.
     pub fn new(config: EndpointMetricsConfig) -> Self {
-        let policy = match config.metric_policy {
-            CfgPolicy::Default => MetricPolicy::Default,
-            CfgPolicy::Least => MetricPolicy::Least,
-            CfgPolicy::Most => MetricPolicy::Most,
+        let ranking = Ranking {
+            policy: config.metric_policy,
+            target_metric: config.target_metric.clone(),
+            rate_limit: config.rate_limit,
+            window_size: config.window_size,
+            window_ms: config.window_seconds.saturating_mul(1000),
         };
-        let recent =
-            RecentPicks::new(config.window_size, config.window_seconds.saturating_mul(1000));
-        let scraper = config.scrape_cluster.as_deref().map(|via| {
-            Scraper::new(
-                via,
-                &config.scrape_path,
-                u64::from(config.scrape_interval_ms),
-                config.metrics_stale_ms,
-                config.target_metric.clone(),
-            )
-        });
-        EndpointMetrics { config, policy, recent, scraper, parsed: HashMap::new() }
+        EndpointMetrics { router: MetricsRouter::new(&config.source, ranking) }
     }
 
-    /// The healthy pods with their metrics, or `None` when there is no host list / healthy host.
-    fn gather(&mut self, host: &dyn Host, stream: &Stream, now: u64) -> Option<Vec<PodView>> {
-        let hosts = host.upstream_hosts()?;
-        let healthy: Vec<_> = hosts.into_iter().filter(|h| h.is_healthy()).collect();
-        if healthy.is_empty() {
-            return None;
-        }
-        let host_has_metrics =
-            healthy.iter().any(|h| h.metrics.as_deref().is_some_and(|m| !m.is_empty()));
-        let target = self.config.target_metric.as_deref();
-        if host_has_metrics {
-            // Forget pods that left the cluster (bounded memory).
-            self.parsed.retain(|addr, _| healthy.iter().any(|h| h.address == *addr));
-            let mut out = Vec::with_capacity(healthy.len());
-            for h in healthy {
-                let metrics = match h.metrics {
-                    Some(body) if !body.is_empty() => {
-                        let m = match self.parsed.get(&h.address) {
-                            Some((cached, m)) if *cached == body => m.clone(),
-                            _ => {
-                                let m = prometheus::parse(body.as_bytes(), target);
-                                self.parsed.insert(h.address.clone(), (body, m.clone()));
-                                m
-                            }
-                        };
-                        Some(m).filter(|m| !m.is_empty())
-                    }
-                    _ => None,
-                };
-                out.push(PodView { address: h.address, metrics, sampled_ms: None });
+    fn decide(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        pods: &[PodView],
+        model: &str,
+        now: u64,
+    ) -> Decision {
+        match self.router.choose(host, pods, model, now) {
+            Some(pod) => {
+                host.log(LogLevel::Debug, &format!("endpoint_metrics: model {model:?} -> {pod}"));
+                host.increment_counter(Counter::MetricsRouted, 1);
+                stream.decision = Some("metrics".into());
+                Decision::Route(pod)
             }
-            return Some(out);
+            None => {
+                host.log(
+                    LogLevel::Debug,
+                    "endpoint_metrics: no pod with fresh metrics; using normal balancing",
+                );
+                host.increment_counter(Counter::FallbackNoMetrics, 1);
+                stream.decision = Some("fallback_no_metrics".into());
+                Decision::Passthrough
+            }
         }
-        let addrs: Vec<String> = healthy.into_iter().map(|h| h.address).collect();
-        let Some(scraper) = self.scraper.as_mut() else {
-            // No metrics stored by the host and no way to scrape each pod: normal balancing.
-            return Some(
-                addrs
-                    .into_iter()
-                    .map(|address| PodView { address, metrics: None, sampled_ms: None })
-                    .collect(),
-            );
-        };
-        scraper.learn(&stream.cluster, &addrs, now);
-        let scraper = &*scraper;
-        Some(
-            addrs
-                .into_iter()
-                .map(|address| {
-                    let snap = scraper.read(host, &stream.cluster, &address, now);
-                    let sampled_ms = snap.as_ref().map(|s| s.sampled_ms);
-                    let metrics = snap.map(|s| s.metrics).filter(|m| !m.is_empty());
-                    PodView { address, metrics, sampled_ms }
-                })
-                .collect(),
-        )
-    }
-
-    fn decide(&mut self, host: &mut dyn Host, pods: &[PodView], model: &str, now: u64) -> Decision {
-        let interval = u64::from(self.config.scrape_interval_ms);
-        let candidates: Vec<Candidate<'_>> = pods
-            .iter()
-            .filter_map(|p| {
-                let m = p.metrics.as_ref()?;
-                // Requests sent after the sample are not in it yet. Host-provided metrics carry no
-                // time: assume they are one scrape interval old.
-                let since = p.sampled_ms.unwrap_or_else(|| now.saturating_sub(interval));
-                Some(Candidate {
-                    address: &p.address,
-                    metrics: m,
-                    pending: self.recent.count_since(&p.address, since),
-                })
-            })
-            .collect();
-        let survivors = schedule::filter(self.policy, model, &candidates);
-        let Some(idx) = schedule::pick(&survivors, host.random_u64()) else {
-            host.log(
-                LogLevel::Debug,
-                "endpoint_metrics: no pod with fresh metrics; using normal balancing",
-            );
-            return Decision::Passthrough;
-        };
-        let Some(chosen) = candidates.get(idx).map(|c| c.address) else {
-            return Decision::Passthrough;
-        };
-        let healthy: Vec<&str> = pods.iter().map(|p| p.address.as_str()).collect();
-        let rand = host.random_u64();
-        let fin = schedule::apply_rate_limit(
-            &mut self.recent,
-            now,
-            self.config.rate_limit,
-            chosen,
-            &healthy,
-            rand,
-        );
-        if fin != chosen {
-            host.log(
-                LogLevel::Debug,
-                &format!("endpoint_metrics: {chosen} over rate_limit, using {fin}"),
-            );
-        }
-        let fin = fin.to_string();
-        self.recent.push(now, &fin);
-        host.log(LogLevel::Debug, &format!("endpoint_metrics: model {model:?} -> {fin}"));
-        Decision::Route(fin)
     }
 }
 
@@ -197,13 +90,13 @@ impl Policy for EndpointMetrics {
     }
 
     fn on_start(&mut self, host: &mut dyn Host) {
-        match self.scraper.as_mut() {
-            Some(scraper) => scraper.set_worker_id(host.random_u64()),
-            None => host.log(
+        self.router.on_start(host);
+        if !self.router.scrapes() {
+            host.log(
                 LogLevel::Info,
                 "endpoint_metrics: no scrapeCluster set: pod metrics come from the gateway's health \
                  check (store_metrics) only; without them requests use normal balancing",
-            ),
+            );
         }
     }
 
@@ -214,15 +107,15 @@ impl Policy for EndpointMetrics {
         end_of_stream: bool,
     ) -> Decision {
         let now = now_ms(host);
-        let Some(pods) = self.gather(host, stream, now) else {
+        let Some(pods) = self.router.gather(host, &stream.cluster, now) else {
             return Decision::Passthrough;
         };
         // The model name only matters to the LoRA steps of the default chain.
         let lora_pods = pods.iter().any(|p| p.metrics.as_ref().is_some_and(|m| m.lora.is_some()));
-        if self.policy == MetricPolicy::Default && lora_pods && !end_of_stream {
+        if self.router.uses_filter_chain() && lora_pods && !end_of_stream {
             return Decision::NeedBody;
         }
-        self.decide(host, &pods, "", now)
+        self.decide(host, stream, &pods, "", now)
     }
 
     fn on_request_body(
@@ -232,11 +125,11 @@ impl Policy for EndpointMetrics {
         body: &[u8],
     ) -> Decision {
         let now = now_ms(host);
-        let Some(pods) = self.gather(host, stream, now) else {
+        let Some(pods) = self.router.gather(host, &stream.cluster, now) else {
             return Decision::Passthrough;
         };
         let model = body_model(body);
-        self.decide(host, &pods, &model, now)
+        self.decide(host, stream, &pods, &model, now)
     }
 
     fn on_http_reply(
@@ -247,29 +140,17 @@ impl Policy for EndpointMetrics {
         reply: &HttpReply,
     ) -> Decision {
         let now = now_ms(host);
-        if let Some(scraper) = self.scraper.as_mut() {
-            scraper.on_reply(host, token, reply, now);
-        }
+        self.router.on_http_reply(host, token, reply, now);
         Decision::Passthrough
     }
 
     fn tick_period_ms(&self) -> u32 {
-        if self.scraper.is_some() {
-            self.config.scrape_interval_ms
-        } else {
-            0
-        }
+        self.router.tick_period_ms()
     }
 
     fn on_tick(&mut self, host: &mut dyn Host) {
         let now = now_ms(host);
-        let Some(scraper) = self.scraper.as_mut() else { return };
-        if !scraper.has_worker_id() {
-            // Lazily, in case on_start was not delivered to this instance.
-            let id = host.random_u64();
-            scraper.set_worker_id(id);
-        }
-        scraper.on_tick(host, now);
+        self.router.on_tick(host, now);
     }
 }
 

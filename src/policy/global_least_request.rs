@@ -6,10 +6,10 @@
 //! whatever the outcome. The decision is taken in the headers phase (no body needed). The machinery
 //! is shared with `prefix_cache`: see [`super::picker`].
 
-use super::picker::{PickKind, Picker};
+use super::picker::{PickKind, Picker, ReplyOutcome};
 use super::{Decision, Policy, Stream};
 use crate::config::GlobalLeastRequestConfig;
-use crate::host::{Host, LogLevel, RedisReply};
+use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply};
 use crate::redis;
 
 /// The `global_least_request` policy.
@@ -32,7 +32,18 @@ impl Policy for GlobalLeastRequest {
     }
 
     fn on_start(&mut self, host: &mut dyn Host) {
-        self.picker.redis.init(host);
+        self.picker.on_start(host);
+    }
+
+    fn on_http_reply(
+        &mut self,
+        host: &mut dyn Host,
+        _stream: Option<&mut Stream>,
+        token: u32,
+        reply: &HttpReply,
+    ) -> Decision {
+        self.picker.on_http_reply(host, token, reply);
+        Decision::Passthrough
     }
 
     fn on_request_headers(
@@ -58,8 +69,15 @@ impl Policy for GlobalLeastRequest {
         token: u32,
         reply: &RedisReply,
     ) -> Decision {
-        let outcome = self.picker.on_reply(host, stream, token, reply);
-        self.picker.decide(host, outcome)
+        let mut stream = stream;
+        let outcome = self.picker.on_reply(host, stream.as_deref_mut(), token, reply);
+        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
+            if pick.admitted {
+                host.increment_counter(Counter::LeastRequestRouted, 1);
+                s.decision = Some(Counter::LeastRequestRouted.label().to_string());
+            }
+        }
+        self.picker.decide(host, stream, outcome)
     }
 
     fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {

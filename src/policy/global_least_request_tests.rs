@@ -402,7 +402,7 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     let calls = host.redis_calls.len();
     assert_eq!(f.on_request_headers(&mut host, 13, true), HEADERS_CONTINUE);
     assert_eq!(host.redis_calls.len(), calls, "no Redis call while open");
-    assert_eq!(host.counters.get("ai_lb_fallback_breaker"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
     assert!(host.logged("breaker open after 3 failed or slow calls"));
     f.on_delete(&mut host, 13);
@@ -514,4 +514,71 @@ fn releases_wait_while_the_breaker_is_open_and_go_out_when_it_closes() {
         releases(&host),
         vec![release_of(&host, 1, None), release_of(&host, 0, Some("10.0.0.1:8000"))]
     );
+}
+
+#[test]
+fn without_redis_requests_go_to_the_least_loaded_pod_by_its_metrics() {
+    let (mut f, mut host) = setup(&cfg(r#","decisionHeader":"X-AI-LB-Decision""#));
+    // .1 is queueing with a full KV cache; .2 has room.
+    set_hosts_with_metrics(&mut host, vllm_metrics(30, 12, 0.97), vllm_metrics(4, 0, 0.2));
+    // A Redis timeout: routed by metrics, not round robin.
+    request_with_reply(&mut f, &mut host, 7, RedisReply::NetworkError);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(host.resumes, 1);
+    assert_eq!(host.counters.get("ai_lb_fallback_redis_timeout"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&1));
+    f.on_response_headers(&mut host, 7);
+    assert_eq!(
+        host.response_headers_set,
+        vec![("x-ai-lb-decision".to_string(), "fallback_redis_timeout; by=metrics".to_string())]
+    );
+    f.on_delete(&mut host, 7);
+    // An error reply (e.g. a script error) too.
+    host.override_host = None;
+    request_with_reply(&mut f, &mut host, 9, RedisReply::Ok(b"-ERR boom\r\n".to_vec()));
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(host.counters.get("ai_lb_fallback_redis_error"), Some(&1));
+    f.on_delete(&mut host, 9);
+    // An error reply shows Redis answers; three timeouts in a row open the breaker. Open, requests
+    // are routed by metrics at once.
+    for ctx in [11, 13, 15] {
+        request_with_reply(&mut f, &mut host, ctx, RedisReply::NetworkError);
+        f.on_delete(&mut host, ctx);
+    }
+    host.override_host = None;
+    let calls = host.redis_calls.len();
+    assert_eq!(f.on_request_headers(&mut host, 17, true), HEADERS_CONTINUE);
+    assert_eq!(host.redis_calls.len(), calls, "no Redis call while the breaker is open");
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&6));
+}
+
+#[test]
+fn without_redis_or_metrics_requests_take_normal_balancing() {
+    let (mut f, mut host) = setup(&cfg(r#","decisionHeader":"x-lb""#));
+    request_with_reply(&mut f, &mut host, 7, RedisReply::NetworkError);
+    assert_eq!(host.override_host, None, "no metrics: the gateway balances");
+    assert_eq!(host.resumes, 1);
+    assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), None);
+    assert!(host.logged("redis network error or timeout; using normal balancing"));
+    f.on_response_headers(&mut host, 7);
+    assert_eq!(
+        host.response_headers_set,
+        vec![("x-lb".to_string(), "fallback_redis_timeout".to_string())]
+    );
+}
+
+#[test]
+fn routed_requests_are_counted_and_the_decision_header_is_off_by_default() {
+    let (mut f, mut host) = setup(&cfg(""));
+    request_with_reply(
+        &mut f,
+        &mut host,
+        7,
+        RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
+    );
+    assert_eq!(host.counters.get("ai_lb_least_request_routed"), Some(&1));
+    f.on_response_headers(&mut host, 7);
+    assert!(host.response_headers_set.is_empty());
 }

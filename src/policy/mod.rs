@@ -26,6 +26,7 @@ use crate::host::{Host, HttpReply, RedisReply};
 use std::any::Any;
 
 pub mod breaker;
+mod cache_check;
 pub mod cluster_metrics;
 pub mod endpoint_metrics;
 pub mod global_least_request;
@@ -74,6 +75,9 @@ pub struct Stream {
     pub start_ns: u64,
     /// Policy-private state (downcast with `data_mut::<T>()`).
     pub data: Option<Box<dyn Any>>,
+    /// How the policy decided (a counter's name without `ai_lb_`, plus details), for the optional
+    /// decision response header.
+    pub decision: Option<String>,
 }
 
 impl core::fmt::Debug for Stream {

@@ -17,11 +17,18 @@
 //!
 //! A stalled Redis: [`Breaker`] opens after consecutive failed or slow calls; while it is open,
 //! requests are decided at once without Redis and releases wait in a bounded queue.
+//!
+//! Without Redis (an error, a timeout, a slow pick, the breaker open) a request is routed by the
+//! pods' metrics when the gateway's health check stores them or `scrapeCluster` lets the plugin
+//! scrape them (the `endpoint_metrics` filter chain: queue, KV-cache use); without fresh metrics it
+//! takes the gateway's normal balancing, as the Go plugin does.
 
 use super::breaker::{Admission, Breaker};
+use super::cache_check::CacheCheck;
 use super::{healthy_hosts, Decision, Stream};
 use crate::config::GlobalLeastRequestConfig;
-use crate::host::{Host, LogLevel, RedisReply};
+use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply};
+use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
 use std::collections::HashMap;
 
@@ -146,9 +153,11 @@ pub struct PickResult {
     pub admitted: bool,
     /// Matched prefix blocks (prefix_cache only; 0 otherwise).
     pub matched: i64,
+    /// A prefix's pod was passed over for load (prefix_cache only).
+    pub diverted: bool,
 }
 
-/// Parses `{host, count, admitted[, matched]}`.
+/// Parses `{host, count, admitted[, matched, diverted]}`.
 pub fn parse_pick(frame: &Frame) -> Option<PickResult> {
     let Frame::Array(items) = frame else { return None };
     let mut it = items.iter();
@@ -164,10 +173,11 @@ pub fn parse_pick(frame: &Frame) -> Option<PickResult> {
     let count = int(it.next())?;
     let admitted = int(it.next())? == 1;
     let matched = int(it.next()).unwrap_or(0);
+    let diverted = int(it.next()) == Some(1);
     if host.is_empty() {
         return None;
     }
-    Some(PickResult { host, count, admitted, matched })
+    Some(PickResult { host, count, admitted, matched, diverted })
 }
 
 /// Fisher–Yates shuffle with the host's randomness: the script takes the first minimum, so ties
@@ -198,11 +208,19 @@ pub enum Fallback {
 }
 
 impl Fallback {
-    fn counter(&self) -> &'static str {
+    fn counter(&self) -> Counter {
         match self {
-            Fallback::BreakerOpen => "ai_lb_fallback_breaker",
-            _ => "ai_lb_fallback_redis",
+            Fallback::SendFailed | Fallback::BadReply(_) | Fallback::ErrorReply(_) => {
+                Counter::FallbackRedisError
+            }
+            Fallback::NetworkError => Counter::FallbackRedisTimeout,
+            Fallback::Slow => Counter::FallbackRedisSlow,
+            Fallback::BreakerOpen => Counter::FallbackBreakerOpen,
         }
+    }
+    /// The decision header's value for a request decided this way.
+    fn label(&self) -> &'static str {
+        self.counter().label()
     }
     fn describe(&self) -> String {
         match self {
@@ -228,8 +246,8 @@ pub enum ReplyOutcome {
     /// Not a pick reply this request waits for (a release or heartbeat reply, an abandoned pick's
     /// late reply), or the pick was resent with EVAL: nothing changes for the request.
     NotForRequest,
-    /// Normal balancing.
-    Fallback,
+    /// Redis could not decide.
+    Fallback(Fallback),
 }
 
 /// Per-request state of a pick.
@@ -247,6 +265,8 @@ pub(crate) struct PickState {
     used_eval: bool,
     /// The host that got the `+1` (released exactly once at stream end).
     picked: Option<String>,
+    /// The prediction to check against the engine's cache report (`prefix_cache`).
+    cache_check: Option<CacheCheck>,
 }
 
 /// One release (`-1`, or the cancel of an abandoned pick). `release.lua` is idempotent per pick
@@ -290,6 +310,8 @@ pub(crate) struct Picker {
     root_calls: HashMap<u32, RootCall>,
     /// Releases waiting for Redis: sent as soon as a reply shows it answers again.
     release_queue: Vec<Release>,
+    /// The pods' metrics, which decide when Redis cannot.
+    metrics: MetricsRouter,
 }
 
 impl Picker {
@@ -299,6 +321,7 @@ impl Picker {
         name: &'static str,
     ) -> Picker {
         Picker {
+            metrics: MetricsRouter::new(&config.metrics, Ranking::filter_chain()),
             redis: RedisClient::new(config.redis.clone()),
             breaker: Breaker::new(config.state.breaker_failures, config.state.breaker_open_ms),
             config,
@@ -314,12 +337,28 @@ impl Picker {
         }
     }
 
+    /// Plugin start: the Redis client, and the metrics scraper if there is one.
+    pub fn on_start(&mut self, host: &mut dyn Host) {
+        self.redis.init(host);
+        self.metrics.on_start(host);
+    }
+
+    /// The reply to an HTTP call (a metrics scrape).
+    pub fn on_http_reply(&mut self, host: &mut dyn Host, token: u32, reply: &HttpReply) {
+        let now_ms = host.now_nanos() / 1_000_000;
+        self.metrics.on_http_reply(host, token, reply, now_ms);
+    }
+
     /// Tick period the picker needs: heartbeats every third of the lease, and slow picks noticed
     /// within half of `breakerSlowMs`.
     pub fn tick_period_ms(&self) -> u32 {
         let heartbeat = self.config.state.lease_ms / 3;
         let slow = self.config.state.breaker_slow_ms / 2;
-        let period = if slow > 0 { heartbeat.min(slow) } else { heartbeat };
+        let mut period = if slow > 0 { heartbeat.min(slow) } else { heartbeat };
+        let scrape = self.metrics.tick_period_ms();
+        if scrape > 0 {
+            period = period.min(scrape);
+        }
         period.max(20)
     }
 
@@ -332,15 +371,14 @@ impl Picker {
         o
     }
 
-    /// Starts a pick for `stream`: `Pending`, or `Passthrough` when there is no healthy host, the
-    /// breaker is open or the call could not be sent.
+    /// Starts a pick for `stream`: `Pending`; `Passthrough` when there is no healthy host; decided
+    /// without Redis when the breaker is open or the call could not be sent.
     pub fn start(&mut self, host: &mut dyn Host, stream: &mut Stream, kind: PickKind) -> Decision {
         let Some((mut healthy, others)) = healthy_hosts(host, self.name) else {
             return Decision::Passthrough;
         };
         if self.breaker.admit(host.now_nanos()) == Admission::Refuse {
-            self.log_fallback(host, &Fallback::BreakerOpen);
-            return Decision::Passthrough;
+            return self.without_redis(host, stream, &Fallback::BreakerOpen);
         }
         let mut in_cluster = Vec::with_capacity(healthy.len() + others.len());
         in_cluster.extend(healthy.iter().cloned());
@@ -376,13 +414,13 @@ impl Picker {
                     pending: Some((token, host.now_nanos())),
                     used_eval: false,
                     picked: None,
+                    cache_check: None,
                 });
                 Decision::Pending
             }
             Err(_) => {
                 self.redis_failed(host);
-                self.log_fallback(host, &Fallback::SendFailed);
-                Decision::Passthrough
+                self.without_redis(host, stream, &Fallback::SendFailed)
             }
         }
     }
@@ -468,19 +506,18 @@ impl Picker {
         ReplyOutcome::Picked(pick)
     }
 
-    /// Every fallback after a pick was sent goes through here: log, count, and cancel the pick
-    /// (it may still run later).
+    /// Every fallback after a pick was sent goes through here: cancel the pick (it may still run
+    /// later). [`Picker::decide`] then decides without Redis.
     fn fallback(
         &mut self,
         host: &mut dyn Host,
         stream: &mut Stream,
         why: Fallback,
     ) -> ReplyOutcome {
-        self.log_fallback(host, &why);
         if let Some(state) = stream.data_mut::<PickState>() {
             state.pending = None;
             if !why.may_have_run() {
-                return ReplyOutcome::Fallback;
+                return ReplyOutcome::Fallback(why);
             }
             let rel = Release {
                 inflight_key: state.keys.inflight.clone(),
@@ -492,14 +529,44 @@ impl Picker {
             };
             self.send_release(host, rel);
         }
-        ReplyOutcome::Fallback
+        ReplyOutcome::Fallback(why)
     }
 
-    fn log_fallback(&self, host: &mut dyn Host, why: &Fallback) {
+    /// Every request Redis could not decide comes here: routed by the pods' metrics when they are
+    /// known, else normal balancing; logged and counted either way.
+    fn without_redis(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        why: &Fallback,
+    ) -> Decision {
+        host.increment_counter(why.counter(), 1);
+        let now_ms = host.now_nanos() / 1_000_000;
+        let pod = match self.metrics.gather(host, &stream.cluster, now_ms) {
+            Some(pods) => self.metrics.choose(host, &pods, "", now_ms),
+            None => None,
+        };
         // While the breaker is open every request comes here: its opening was logged once.
         let level = if *why == Fallback::BreakerOpen { LogLevel::Debug } else { LogLevel::Warn };
-        host.log(level, &format!("{}: {}; using normal balancing", self.name, why.describe()));
-        host.increment_counter(why.counter(), 1);
+        match pod {
+            Some(pod) => {
+                host.log(
+                    level,
+                    &format!("{}: {}; routed by pod metrics to {pod}", self.name, why.describe()),
+                );
+                host.increment_counter(Counter::RedisDownRoutedByMetrics, 1);
+                stream.decision = Some(format!("{}; by=metrics", why.label()));
+                Decision::Route(pod)
+            }
+            None => {
+                host.log(
+                    level,
+                    &format!("{}: {}; using normal balancing", self.name, why.describe()),
+                );
+                stream.decision = Some(why.label().to_string());
+                Decision::Passthrough
+            }
+        }
     }
 
     /// A Redis call failed or was too slow: one step towards opening the breaker.
@@ -515,7 +582,7 @@ impl Picker {
                     self.config.state.breaker_open_ms
                 ),
             );
-            host.increment_counter("ai_lb_breaker_opened", 1);
+            host.increment_counter(Counter::BreakerOpened, 1);
         }
     }
 
@@ -531,16 +598,50 @@ impl Picker {
     }
 
     /// The decision for a reply's outcome: route to the pick, 429 when it was not admitted (the
-    /// script already undid the +1), keep waiting, or normal balancing.
-    pub fn decide(&self, host: &mut dyn Host, outcome: ReplyOutcome) -> Decision {
-        match outcome {
-            ReplyOutcome::Picked(pick) if pick.admitted => Decision::Route(pick.host),
-            ReplyOutcome::Picked(_) => {
-                host.increment_counter("ai_lb_rejected", 1);
+    /// script already undid the +1), keep waiting, or decide without Redis.
+    pub fn decide(
+        &mut self,
+        host: &mut dyn Host,
+        stream: Option<&mut Stream>,
+        outcome: ReplyOutcome,
+    ) -> Decision {
+        match (outcome, stream) {
+            (ReplyOutcome::Picked(pick), _) if pick.admitted => Decision::Route(pick.host),
+            (ReplyOutcome::Picked(_), stream) => {
+                host.increment_counter(Counter::Rejected, 1);
+                if let Some(s) = stream {
+                    s.decision = Some(Counter::Rejected.label().to_string());
+                }
                 Decision::Reject { status: 429, body: REJECT_BODY.to_string() }
             }
-            ReplyOutcome::NotForRequest => Decision::Pending,
-            ReplyOutcome::Fallback => Decision::Passthrough,
+            (ReplyOutcome::NotForRequest, _) => Decision::Pending,
+            (ReplyOutcome::Fallback(why), Some(stream)) => self.without_redis(host, stream, &why),
+            (ReplyOutcome::Fallback(_), None) => Decision::Passthrough,
+        }
+    }
+
+    /// Checks the engine's cache report in the response against this prediction.
+    pub fn check_cache(&self, stream: &mut Stream, predicted_hit: bool) {
+        if let Some(state) = stream.data_mut::<PickState>() {
+            state.cache_check = Some(CacheCheck::new(predicted_hit));
+        }
+    }
+
+    /// A response body chunk: the cache check keeps the end of the response, and counts at its end.
+    pub fn on_response_body(
+        &self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        size: usize,
+        end_of_stream: bool,
+    ) {
+        let Some(check) = stream.data_mut::<PickState>().and_then(|s| s.cache_check.as_mut())
+        else {
+            return;
+        };
+        check.on_chunk(host, size);
+        if end_of_stream {
+            check.finish(host);
         }
     }
 
@@ -555,7 +656,7 @@ impl Picker {
         }
         self.redis_failed(host);
         self.fallback(host, stream, Fallback::Slow);
-        Decision::Passthrough
+        self.without_redis(host, stream, &Fallback::Slow)
     }
 
     /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
@@ -584,6 +685,7 @@ impl Picker {
     /// request comes to probe it.
     pub fn on_tick(&mut self, host: &mut dyn Host) {
         let now = host.now_nanos();
+        self.metrics.on_tick(host, now / 1_000_000);
         if !self.breaker.is_closed() {
             if self.breaker.admit(now) == Admission::Probe {
                 match self.redis.call(host, &redis::encode_command(&["PING"])) {
@@ -702,7 +804,7 @@ impl Picker {
                     self.name, rel.request_id, rel.failures
                 ),
             );
-            host.increment_counter("ai_lb_release_dropped", 1);
+            host.increment_counter(Counter::ReleaseDropped, 1);
             return;
         }
         self.queue_release(host, rel);
@@ -714,7 +816,7 @@ impl Picker {
                 LogLevel::Warn,
                 &format!("{}: release queue full; dropping request {}", self.name, rel.request_id),
             );
-            host.increment_counter("ai_lb_release_dropped", 1);
+            host.increment_counter(Counter::ReleaseDropped, 1);
             return;
         }
         self.release_queue.push(rel);

@@ -12,7 +12,7 @@
 use super::picker::{PickKind, Picker, ReplyOutcome};
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
-use crate::host::{Host, LogLevel, RedisReply};
+use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply};
 use crate::redis;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
@@ -183,7 +183,18 @@ impl Policy for PrefixCache {
     }
 
     fn on_start(&mut self, host: &mut dyn Host) {
-        self.picker.redis.init(host);
+        self.picker.on_start(host);
+    }
+
+    fn on_http_reply(
+        &mut self,
+        host: &mut dyn Host,
+        _stream: Option<&mut Stream>,
+        token: u32,
+        reply: &HttpReply,
+    ) -> Decision {
+        self.picker.on_http_reply(host, token, reply);
+        Decision::Passthrough
     }
 
     fn on_request_headers(
@@ -217,7 +228,8 @@ impl Policy for PrefixCache {
                 LogLevel::Info,
                 "prefix_cache: request body is not a JSON object; using normal balancing",
             );
-            host.increment_counter("ai_lb_fallback_bad_body", 1);
+            host.increment_counter(Counter::FallbackBadBody, 1);
+            stream.decision = Some(Counter::FallbackBadBody.label().to_string());
             return Decision::Passthrough;
         };
         let keys = chain(&blocks);
@@ -231,14 +243,34 @@ impl Policy for PrefixCache {
         token: u32,
         reply: &RedisReply,
     ) -> Decision {
-        let outcome = self.picker.on_reply(host, stream, token, reply);
-        if let ReplyOutcome::Picked(pick) = &outcome {
-            host.increment_counter(
-                if pick.matched > 0 { "ai_lb_prefix_hit" } else { "ai_lb_prefix_miss" },
-                1,
-            );
+        let mut stream = stream;
+        let outcome = self.picker.on_reply(host, stream.as_deref_mut(), token, reply);
+        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
+            if pick.admitted {
+                let kind = match (pick.matched > 0, pick.diverted) {
+                    (true, false) => Counter::PrefixHit,
+                    (true, true) => Counter::PrefixHitDiverted,
+                    (false, _) => Counter::PrefixMiss,
+                };
+                host.increment_counter(kind, 1);
+                if kind == Counter::PrefixHit {
+                    host.increment_counter(Counter::PrefixMatchedBlocks, pick.matched);
+                }
+                s.decision = Some(format!("{}; blocks={}", kind.label(), pick.matched));
+                self.picker.check_cache(s, kind == Counter::PrefixHit);
+            }
         }
-        self.picker.decide(host, outcome)
+        self.picker.decide(host, stream, outcome)
+    }
+
+    fn on_response_body(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        size: usize,
+        end_of_stream: bool,
+    ) {
+        self.picker.on_response_body(host, stream, size, end_of_stream);
     }
 
     fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {

@@ -151,6 +151,7 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_prefix_matched_blocks"), Some(&2));
     f.on_delete(&mut host, 7);
     assert_eq!(releases(&host), vec![release_of(&host, 0, Some("10.0.0.2:8000"))]);
 }
@@ -256,4 +257,38 @@ fn split_system_prompt_gives_shared_system_prompts_a_shared_first_key() {
     f.on_request_body(&mut host, 7, a.len(), true);
     let (_, args) = keys_args(&command(&host, 0));
     assert_eq!(args[6], "2", "two prefix keys");
+}
+
+#[test]
+fn a_hit_diverted_for_load_is_counted_and_named_in_the_decision_header() {
+    let (mut f, mut host) =
+        setup(&cfg(r#","hitLoadFactor":2,"decisionHeader":"x-ai-lb-decision""#));
+    f.on_request_headers(&mut host, 7, false);
+    host.request_body = CHAT.as_bytes().to_vec();
+    f.on_request_body(&mut host, 7, CHAT.len(), true);
+    let t = host.last_redis_token().unwrap();
+    // {host, count, admitted, matched, diverted}
+    let reply = b"*5\r\n$13\r\n10.0.0.1:8000\r\n:1\r\n:1\r\n:2\r\n:1\r\n".to_vec();
+    f.on_redis_reply(&mut host, t, &RedisReply::Ok(reply), true);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(host.counters.get("ai_lb_prefix_hit_diverted"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_prefix_hit"), None);
+    f.on_response_headers(&mut host, 7);
+    assert_eq!(
+        host.response_headers_set,
+        vec![("x-ai-lb-decision".into(), "prefix_hit_diverted; blocks=2".into())]
+    );
+}
+
+#[test]
+fn without_redis_a_prompt_goes_to_the_pod_with_room_by_its_metrics() {
+    let (mut f, mut host) = setup(&cfg(""));
+    set_hosts_with_metrics(&mut host, vllm_metrics(2, 0, 0.1), vllm_metrics(40, 9, 0.99));
+    host.redis_call_error = Some(crate::host::HostError::InternalFailure);
+    f.on_request_headers(&mut host, 7, false);
+    host.request_body = CHAT.as_bytes().to_vec();
+    assert_eq!(f.on_request_body(&mut host, 7, CHAT.len(), true), DATA_CONTINUE);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(host.counters.get("ai_lb_fallback_redis_error"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&1));
 }

@@ -80,6 +80,22 @@ struct State {
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
     release: watch::Sender<u64>,
+    /// Message lists of the chats served, as a prefix cache remembers them.
+    cached_chats: Mutex<Vec<Vec<serde_json::Value>>>,
+}
+
+/// Prompt tokens this pod finds cached for `messages`: the longest run of leading messages equal to
+/// those of a chat it served before (a prefix cache at message granularity), at 4 bytes a token.
+/// The chat is then remembered.
+fn cached_tokens(state: &State, messages: &[serde_json::Value]) -> usize {
+    let Ok(mut seen) = state.cached_chats.lock() else { return 0 };
+    let shared = seen
+        .iter()
+        .map(|old| old.iter().zip(messages).take_while(|(a, b)| a == b).count())
+        .max()
+        .unwrap_or(0);
+    seen.push(messages.to_vec());
+    messages.iter().take(shared).map(|m| m.to_string().len() / 4).sum()
 }
 
 /// Decrements the in-flight count when the request ends, also when hyper drops the handler
@@ -131,6 +147,7 @@ impl Pod {
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
             release,
+            cached_chats: Mutex::new(Vec::new()),
         });
         let tasks: Arc<Mutex<Vec<AbortHandle>>> = Arc::new(Mutex::new(Vec::new()));
         let accept_state = state.clone();
@@ -365,6 +382,8 @@ async fn handle(
     let model = parsed.get("model").and_then(|m| m.as_str()).unwrap_or("unknown").to_string();
     let stream = parsed.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
     let content = format!("Hello from {name}");
+    let messages = parsed.get("messages").and_then(|m| m.as_array()).cloned().unwrap_or_default();
+    let cached = cached_tokens(&state, &messages);
     if !stream {
         let answer = serde_json::json!({
             "id": format!("chatcmpl-{name}"),
@@ -372,7 +391,8 @@ async fn handle(
             "created": 0,
             "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": body.len() / 4, "completion_tokens": 3, "total_tokens": body.len() / 4 + 3}
+            "usage": {"prompt_tokens": body.len() / 4, "completion_tokens": 3, "total_tokens": body.len() / 4 + 3,
+                      "prompt_tokens_details": {"cached_tokens": cached}}
         });
         return Ok(full(200, &name, "application/json", answer.to_string()));
     }
@@ -394,6 +414,15 @@ async fn handle(
         "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]
     });
     chunks.push(Bytes::from(format!("data: {last}\n\n")));
+    if parsed.pointer("/stream_options/include_usage").and_then(|v| v.as_bool()) == Some(true) {
+        let usage = serde_json::json!({
+            "id": format!("chatcmpl-{name}"), "object": "chat.completion.chunk", "created": 0, "model": model,
+            "choices": [],
+            "usage": {"prompt_tokens": body.len() / 4, "completion_tokens": 3, "total_tokens": body.len() / 4 + 3,
+                      "prompt_tokens_details": {"cached_tokens": cached}}
+        });
+        chunks.push(Bytes::from(format!("data: {usage}\n\n")));
+    }
     chunks.push(Bytes::from_static(b"data: [DONE]\n\n"));
     let mut resp = hyper::Response::new(chunked_body(chunks, behavior.stream_chunk_delay));
     let h = resp.headers_mut();

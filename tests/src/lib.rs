@@ -86,7 +86,11 @@ impl Conversation {
 
     /// The request body for the current state.
     pub fn body(&self) -> Value {
-        json!({"model": MODEL, "messages": self.messages, "stream": self.stream, "max_tokens": 64})
+        let mut body = json!({"model": MODEL, "messages": self.messages, "stream": self.stream, "max_tokens": 64});
+        if self.stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        body
     }
 
     /// Sends one turn (`user_text`) through `gw`, appends the assistant's answer and returns the
@@ -135,6 +139,15 @@ pub fn answer_text(resp: &HttpResponse) -> Result<String> {
 pub async fn chat_once(gw: &Gateway, text: &str) -> Result<HttpResponse> {
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": text}]});
     gw.send(HttpRequest::post_json("/v1/chat/completions", &body), REQUEST_TIMEOUT).await
+}
+
+/// The value of counter `name` in a gateway's `/stats` text (0 when absent).
+pub fn stat(stats: &str, name: &str) -> i64 {
+    stats
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
 }
 
 /// How many of `upstreams` went to each host.

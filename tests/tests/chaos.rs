@@ -130,6 +130,127 @@ async fn a_frozen_redis_costs_a_few_requests_breaker_slow_ms_and_the_rest_nothin
     wait_counters_zero(&redis, Duration::from_secs(10)).await.unwrap();
 }
 
+/// With Redis frozen, a Redis policy does not fall back to round robin: once its breaker is open
+/// it routes by the pods' metrics (here stored by the gateway's health check), so the one pod with
+/// room gets the requests. The decision header and the gateway's stats say how each was routed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_routes_by_the_pods_metrics_not_round_robin() {
+    let mut redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("metrics-fallback", 3).await.unwrap();
+    pods[0].set_metrics(samples::vllm_v1(30, 20, 0.95));
+    pods[1].set_metrics(samples::vllm_v1(2, 0, 0.1));
+    pods[2].set_metrics(samples::vllm_v1(25, 15, 0.9));
+    let cfg = redis_policy_config(
+        "route-metrics-fallback",
+        &pods,
+        &redis,
+        "prefix_cache",
+        json!({"decisionHeader": "x-ai-lb-decision", "breakerSlowMs": 200}),
+    )
+    .metrics_health_check(LLM_CLUSTER, 200);
+    let gw = Gateway::start(&cfg).await.unwrap();
+    wait_scrapes(&pods, &[0, 0, 0], 2, Duration::from_secs(15)).await.unwrap();
+    let r = gw.send(chat("with redis"), Duration::from_secs(10)).await.unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-ai-lb-decision"), Some("prefix_miss; blocks=0"));
+
+    redis.freeze().await.unwrap();
+    let mut sent = Vec::new();
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(3) {
+        let r = gw.send(chat("during the freeze"), Duration::from_secs(10)).await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let decision = r.header("x-ai-lb-decision").unwrap_or_default().to_string();
+        sent.push((r.upstream().unwrap_or_default(), decision));
+    }
+    redis.unfreeze().await.unwrap();
+    let by_metrics: Vec<_> = sent.iter().filter(|(_, d)| d.ends_with("; by=metrics")).collect();
+    eprintln!("{} requests during the freeze, {} routed by metrics", sent.len(), by_metrics.len());
+    assert!(by_metrics.len() >= 10, "too few routed by metrics: {sent:?}");
+    assert!(
+        by_metrics.iter().all(|(pod, _)| *pod == pods[1].host()),
+        "routed by metrics to a loaded pod: {sent:?}"
+    );
+    assert!(
+        by_metrics.iter().any(|(_, d)| d.starts_with("fallback_breaker_open")),
+        "the open breaker decides by metrics too: {sent:?}"
+    );
+    let stats = gw.stats().await.unwrap();
+    let counted = stat(&stats, "ai_lb_redis_down_routed_by_metrics");
+    assert!(counted >= by_metrics.len() as i64, "{counted} < {}:\n{stats}", by_metrics.len());
+    wait_counters_zero(&redis, Duration::from_secs(10)).await.unwrap();
+}
+
+/// Redis at its `maxmemory` with `volatile-lru` evicts keys that have a TTL. Under that pressure
+/// the plugin keeps routing and its counts stay exact: no key the counts depend on (in-flight hash,
+/// owners, owner hashes) has a TTL, so only prefix keys and other volatile keys are evicted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volatile_lru_eviction_never_takes_the_counts() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("eviction", 2).await.unwrap();
+    let cfg = redis_policy_config("route-eviction", &pods, &redis, "prefix_cache", json!({}));
+    let gw = Gateway::start(&cfg).await.unwrap();
+    assert_eq!(chat_once(&gw, "before the pressure").await.unwrap().status, 200);
+    let mut c = redis.client().await.unwrap();
+    let used = |info: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix("used_memory:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let info = c.cmd(&["INFO", "memory"]).await.unwrap().as_string().unwrap_or_default();
+    let limit = used(&info) + 256 * 1024;
+    c.cmd(&["CONFIG", "SET", "maxmemory-policy", "volatile-lru"]).await.unwrap();
+    c.cmd(&["CONFIG", "SET", "maxmemory", &limit.to_string()]).await.unwrap();
+    // Other tenants' cache entries (with a TTL) fill Redis to its limit, and keep coming.
+    let filler = "x".repeat(1024);
+    let mut written = 0;
+    let mut fill = |n: usize| {
+        let start = written;
+        written += n;
+        start..written
+    };
+    for i in fill(600) {
+        c.cmd(&["SET", &format!("tenant:{i}"), &filler, "EX", "3600"]).await.unwrap();
+    }
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let held: Vec<_> = (0..6)
+        .map(|i| spawn_request(gw.addr(), chat(&format!("held {i}")), Duration::from_secs(30)))
+        .collect();
+    eventually(Duration::from_secs(10), "6 requests held by the pods and counted", || async {
+        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 6 && counters_sum(&redis).await? == 6)
+    })
+    .await
+    .unwrap();
+    for i in fill(600) {
+        c.cmd(&["SET", &format!("tenant:{i}"), &filler, "EX", "3600"]).await.unwrap();
+    }
+    assert_eq!(counters_sum(&redis).await.unwrap(), 6, "eviction took in-flight counts");
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    for h in held {
+        assert_eq!(h.await.unwrap().unwrap().status, 200);
+    }
+    // Requests keep being routed (and their prefix keys evicted in turn) under the pressure.
+    for i in 0..40 {
+        let r = chat_once(&gw, &format!("under pressure {i} {}", "words ".repeat(50))).await;
+        assert_eq!(r.unwrap().status, 200);
+    }
+    let stats = c.cmd(&["INFO", "stats"]).await.unwrap().as_string().unwrap_or_default();
+    let evicted = stats
+        .lines()
+        .find_map(|l| l.strip_prefix("evicted_keys:"))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(evicted > 100, "Redis evicted only {evicted} keys: no pressure");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+    eprintln!("{evicted} keys evicted; counts exact");
+}
+
 /// A normal stop (SIGTERM, as Kubernetes sends it) with requests in flight: the gateway stops
 /// accepting, lets them finish, runs the plugin's on_log/on_done/on_delete, writes the releases to
 /// Redis, then exits 0. Nothing is left counted.

@@ -236,9 +236,9 @@ fn schema_defaults_are_the_parser_defaults() {
     assert_eq!(json!(e.rate_limit), json!(d("rate_limit").as_f64()));
     assert_eq!(json!(e.window_size), d("window_size"));
     assert_eq!(json!(e.window_seconds), d("window_seconds"));
-    assert_eq!(json!(e.scrape_interval_ms), d("scrapeIntervalMs"));
-    assert_eq!(json!(e.scrape_path), d("scrapePath"));
-    assert_eq!(json!(e.metrics_stale_ms), d("metricsStaleMs"));
+    assert_eq!(json!(e.source.scrape_interval_ms), d("scrapeIntervalMs"));
+    assert_eq!(json!(e.source.scrape_path), d("scrapePath"));
+    assert_eq!(json!(e.source.metrics_stale_ms), d("metricsStaleMs"));
 
     let c = one(
         json!({"lb_type": "cluster", "lb_policy": "cluster_metrics", "lb_config": {"service_list": ["a"]}}),

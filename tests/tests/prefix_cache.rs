@@ -93,6 +93,14 @@ async fn five_turn_conversations_stick_to_their_pod_and_new_ones_spread() {
     }
     let per_pod: Vec<usize> = pods.iter().map(Pod::inference_count).collect();
     assert_eq!(per_pod, vec![10, 10, 10], "each pod serves its two conversations' 5 turns");
+    // The decisions are counted, and the pods' cache reports (`cached_tokens`) confirm each guess:
+    // first turns were misses with nothing cached, later turns hits with the history cached.
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 6, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 24, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_predicted_miss_engine_miss"), 6, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_predicted_hit_engine_hit"), 24, "{stats}");
+    assert!(stat(&stats, "ai_lb_engine_cached_tokens") > 0, "{stats}");
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
 
@@ -190,6 +198,10 @@ async fn streamed_turns_stick_too() {
             "streamed turn {turn} left its pod"
         );
     }
+    // The usage chunk at the end of each stream carries the pod's cache report.
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_predicted_hit_engine_hit"), 4, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_predicted_miss_engine_miss"), 1, "{stats}");
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
 

@@ -1,0 +1,239 @@
+//! Choosing a pod by its metrics: where the metrics come from (the gateway's health check, or the
+//! plugin's own scrapes through an ORIGINAL_DST cluster) and the decision over them. Used by
+//! `endpoint_metrics` for every request, and by the Redis policies when Redis cannot be used (an
+//! error, a timeout, an open breaker): then the pods' queues and KV-cache use decide instead of
+//! the gateway's round robin.
+
+use super::schedule::{self, Candidate, MetricPolicy, RecentPicks};
+use super::scrape::Scraper;
+use super::{prometheus, PodMetrics};
+use crate::config::PodMetricsSource;
+use crate::host::{Host, HttpReply, LogLevel};
+use std::collections::HashMap;
+
+/// Metrics of one healthy pod at decision time.
+pub struct PodView {
+    /// `ip:port`.
+    pub address: String,
+    /// Usable metrics, or `None` when unknown (none stored, stale, unparsable).
+    pub metrics: Option<PodMetrics>,
+    /// When the metrics were sampled (ms); `None` for host-provided metrics (time unknown).
+    pub sampled_ms: Option<u64>,
+}
+
+/// How a metrics policy ranks pods.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ranking {
+    /// `metric_policy`.
+    pub policy: MetricPolicy,
+    /// `target_metric` (for `least`/`most`).
+    pub target_metric: Option<String>,
+    /// `rate_limit`: largest share of the recent requests one pod may get (1.0 = no limit).
+    pub rate_limit: f64,
+    /// Requests remembered for `rate_limit`.
+    pub window_size: usize,
+    /// How long a request stays remembered (ms).
+    pub window_ms: u64,
+}
+
+impl Ranking {
+    /// The GIE filter chain with no rate limit: what the Redis policies use without Redis.
+    pub fn filter_chain() -> Ranking {
+        Ranking {
+            policy: MetricPolicy::Default,
+            target_metric: None,
+            rate_limit: 1.0,
+            window_size: 100,
+            window_ms: 60_000,
+        }
+    }
+}
+
+/// The pods' metrics and the decision over them, for one policy instance in one worker VM.
+pub struct MetricsRouter {
+    ranking: Ranking,
+    recent: RecentPicks,
+    /// Scrapes pods itself when `scrapeCluster` names an ORIGINAL_DST cluster to do it through.
+    scraper: Option<Scraper>,
+    scrape_interval_ms: u32,
+    /// Last parsed host-provided body per pod: health-check bodies change once per check interval
+    /// while every request reads them, so an equal body (a memcmp) reuses the parse.
+    parsed: HashMap<String, (String, PodMetrics)>,
+}
+
+impl MetricsRouter {
+    /// A router over `source` ranking pods as `ranking` says.
+    pub fn new(source: &PodMetricsSource, ranking: Ranking) -> MetricsRouter {
+        let recent = RecentPicks::new(ranking.window_size, ranking.window_ms);
+        let scraper = source.scrape_cluster.as_deref().map(|via| {
+            Scraper::new(
+                via,
+                &source.scrape_path,
+                u64::from(source.scrape_interval_ms),
+                source.metrics_stale_ms,
+                ranking.target_metric.clone(),
+            )
+        });
+        MetricsRouter {
+            ranking,
+            recent,
+            scraper,
+            scrape_interval_ms: source.scrape_interval_ms,
+            parsed: HashMap::new(),
+        }
+    }
+
+    /// Whether the policy ranks by the GIE filter chain (which reads the model for LoRA pods).
+    pub fn uses_filter_chain(&self) -> bool {
+        self.ranking.policy == MetricPolicy::Default
+    }
+
+    /// Whether the plugin scrapes the pods itself.
+    pub fn scrapes(&self) -> bool {
+        self.scraper.is_some()
+    }
+
+    /// Plugin start: the scraper's worker id.
+    pub fn on_start(&mut self, host: &mut dyn Host) {
+        if let Some(scraper) = self.scraper.as_mut() {
+            scraper.set_worker_id(host.random_u64());
+        }
+    }
+
+    /// The healthy pods of `cluster` with their metrics, or `None` when there is no host list or no
+    /// healthy host.
+    pub fn gather(&mut self, host: &dyn Host, cluster: &str, now_ms: u64) -> Option<Vec<PodView>> {
+        let hosts = host.upstream_hosts()?;
+        let healthy: Vec<_> = hosts.into_iter().filter(|h| h.is_healthy()).collect();
+        if healthy.is_empty() {
+            return None;
+        }
+        let host_has_metrics =
+            healthy.iter().any(|h| h.metrics.as_deref().is_some_and(|m| !m.is_empty()));
+        let target = self.ranking.target_metric.as_deref();
+        if host_has_metrics {
+            // Forget pods that left the cluster (bounded memory).
+            self.parsed.retain(|addr, _| healthy.iter().any(|h| h.address == *addr));
+            let mut out = Vec::with_capacity(healthy.len());
+            for h in healthy {
+                let metrics = match h.metrics {
+                    Some(body) if !body.is_empty() => {
+                        let m = match self.parsed.get(&h.address) {
+                            Some((cached, m)) if *cached == body => m.clone(),
+                            _ => {
+                                let m = prometheus::parse(body.as_bytes(), target);
+                                self.parsed.insert(h.address.clone(), (body, m.clone()));
+                                m
+                            }
+                        };
+                        Some(m).filter(|m| !m.is_empty())
+                    }
+                    _ => None,
+                };
+                out.push(PodView { address: h.address, metrics, sampled_ms: None });
+            }
+            return Some(out);
+        }
+        let addrs: Vec<String> = healthy.into_iter().map(|h| h.address).collect();
+        let Some(scraper) = self.scraper.as_mut() else {
+            // No metrics stored by the host and no way to scrape each pod.
+            return Some(
+                addrs
+                    .into_iter()
+                    .map(|address| PodView { address, metrics: None, sampled_ms: None })
+                    .collect(),
+            );
+        };
+        scraper.learn(cluster, &addrs, now_ms);
+        let scraper = &*scraper;
+        Some(
+            addrs
+                .into_iter()
+                .map(|address| {
+                    let snap = scraper.read(host, cluster, &address, now_ms);
+                    let sampled_ms = snap.as_ref().map(|s| s.sampled_ms);
+                    let metrics = snap.map(|s| s.metrics).filter(|m| !m.is_empty());
+                    PodView { address, metrics, sampled_ms }
+                })
+                .collect(),
+        )
+    }
+
+    /// The pod to route to, or `None` when no pod has usable metrics.
+    pub fn choose(
+        &mut self,
+        host: &mut dyn Host,
+        pods: &[PodView],
+        model: &str,
+        now_ms: u64,
+    ) -> Option<String> {
+        let interval = u64::from(self.scrape_interval_ms);
+        let candidates: Vec<Candidate<'_>> = pods
+            .iter()
+            .filter_map(|p| {
+                let m = p.metrics.as_ref()?;
+                // Requests sent after the sample are not in it yet. Host-provided metrics carry no
+                // time: assume they are one scrape interval old.
+                let since = p.sampled_ms.unwrap_or_else(|| now_ms.saturating_sub(interval));
+                Some(Candidate {
+                    address: &p.address,
+                    metrics: m,
+                    pending: self.recent.count_since(&p.address, since),
+                })
+            })
+            .collect();
+        let survivors = schedule::filter(self.ranking.policy, model, &candidates);
+        let idx = schedule::pick(&survivors, host.random_u64())?;
+        let chosen = candidates.get(idx).map(|c| c.address)?;
+        let healthy: Vec<&str> = pods.iter().map(|p| p.address.as_str()).collect();
+        let rand = host.random_u64();
+        let fin = schedule::apply_rate_limit(
+            &mut self.recent,
+            now_ms,
+            self.ranking.rate_limit,
+            chosen,
+            &healthy,
+            rand,
+        );
+        if fin != chosen {
+            host.log(LogLevel::Debug, &format!("{chosen} over rate_limit, using {fin}"));
+        }
+        let fin = fin.to_string();
+        self.recent.push(now_ms, &fin);
+        Some(fin)
+    }
+
+    /// An HTTP-call reply; false if it is not one of this router's scrapes.
+    pub fn on_http_reply(
+        &mut self,
+        host: &mut dyn Host,
+        token: u32,
+        reply: &HttpReply,
+        now_ms: u64,
+    ) -> bool {
+        match self.scraper.as_mut() {
+            Some(scraper) => scraper.on_reply(host, token, reply, now_ms),
+            None => false,
+        }
+    }
+
+    /// Tick period the scraper needs (0 = none).
+    pub fn tick_period_ms(&self) -> u32 {
+        if self.scraper.is_some() {
+            self.scrape_interval_ms
+        } else {
+            0
+        }
+    }
+
+    /// Root tick: scrapes that are due.
+    pub fn on_tick(&mut self, host: &mut dyn Host, now_ms: u64) {
+        let Some(scraper) = self.scraper.as_mut() else { return };
+        if !scraper.has_worker_id() {
+            // Lazily, in case on_start was not delivered to this instance.
+            let id = host.random_u64();
+            scraper.set_worker_id(id);
+        }
+        scraper.on_tick(host, now_ms);
+    }
+}
