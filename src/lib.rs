@@ -28,5 +28,8 @@ mod testutil;
 mod lua_tests;
 
 #[cfg(all(test, not(target_arch = "wasm32")))]
+mod fuzz_tests;
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
 #[path = "wasm_exports_test.rs"]
 mod wasm_exports_test;
