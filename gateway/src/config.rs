@@ -212,6 +212,23 @@ pub struct PluginConfig {
     /// Optional VM configuration (delivered to `proxy_on_vm_start`), JSON text.
     #[serde(default)]
     pub vm_configuration: Option<serde_yaml::Value>,
+    /// What a trap does to the plugin (Envoy's `failure_policy`).
+    #[serde(default)]
+    pub failure_policy: FailurePolicy,
+}
+
+/// What happens after a plugin VM traps, as Envoy's `envoy.extensions.wasm.v3.FailurePolicy`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum FailurePolicy {
+    /// Envoy's default, and Higress's `failStrategy: FAIL_CLOSE`: the VM stays failed; the stream
+    /// that trapped and every later stream on that worker get 503 `wasm_fail_stream`.
+    #[default]
+    FailClosed,
+    /// The VM stays failed; streams continue without the plugin.
+    FailOpen,
+    /// The trapping stream gets 503; a new VM is started for the next stream.
+    FailReload,
 }
 
 impl PluginConfig {

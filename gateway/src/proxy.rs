@@ -12,6 +12,7 @@
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
 use crate::body::{BodyError, GwBody};
 use crate::cluster::Endpoint;
+use crate::config::FailurePolicy;
 use crate::worker::{Global, Shutdown, Worker};
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -135,6 +136,21 @@ struct Upstream {
     result: Option<UpResult>,
 }
 
+impl Drop for Upstream {
+    /// An upstream request dropped before its body ended (client abort, local reply, trap) is
+    /// reset, as Envoy does, instead of ending cleanly: a closed channel would end the chunked body
+    /// and the upstream would take the truncated body for a complete one.
+    fn drop(&mut self) {
+        let Some(tx) = self.body_tx.take() else { return };
+        let abort: BodyError = "request aborted before its body ended".into();
+        if let Err(mpsc::error::TrySendError::Full(item)) = tx.try_send(Err(abort)) {
+            tokio::spawn(async move {
+                let _ = tx.send(item).await;
+            });
+        }
+    }
+}
+
 /// Decrements the endpoint's active count when the upstream request ends.
 struct ActiveGuard(Arc<Endpoint>);
 impl Drop for ActiveGuard {
@@ -182,6 +198,11 @@ impl Drop for LiveStream {
     fn drop(&mut self) {
         self.0.live_streams.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// What Envoy's `failStream` sends when the plugin failed under a stream (fail-closed).
+fn wasm_fail_stream() -> LocalReply {
+    local(503, "wasm_fail_stream", "")
 }
 
 fn local(status: u16, details: &str, body: &str) -> LocalReply {
@@ -330,6 +351,10 @@ impl Drive {
             Ok((r, l)) => Ok(Some((r.unwrap_or(0), l))),
             Err(_) => {
                 self.trapped = true;
+                if self.w.failure_policy() == FailurePolicy::FailOpen {
+                    // Envoy's CHECK_FAIL_HTTP with fail_open: the stream goes on without the plugin.
+                    return Ok(None);
+                }
                 Err(())
             }
         }
@@ -413,16 +438,19 @@ impl Drive {
         let eos = body.is_end_stream();
         let mut body = if eos { None } else { Some(body) };
         let mut body_done = eos;
+        if self.w.fails_streams() {
+            return ReqOutcome::Local(wasm_fail_stream());
+        }
         if self.plugin() {
             let root = self.w.root_id().unwrap_or(0) as i32;
             if self.call("proxy_on_context_create", &[self.ctx as i32, root]).is_err() {
-                return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure"));
+                return ReqOutcome::Local(wasm_fail_stream());
             }
         }
         let n = self.lock().req_headers.len();
         let action = match self.header_action("proxy_on_request_headers", n, eos) {
             Ok(a) => a,
-            Err(()) => return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure")),
+            Err(()) => return ReqOutcome::Local(wasm_fail_stream()),
         };
         let mut held = action != HeaderAction::Continue;
         let stop_all = action == HeaderAction::StopAll;
@@ -445,11 +473,14 @@ impl Drive {
                 }
             }
             if self.orphaned() {
-                if held {
-                    return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure"));
+                if held && self.w.failure_policy() != FailurePolicy::FailOpen {
+                    return ReqOutcome::Local(wasm_fail_stream());
                 }
-                // The VM that asked to buffer is gone: let the data through.
+                // Fail-open, or the VM that asked to buffer is gone: let the request through.
                 data_stopped = false;
+                if held {
+                    self.lock().continue_req = true;
+                }
             }
             let cont = std::mem::take(&mut self.lock().continue_req);
             if cont {
@@ -465,9 +496,7 @@ impl Drive {
                         self.lock().req_body_access = true;
                         match self.data_action("proxy_on_request_body", len, body_done) {
                             Ok(c) => data_stopped = !c,
-                            Err(()) => {
-                                return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure"))
-                            }
+                            Err(()) => return ReqOutcome::Local(wasm_fail_stream()),
                         }
                         if !data_stopped {
                             self.lock().req_body_access = false;
@@ -566,7 +595,7 @@ impl Drive {
                                         }
                                         data_stopped = !c;
                                     }
-                                    Err(()) => return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure")),
+                                    Err(()) => return ReqOutcome::Local(wasm_fail_stream()),
                                 }
                             }
                         }
@@ -592,7 +621,7 @@ impl Drive {
                                     }
                                     data_stopped = !c;
                                 }
-                                Err(()) => return ReqOutcome::Local(local(500, "wasm_fail", "plugin failure")),
+                                Err(()) => return ReqOutcome::Local(wasm_fail_stream()),
                             }
                         }
                     }
@@ -797,7 +826,7 @@ impl Drive {
         let n = self.lock().resp_headers.len();
         let action = match self.header_action("proxy_on_response_headers", n, eos) {
             Ok(a) => a,
-            Err(()) => return self.local_reply(local(500, "wasm_fail", "plugin failure")).await,
+            Err(()) => return self.local_reply(wasm_fail_stream()).await,
         };
         let mut held = action != HeaderAction::Continue;
         let stop_all = action == HeaderAction::StopAll;
@@ -818,10 +847,13 @@ impl Drive {
                 return;
             }
             if self.orphaned() {
-                if held {
-                    return self.local_reply(local(500, "wasm_fail", "plugin failure")).await;
+                if held && self.w.failure_policy() != FailurePolicy::FailOpen {
+                    return self.local_reply(wasm_fail_stream()).await;
                 }
                 data_stopped = false;
+                if held {
+                    self.lock().continue_resp = true;
+                }
             }
             let cont = std::mem::take(&mut self.lock().continue_resp);
             if cont {
@@ -936,7 +968,7 @@ impl Drive {
 
     async fn abort_or_500(&mut self) {
         if self.resp_tx.is_some() {
-            self.local_reply(local(500, "wasm_fail", "plugin failure")).await
+            self.local_reply(wasm_fail_stream()).await
         } else {
             self.abort_downstream().await
         }

@@ -4,7 +4,7 @@
 use crate::abi::{self, AbiVersion, Action, CallResponse, HostState, StreamState};
 use crate::body::HttpClient;
 use crate::cluster::Clusters;
-use crate::config::{PluginConfig, RouteConfig};
+use crate::config::{FailurePolicy, PluginConfig, RouteConfig};
 use crate::stats::Stats;
 use bytes::Bytes;
 use std::cell::{Cell, RefCell};
@@ -241,6 +241,8 @@ pub struct Worker {
     pub events: mpsc::UnboundedSender<WorkerEvent>,
     /// Compiled plugin.
     pub plugin: Option<Arc<PluginRuntime>>,
+    /// The VM trapped and stays failed (`FAIL_CLOSED` / `FAIL_OPEN`).
+    failed: Cell<bool>,
     next_ctx: Arc<AtomicU32>,
     next_conn: Cell<u64>,
 }
@@ -262,6 +264,7 @@ impl Worker {
             gen: Cell::new(0),
             events,
             plugin,
+            failed: Cell::new(false),
             next_ctx: Arc::new(AtomicU32::new(1)),
             next_conn: Cell::new(1),
         };
@@ -387,8 +390,19 @@ impl Worker {
         self.gen.get() == gen && self.vm.borrow().is_some()
     }
 
-    /// Call into the VM. On a trap: log it, count it, re-instantiate the VM (Envoy would fail the
-    /// VM; we recover so one bad request does not take the gateway down) and return Err.
+    /// The plugin's `failure_policy`.
+    pub fn failure_policy(&self) -> FailurePolicy {
+        self.g.plugin.as_ref().map(|p| p.failure_policy).unwrap_or_default()
+    }
+
+    /// True when this worker's VM trapped and stays failed under `FAIL_CLOSED`: every stream gets
+    /// 503 `wasm_fail_stream`.
+    pub fn fails_streams(&self) -> bool {
+        self.failed.get() && self.failure_policy() == FailurePolicy::FailClosed
+    }
+
+    /// Call into the VM. On a trap: log it, count it, and as `failure_policy` says keep the VM
+    /// failed (as Envoy does by default) or start a new one; return Err.
     pub fn vm_call(
         &self,
         ctx: u32,
@@ -403,15 +417,23 @@ impl Worker {
         match r {
             Ok(x) => Ok(x),
             Err(e) => {
-                tracing::error!(worker = self.idx, plugin = %self.g.plugin_name, "plugin trapped in {name}: {e:?}; re-instantiating the VM");
+                let policy = self.failure_policy();
+                tracing::error!(worker = self.idx, plugin = %self.g.plugin_name, ?policy, "plugin trapped in {name}: {e:?}");
                 self.g.stats.vm_traps_total.fetch_add(1, Ordering::Relaxed);
-                self.restart_vm();
+                match policy {
+                    FailurePolicy::FailReload => self.restart_vm(),
+                    FailurePolicy::FailClosed | FailurePolicy::FailOpen => {
+                        self.stop_vm();
+                        self.failed.set(true);
+                    }
+                }
                 Err(Trapped)
             }
         }
     }
 
-    fn restart_vm(&self) {
+    /// Drops the VM; streams waiting on it are woken (they see it gone).
+    fn stop_vm(&self) {
         let old = self.vm.borrow_mut().take();
         if let Some(mut old) = old {
             for s in old.state().streams.values() {
@@ -420,6 +442,10 @@ impl Worker {
                 }
             }
         }
+    }
+
+    fn restart_vm(&self) {
+        self.stop_vm();
         if let Err(e) = self.start_vm() {
             tracing::error!(
                 worker = self.idx,

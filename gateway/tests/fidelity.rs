@@ -754,28 +754,69 @@ async fn upstream_failure_gives_503_and_still_ends_the_context() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn trap_fails_the_request_and_the_vm_recovers() {
-    let up = Upstream::start().await;
+/// A plugin that traps in its request headers callback when the request has `x-trap`, and adds
+/// `x-plugin-saw: 1` to the requests it lets through.
+fn trapping_plugin() -> String {
     let mut w = Wat::new();
     let body = format!(
         r#"
   (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
     (if (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {hk} (i32.const 256) (i32.const 260)))
       (then unreachable))
+    (drop (call $proxy_replace_header_map_value (i32.const 0) {sk} {sv}))
     (i32.const 0))
 "#,
         hk = w.s("x-trap"),
+        sk = w.s("x-plugin-saw"),
+        sv = w.s("1"),
     );
-    let gw = Gateway::start(
-        &one_cluster_config(&format!("\"{}\"", up.addr), true, ""),
-        Some(&w.module("0_2_100", &body)),
-        1,
-    );
-    assert_eq!(get(&gw.url("/t"), &[("x-trap", "1")]).await.status, 500);
-    assert_eq!(get(&gw.url("/t"), &[]).await.status, 200, "the worker's VM was re-instantiated");
+    w.module("0_2_100", &body)
+}
+
+async fn trap_then_next(policy: &str) -> (u16, String, u16, Option<String>, String) {
+    let up = Upstream::start().await;
+    let cfg = one_cluster_config(&format!("\"{}\"", up.addr), true, "");
+    let cfg = if policy.is_empty() { cfg } else { format!("{cfg}  failure_policy: {policy}\n") };
+    let gw = Gateway::start(&cfg, Some(&trapping_plugin()), 1);
+    let trapped = get(&gw.url("/t"), &[("x-trap", "1")]).await;
+    let next = get(&gw.url("/t"), &[]).await;
+    let saw = up.seen.lock().unwrap().last().and_then(|r| {
+        r.headers.get("x-plugin-saw").and_then(|v| v.to_str().ok()).map(str::to_string)
+    });
     let stats = get(&gw.admin_url("/stats"), &[]).await.text();
     assert!(stats.contains("gateway_vm_traps_total 1"), "{stats}");
+    (
+        trapped.status,
+        trapped.text(),
+        next.status,
+        if next.status == 200 { saw } else { None },
+        stats,
+    )
+}
+
+/// Envoy's default `failure_policy` (FAIL_CLOSED, Higress's `failStrategy: FAIL_CLOSE`): the VM
+/// stays failed; the trapping stream and every later one get 503 `wasm_fail_stream`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_fails_the_vm_closed_by_default() {
+    let (trapped, body, next, _, _) = trap_then_next("").await;
+    assert_eq!(trapped, 503, "{body}");
+    assert_eq!(next, 503, "the VM stays failed: later streams fail too");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fail_open_lets_streams_through_without_the_plugin() {
+    let (trapped, body, next, saw, _) = trap_then_next("FAIL_OPEN").await;
+    assert_eq!(trapped, 200, "the trapping stream continues without the plugin: {body}");
+    assert_eq!(next, 200);
+    assert_eq!(saw, None, "the failed plugin no longer runs");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fail_reload_fails_the_stream_and_starts_a_new_vm() {
+    let (trapped, _, next, saw, _) = trap_then_next("FAIL_RELOAD").await;
+    assert_eq!(trapped, 503);
+    assert_eq!(next, 200);
+    assert_eq!(saw.as_deref(), Some("1"), "the new VM runs the plugin");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1292,4 +1333,39 @@ async fn wasi_stdio_clock_and_random_work_inside_the_workers() {
         log.iter().any(|l| l.contains("hello from wasi stdout")),
         "plugin stdout goes to the gateway's stderr"
     );
+}
+
+/// A client that goes away in the middle of its upload: Envoy resets the upstream request, so the
+/// upstream never takes the part it got for a complete body.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_abort_mid_upload_resets_the_upstream_request() {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::start().await;
+    let gw = Gateway::start(&one_cluster_config(&format!("\"{}\"", up.addr), false, ""), None, 1);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(
+        b"POST /upload HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    )
+    .await
+    .unwrap();
+    // The gateway has started the upstream request with the first chunk; then the client dies.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let seen = loop {
+        let seen: Vec<(String, bytes::Bytes)> = up
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| r.path == "/upload")
+            .map(|r| (r.path.clone(), r.body.clone()))
+            .collect();
+        if !seen.is_empty() || Instant::now() > deadline {
+            break seen;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(seen.len(), 1, "the upstream request was started: {seen:?}");
+    assert!(seen[0].1.is_empty(), "the upstream read a truncated body as complete: {seen:?}");
 }
