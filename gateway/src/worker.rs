@@ -115,7 +115,14 @@ impl PluginRuntime {
         let engine = Engine::default();
         let module = Module::from_file(&engine, &p.wasm)
             .map_err(|e| anyhow::anyhow!("plugin {}: loading {}: {e:#}", p.name, p.wasm))?;
-        let abi = AbiVersion::detect(&module);
+        let abi = AbiVersion::detect(&module).ok_or_else(|| {
+            anyhow::anyhow!(
+                "plugin {}: {}: Missing or unknown Proxy-Wasm ABI version (no function export \
+                 proxy_abi_version_0_1_0, 0_2_0, 0_2_1 or 0_2_100)",
+                p.name,
+                p.wasm
+            )
+        })?;
         let linker = abi::build_linker(&engine, &module)?;
         let vm_config = match &p.vm_configuration {
             Some(v) => serde_json::to_string(v)?.into_bytes(),

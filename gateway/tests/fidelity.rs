@@ -1369,3 +1369,31 @@ async fn a_client_abort_mid_upload_resets_the_upstream_request() {
     assert_eq!(seen.len(), 1, "the upstream request was started: {seen:?}");
     assert!(seen[0].1.is_empty(), "the upstream read a truncated body as complete: {seen:?}");
 }
+
+/// proxy-wasm-cpp-host reads the ABI version from *function* exports only and refuses a module
+/// with no known version ("Missing or unknown Proxy-Wasm ABI version"); an unknown marker next to a
+/// known one is skipped.
+#[tokio::test(flavor = "multi_thread")]
+async fn abi_markers_are_function_exports_of_a_known_version() {
+    let up = Upstream::start().await;
+    let cfg = one_cluster_config(&format!("\"{}\"", up.addr), true, "");
+    for (marker, starts) in
+        [("0_1_0", true), ("0_2_0", true), ("0_2_1", true), ("0_2_100", true), ("0_3_0", false)]
+    {
+        let started = Gateway::try_start(&cfg, Some(&Wat::new().module(marker, "")), 1);
+        match (started, starts) {
+            (Ok(gw), true) => assert_eq!(get(&gw.url("/t"), &[]).await.status, 200, "{marker}"),
+            (Err(e), false) => assert!(e.contains("unknown Proxy-Wasm ABI version"), "{e}"),
+            (Ok(_), false) => panic!("a module whose only marker is {marker} must be refused"),
+            (Err(e), true) => panic!("{marker} refused: {e}"),
+        }
+    }
+    // A marker that is a global, not a function, does not count.
+    let global_marker = Wat::new()
+        .module("0_3_0", "  (global (export \"proxy_abi_version_0_2_1\") i32 (i32.const 0))\n");
+    assert!(Gateway::try_start(&cfg, Some(&global_marker), 1).is_err());
+    // An unknown marker before a known one is skipped.
+    let both = Wat::new().module("0_3_0", "  (func (export \"proxy_abi_version_0_2_1\"))\n");
+    let gw = Gateway::try_start(&cfg, Some(&both), 1).expect("the known marker counts");
+    assert_eq!(get(&gw.url("/t"), &[]).await.status, 200);
+}

@@ -61,7 +61,7 @@ pub mod status {
     pub const UNIMPLEMENTED: i32 = 12;
 }
 
-/// The ABI marker exported by the module (the first `proxy_abi_version_*` export wins).
+/// The ABI marker exported by the module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AbiVersion {
     /// proxy_abi_version_0_1_0
@@ -72,24 +72,25 @@ pub enum AbiVersion {
     V0_2_1,
     /// proxy_abi_version_0_2_100 (Higress SDKs)
     V0_2_100,
-    /// No known marker: treated like 0_2_1.
-    Unknown,
 }
 
 impl AbiVersion {
-    /// Detect from the module's exports, in export order.
-    pub fn detect(module: &Module) -> AbiVersion {
-        for e in module.exports() {
-            match e.name() {
-                "proxy_abi_version_0_1_0" => return AbiVersion::V0_1_0,
-                "proxy_abi_version_0_2_0" => return AbiVersion::V0_2_0,
-                "proxy_abi_version_0_2_1" => return AbiVersion::V0_2_1,
-                "proxy_abi_version_0_2_100" => return AbiVersion::V0_2_100,
-                n if n.starts_with("proxy_abi_version_") => return AbiVersion::Unknown,
-                _ => {}
+    /// Detect from the module's exports as proxy-wasm-cpp-host does (`getAbiVersion`): the first
+    /// *function* export named after a known version; other kinds and unknown versions are
+    /// skipped. `None`: the host refuses the module ("Missing or unknown Proxy-Wasm ABI version").
+    pub fn detect(module: &Module) -> Option<AbiVersion> {
+        module.exports().find_map(|e| {
+            if !matches!(e.ty(), wasmtime::ExternType::Func(_)) {
+                return None;
             }
-        }
-        AbiVersion::Unknown
+            match e.name() {
+                "proxy_abi_version_0_1_0" => Some(AbiVersion::V0_1_0),
+                "proxy_abi_version_0_2_0" => Some(AbiVersion::V0_2_0),
+                "proxy_abi_version_0_2_1" => Some(AbiVersion::V0_2_1),
+                "proxy_abi_version_0_2_100" => Some(AbiVersion::V0_2_100),
+                _ => None,
+            }
+        })
     }
     /// cpp-host `convertVmCallResultToFilterHeadersStatus`: for abi_01/abi_02 a header `1`
     /// becomes StopAllIterationAndWatermark.
