@@ -506,6 +506,29 @@ impl Fields<'_> {
             .borrow_mut()
             .push(format!("ai-load-balancer config: {}: {msg}", self.path(key)));
     }
+    /// A Go plugin key given as a string that is not a number (`timeout: 3s`): the Go plugin reads
+    /// it with gjson `.Int()`, which gives 0, so it starts with 0 (each key's meaning of 0) and a
+    /// warning. `None` for our own keys, which must be numbers.
+    fn go_int_of_text(&self, key: &str, text: &str) -> Option<i64> {
+        const GO_INT_KEYS: [&str; 8] = [
+            "timeout",
+            "database",
+            "maxRequestCount",
+            "cleanInterval",
+            "redisKeyTTL",
+            "window_size",
+            "window_seconds",
+            "queue_size",
+        ];
+        if !GO_INT_KEYS.contains(&key) {
+            return None;
+        }
+        self.warn(
+            key,
+            format!("{text:?} is not a number (no units): read as 0, as the Go plugin reads it"),
+        );
+        Some(0)
+    }
     /// An integer that may be negative (Go reads these with gjson `.Int()`): numbers or numeric
     /// strings; anything else is an error.
     fn int(&self, key: &str) -> Result<Option<i64>, ConfigError> {
@@ -519,7 +542,10 @@ impl Fields<'_> {
                 })
                 .map(Some)
                 .ok_or_else(|| bad(v)),
-            Some(v @ Value::String(s)) => s.trim().parse::<i64>().map(Some).map_err(|_| bad(v)),
+            Some(v @ Value::String(s)) => match s.trim().parse::<i64>() {
+                Ok(x) => Ok(Some(x)),
+                Err(_) => self.go_int_of_text(key, s).map(Some).ok_or_else(|| bad(v)),
+            },
             Some(v) => Err(bad(v)),
         }
     }
@@ -561,7 +587,12 @@ impl Fields<'_> {
             }
             Some(v @ Value::String(s)) => match s.trim().parse::<u64>() {
                 Ok(x) if x <= max => Ok(Some(x)),
-                _ => Err(bad(v)),
+                Ok(_) => Err(bad(v)),
+                Err(_) if s.trim().parse::<i64>().is_ok() => Err(bad(v)),
+                Err(_) => match self.go_int_of_text(key, s) {
+                    Some(x) => Ok(Some(x.unsigned_abs())),
+                    None => Err(bad(v)),
+                },
             },
             Some(v) => Err(bad(v)),
         }

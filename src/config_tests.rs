@@ -179,7 +179,7 @@ fn error_password() {
 }
 #[test]
 fn error_database() {
-    expect_err(&glr(r#","database":"one""#), "lb_config.database", "integer");
+    expect_err(&glr(r#","database":[1]"#), "lb_config.database", "integer");
 }
 #[test]
 fn error_redis_key_ttl() {
@@ -195,7 +195,7 @@ fn error_max_request_count() {
 }
 #[test]
 fn error_clean_interval() {
-    expect_err(&glr(r#","cleanInterval":"hourly""#), "lb_config.cleanInterval", "integer");
+    expect_err(&glr(r#","cleanInterval":{"every":"hour"}"#), "lb_config.cleanInterval", "integer");
 }
 #[test]
 fn error_max_body_bytes() {
@@ -254,7 +254,7 @@ fn error_cluster_header() {
 #[test]
 fn error_queue_size() {
     expect_err(
-        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"queue_size":"big"}}"#,
+        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"queue_size":[100]}}"#,
         "lb_config.queue_size",
         "integer",
     );
@@ -424,4 +424,23 @@ fn redis_policies_read_the_metrics_source_keys() {
     let d = parse(&glr("")).unwrap().default.unwrap();
     let PolicyConfig::GlobalLeastRequest(g) = d.policy else { panic!("wrong policy") };
     assert_eq!(g.metrics, PodMetricsSource::default(), "no scraping unless asked");
+}
+
+#[test]
+fn go_integer_keys_with_a_unit_read_as_zero_with_a_warning() {
+    let c = parse(&glr(r#","timeout":"3s","cleanInterval":"hourly","database":"one""#)).unwrap();
+    let PolicyConfig::GlobalLeastRequest(g) = c.default.as_ref().unwrap().policy.clone() else {
+        panic!("wrong policy")
+    };
+    assert_eq!(g.redis.timeout_ms, 3000, "0 is the default timeout");
+    assert_eq!(g.clean_interval_min, 60);
+    assert_eq!(g.redis.database, 0);
+    assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+    assert!(
+        c.warnings[0].contains(r#"lb_config.timeout: "3s" is not a number"#),
+        "{:?}",
+        c.warnings
+    );
+    // Our own keys stay strict.
+    expect_err(&glr(r#","leaseMs":"10s""#), "lb_config.leaseMs", "integer");
 }
