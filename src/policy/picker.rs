@@ -32,6 +32,44 @@ use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
 use std::collections::HashMap;
 
+/// The `Policy` methods the Redis policies hand to their `picker` field unchanged: start, metric
+/// scrapes, stream end (the release), ticks and slow picks.
+macro_rules! delegate_to_picker {
+    () => {
+        fn on_start(&mut self, host: &mut dyn Host) {
+            self.picker.on_start(host);
+        }
+
+        fn on_http_reply(
+            &mut self,
+            host: &mut dyn Host,
+            _stream: Option<&mut Stream>,
+            token: u32,
+            reply: &crate::host::HttpReply,
+        ) -> Decision {
+            self.picker.on_http_reply(host, token, reply);
+            Decision::Passthrough
+        }
+
+        fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
+            self.picker.on_done(host, stream);
+        }
+
+        fn tick_period_ms(&self) -> u32 {
+            self.picker.tick_period_ms()
+        }
+
+        fn on_tick(&mut self, host: &mut dyn Host) {
+            self.picker.on_tick(host);
+        }
+
+        fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
+            self.picker.on_pending_tick(host, stream)
+        }
+    };
+}
+pub(crate) use delegate_to_picker;
+
 /// Body of the local 429 reply (same text as the Go plugin).
 pub const REJECT_BODY: &str = "Exceeded maximum request limit from ai-load-balancer.";
 

@@ -12,7 +12,7 @@
 use super::picker::{PickKind, Picker, ReplyOutcome};
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
-use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply};
+use crate::host::{Counter, Host, LogLevel, RedisReply};
 use crate::redis;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
@@ -182,21 +182,6 @@ impl Policy for PrefixCache {
         "prefix_cache"
     }
 
-    fn on_start(&mut self, host: &mut dyn Host) {
-        self.picker.on_start(host);
-    }
-
-    fn on_http_reply(
-        &mut self,
-        host: &mut dyn Host,
-        _stream: Option<&mut Stream>,
-        token: u32,
-        reply: &HttpReply,
-    ) -> Decision {
-        self.picker.on_http_reply(host, token, reply);
-        Decision::Passthrough
-    }
-
     fn on_request_headers(
         &mut self,
         host: &mut dyn Host,
@@ -273,21 +258,7 @@ impl Policy for PrefixCache {
         self.picker.on_response_body(host, stream, size, end_of_stream);
     }
 
-    fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
-        self.picker.on_done(host, stream);
-    }
-
-    fn tick_period_ms(&self) -> u32 {
-        self.picker.tick_period_ms()
-    }
-
-    fn on_tick(&mut self, host: &mut dyn Host) {
-        self.picker.on_tick(host);
-    }
-
-    fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
-        self.picker.on_pending_tick(host, stream)
-    }
+    super::picker::delegate_to_picker!();
 }
 
 #[cfg(test)]
