@@ -1,7 +1,7 @@
 //! The request flow itself, with scripted policies.
 
 use super::*;
-use crate::host::fake::FakeHost;
+use crate::host::fake::{FakeHost, LocalResponse};
 
 /// A policy that answers from a script and records what it saw.
 #[derive(Default)]
@@ -104,7 +104,7 @@ fn set_header_and_reject_decisions() {
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_STOP_ITERATION);
-    assert_eq!(host.local_responses, vec![(503, b"no".to_vec())]);
+    assert_eq!(host.local_responses, vec![LocalResponse { status: 503, body: b"no".to_vec() }]);
 }
 
 #[test]

@@ -92,7 +92,7 @@ fn reply_target(reply: &[u8]) {
     assert_eq!(host.resumes as usize + host.local_responses.len(), 1, "resumed exactly once");
     f.on_delete(&mut host, 7);
     // Releases and their replies (the same bytes) must not trip anything either.
-    let tokens: Vec<u32> = host.redis_calls.iter().map(|(t, _, _)| *t).collect();
+    let tokens: Vec<u32> = host.redis_calls.iter().map(|c| c.token).collect();
     for t in tokens {
         f.on_redis_reply(&mut host, t, &RedisReply::Ok(reply.to_vec()), false);
     }

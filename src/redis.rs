@@ -369,6 +369,6 @@ mod tests {
         host.redis_init_error = None;
         assert!(c.call(&mut host, b"*1\r\n$4\r\nPING\r\n").is_ok());
         assert_eq!(host.redis_inits.len(), 2);
-        assert_eq!(host.redis_inits[1].3, 50);
+        assert_eq!(host.redis_inits[1].timeout_ms, 50);
     }
 }

@@ -15,8 +15,7 @@ pub fn setup(config: &str) -> (Filter, FakeHost) {
 
 /// The `n`-th Redis command sent, as strings.
 pub fn command(host: &FakeHost, n: usize) -> Vec<String> {
-    let (_, _, q) = &host.redis_calls[n];
-    match decode_reply(q).expect("valid RESP") {
+    match decode_reply(&host.redis_calls[n].query).expect("valid RESP") {
         Frame::Array(parts) => parts
             .into_iter()
             .map(|p| match p {

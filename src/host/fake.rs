@@ -6,8 +6,58 @@ use super::{Counter, Host, HostError, LogLevel, UpstreamHost};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-/// One recorded HTTP call: (token, cluster, headers, body).
-pub type HttpCallRecord = (u32, String, Vec<(String, String)>, Option<Vec<u8>>);
+/// One `redis_init`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisInit {
+    /// `outbound|port||fqdn[?db=N&...]`.
+    pub cluster: String,
+    /// ACL user.
+    pub username: String,
+    /// Password.
+    pub password: String,
+    /// Operation timeout.
+    pub timeout_ms: u32,
+}
+
+/// One `redis_call`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisCall {
+    /// Token the reply comes back with.
+    pub token: u32,
+    /// The Redis cluster.
+    pub cluster: String,
+    /// The raw RESP command.
+    pub query: Vec<u8>,
+}
+
+/// One `http_call`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpCall {
+    /// Token the reply comes back with.
+    pub token: u32,
+    /// The cluster called.
+    pub cluster: String,
+    /// Request headers, pseudo-headers included.
+    pub headers: Vec<(String, String)>,
+    /// Request body.
+    pub body: Option<Vec<u8>>,
+}
+
+impl HttpCall {
+    /// A request header's value.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// One local response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalResponse {
+    /// HTTP status.
+    pub status: u32,
+    /// Body.
+    pub body: Vec<u8>,
+}
 
 /// Recording fake host. Fields are public so tests can set the scene and inspect effects.
 #[derive(Debug, Default)]
@@ -29,21 +79,21 @@ pub struct FakeHost {
     /// Last override host set.
     pub override_host: Option<String>,
     /// `(cluster, username, password, timeout)` of each redis_init.
-    pub redis_inits: Vec<(String, String, String, u32)>,
+    pub redis_inits: Vec<RedisInit>,
     /// Error returned by redis_init, if set.
     pub redis_init_error: Option<HostError>,
     /// `(token, cluster, raw RESP query)` of each redis_call.
-    pub redis_calls: Vec<(u32, String, Vec<u8>)>,
+    pub redis_calls: Vec<RedisCall>,
     /// Error returned by redis_call, if set.
     pub redis_call_error: Option<HostError>,
     /// `(token, cluster, headers, body)` of each http_call.
-    pub http_calls: Vec<HttpCallRecord>,
+    pub http_calls: Vec<HttpCall>,
     /// Error returned by http_call, if set.
     pub http_call_error: Option<HostError>,
     /// Shared data: key -> (value, cas).
     pub shared: HashMap<String, (Vec<u8>, u32)>,
     /// `(status, body)` of each local response.
-    pub local_responses: Vec<(u32, Vec<u8>)>,
+    pub local_responses: Vec<LocalResponse>,
     /// Number of resume_request calls.
     pub resumes: u32,
     /// Streams made effective by the dispatcher (inside root callbacks), in order.
@@ -97,7 +147,7 @@ impl FakeHost {
 
     /// Token of the last Redis call, if any.
     pub fn last_redis_token(&self) -> Option<u32> {
-        self.redis_calls.last().map(|c| c.0)
+        self.redis_calls.last().map(|c| c.token)
     }
 
     /// True if some log line contains `needle`.
@@ -169,7 +219,12 @@ impl Host for FakeHost {
         password: &str,
         timeout_ms: u32,
     ) -> Result<(), HostError> {
-        self.redis_inits.push((cluster.into(), username.into(), password.into(), timeout_ms));
+        self.redis_inits.push(RedisInit {
+            cluster: cluster.into(),
+            username: username.into(),
+            password: password.into(),
+            timeout_ms,
+        });
         match self.redis_init_error {
             Some(e) => Err(e),
             None => Ok(()),
@@ -181,7 +236,11 @@ impl Host for FakeHost {
         }
         // Like Envoy: Redis tokens are 3 mod 4.
         self.next_token += 4;
-        self.redis_calls.push((self.next_token, cluster.into(), query.to_vec()));
+        self.redis_calls.push(RedisCall {
+            token: self.next_token,
+            cluster: cluster.into(),
+            query: query.to_vec(),
+        });
         Ok(self.next_token)
     }
     fn http_call(
@@ -196,12 +255,12 @@ impl Host for FakeHost {
         }
         self.next_token += 4;
         let token = self.next_token + 1; // 0 mod 4 like Envoy's HTTP-call tokens
-        self.http_calls.push((
+        self.http_calls.push(HttpCall {
             token,
-            cluster.into(),
-            headers.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect(),
-            body.map(|b| b.to_vec()),
-        ));
+            cluster: cluster.into(),
+            headers: headers.iter().map(|(k, v)| ((*k).to_string(), (*v).to_string())).collect(),
+            body: body.map(|b| b.to_vec()),
+        });
         Ok(token)
     }
     fn get_shared_data(&self, key: &str) -> (Option<Vec<u8>>, u32) {
@@ -219,7 +278,7 @@ impl Host for FakeHost {
         Ok(())
     }
     fn send_local_response(&mut self, status: u32, body: &[u8], _headers: &[(&str, &str)]) {
-        self.local_responses.push((status, body.to_vec()));
+        self.local_responses.push(LocalResponse { status, body: body.to_vec() });
     }
     fn resume_request(&mut self) {
         self.resumes += 1;

@@ -282,13 +282,12 @@ mod tests {
         assert_eq!(route(&mut p, &mut h), Decision::Passthrough);
         p.on_tick(&mut h);
         assert_eq!(h.http_calls.len(), 2);
-        for (_, cluster, headers, body) in &h.http_calls {
-            assert_eq!(cluster, "pods-original-dst", "through the ORIGINAL_DST cluster");
-            assert!(body.is_none());
-            let get = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
-            assert_eq!(get(":method").as_deref(), Some("GET"));
-            assert_eq!(get(":path").as_deref(), Some("/stats/prometheus"));
-            assert_eq!(get(":authority"), get("x-envoy-original-dst-host"));
+        for call in &h.http_calls {
+            assert_eq!(call.cluster, "pods-original-dst", "through the ORIGINAL_DST cluster");
+            assert!(call.body.is_none());
+            assert_eq!(call.header(":method"), Some("GET"));
+            assert_eq!(call.header(":path"), Some("/stats/prometheus"));
+            assert_eq!(call.header(":authority"), call.header("x-envoy-original-dst-host"));
         }
         // A second tick while the calls are in flight sends nothing more.
         p.on_tick(&mut h);
@@ -296,15 +295,7 @@ mod tests {
         let calls: Vec<(u32, String)> = h
             .http_calls
             .iter()
-            .map(|(t, _, hd, _)| {
-                (
-                    *t,
-                    hd.iter()
-                        .find(|(n, _)| n == ":authority")
-                        .map(|(_, v)| v.clone())
-                        .unwrap_or_default(),
-                )
-            })
+            .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
             .collect();
         for (token, pod) in &calls {
             let body = if pod == "10.0.0.1:8000" {
@@ -346,15 +337,7 @@ mod tests {
         let calls: Vec<(u32, String)> = h
             .http_calls
             .iter()
-            .map(|(t, _, hd, _)| {
-                (
-                    *t,
-                    hd.iter()
-                        .find(|(n, _)| n == ":authority")
-                        .map(|(_, v)| v.clone())
-                        .unwrap_or_default(),
-                )
-            })
+            .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
             .collect();
         for (token, pod) in &calls {
             let reply = HttpReply {
@@ -370,15 +353,7 @@ mod tests {
         p.on_tick(&mut h);
         let calls: Vec<(u32, String)> = h.http_calls[2..]
             .iter()
-            .map(|(t, _, hd, _)| {
-                (
-                    *t,
-                    hd.iter()
-                        .find(|(n, _)| n == ":authority")
-                        .map(|(_, v)| v.clone())
-                        .unwrap_or_default(),
-                )
-            })
+            .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
             .collect();
         assert_eq!(calls.len(), 2);
         for (token, pod) in &calls {
@@ -504,15 +479,7 @@ mod tests {
         let calls: Vec<(u32, String)> = h
             .http_calls
             .iter()
-            .map(|(t, _, hd, _)| {
-                (
-                    *t,
-                    hd.iter()
-                        .find(|(n, _)| n == ":authority")
-                        .map(|(_, v)| v.clone())
-                        .unwrap_or_default(),
-                )
-            })
+            .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
             .collect();
         for (token, pod) in calls {
             let body = if pod == "10.0.0.2:8000" {

@@ -18,12 +18,12 @@ fn redis_is_initialised_at_start_with_the_go_cluster_name() {
     let (_f, host) = setup(&cfg(r#","database":2,"timeout":700"#));
     assert_eq!(
         host.redis_inits,
-        vec![(
-            "outbound|6379||redis.static?db=2&buffer_flush_timeout=0&max_buffer_size_before_flush=0".into(),
-            "u".into(),
-            "p".into(),
-            700
-        )]
+        vec![crate::host::fake::RedisInit {
+            cluster: "outbound|6379||redis.static?db=2&buffer_flush_timeout=0&max_buffer_size_before_flush=0".into(),
+            username: "u".into(),
+            password: "p".into(),
+            timeout_ms: 700
+        }]
     );
 }
 
@@ -130,7 +130,7 @@ fn over_max_request_count_answers_429_and_never_decrements_again() {
         true,
     );
     assert_eq!(host.local_responses.len(), 1);
-    assert_eq!(host.local_responses[0].0, 429);
+    assert_eq!(host.local_responses[0].status, 429);
     assert_eq!(host.resumes, 0, "a local reply is not resumed");
     assert_eq!(host.override_host, None);
     f.on_stream_end(&mut host, 7);
