@@ -31,5 +31,5 @@ mod lua_tests;
 mod fuzz_tests;
 
 #[cfg(all(test, not(target_arch = "wasm32")))]
-#[path = "wasm_exports_test.rs"]
-mod wasm_exports_test;
+#[path = "wasm_exports_tests.rs"]
+mod wasm_exports_tests;

@@ -1,0 +1,159 @@
+//! `cluster_metrics`: the three modes and the rate limit against the fake host.
+
+use super::*;
+use crate::config::{PluginConfig, PolicyConfig};
+use crate::host::fake::FakeHost;
+
+const A: &str = "outbound|80||svc-a.static";
+const B: &str = "outbound|80||svc-b.static";
+
+fn policy(extra: &str) -> ClusterMetrics {
+    let json = format!(
+        r#"{{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{{"service_list":["{A}","{B}"]{extra}}}}}"#
+    );
+    match PluginConfig::from_json(json.as_bytes()).ok().and_then(|c| c.default).map(|d| d.policy) {
+        Some(PolicyConfig::ClusterMetrics(c)) => ClusterMetrics::new(c),
+        other => panic!("bad test config: {other:?}"),
+    }
+}
+
+fn start(p: &mut ClusterMetrics, h: &mut FakeHost) -> (Stream, String) {
+    let mut s = Stream { start_ns: h.now, ..Default::default() };
+    match p.on_request_headers(h, &mut s, true) {
+        Decision::SetHeader { name, value } => {
+            assert_eq!(name, "x-higress-target-cluster");
+            (s, value)
+        }
+        other => panic!("expected a header, got {other:?}"),
+    }
+}
+
+/// Runs one request to completion: response after `ttft_ms`, end after `total_ms`.
+fn complete(
+    p: &mut ClusterMetrics,
+    h: &mut FakeHost,
+    s: &mut Stream,
+    status: &str,
+    ttft_ms: u64,
+    total_ms: u64,
+) {
+    let t0 = s.start_ns;
+    h.response_headers = vec![(":status".into(), status.into())];
+    h.now = t0 + ttft_ms * 1_000_000;
+    p.on_response_headers(h, s);
+    p.on_response_body(h, s, 17, false);
+    h.now = t0 + total_ms * 1_000_000;
+    p.on_response_body(h, s, 40, true);
+    p.on_stream_done(h, s);
+}
+
+#[test]
+fn least_busy_sends_to_the_service_with_fewer_requests_in_flight() {
+    let mut p = policy(r#","mode":"LeastBusy","cluster_header":"x-higress-target-cluster""#);
+    let mut h = FakeHost::new();
+    let (mut first, svc1) = start(&mut p, &mut h);
+    // One request in flight on svc1: the next ones alternate to keep in-flight equal.
+    let (_second, svc2) = start(&mut p, &mut h);
+    assert_ne!(svc1, svc2);
+    complete(&mut p, &mut h, &mut first, "200", 5, 10);
+    // svc1 is now idle, svc2 has one in flight.
+    let (_third, svc3) = start(&mut p, &mut h);
+    assert_eq!(svc3, svc1);
+}
+
+#[test]
+fn least_total_latency_prefers_the_faster_service_and_punishes_failures() {
+    let mut p = policy(r#","mode":"LeastTotalLatency","queue_size":5"#);
+    let mut h = FakeHost::new();
+    // Both services get measured: A slow (900 ms), B fast (100 ms).
+    for _ in 0..6 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        let total = if svc == A { 900 } else { 100 };
+        complete(&mut p, &mut h, &mut s, "200", 50, total);
+    }
+    for _ in 0..10 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        assert_eq!(svc, B);
+        complete(&mut p, &mut h, &mut s, "200", 50, 100);
+    }
+    // B starts failing fast (503 in 5 ms): the failures count as 2 × the worst mean, so A wins.
+    for _ in 0..3 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        if svc == B {
+            complete(&mut p, &mut h, &mut s, "503", 5, 5);
+        } else {
+            complete(&mut p, &mut h, &mut s, "200", 50, 900);
+        }
+    }
+    let (_s, svc) = start(&mut p, &mut h);
+    assert_eq!(svc, A);
+}
+
+#[test]
+fn least_first_token_latency_uses_time_to_first_body_bytes() {
+    let mut p = policy(r#","mode":"LeastFirstTokenLatency","queue_size":5"#);
+    let mut h = FakeHost::new();
+    for _ in 0..8 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        // A: quick first token but long total; B: slow first token, short total.
+        if svc == A {
+            complete(&mut p, &mut h, &mut s, "200", 20, 5_000);
+        } else {
+            complete(&mut p, &mut h, &mut s, "200", 400, 500);
+        }
+    }
+    let (_s, svc) = start(&mut p, &mut h);
+    assert_eq!(svc, A);
+    // A stream that ends without any response (reset) is a first-token failure for its service.
+    let mut p = policy(r#","mode":"LeastFirstTokenLatency""#);
+    for _ in 0..4 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        if svc == A {
+            h.response_headers.clear();
+            h.now += 1_000_000;
+            p.on_stream_done(&mut h, &mut s);
+        } else {
+            complete(&mut p, &mut h, &mut s, "200", 300, 600);
+        }
+    }
+    let (_s, svc) = start(&mut p, &mut h);
+    assert_eq!(svc, B);
+}
+
+#[test]
+fn rate_limit_bounds_the_share_of_the_best_service() {
+    let mut p = policy(r#","mode":"LeastTotalLatency","rate_limit":0.7,"queue_size":50"#);
+    let mut h = FakeHost::new();
+    let mut to_b = 0;
+    for i in 0..200 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        let total = if svc == A { 900 } else { 100 };
+        complete(&mut p, &mut h, &mut s, "200", 50, total);
+        if i >= 100 && svc == B {
+            to_b += 1;
+        }
+    }
+    assert!((60..=72).contains(&to_b), "best service got {to_b}/100 with rate_limit 0.7");
+    // The default rate_limit (1) never pushes traffic off the best service.
+    let mut p = policy(r#","mode":"LeastTotalLatency""#);
+    let mut last = Vec::new();
+    for _ in 0..50 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        let total = if svc == A { 900 } else { 100 };
+        complete(&mut p, &mut h, &mut s, "200", 50, total);
+        last.push(svc);
+    }
+    assert!(last[10..].iter().all(|s| s == B));
+}
+
+#[test]
+fn in_flight_is_released_once_per_stream() {
+    let mut p = policy(r#","mode":"LeastBusy""#);
+    let mut h = FakeHost::new();
+    let (mut s, svc) = start(&mut p, &mut h);
+    p.on_stream_done(&mut h, &mut s);
+    p.on_stream_done(&mut h, &mut s); // a duplicate call must not go negative / skew counts
+    assert_eq!(p.stats.get(&svc).map(|st| st.in_flight), Some(0));
+    let other = if svc == A { B } else { A };
+    assert_eq!(p.stats.get(other).map(|st| st.in_flight), Some(0));
+}

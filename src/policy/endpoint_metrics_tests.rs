@@ -1,0 +1,319 @@
+//! `endpoint_metrics` against the fake host: host-stored and scraped metrics, LoRA, least/most, rate limit.
+
+use super::*;
+use crate::config::{PluginConfig, PolicyConfig};
+use crate::host::fake::FakeHost;
+use crate::host::{Health, UpstreamHost};
+
+const CLUSTER: &str = "outbound|8000||llm.static";
+
+fn config(lb_config: &str) -> EndpointMetricsConfig {
+    let json = format!(r#"{{"lb_policy":"endpoint_metrics","lb_config":{lb_config}}}"#);
+    match PluginConfig::from_json(json.as_bytes()).ok().and_then(|c| c.default).map(|d| d.policy) {
+        Some(PolicyConfig::EndpointMetrics(c)) => c,
+        other => panic!("bad test config: {other:?}"),
+    }
+}
+
+/// A vLLM V1 `/metrics` body as a pod would serve it.
+fn vllm(running: u32, waiting: u32, kv: f64, lora: Option<(&str, u32)>) -> String {
+    let mut s = String::from(
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
+         # TYPE vllm:num_requests_running gauge\n",
+    );
+    s += &format!("vllm:num_requests_running{{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"}} {running}.0\n");
+    s += "# TYPE vllm:num_requests_waiting gauge\n";
+    s += &format!("vllm:num_requests_waiting{{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"}} {waiting}.0\n");
+    s += "# TYPE vllm:kv_cache_usage_perc gauge\n";
+    s += &format!("vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"}} {kv}\n");
+    s += "vllm:time_to_first_token_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"meta-llama/Llama-3.1-8B-Instruct\"} 90.0\n";
+    if let Some((adapters, max)) = lora {
+        s += "# TYPE vllm:lora_requests_info gauge\n";
+        s += &format!(
+            "vllm:lora_requests_info{{max_lora=\"{max}\",running_lora_adapters=\"{adapters}\",waiting_lora_adapters=\"\"}} 1.7553921484e+09\n"
+        );
+    }
+    s
+}
+
+fn host_with(pods: &[(&str, bool, Option<String>)]) -> FakeHost {
+    let mut h = FakeHost::new();
+    h.hosts = Some(
+        pods.iter()
+            .map(|(a, ok, m)| UpstreamHost {
+                address: a.to_string(),
+                health: if *ok { Health::Healthy } else { Health::Unhealthy },
+                metrics: m.clone(),
+            })
+            .collect(),
+    );
+    h
+}
+
+fn stream() -> Stream {
+    Stream { cluster: CLUSTER.to_string(), ..Default::default() }
+}
+
+fn route(p: &mut EndpointMetrics, h: &mut FakeHost) -> Decision {
+    p.on_request_headers(h, &mut stream(), true)
+}
+
+#[test]
+fn routes_to_the_least_loaded_healthy_pod_from_host_metrics() {
+    let mut h = host_with(&[
+        ("10.0.0.1:8000", true, Some(vllm(20, 30, 0.9, None))),
+        ("10.0.0.2:8000", true, Some(vllm(4, 0, 0.2, None))),
+        ("10.0.0.3:8000", false, Some(vllm(0, 0, 0.0, None))), // idle but unhealthy
+    ]);
+    let mut p = EndpointMetrics::new(config("{}"));
+    for _ in 0..20 {
+        assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+        h.now += 1_000_000_000; // 1 s apart, so the pending estimate does not kick in
+    }
+    assert!(h.http_calls.is_empty(), "host metrics present: no scraping");
+}
+
+#[test]
+fn a_new_health_check_body_replaces_the_cached_parse() {
+    let mut h = host_with(&[
+        ("10.0.0.1:8000", true, Some(vllm(20, 30, 0.9, None))),
+        ("10.0.0.2:8000", true, Some(vllm(4, 0, 0.2, None))),
+    ]);
+    let mut p = EndpointMetrics::new(config("{}"));
+    assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+    // The next health check finds the load reversed.
+    if let Some(hosts) = h.hosts.as_mut() {
+        hosts[0].metrics = Some(vllm(1, 0, 0.1, None));
+        hosts[1].metrics = Some(vllm(30, 45, 0.97, None));
+    }
+    h.now += 2_000_000_000;
+    assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.1:8000".into()));
+}
+
+#[test]
+fn a_burst_between_samples_is_spread_by_pending_requests() {
+    let mut h = host_with(&[
+        ("10.0.0.1:8000", true, Some(vllm(2, 3, 0.3, None))),
+        ("10.0.0.2:8000", true, Some(vllm(2, 3, 0.3, None))),
+    ]);
+    let mut p = EndpointMetrics::new(config("{}"));
+    let mut count = std::collections::HashMap::new();
+    for _ in 0..40 {
+        if let Decision::Route(a) = route(&mut p, &mut h) {
+            *count.entry(a).or_insert(0) += 1;
+        }
+        h.now += 1_000_000; // 1 ms: same metrics sample
+    }
+    let a: u32 = count.get("10.0.0.1:8000").copied().unwrap_or(0);
+    let b: u32 = count.get("10.0.0.2:8000").copied().unwrap_or(0);
+    assert_eq!(a + b, 40);
+    assert!(a.abs_diff(b) <= 2, "burst not spread: {a} vs {b}");
+}
+
+#[test]
+fn no_metrics_passes_through_then_scrapes_and_routes_on_shared_snapshots() {
+    let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+    let mut p = EndpointMetrics::new(config(
+        r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus","scrapeCluster":"pods-original-dst"}"#,
+    ));
+    assert_eq!(p.tick_period_ms(), 500);
+    p.on_start(&mut h);
+    // Nothing known yet: normal balancing, but the pods are now known to the scraper.
+    assert_eq!(route(&mut p, &mut h), Decision::Passthrough);
+    p.on_tick(&mut h);
+    assert_eq!(h.http_calls.len(), 2);
+    for call in &h.http_calls {
+        assert_eq!(call.cluster, "pods-original-dst", "through the ORIGINAL_DST cluster");
+        assert!(call.body.is_none());
+        assert_eq!(call.header(":method"), Some("GET"));
+        assert_eq!(call.header(":path"), Some("/stats/prometheus"));
+        assert_eq!(call.header(":authority"), call.header("x-envoy-original-dst-host"));
+    }
+    // A second tick while the calls are in flight sends nothing more.
+    p.on_tick(&mut h);
+    assert_eq!(h.http_calls.len(), 2);
+    let calls: Vec<(u32, String)> = h
+        .http_calls
+        .iter()
+        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
+        .collect();
+    for (token, pod) in &calls {
+        let body =
+            if pod == "10.0.0.1:8000" { vllm(30, 12, 0.95, None) } else { vllm(1, 0, 0.1, None) };
+        let reply = HttpReply { status: 200, headers: vec![], body: body.into_bytes() };
+        assert_eq!(p.on_http_reply(&mut h, None, *token, &reply), Decision::Passthrough);
+    }
+    assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+
+    // Another worker VM (same shared data) uses the snapshots without scraping itself.
+    let mut other = EndpointMetrics::new(config(
+        r#"{"scrapeIntervalMs":500,"scrapePath":"/stats/prometheus","scrapeCluster":"pods-original-dst"}"#,
+    ));
+    other.on_start(&mut h);
+    assert_eq!(route(&mut other, &mut h), Decision::Route("10.0.0.2:8000".into()));
+    other.on_tick(&mut h);
+    assert_eq!(h.http_calls.len(), 2, "fresh shared snapshots: no second scrape");
+
+    // Later the snapshots are due again: exactly one of the two workers scrapes each pod.
+    h.now += 400_000_000;
+    other.on_tick(&mut h);
+    p.on_tick(&mut h);
+    assert_eq!(h.http_calls.len(), 4, "one scrape per pod across workers (lease)");
+
+    // Past metricsStaleMs (default 5 s) without fresh data, the pods are unknown again.
+    h.now += 6_000_000_000;
+    assert_eq!(route(&mut p, &mut h), Decision::Passthrough);
+}
+
+#[test]
+fn a_failed_scrape_makes_the_pod_unknown_at_once() {
+    let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+    let mut p = EndpointMetrics::new(config(r#"{"scrapeCluster":"pods-original-dst"}"#));
+    route(&mut p, &mut h);
+    p.on_tick(&mut h);
+    let calls: Vec<(u32, String)> = h
+        .http_calls
+        .iter()
+        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
+        .collect();
+    for (token, pod) in &calls {
+        let reply =
+            HttpReply { status: 200, headers: vec![], body: vllm(0, 0, 0.0, None).into_bytes() };
+        p.on_http_reply(&mut h, None, *token, &reply);
+        let _ = pod;
+    }
+    // Next round: pod 1 answers 503, pod 2 is busy but fine.
+    h.now += 1_000_000_000;
+    p.on_tick(&mut h);
+    let calls: Vec<(u32, String)> = h.http_calls[2..]
+        .iter()
+        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
+        .collect();
+    assert_eq!(calls.len(), 2);
+    for (token, pod) in &calls {
+        let reply = if pod == "10.0.0.1:8000" {
+            HttpReply { status: 503, ..Default::default() }
+        } else {
+            HttpReply { status: 200, headers: vec![], body: vllm(40, 20, 0.8, None).into_bytes() }
+        };
+        p.on_http_reply(&mut h, None, *token, &reply);
+    }
+    for _ in 0..10 {
+        assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+    }
+}
+
+#[test]
+fn lora_deployments_read_the_model_from_the_body() {
+    let mut h = host_with(&[
+        ("10.0.0.1:8000", true, Some(vllm(3, 1, 0.3, Some(("sql-lora", 1))))),
+        ("10.0.0.2:8000", true, Some(vllm(1, 0, 0.1, Some(("tweet-summary", 1))))),
+    ]);
+    let mut p = EndpointMetrics::new(config(r#"{"metric_policy":"default"}"#));
+    let mut s = stream();
+    assert_eq!(p.on_request_headers(&mut h, &mut s, false), Decision::NeedBody);
+    let body = br#"{"model":"sql-lora","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
+    assert_eq!(p.on_request_body(&mut h, &mut s, body), Decision::Route("10.0.0.1:8000".into()));
+    let body = br#"{"model":"tweet-summary","prompt":"x"}"#;
+    assert_eq!(p.on_request_body(&mut h, &mut s, body), Decision::Route("10.0.0.2:8000".into()));
+    // A bodiless request decides on its headers (never waits for a body that will not come).
+    assert!(matches!(p.on_request_headers(&mut h, &mut s, true), Decision::Route(_)));
+    // Without LoRA pods the headers suffice.
+    let mut h2 = host_with(&[("10.0.0.1:8000", true, Some(vllm(3, 1, 0.3, None)))]);
+    assert!(matches!(p.on_request_headers(&mut h2, &mut s, false), Decision::Route(_)));
+}
+
+#[test]
+fn least_and_most_follow_target_metric() {
+    let pods = [
+        ("10.0.0.1:8000", true, Some(vllm(9, 0, 0.5, None))),
+        ("10.0.0.2:8000", true, Some(vllm(1, 0, 0.5, None))),
+        ("10.0.0.3:8000", true, Some(vllm(5, 0, 0.5, None))),
+    ];
+    let mut h = host_with(&pods);
+    let mut least = EndpointMetrics::new(config(
+        r#"{"metric_policy":"least","target_metric":"vllm:num_requests_running"}"#,
+    ));
+    let mut most = EndpointMetrics::new(config(
+        r#"{"metric_policy":"most","target_metric":"vllm:num_requests_running"}"#,
+    ));
+    for _ in 0..10 {
+        assert_eq!(route(&mut least, &mut h), Decision::Route("10.0.0.2:8000".into()));
+        assert_eq!(route(&mut most, &mut h), Decision::Route("10.0.0.1:8000".into()));
+        h.now += 1_000_000_000;
+    }
+    // A pod whose metrics lack the target metric is never chosen by least/most.
+    let mut h = host_with(&[
+        ("10.0.0.9:8000", true, Some("sglang:num_running_reqs 0\n".into())),
+        pods[0].clone(),
+    ]);
+    assert_eq!(route(&mut least, &mut h), Decision::Route("10.0.0.1:8000".into()));
+}
+
+#[test]
+fn rate_limit_caps_the_share_of_the_best_pod() {
+    let mut h = host_with(&[
+        ("10.0.0.1:8000", true, Some(vllm(0, 0, 0.0, None))),
+        ("10.0.0.2:8000", true, Some(vllm(0, 40, 0.9, None))),
+    ]);
+    let mut p = EndpointMetrics::new(config(r#"{"rate_limit":0.6}"#));
+    let mut best = 0;
+    for _ in 0..100 {
+        if route(&mut p, &mut h) == Decision::Route("10.0.0.1:8000".into()) {
+            best += 1;
+        }
+        h.now += 2_000_000_000; // far apart: no pending estimate; window_seconds 60 keeps 30 picks
+    }
+    assert!((55..=65).contains(&best), "best pod got {best}% with rate_limit 0.6");
+}
+
+#[test]
+fn without_scrape_cluster_the_plugin_never_scrapes_and_says_so() {
+    use crate::filter::Filter;
+    let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+    let mut f = Filter::new();
+    // A pod's own cluster is not an ORIGINAL_DST cluster: Envoy would ignore
+    // x-envoy-original-dst-host there and file one pod's metrics under another.
+    let cfg = br#"{"lb_policy":"endpoint_metrics","lb_config":{"scrapeIntervalMs":200}}"#;
+    assert!(f.configure(&mut h, cfg));
+    assert!(h.logged("no scrapeCluster set"), "{:?}", h.logs.borrow());
+    assert_eq!(f.tick_period_ms(), 0, "nothing to do on ticks");
+    f.on_request_headers(&mut h, 10, true);
+    assert_eq!(h.override_host, None, "no metrics: normal balancing");
+    f.on_tick(&mut h);
+    assert!(h.http_calls.is_empty());
+}
+
+#[test]
+fn through_the_dispatcher_scrape_on_tick_then_pin_requests() {
+    use crate::filter::Filter;
+    let mut h = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+    let mut f = Filter::new();
+    let cfg = br#"{"lb_policy":"endpoint_metrics","lb_config":{"scrapeIntervalMs":200,"scrapeCluster":"pods-original-dst"}}"#;
+    assert!(f.configure(&mut h, cfg));
+    assert_eq!(f.tick_period_ms(), 200);
+    // First request: nothing known, normal balancing; the pods become known.
+    f.on_request_headers(&mut h, 10, true);
+    assert_eq!(h.override_host, None);
+    f.on_stream_end(&mut h, 10);
+    f.on_delete(&mut h, 10);
+    f.on_tick(&mut h);
+    assert_eq!(h.http_calls.len(), 2);
+    let calls: Vec<(u32, String)> = h
+        .http_calls
+        .iter()
+        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
+        .collect();
+    for (token, pod) in calls {
+        let body =
+            if pod == "10.0.0.2:8000" { vllm(0, 0, 0.05, None) } else { vllm(64, 70, 0.99, None) };
+        f.on_http_reply(
+            &mut h,
+            token,
+            &HttpReply { status: 200, headers: vec![], body: body.into_bytes() },
+            false,
+        );
+    }
+    f.on_request_headers(&mut h, 11, true);
+    assert_eq!(h.override_host.as_deref(), Some("10.0.0.2:8000"));
+}
