@@ -187,15 +187,18 @@ impl Filter {
             self.run_root(host, &p, |pol, h| pol.on_start(h));
             policies.push(Some(p));
         }
+        let default_name = match policies.last() {
+            Some(Some(p)) if cfg.default.is_some() => p.borrow().name(),
+            _ => "none",
+        };
         if cfg.default.is_none() {
             policies.push(None);
         }
         host.log(
             LogLevel::Info,
             &format!(
-                "ai-load-balancer configured: {} rule(s), default {}",
-                cfg.rules.len(),
-                cfg.default.as_ref().map(|d| policy_name(d)).unwrap_or("none")
+                "ai-load-balancer configured: {} rule(s), default {default_name}",
+                cfg.rules.len()
             ),
         );
         self.config = Some(cfg);
@@ -641,15 +644,6 @@ fn raise_decoder_buffer_limit(host: &mut dyn Host, max_body: usize) {
             LogLevel::Debug,
             &format!("ai-load-balancer: set_decoder_buffer_limit not supported by the host: {e:?}"),
         );
-    }
-}
-
-fn policy_name(c: &LbConfig) -> &'static str {
-    match c.policy {
-        crate::config::PolicyConfig::GlobalLeastRequest(_) => "global_least_request",
-        crate::config::PolicyConfig::PrefixCache(_) => "prefix_cache",
-        crate::config::PolicyConfig::EndpointMetrics(_) => "endpoint_metrics",
-        crate::config::PolicyConfig::ClusterMetrics(_) => "cluster_metrics",
     }
 }
 

@@ -201,3 +201,17 @@ fn body_ending_with_trailers_is_read_from_the_host_once() {
     assert_eq!(host.body_reads.get(), 1);
     assert!(host.logged("larger than maxBodyBytes"));
 }
+
+#[test]
+fn the_start_log_names_the_default_policy() {
+    let mut host = FakeHost::new();
+    let mut f = Filter::new();
+    let cfg = r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1}}"#;
+    assert!(f.configure(&mut host, cfg.as_bytes()));
+    assert!(host.logged("configured: 0 rule(s), default prefix_cache"));
+    let mut host = FakeHost::new();
+    let mut f = Filter::new();
+    let rules_only = r#"{"_rules_":[{"_match_route_":["r1"],"lb_policy":"endpoint_metrics"}]}"#;
+    assert!(f.configure(&mut host, rules_only.as_bytes()));
+    assert!(host.logged("configured: 1 rule(s), default none"));
+}
