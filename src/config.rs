@@ -88,10 +88,16 @@ pub struct RedisConfig {
 }
 
 impl RedisConfig {
-    /// The Envoy cluster name used for `proxy_redis_init`/`proxy_redis_call`:
-    /// `outbound|{servicePort}||{serviceFQDN}`, plus `?db=N` when `database` != 0.
+    /// The Envoy cluster of the Redis service: `outbound|{servicePort}||{serviceFQDN}` (what
+    /// `proxy_redis_call` names).
+    pub fn service_cluster(&self) -> String {
+        format!("outbound|{}||{}", self.service_port, self.service_fqdn)
+    }
+
+    /// The cluster name for `proxy_redis_init`: [`RedisConfig::service_cluster`] plus `?db=N`
+    /// when `database` != 0.
     pub fn cluster(&self) -> String {
-        let mut c = format!("outbound|{}||{}", self.service_port, self.service_fqdn);
+        let mut c = self.service_cluster();
         if self.database != 0 {
             c.push_str(&format!("?db={}", self.database));
         }

@@ -169,7 +169,7 @@ impl RedisClient {
             "{base}{sep}buffer_flush_timeout={}&max_buffer_size_before_flush={}",
             config.buffer_flush_timeout_ms, config.max_buffer_size_before_flush
         );
-        let call_cluster = format!("outbound|{}||{}", config.service_port, config.service_fqdn);
+        let call_cluster = config.service_cluster();
         RedisClient { config, init_cluster, call_cluster, inited: false, last_attempt_ns: None }
     }
 
