@@ -264,33 +264,6 @@ pub enum Counter {
 }
 
 impl Counter {
-    /// Every counter (for docs and tests).
-    pub const ALL: [Counter; 23] = [
-        Counter::LeastRequestRouted,
-        Counter::PrefixHit,
-        Counter::PrefixHitDiverted,
-        Counter::PrefixMiss,
-        Counter::PrefixMatchedBlocks,
-        Counter::Rejected,
-        Counter::MetricsRouted,
-        Counter::RedisDownRoutedByMetrics,
-        Counter::FallbackRedisError,
-        Counter::FallbackRedisTimeout,
-        Counter::FallbackRedisSlow,
-        Counter::FallbackBreakerOpen,
-        Counter::FallbackBadBody,
-        Counter::FallbackBodyTooLarge,
-        Counter::FallbackNoMetrics,
-        Counter::BreakerOpened,
-        Counter::ReleaseDropped,
-        Counter::EnginePromptTokens,
-        Counter::EngineCachedTokens,
-        Counter::PredictedHitEngineHit,
-        Counter::PredictedHitEngineMiss,
-        Counter::PredictedMissEngineHit,
-        Counter::PredictedMissEngineMiss,
-    ];
-
     /// The metric name.
     pub fn name(self) -> &'static str {
         match self {

@@ -8,7 +8,7 @@ use super::schedule::{self, Candidate, MetricPolicy, RecentPicks};
 use super::scrape::Scraper;
 use super::{prometheus, PodMetrics};
 use crate::config::PodMetricsSource;
-use crate::host::{Host, HttpReply, LogLevel};
+use crate::host::{Host, HttpReply, LogLevel, UpstreamHost};
 use std::collections::HashMap;
 
 /// Metrics of one healthy pod at decision time.
@@ -100,10 +100,15 @@ impl MetricsRouter {
         }
     }
 
-    /// The healthy pods of `cluster` with their metrics, or `None` when there is no host list or no
-    /// healthy host.
-    pub fn gather(&mut self, host: &dyn Host, cluster: &str, now_ms: u64) -> Option<Vec<PodView>> {
-        let hosts = host.upstream_hosts()?;
+    /// The healthy pods of `cluster` (its host list `hosts`) with their metrics, or `None` when
+    /// there is no healthy host.
+    pub fn gather(
+        &mut self,
+        host: &dyn Host,
+        cluster: &str,
+        hosts: Vec<UpstreamHost>,
+        now_ms: u64,
+    ) -> Option<Vec<PodView>> {
         let healthy: Vec<_> = hosts.into_iter().filter(|h| h.is_healthy()).collect();
         if healthy.is_empty() {
             return None;

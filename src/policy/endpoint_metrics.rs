@@ -107,7 +107,10 @@ impl Policy for EndpointMetrics {
         end_of_stream: bool,
     ) -> Decision {
         let now = now_ms(host);
-        let Some(pods) = self.router.gather(host, &stream.cluster, now) else {
+        let Some(pods) = host
+            .upstream_hosts()
+            .and_then(|list| self.router.gather(host, &stream.cluster, list, now))
+        else {
             return Decision::Passthrough;
         };
         // The model name only matters to the LoRA steps of the default chain.
@@ -125,7 +128,10 @@ impl Policy for EndpointMetrics {
         body: &[u8],
     ) -> Decision {
         let now = now_ms(host);
-        let Some(pods) = self.router.gather(host, &stream.cluster, now) else {
+        let Some(pods) = host
+            .upstream_hosts()
+            .and_then(|list| self.router.gather(host, &stream.cluster, list, now))
+        else {
             return Decision::Passthrough;
         };
         let model = body_model(body);

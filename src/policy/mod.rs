@@ -211,10 +211,15 @@ pub fn build(config: &LbConfig) -> Box<dyn Policy> {
     }
 }
 
-/// Healthy host addresses from the host list, or `None` (with a log line) when the list is missing
-/// or has no healthy host — the caller then passes through to normal balancing.
-pub fn healthy_hosts(host: &dyn Host, policy: &str) -> Option<(Vec<String>, Vec<String>)> {
-    let Some(list) = host.upstream_hosts() else {
+/// Healthy and other host addresses of `list` (the cluster's host list, fetched once by the caller),
+/// or `None` (with a log line) when the list is missing or has no healthy host — the caller then
+/// passes through to normal balancing.
+pub fn healthy_hosts(
+    list: Option<&[crate::host::UpstreamHost]>,
+    host: &dyn Host,
+    policy: &str,
+) -> Option<(Vec<String>, Vec<String>)> {
+    let Some(list) = list else {
         host.log(
             crate::host::LogLevel::Warn,
             &format!("{policy}: no upstream host list; using normal balancing"),
@@ -225,9 +230,9 @@ pub fn healthy_hosts(host: &dyn Host, policy: &str) -> Option<(Vec<String>, Vec<
     let mut other = Vec::new();
     for h in list {
         if h.is_healthy() {
-            healthy.push(h.address);
+            healthy.push(h.address.clone());
         } else {
-            other.push(h.address);
+            other.push(h.address.clone());
         }
     }
     if healthy.is_empty() {

@@ -27,7 +27,7 @@ use super::breaker::{Admission, Breaker};
 use super::cache_check::CacheCheck;
 use super::{healthy_hosts, Decision, Stream};
 use crate::config::GlobalLeastRequestConfig;
-use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply};
+use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply, UpstreamHost};
 use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
 use std::collections::HashMap;
@@ -412,11 +412,12 @@ impl Picker {
     /// Starts a pick for `stream`: `Pending`; `Passthrough` when there is no healthy host; decided
     /// without Redis when the breaker is open or the call could not be sent.
     pub fn start(&mut self, host: &mut dyn Host, stream: &mut Stream, kind: PickKind) -> Decision {
-        let Some((mut healthy, others)) = healthy_hosts(host, self.name) else {
+        let list = host.upstream_hosts();
+        let Some((mut healthy, others)) = healthy_hosts(list.as_deref(), host, self.name) else {
             return Decision::Passthrough;
         };
         if self.breaker.admit(host.now_nanos()) == Admission::Refuse {
-            return self.without_redis(host, stream, &Fallback::BreakerOpen);
+            return self.without_redis(host, stream, &Fallback::BreakerOpen, list);
         }
         let mut in_cluster = Vec::with_capacity(healthy.len() + others.len());
         in_cluster.extend(healthy.iter().cloned());
@@ -458,7 +459,7 @@ impl Picker {
             }
             Err(_) => {
                 self.redis_failed(host);
-                self.without_redis(host, stream, &Fallback::SendFailed)
+                self.without_redis(host, stream, &Fallback::SendFailed, list)
             }
         }
     }
@@ -571,19 +572,21 @@ impl Picker {
     }
 
     /// Every request Redis could not decide comes here: routed by the pods' metrics when they are
-    /// known, else normal balancing; logged and counted either way.
+    /// known, else normal balancing; logged and counted either way. `list` is the cluster's host
+    /// list when this callback already has it.
     fn without_redis(
         &mut self,
         host: &mut dyn Host,
         stream: &mut Stream,
         why: &Fallback,
+        list: Option<Vec<UpstreamHost>>,
     ) -> Decision {
         host.increment_counter(why.counter(), 1);
         let now_ms = host.now_nanos() / 1_000_000;
-        let pod = match self.metrics.gather(host, &stream.cluster, now_ms) {
-            Some(pods) => self.metrics.choose(host, &pods, "", now_ms),
-            None => None,
-        };
+        let pod = list
+            .or_else(|| host.upstream_hosts())
+            .and_then(|list| self.metrics.gather(host, &stream.cluster, list, now_ms))
+            .and_then(|pods| self.metrics.choose(host, &pods, "", now_ms));
         // While the breaker is open every request comes here: its opening was logged once.
         let level = if *why == Fallback::BreakerOpen { LogLevel::Debug } else { LogLevel::Warn };
         match pod {
@@ -653,7 +656,9 @@ impl Picker {
                 Decision::Reject { status: 429, body: REJECT_BODY.to_string() }
             }
             (ReplyOutcome::NotForRequest, _) => Decision::Pending,
-            (ReplyOutcome::Fallback(why), Some(stream)) => self.without_redis(host, stream, &why),
+            (ReplyOutcome::Fallback(why), Some(stream)) => {
+                self.without_redis(host, stream, &why, None)
+            }
             (ReplyOutcome::Fallback(_), None) => Decision::Passthrough,
         }
     }
@@ -694,7 +699,7 @@ impl Picker {
         }
         self.redis_failed(host);
         self.fallback(host, stream, Fallback::Slow);
-        self.without_redis(host, stream, &Fallback::Slow)
+        self.without_redis(host, stream, &Fallback::Slow, None)
     }
 
     /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
