@@ -1,6 +1,6 @@
 //! OpenAI-compatible HTTP front end of a simulated pod, its scheduler driver and /metrics.
 
-use crate::engine::{EngineConfig, Event, Scheduler, Usage};
+use crate::engine::{self, EngineConfig, Event, Finish, Scheduler, Usage};
 use crate::tokenizer::{chat_prompt_tokens, hash_tokens, tokenize, Message, Rng};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -160,7 +160,7 @@ impl Pod {
             let events = st.sched.end_step();
             let mut gone = Vec::new();
             for (id, ev) in events {
-                let done = matches!(ev, Event::Done(_));
+                let done = matches!(ev, Event::Done(..));
                 if let Some(tx) = st.senders.get(&id) {
                     if tx.send(ev).is_err() {
                         gone.push(id);
@@ -338,6 +338,17 @@ impl Pod {
             "# TYPE podsim_cache_tree_tokens gauge\npodsim_cache_tree_tokens {}",
             s.cached_tree_tokens()
         );
+        // Simulated seconds: Σ (running + waiting) × step time, and Σ step time.
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_inflight_seconds_total counter\npodsim_inflight_seconds_total {}",
+            c.inflight_us as f64 / 1e6
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_busy_seconds_total counter\npodsim_busy_seconds_total {}",
+            c.busy_us as f64 / 1e6
+        );
         o
     }
 
@@ -466,6 +477,7 @@ impl Pod {
         let model = v.get("model").and_then(Value::as_str).unwrap_or(&self.cfg.model).to_string();
         let adapter = self.cfg.loras.iter().find(|l| **l == model).cloned();
         let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let ignore_eos = v.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false);
         let include_usage =
             v.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
 
@@ -484,7 +496,7 @@ impl Pod {
             let id = st.next_id;
             st.next_id += 1;
             st.senders.insert(id, tx);
-            st.sched.submit(id, prompt, max_tokens, seed, adapter);
+            st.sched.submit(engine::Request { id, prompt, max_tokens, seed, adapter, ignore_eos });
             id
         };
         self.notify.notify_one();
@@ -514,19 +526,22 @@ impl Pod {
         }
         let mut text = String::new();
         let mut usage = Usage::default();
+        let mut finish = Finish::Length;
         while let Some(ev) = rx.recv().await {
             match ev {
                 Event::Token(t) => text.push_str(&t),
-                Event::Done(u) => {
+                Event::Done(u, f) => {
                     usage = u;
+                    finish = f;
                     break;
                 }
             }
         }
+        let reason = finish.as_str();
         let choice = if chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
         } else {
-            json!({"index": 0, "text": text, "finish_reason": "length"})
+            json!({"index": 0, "text": text, "finish_reason": reason})
         };
         let v = json!({
             "id": rid, "object": if chat { "chat.completion" } else { "text_completion" },
@@ -609,11 +624,12 @@ impl SseBody {
                 self.first = false;
                 self.chunk(out, choice, None);
             }
-            Event::Done(u) => {
+            Event::Done(u, finish) => {
+                let reason = finish.as_str();
                 let choice = if self.chat {
-                    json!([{"index": 0, "delta": {}, "finish_reason": "length"}])
+                    json!([{"index": 0, "delta": {}, "finish_reason": reason}])
                 } else {
-                    json!([{"index": 0, "text": "", "finish_reason": "length"}])
+                    json!([{"index": 0, "text": "", "finish_reason": reason}])
                 };
                 self.chunk(out, choice, None);
                 if self.include_usage {
