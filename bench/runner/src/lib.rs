@@ -4,6 +4,7 @@
 
 pub mod aiperf;
 pub mod chart;
+pub mod model;
 pub mod procs;
 pub mod redis_cost;
 pub mod scenario;

@@ -37,6 +37,12 @@ enum Cmd {
         #[arg(long)]
         reps: Option<usize>,
     },
+    /// The scenario's workload through the pods' latency model alone (no HTTP, gateway or Redis),
+    /// with round_robin and session_hash: what the model gives, in a second.
+    Model {
+        /// Scenario name or file.
+        scenario: String,
+    },
     /// Two 5-turn conversations through one gateway with prefix_cache; checks session stickiness.
     Demo,
     /// What one routed request costs Redis (script time, main-thread CPU, bytes) with the plugin's
@@ -141,6 +147,26 @@ async fn run(paths: Paths, name: String, only: Vec<String>, reps: Option<usize>)
     Ok(())
 }
 
+fn model(paths: Paths, name: String) -> Result<()> {
+    let sc = load_scenario(&paths, &name)?;
+    println!("{} (model only, profile {}):\n", sc.name, sc.pods.profile);
+    println!("| policy | req | TTFT mean | E2E mean | out tok/s | out tokens/reply | hit rate |");
+    println!("|---|---|---|---|---|---|---|");
+    for policy in ["round_robin", "session_hash"] {
+        let r = bench::model::run(&sc, policy)?;
+        println!(
+            "| {policy} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}% |",
+            r.requests,
+            r.ttft_mean_ms,
+            r.e2e_mean_ms,
+            r.output_tokens_per_s,
+            r.output_tokens_mean,
+            r.hit_rate * 100.0
+        );
+    }
+    Ok(())
+}
+
 async fn redis_cost(paths: Paths, requests: u64, reps: usize) -> Result<()> {
     let rows = bench::redis_cost::measure(requests, reps).await?;
     let table = bench::redis_cost::table(&rows, reps);
@@ -228,6 +254,7 @@ async fn main() {
     let work = async move {
         match cli.cmd {
             Cmd::Run { scenario, policies, reps } => run(paths, scenario, policies, reps).await,
+            Cmd::Model { scenario } => model(paths, scenario),
             Cmd::Demo => demo(paths).await,
             Cmd::RedisCost { requests, reps } => redis_cost(paths, requests, reps).await,
         }
