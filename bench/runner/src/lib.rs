@@ -9,12 +9,13 @@ pub mod procs;
 pub mod redis_cost;
 pub mod scenario;
 pub mod stats;
+pub mod tables;
 
 use anyhow::{anyhow, Context, Result};
 use loadgen::stats::{Dist, P50P99};
 use procs::{free_port, http_get, prom_value, redis_cmd, redis_usage, require, Proc, Redis};
 use scenario::Scenario;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use stats::PolicyAggregate;
 use std::collections::BTreeMap;
@@ -66,7 +67,7 @@ impl Paths {
 }
 
 /// Results of one run of one policy (at one gateway replica count).
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct PolicyResult {
     /// Policy name.
     pub policy: String,
@@ -114,7 +115,7 @@ pub struct PolicyResult {
 }
 
 /// When, from what and where a report was made.
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct Stamp {
     /// Unix time at the end of the run.
     pub unix_time: u64,
@@ -158,7 +159,7 @@ impl Stamp {
 }
 
 /// The whole report written to bench/results/<scenario>.json.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     /// Scenario name.
     pub scenario: String,

@@ -43,6 +43,12 @@ enum Cmd {
         /// Scenario name or file.
         scenario: String,
     },
+    /// The README's result tables from bench/results/*.json, stamped with date, commit, machine.
+    Tables {
+        /// Replace the generated part of README.md instead of printing.
+        #[arg(long)]
+        write: bool,
+    },
     /// Two 5-turn conversations through one gateway with prefix_cache; checks session stickiness.
     Demo,
     /// What one routed request costs Redis (script time, main-thread CPU, bytes) with the plugin's
@@ -144,6 +150,22 @@ async fn run(paths: Paths, name: String, only: Vec<String>, reps: Option<usize>)
     );
     print!("{}", table(&rep));
     println!("\nwrote {} and {}", json_path.display(), png_path.display());
+    Ok(())
+}
+
+fn tables(paths: Paths, write: bool) -> Result<()> {
+    let (md, skipped) = bench::tables::render(&paths.results)?;
+    for f in skipped {
+        eprintln!("skipped {f}: not a `bench run` report of this version (re-run its scenario)");
+    }
+    if !write {
+        print!("{md}");
+        return Ok(());
+    }
+    let readme = paths.root.join("README.md");
+    let text = std::fs::read_to_string(&readme)?;
+    std::fs::write(&readme, bench::tables::splice(&text, &md)?)?;
+    println!("updated {}", readme.display());
     Ok(())
 }
 
@@ -255,6 +277,7 @@ async fn main() {
         match cli.cmd {
             Cmd::Run { scenario, policies, reps } => run(paths, scenario, policies, reps).await,
             Cmd::Model { scenario } => model(paths, scenario),
+            Cmd::Tables { write } => tables(paths, write),
             Cmd::Demo => demo(paths).await,
             Cmd::RedisCost { requests, reps } => redis_cost(paths, requests, reps).await,
         }

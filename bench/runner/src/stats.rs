@@ -1,7 +1,7 @@
 //! Repetitions: the order runs are made in, and their summary as median with min–max.
 
 use crate::PolicyResult;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The order of `reps` repetitions of `runs` runs: repetition by repetition (every run once
 /// before any run twice), each repetition starting one run later than the previous one, so no
@@ -12,7 +12,7 @@ pub fn interleaved(runs: usize, reps: usize) -> Vec<(usize, usize)> {
 }
 
 /// Median with the smallest and largest value of a metric over repetitions.
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 pub struct Spread {
     /// Median (mean of the two middle values for an even count).
     pub median: f64,
@@ -41,7 +41,7 @@ impl Spread {
 }
 
 /// One (replicas, policy) over all its repetitions.
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct PolicyAggregate {
     /// Policy name.
     pub policy: String,
