@@ -13,7 +13,7 @@ pub mod tables;
 
 use anyhow::{anyhow, Context, Result};
 use loadgen::stats::{Dist, P50P99};
-use procs::{free_port, http_get, prom_value, redis_cmd, redis_usage, require, Proc, Redis};
+use procs::{http_get, prom_value, redis_cmd, redis_usage, require, Proc, Redis};
 use scenario::Scenario;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -25,10 +25,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::process::Command;
 
-/// Cluster names as Higress/Envoy spell them.
-pub const LLM_CLUSTER: &str = "outbound|8000||llm.static";
-/// The Redis cluster the plugin names in `proxy_redis_init` (serviceFQDN redis.static, port 6379).
-pub const REDIS_CLUSTER: &str = "outbound|6379||redis.static";
+/// Cluster names as Higress/Envoy spell them, the same as the end-to-end tests': the LLM service,
+/// and the Redis cluster the plugin names in `proxy_redis_init` (serviceFQDN redis.static, port 6379).
+pub use testkit::gateway::{LLM_CLUSTER, REDIS_CLUSTER};
 /// Request header naming the upstream cluster in the `session_hash` baseline (Envoy
 /// `cluster_header`): one cluster per pod, the client hashing the session onto them.
 pub const SESSION_CLUSTER_HEADER: &str = "x-bench-session-cluster";
@@ -449,9 +448,4 @@ pub fn table(rep: &Report) -> String {
         ));
     }
     t
-}
-
-/// A free port (re-exported for the demo).
-pub fn port() -> Result<u16> {
-    free_port()
 }
