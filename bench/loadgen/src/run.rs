@@ -222,6 +222,10 @@ async fn send(
             }
         }
     }
+    if !done {
+        // The pod died mid-stream (or the gateway cut it): not a complete reply.
+        return Err(format!("stream ended before [DONE] after {} bytes", reply.text.len()));
+    }
     Ok(reply)
 }
 

@@ -82,9 +82,16 @@ struct Args {
     /// Fault: 503 on /health and completions for this many seconds after start.
     #[arg(long, default_value_t = 0.0)]
     slow_start_s: f64,
-    /// Fault: stop answering anything after this many seconds.
+    /// Fault: stop answering anything, and stop the engine, after this many seconds.
     #[arg(long)]
     hang_after_s: Option<f64>,
+    /// Fault: the hang ends after this many seconds (default: never).
+    #[arg(long)]
+    hang_for_s: Option<f64>,
+    /// Fault: the engine dies after this many seconds: streams in flight are cut, completions and
+    /// /health answer 503.
+    #[arg(long)]
+    fail_after_s: Option<f64>,
     /// Pods the faults apply to (comma-separated indexes; default: all).
     #[arg(long, value_delimiter = ',')]
     fault_pods: Vec<usize>,
@@ -129,6 +136,8 @@ async fn main() -> anyhow::Result<()> {
                 error_rate: a.error_rate,
                 slow_start_s: a.slow_start_s,
                 hang_after_s: a.hang_after_s,
+                hang_for_s: a.hang_for_s,
+                fail_after_s: a.fail_after_s,
             }
         } else {
             Faults::default()

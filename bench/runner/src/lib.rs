@@ -183,13 +183,23 @@ fn gateway_config(
     pods: &[String],
     redis: &str,
 ) -> Value {
+    let health = sc.health_check.then(|| {
+        json!({"path": "/health", "interval_ms": 200, "timeout_ms": 1000,
+            "unhealthy_threshold": 3, "healthy_threshold": 1})
+    });
     if policy == "session_hash" {
         // No plugin: one cluster per pod, picked by the header the client derives from the
         // session (what a hash-on-session load balancer gives).
         let clusters: Vec<Value> = pods
             .iter()
             .enumerate()
-            .map(|(i, p)| json!({"name": pod_cluster(i), "endpoints": [p]}))
+            .map(|(i, p)| {
+                let mut c = json!({"name": pod_cluster(i), "endpoints": [p]});
+                if let Some(h) = &health {
+                    c["health_check"] = h.clone();
+                }
+                c
+            })
             .collect();
         return json!({
             "listeners": [{"name": "main", "address": "127.0.0.1:0"}],
@@ -200,6 +210,9 @@ fn gateway_config(
         });
     }
     let mut llm = json!({"name": LLM_CLUSTER, "lb_policy": "round_robin", "endpoints": pods});
+    if let Some(h) = health {
+        llm["health_check"] = h;
+    }
     if policy == "endpoint_metrics" {
         // Like Higress: the health checker keeps each pod's /metrics body for the plugin.
         llm["health_check"] = json!({"path": "/metrics", "interval_ms": 200, "timeout_ms": 1000,

@@ -98,6 +98,10 @@ pub struct Scenario {
     /// endpoint_metrics.
     #[serde(default = "all_policies")]
     pub policies: Vec<String>,
+    /// Active health checks of the pods for every policy (`endpoint_metrics` always has one, on
+    /// `/metrics`; the others check `/health`), as a deployment with failing pods would have.
+    #[serde(default)]
+    pub health_check: bool,
     /// Extra plugin `lb_config` keys per policy (merged over the defaults).
     #[serde(default)]
     pub lb_config: serde_json::Map<String, serde_json::Value>,
