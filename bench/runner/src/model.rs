@@ -42,6 +42,26 @@ struct Active {
     pod: usize,
 }
 
+impl Active {
+    /// A session about to send its first turn.
+    fn new(plan: SessionPlan) -> Active {
+        let history = plan
+            .system
+            .iter()
+            .map(|sys| Message { role: "system".into(), content: sys.clone() })
+            .collect();
+        Active {
+            plan,
+            history,
+            turn: 0,
+            sent_at: 0.0,
+            first_token: None,
+            reply: String::new(),
+            pod: 0,
+        }
+    }
+}
+
 /// Runs `sc`'s workload with `policy` (`round_robin` or `session_hash`) on its pods' model.
 pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
     if !matches!(policy, "round_robin" | "session_hash") {
@@ -95,19 +115,7 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
         };
     for _ in 0..sc.workload.concurrency() {
         let Some(plan) = queue.pop_front() else { break };
-        let mut history = Vec::new();
-        if let Some(sys) = &plan.system {
-            history.push(Message { role: "system".into(), content: sys.clone() });
-        }
-        let mut a = Active {
-            plan,
-            history,
-            turn: 0,
-            sent_at: 0.0,
-            first_token: None,
-            reply: String::new(),
-            pod: 0,
-        };
+        let mut a = Active::new(plan);
         start_turn(&mut a, now, &mut arriving, next_id, &mut rr);
         active.insert(next_id, a);
         next_id += 1;
@@ -165,21 +173,7 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
             let next = if a.turn < a.plan.turns.len() {
                 Some(a)
             } else {
-                queue.pop_front().map(|plan| {
-                    let mut history = Vec::new();
-                    if let Some(sys) = &plan.system {
-                        history.push(Message { role: "system".into(), content: sys.clone() });
-                    }
-                    Active {
-                        plan,
-                        history,
-                        turn: 0,
-                        sent_at: 0.0,
-                        first_token: None,
-                        reply: String::new(),
-                        pod: 0,
-                    }
-                })
+                queue.pop_front().map(Active::new)
             };
             if let Some(mut a) = next {
                 start_turn(&mut a, now, &mut arriving, next_id, &mut rr);
