@@ -164,7 +164,7 @@ impl MetricsRouter {
         )
     }
 
-    /// The pod to route to, or `None` when no pod has usable metrics.
+    /// The pod to route to, or `None` when some pod has no usable metrics.
     pub fn choose(
         &mut self,
         host: &mut dyn Host,
@@ -173,9 +173,10 @@ impl MetricsRouter {
         now_ms: u64,
     ) -> Option<String> {
         let interval = u64::from(self.scrape_interval_ms);
+        // One pod without metrics: no opinion for the whole request, as in Go.
         let candidates: Vec<Candidate<'_>> = pods
             .iter()
-            .filter_map(|p| {
+            .map(|p| {
                 let m = p.metrics.as_ref()?;
                 // Requests sent after the sample are not in it yet. Host-provided metrics carry no
                 // time: assume they are one scrape interval old.
@@ -186,7 +187,7 @@ impl MetricsRouter {
                     pending: self.recent.count_since(&p.address, since),
                 })
             })
-            .collect();
+            .collect::<Option<_>>()?;
         let survivors = schedule::filter(self.ranking.policy, model, &candidates);
         let idx = schedule::pick(&survivors, host.random_u64())?;
         let chosen = candidates.get(idx).map(|c| c.address)?;

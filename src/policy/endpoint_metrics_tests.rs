@@ -198,8 +198,10 @@ fn a_failed_scrape_makes_the_pod_unknown_at_once() {
         };
         p.on_http_reply(&mut h, None, *token, &reply);
     }
+    // Pod 1 is unknown from now on, so the request is left to normal balancing (as Go does when
+    // a pod has no metrics), not sent to the busy pod 2.
     for _ in 0..10 {
-        assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+        assert_eq!(route(&mut p, &mut h), Decision::Passthrough);
     }
 }
 
@@ -242,12 +244,13 @@ fn least_and_most_follow_target_metric() {
         assert_eq!(route(&mut most, &mut h), Decision::Route("10.0.0.1:8000".into()));
         h.now += 1_000_000_000;
     }
-    // A pod whose metrics lack the target metric is never chosen by least/most.
+    // A pod whose metrics lack the target metric: the request uses normal balancing (Go's
+    // scheduler fails for the whole request too).
     let mut h = host_with(&[
         ("10.0.0.9:8000", true, Some("sglang:num_running_reqs 0\n".into())),
         pods[0].clone(),
     ]);
-    assert_eq!(route(&mut least, &mut h), Decision::Route("10.0.0.1:8000".into()));
+    assert_eq!(route(&mut least, &mut h), Decision::Passthrough);
 }
 
 #[test]
