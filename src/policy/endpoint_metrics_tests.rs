@@ -320,3 +320,34 @@ fn through_the_dispatcher_scrape_on_tick_then_pin_requests() {
     f.on_request_headers(&mut h, 11, true);
     assert_eq!(h.override_host.as_deref(), Some("10.0.0.2:8000"));
 }
+
+#[test]
+fn parsed_metrics_are_cached_per_cluster_and_bounded() {
+    // One policy serving two clusters (e.g. a domain rule over two services), requests alternating:
+    // each cluster keeps its pods' parses instead of evicting the other's on every request.
+    let a = || {
+        host_with(&[
+            ("10.0.1.1:8000", true, Some(vllm(2, 0, 0.2, None))),
+            ("10.0.1.2:8000", true, Some(vllm(1, 0, 0.2, None))),
+        ])
+    };
+    let b = || host_with(&[("10.0.2.1:8000", true, Some(vllm(3, 0, 0.2, None)))]);
+    let mut p = EndpointMetrics::new(config("{}"));
+    for _ in 0..3 {
+        for (cluster, mut h) in [("outbound|8000||a", a()), ("outbound|8000||b", b())] {
+            let mut s = Stream { cluster: cluster.to_string(), ..Default::default() };
+            assert!(matches!(p.on_request_headers(&mut h, &mut s, true), Decision::Route(_)));
+        }
+        assert_eq!(p.router.cached_pods("outbound|8000||a"), 2);
+        assert_eq!(p.router.cached_pods("outbound|8000||b"), 1);
+    }
+    // Any number of clusters: the cache starts over rather than grow.
+    for i in 0..200 {
+        let mut h = b();
+        let mut s = Stream { cluster: format!("outbound|8000||c{i}"), ..Default::default() };
+        p.on_request_headers(&mut h, &mut s, true);
+    }
+    let cached: usize =
+        (0..200).map(|i| p.router.cached_pods(&format!("outbound|8000||c{i}"))).sum();
+    assert!(cached <= 64, "{cached} clusters cached");
+}
