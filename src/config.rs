@@ -822,11 +822,13 @@ fn parse_lb(
     let lb_obj = match root.get("lb_config") {
         None | Some(Value::Null) => &empty,
         Some(Value::Object(m)) => m,
+        // gjson finds no keys in anything else: the policy runs on its defaults, as in Go.
         Some(v) => {
-            return Err(err(
-                &top.path("lb_config"),
-                format!("expected an object, got {}", type_name(v)),
-            ))
+            top.warn(
+                "lb_config",
+                format!("{} has no keys: read as {{}}, as Go reads it", type_name(v)),
+            );
+            &empty
         }
     };
     let f = Fields { obj: lb_obj, prefix: format!("{prefix}lb_config."), warnings };

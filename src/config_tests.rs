@@ -136,12 +136,20 @@ fn error_lb_policy_not_string() {
     expect_err(r#"{"lb_policy":[5]}"#, "lb_policy", "expected a string");
 }
 #[test]
-fn error_lb_config_not_object() {
+fn lb_config_not_an_object_has_no_keys_as_in_go() {
+    // The Redis policies then miss their Redis location, as in Go.
     expect_err(
         r#"{"lb_policy":"prefix_cache","lb_config":"x"}"#,
-        "lb_config",
-        "expected an object",
+        "lb_config.serviceFQDN",
+        "required",
     );
+    // endpoint_metrics runs on its defaults, with a warning.
+    let c = parse(r#"{"lb_policy":"endpoint_metrics","lb_config":[1]}"#).unwrap();
+    let Some(LbConfig { policy: PolicyConfig::EndpointMetrics(e), .. }) = c.default else {
+        panic!()
+    };
+    assert_eq!(e.metric_policy, MetricPolicy::Default);
+    assert!(c.warnings[0].contains("lb_config: an array has no keys"), "{:?}", c.warnings);
 }
 #[test]
 fn error_service_fqdn() {
