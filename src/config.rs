@@ -1,4 +1,5 @@
-//! Plugin configuration: the same JSON shape, keys and defaults as Higress's Go `ai-load-balancer`,
+//! Plugin configuration: the JSON shape, keys and defaults of Higress's Go `ai-load-balancer`, read
+//! with Go's meaning (README "Coming from the Go plugin" lists every difference),
 //! plus a few keys of ours (camelCase like the Go `lb_config` keys). These types are the
 //! documentation of the config; README "## Plugin configuration" lists every key with its default.
 //!
@@ -22,9 +23,10 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 pub const DEFAULT_CLUSTER_HEADER: &str = "x-higress-target-cluster";
 /// Default latency sample queue size for `cluster_metrics`, as in Go.
 pub const DEFAULT_QUEUE_SIZE: usize = 100;
-/// Default sliding window size (requests) for `endpoint_metrics` `rate_limit`, as in Go.
+/// Default sliding window size (requests) for `endpoint_metrics` `rate_limit` (ours; Go always
+/// counts its last 100 picks).
 pub const DEFAULT_WINDOW_SIZE: usize = 100;
-/// Default sliding window length (s) for `endpoint_metrics` `rate_limit`, as in Go.
+/// Default sliding window length (s) for `endpoint_metrics` `rate_limit` (ours; Go has none).
 pub const DEFAULT_WINDOW_SECONDS: u64 = 60;
 /// Default `prefix_cache` hit load guard (ours): a prefix hit is not taken when the hit host has
 /// more than `hitLoadFactor` × (least in-flight + 1) requests in flight. 0 disables the guard.
@@ -188,7 +190,8 @@ pub enum MetricPolicy {
 pub struct EndpointMetricsConfig {
     /// `metric_policy` (default `default`).
     pub metric_policy: MetricPolicy,
-    /// `target_metric` (required for `least`/`most`): metric name in the pods' Prometheus text.
+    /// `target_metric` (for `least`/`most`; without it they become [`MetricPolicy::Random`]):
+    /// metric name in the pods' Prometheus text.
     pub target_metric: Option<String>,
     /// `rate_limit` (default 1.0): largest share of the recent requests one host may get.
     pub rate_limit: f64,
