@@ -43,13 +43,13 @@ pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> 
             let role = m.role();
             cur.push_str(role);
             cur.push(':');
-            if let Message::Object { content: Some(content), tool_calls, .. } = m {
-                push_content(&mut cur, content);
+            if let Message::Object { content, tool_calls, .. } = m {
+                if let Some(content) = content {
+                    push_content(&mut cur, content);
+                }
                 if let Some(tc) = tool_calls {
                     cur.push_str(&tc.to_string());
                 }
-            } else if let Message::Object { tool_calls: Some(tc), .. } = m {
-                cur.push_str(&tc.to_string());
             }
             // End of the leading system run: the next message is the first non-system one.
             let system_cut = split_system
