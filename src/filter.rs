@@ -10,7 +10,7 @@
 //! * A stream is never left paused: a `Pending` decision without an outstanding call resumes.
 //! * `Policy::on_stream_done` runs exactly once per stream (on_log, else on_done, else on_delete).
 
-use crate::config::{LbConfig, MatchInput, PluginConfig};
+use crate::config::{LbConfig, MatchInput, PluginConfig, CONSUMER_HEADER};
 use crate::host::{Counter, Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
 use crate::policy::{self, Decision, Policy, Stream};
 use std::cell::RefCell;
@@ -291,9 +291,18 @@ impl Filter {
         let route = host.route_name().unwrap_or_default();
         let cluster = host.cluster_name().unwrap_or_default();
         let authority = host.request_header(":authority").unwrap_or_default();
-        let Some((idx, lb)) =
-            cfg.select(&MatchInput { route: &route, authority: &authority, cluster: &cluster })
-        else {
+        let consumer = if cfg.matches_consumers() {
+            host.request_header(CONSUMER_HEADER).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let input = MatchInput {
+            route: &route,
+            authority: &authority,
+            cluster: &cluster,
+            consumer: &consumer,
+        };
+        let Some((idx, lb)) = cfg.select(&input) else {
             return HEADERS_CONTINUE;
         };
         let max_body = lb.max_body_bytes;
