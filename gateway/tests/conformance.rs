@@ -146,10 +146,6 @@ impl Plugin {
     }
 }
 
-/// Request headers: call out to cluster `callout` (GET /slow: 500 ms) and pause; the callout
-/// response continues the stream. Body callbacks buffer until then.
-#[tokio::test(flavor = "multi_thread")]
-#[tokio::test(flavor = "multi_thread")]
 /// Body callbacks buffer until end_of_stream and read the cumulative buffer each time.
 fn buffering_plugin() -> Plugin {
     let mut p = Plugin::new();
@@ -164,7 +160,6 @@ fn buffering_plugin() -> Plugin {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[tokio::test(flavor = "multi_thread")]
 async fn decoder_buffer_limit_gives_413() {
     let mut sc = buffering_plugin().scenario("decoder_buffer_limit_gives_413");
     sc.buffer_limit = 12;
@@ -178,15 +173,6 @@ async fn decoder_buffer_limit_gives_413() {
 
 /// `$probe`: one line with the status of every header map and body buffer, in the callback
 /// that calls it.
-#[tokio::test(flavor = "multi_thread")]
-/// `continue_stream` inside a callback: what the plugin can still read and write afterwards in
-/// the same callback, and later.
-#[tokio::test(flavor = "multi_thread")]
-/// After a pause: the callout response switches to the stream, continues it and then tries to
-/// change the request.
-#[tokio::test(flavor = "multi_thread")]
-#[tokio::test(flavor = "multi_thread")]
-#[tokio::test(flavor = "multi_thread")]
 /// An HTTP call to an ordinary cluster (headers, body, the response's headers and body), to an
 /// unknown cluster, and without `:authority`.
 #[tokio::test(flavor = "multi_thread")]
@@ -297,7 +283,6 @@ async fn dispatch_http_call_on_original_dst() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[tokio::test(flavor = "multi_thread")]
 async fn shared_data_with_cas() {
     let mut p = Plugin::new();
     let (ev, key, v1, v2, v3) =
@@ -324,7 +309,6 @@ async fn shared_data_with_cas() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[tokio::test(flavor = "multi_thread")]
 async fn sse_response_chunk_by_chunk() {
     let p = Plugin::new();
     differential(p.scenario("sse_response_chunk_by_chunk").steps(vec![Step::get("/sse")])).await;
@@ -337,7 +321,6 @@ async fn marker(marker: &'static str, name: &'static str) -> envoy::Transcript {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-#[tokio::test(flavor = "multi_thread")]
 async fn abi_marker_0_2_0_loads() {
     assert_eq!(marker("0_2_0", "abi_marker_0_2_0_loads").await.start, "started");
 }
@@ -347,8 +330,6 @@ async fn abi_marker_unknown_is_refused() {
     assert_eq!(marker("0_3_0", "abi_marker_unknown_is_refused").await.start, "refused");
 }
 
-#[tokio::test(flavor = "multi_thread")]
-#[tokio::test(flavor = "multi_thread")]
 /// A request header written by the plugin and a `cluster_header` route: does the write re-pick
 /// the cluster? Envoy answers (README, "Route re-selection").
 #[tokio::test(flavor = "multi_thread")]

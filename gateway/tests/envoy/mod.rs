@@ -91,13 +91,6 @@ pub enum Step {
         chunks: Vec<String>,
         pause_ms: u64,
     },
-    /// Raw bytes on a new connection, held open `hold_ms`, then closed (a client that goes
-    /// away). Whatever came back is not compared (the proxies' own headers differ).
-    Abort {
-        bytes: String,
-        hold_ms: u64,
-    },
-    Sleep(u64),
 }
 
 impl Step {
@@ -120,9 +113,8 @@ impl Step {
         }
     }
     pub fn header(mut self, k: &'static str, v: &str) -> Step {
-        if let Step::Send { headers, .. } = &mut self {
-            headers.push((k, v.to_string()));
-        }
+        let Step::Send { headers, .. } = &mut self;
+        headers.push((k, v.to_string()));
         self
     }
 }
@@ -491,16 +483,6 @@ fn header_lines(h: &hyper::HeaderMap, names: &Names) -> Vec<String> {
 
 async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<String>) {
     match step {
-        Step::Sleep(ms) => tokio::time::sleep(Duration::from_millis(*ms)).await,
-        Step::Abort { bytes, hold_ms } => {
-            use tokio::io::AsyncWriteExt;
-            if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
-                let _ = s.write_all(bytes.as_bytes()).await;
-                tokio::time::sleep(Duration::from_millis(*hold_ms)).await;
-                drop(s);
-            }
-            out.push("aborted".into());
-        }
         Step::Send { method, path, headers, chunks, pause_ms } => {
             let mut b = hyper::Request::builder()
                 .method(*method)
@@ -556,11 +538,10 @@ async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<St
 /// The step with `{UPn}` in header values replaced by upstream n's address.
 fn with_addresses(step: &Step, ups: &[Upstream]) -> Step {
     let mut step = step.clone();
-    if let Step::Send { headers, .. } = &mut step {
-        for (_, v) in headers.iter_mut() {
-            for (i, u) in ups.iter().enumerate() {
-                *v = v.replace(&format!("{{UP{i}}}"), &u.addr.to_string());
-            }
+    let Step::Send { headers, .. } = &mut step;
+    for (_, v) in headers.iter_mut() {
+        for (i, u) in ups.iter().enumerate() {
+            *v = v.replace(&format!("{{UP{i}}}"), &u.addr.to_string());
         }
     }
     step
