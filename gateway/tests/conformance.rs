@@ -366,3 +366,40 @@ async fn path_rewritten_by_the_plugin_rematches_the_route() {
     ];
     differential(sc.steps(vec![Step::get("/start")])).await;
 }
+
+/// Stream properties in `on_request_headers`: plugin identity, the CEL `request.*` attributes
+/// and a missing property.
+#[tokio::test(flavor = "multi_thread")]
+async fn properties_of_the_stream() {
+    let mut p = Plugin::new();
+    let names = [
+        "plugin_name",
+        "plugin_root_id",
+        "route_name",
+        "cluster_name",
+        "request\0path",
+        "request\0url_path",
+        "request\0method",
+        "request\0host",
+        "request\0scheme",
+        "request\0protocol",
+        "request\0headers\0x-probe",
+        "no_such_property",
+    ];
+    let mut probe = String::new();
+    for n in &names {
+        let ev = p.ev(&format!("prop {}", n.replace('\0', ".")));
+        let s = p.s(n);
+        probe.push_str(&format!("{ev} (call $prop {s}) (call $ev_end)\n    "));
+    }
+    let ev_h = p.ev("req_hdrs");
+    let p = p.extra(format!("  (func $props\n    {probe})\n")).on(
+        "proxy_on_request_headers",
+        format!("{ev_h} (call $ev_end) (call $props) (i32.const 0)"),
+    );
+    differential(
+        p.scenario("properties_of_the_stream")
+            .steps(vec![Step::get("/props/x?y=1").header("x-probe", "probe-value")]),
+    )
+    .await;
+}
