@@ -13,21 +13,10 @@
 use crate::config::{LbConfig, MatchInput, PluginConfig};
 use crate::host::{Counter, Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
 use crate::policy::{self, Decision, Policy, Stream};
+use crate::types::{DataAction, HeaderAction};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
-
-/// proxy-wasm header action: continue.
-pub const HEADERS_CONTINUE: u32 = 0;
-/// proxy-wasm header action: StopIteration (held headers; body callbacks keep coming under 0_2_100).
-pub const HEADERS_STOP_ITERATION: u32 = 1;
-/// proxy-wasm data action: continue.
-pub const DATA_CONTINUE: u32 = 0;
-/// proxy-wasm data action: StopIterationAndBuffer (the host accumulates the body).
-pub const DATA_STOP_AND_BUFFER: u32 = 1;
-/// proxy-wasm data action: StopIterationAndWatermark (the host accumulates the body, and past its
-/// buffer limit stops reading from the client instead of answering 413).
-pub const DATA_STOP_AND_WATERMARK: u32 = 2;
 
 type PolicyRef = Rc<RefCell<Box<dyn Policy>>>;
 
@@ -286,19 +275,19 @@ impl Filter {
         host: &mut dyn Host,
         ctx: u32,
         end_of_stream: bool,
-    ) -> u32 {
-        let Some(cfg) = &self.config else { return HEADERS_CONTINUE };
+    ) -> HeaderAction {
+        let Some(cfg) = &self.config else { return HeaderAction::Continue };
         let route = host.route_name().unwrap_or_default();
         let cluster = host.cluster_name().unwrap_or_default();
         let authority = host.request_header(":authority").unwrap_or_default();
         let Some((idx, lb)) =
             cfg.select(&MatchInput { route: &route, authority: &authority, cluster: &cluster })
         else {
-            return HEADERS_CONTINUE;
+            return HeaderAction::Continue;
         };
         let max_body = lb.max_body_bytes;
         let decision_header = lb.decision_header.clone();
-        let Some(Some(p)) = self.policies.get(idx).cloned() else { return HEADERS_CONTINUE };
+        let Some(Some(p)) = self.policies.get(idx).cloned() else { return HeaderAction::Continue };
         let stream = Stream {
             id: ctx,
             route,
@@ -325,28 +314,28 @@ impl Filter {
                 // A body policy asked for a body that will never come: never hang (Higress #3740).
                 host.log(LogLevel::Warn, "ai-load-balancer: policy asked for the body of a bodiless request; using normal balancing");
                 self.set_phase(ctx, Phase::Done);
-                HEADERS_CONTINUE
+                HeaderAction::Continue
             }
             Decision::NeedBody => {
                 raise_decoder_buffer_limit(host, max_body);
                 self.set_phase(ctx, Phase::WaitingBody);
-                HEADERS_STOP_ITERATION
+                HeaderAction::StopIteration
             }
             Decision::Pending => {
                 if self.outstanding(ctx) == 0 {
                     host.log(LogLevel::Warn, "ai-load-balancer: pending without a call in flight; using normal balancing");
                     self.set_phase(ctx, Phase::Done);
-                    return HEADERS_CONTINUE;
+                    return HeaderAction::Continue;
                 }
                 self.set_phase(ctx, Phase::Pending);
-                HEADERS_STOP_ITERATION
+                HeaderAction::StopIteration
             }
             other => {
                 self.set_phase(ctx, Phase::Done);
                 if apply_final(host, other) {
-                    HEADERS_CONTINUE
+                    HeaderAction::Continue
                 } else {
-                    HEADERS_STOP_ITERATION
+                    HeaderAction::StopIteration
                 }
             }
         }
@@ -359,21 +348,21 @@ impl Filter {
         ctx: u32,
         body_size: usize,
         end_of_stream: bool,
-    ) -> u32 {
-        let Some(entry) = self.streams.get(&ctx) else { return DATA_CONTINUE };
+    ) -> DataAction {
+        let Some(entry) = self.streams.get(&ctx) else { return DataAction::Continue };
         match entry.phase {
-            Phase::Done => DATA_CONTINUE,
+            Phase::Done => DataAction::Continue,
             // Hold the data: continuing here would release the held headers before the pick. The
             // body is not needed, so past the buffer limit the client is slowed down (flow
             // control), never answered 413.
-            Phase::Pending => DATA_STOP_AND_WATERMARK,
+            Phase::Pending => DataAction::StopIterationAndWatermark,
             Phase::WaitingBody => {
                 if body_size > entry.max_body {
                     let max = entry.max_body;
                     return self.body_too_large(host, ctx, body_size, max);
                 }
                 if !end_of_stream {
-                    return DATA_STOP_AND_BUFFER;
+                    return DataAction::StopIterationAndBuffer;
                 }
                 let Some(body) = host.request_body(body_size) else {
                     host.log(
@@ -381,7 +370,7 @@ impl Filter {
                         "ai-load-balancer: request body unavailable; using normal balancing",
                     );
                     self.set_phase(ctx, Phase::Done);
-                    return DATA_CONTINUE;
+                    return DataAction::Continue;
                 };
                 self.body_complete(host, ctx, &body)
             }
@@ -389,7 +378,13 @@ impl Filter {
     }
 
     /// A waiting body is over `maxBodyBytes`: normal balancing. Returns the data action.
-    fn body_too_large(&mut self, host: &mut dyn Host, ctx: u32, size: usize, max: usize) -> u32 {
+    fn body_too_large(
+        &mut self,
+        host: &mut dyn Host,
+        ctx: u32,
+        size: usize,
+        max: usize,
+    ) -> DataAction {
         host.log(
             LogLevel::Info,
             &format!("ai-load-balancer: request body larger than maxBodyBytes ({size} > {max}); using normal balancing"),
@@ -399,39 +394,39 @@ impl Filter {
             entry.stream.decision = Some(Counter::FallbackBodyTooLarge.label().to_string());
         }
         self.set_phase(ctx, Phase::Done);
-        DATA_CONTINUE
+        DataAction::Continue
     }
 
     /// The complete body of a stream waiting for it: the policy decides. Returns the data action.
-    fn body_complete(&mut self, host: &mut dyn Host, ctx: u32, body: &[u8]) -> u32 {
+    fn body_complete(&mut self, host: &mut dyn Host, ctx: u32, body: &[u8]) -> DataAction {
         let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_request_body(h, s, body));
         match decision {
             Decision::Pending if self.outstanding(ctx) > 0 => {
                 self.set_phase(ctx, Phase::Pending);
-                DATA_STOP_AND_BUFFER
+                DataAction::StopIterationAndBuffer
             }
             Decision::Pending | Decision::NeedBody => {
                 self.set_phase(ctx, Phase::Done);
-                DATA_CONTINUE
+                DataAction::Continue
             }
             other => {
                 self.set_phase(ctx, Phase::Done);
                 if apply_final(host, other) {
-                    DATA_CONTINUE
+                    DataAction::Continue
                 } else {
-                    DATA_STOP_AND_BUFFER
+                    DataAction::StopIterationAndBuffer
                 }
             }
         }
     }
 
     /// Request trailers: the body ended without an end-of-stream body callback. A body policy still
-    /// waiting decides now on the buffered body. Returns the trailers action (0 continue, 1 stop).
-    pub fn on_request_trailers(&mut self, host: &mut dyn Host, ctx: u32) -> u32 {
-        let Some(entry) = self.streams.get(&ctx) else { return HEADERS_CONTINUE };
+    /// waiting decides now on the buffered body. Returns the trailers action.
+    pub fn on_request_trailers(&mut self, host: &mut dyn Host, ctx: u32) -> HeaderAction {
+        let Some(entry) = self.streams.get(&ctx) else { return HeaderAction::Continue };
         match entry.phase {
-            Phase::Done => HEADERS_CONTINUE,
-            Phase::Pending => HEADERS_STOP_ITERATION,
+            Phase::Done => HeaderAction::Continue,
+            Phase::Pending => HeaderAction::StopIteration,
             Phase::WaitingBody => {
                 let max = entry.max_body;
                 // One read of up to max+1 bytes: its length says whether the body is over the
@@ -443,8 +438,10 @@ impl Filter {
                     self.body_complete(host, ctx, &body)
                 };
                 match action {
-                    DATA_CONTINUE => HEADERS_CONTINUE,
-                    _ => HEADERS_STOP_ITERATION,
+                    DataAction::Continue => HeaderAction::Continue,
+                    DataAction::StopIterationAndBuffer | DataAction::StopIterationAndWatermark => {
+                        HeaderAction::StopIteration
+                    }
                 }
             }
         }

@@ -49,7 +49,7 @@ fn pending_without_a_call_in_flight_never_pauses() {
         100,
     );
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::Continue);
     assert!(host.logged("pending without a call"));
 }
 
@@ -60,7 +60,7 @@ fn need_body_on_a_bodiless_request_continues() {
         100,
     );
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::Continue);
 }
 
 #[test]
@@ -74,13 +74,13 @@ fn body_is_delivered_once_whole_and_route_applies() {
     };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     // The stream may buffer up to maxBodyBytes before Envoy answers 413.
     assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), Some(b"100".to_vec()));
     host.request_body = b"hello".to_vec();
-    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DATA_STOP_AND_BUFFER);
+    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DataAction::StopIterationAndBuffer);
     host.request_body = b"hello world".to_vec();
-    assert_eq!(f.on_request_body(&mut host, 1, 11, true), DATA_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 1, 11, true), DataAction::Continue);
     assert_eq!(*bodies.borrow(), vec![b"hello world".to_vec()]);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
     assert_eq!(host.resumes, 0, "continued by the return value, not by a resume");
@@ -94,7 +94,7 @@ fn set_header_and_reject_decisions() {
     };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::Continue);
     assert_eq!(host.request_header("x-target").as_deref(), Some("c1"));
 
     let p = Scripted {
@@ -103,7 +103,7 @@ fn set_header_and_reject_decisions() {
     };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::StopIteration);
     assert_eq!(host.local_responses, vec![LocalResponse { status: 503, body: b"no".to_vec() }]);
 }
 
@@ -117,7 +117,7 @@ fn a_reply_that_keeps_pending_without_a_new_call_resumes() {
     };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     let t = host.last_redis_token().unwrap();
     assert_eq!(f.stream_of_token(t), Some(1));
     f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
@@ -151,11 +151,11 @@ fn unmatched_requests_are_not_touched_when_only_rules_configure_the_plugin() {
     let mut f = Filter::new();
     let cfg = br#"{"_rules_":[{"_match_route_":["other"],"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"redis.static","servicePort":6379}}]}"#;
     assert!(f.configure(&mut host, cfg));
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::Continue);
     assert!(host.redis_calls.is_empty());
     assert_eq!(f.live_streams(), 0);
     host.properties.insert("route_name".into(), b"other".to_vec());
-    assert_eq!(f.on_request_headers(&mut host, 2, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 2, false), HeaderAction::StopIteration);
     assert_eq!(host.redis_calls.len(), 1);
 }
 
@@ -163,8 +163,8 @@ fn unmatched_requests_are_not_touched_when_only_rules_configure_the_plugin() {
 fn unconfigured_filter_passes_everything() {
     let mut f = Filter::new();
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
-    assert_eq!(f.on_request_body(&mut host, 1, 10, true), DATA_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::Continue);
+    assert_eq!(f.on_request_body(&mut host, 1, 10, true), DataAction::Continue);
 }
 
 #[test]
@@ -178,10 +178,10 @@ fn body_ending_with_trailers_is_read_from_the_host_once() {
     };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     host.request_body = b"hello".to_vec();
-    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DATA_STOP_AND_BUFFER);
-    assert_eq!(f.on_request_trailers(&mut host, 1), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DataAction::StopIterationAndBuffer);
+    assert_eq!(f.on_request_trailers(&mut host, 1), HeaderAction::Continue);
     assert_eq!(*bodies.borrow(), vec![b"hello".to_vec()]);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
     assert_eq!(
@@ -197,7 +197,7 @@ fn body_ending_with_trailers_is_read_from_the_host_once() {
     let mut host = FakeHost::new();
     f.on_request_headers(&mut host, 1, false);
     host.request_body = b"hello".to_vec();
-    assert_eq!(f.on_request_trailers(&mut host, 1), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_trailers(&mut host, 1), HeaderAction::Continue);
     assert_eq!(host.body_reads.get(), 1);
     assert!(host.logged("larger than maxBodyBytes"));
 }

@@ -5,7 +5,8 @@
 //! is running, or, inside a root callback (Redis / HTTP-call reply, tick), the context the dispatcher
 //! made effective. Policies never deal with context ids.
 
-/// Log levels, same numbering as proxy-wasm.
+/// Log levels, same numbering as proxy-wasm (passed to `proxy_log` as is).
+#[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum LogLevel {
     /// Very verbose.

@@ -1,9 +1,9 @@
 //! `global_least_request` through the dispatcher against the fake host.
 
-use crate::filter::{DATA_STOP_AND_WATERMARK, HEADERS_CONTINUE, HEADERS_STOP_ITERATION};
 use crate::host::{Host, HostError, RedisReply};
 use crate::redis::{inflight_key, LEAST_REQUEST_LUA};
 use crate::testutil::*;
+use crate::types::{DataAction, HeaderAction};
 
 const CLUSTER: &str = "outbound|8000||llm.static";
 
@@ -52,7 +52,7 @@ fn bad_config_fails_start_with_one_clear_line() {
 #[test]
 fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     let (mut f, mut host) = setup(&cfg(r#","maxRequestCount":10,"cleanInterval":5"#));
-    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::StopIteration);
     // The body is not read: the stream keeps the gateway's own buffer limit.
     assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), None);
     assert_eq!(host.redis_calls.len(), 1);
@@ -71,7 +71,7 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     assert_eq!(healthy, vec!["10.0.0.1:8000", "10.0.0.2:8000"], "only healthy hosts");
     // Body chunks while the pick is in flight are held, not released: under flow control while the pick is out: a body over the buffer limit slows the client
     // down instead of getting 413.
-    assert_eq!(f.on_request_body(&mut host, 7, 100, false), DATA_STOP_AND_WATERMARK);
+    assert_eq!(f.on_request_body(&mut host, 7, 100, false), DataAction::StopIterationAndWatermark);
     let t = host.last_redis_token().unwrap();
     f.on_redis_reply(
         &mut host,
@@ -86,7 +86,7 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
 #[test]
 fn bodiless_request_decides_in_headers_and_never_waits_for_a_body() {
     let (mut f, mut host) = setup(&cfg(""));
-    assert_eq!(f.on_request_headers(&mut host, 7, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 7, true), HeaderAction::StopIteration);
     let t = host.last_redis_token().unwrap();
     f.on_redis_reply(
         &mut host,
@@ -263,17 +263,17 @@ fn noauth_reinitialises_redis_on_the_next_request() {
 fn redis_call_failure_or_missing_hosts_continue_immediately() {
     let (mut f, mut host) = setup(&cfg(""));
     host.redis_call_error = Some(HostError::InternalFailure);
-    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::Continue);
     let (mut f, mut host) = setup(&cfg(""));
     host.hosts = None;
-    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::Continue);
     assert!(host.redis_calls.is_empty());
     host.set_hosts(&[("10.0.0.1:8000", false)]);
-    assert_eq!(f.on_request_headers(&mut host, 8, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 8, false), HeaderAction::Continue);
     assert!(host.logged("no healthy upstream host"));
     host.properties.remove("route_name");
     host.set_hosts(&[("10.0.0.1:8000", true)]);
-    assert_eq!(f.on_request_headers(&mut host, 9, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 9, false), HeaderAction::Continue);
     assert!(host.redis_calls.is_empty());
 }
 
@@ -400,7 +400,7 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     assert_eq!(host.resumes, 3);
     // Open: decided at once, no call to Redis.
     let calls = host.redis_calls.len();
-    assert_eq!(f.on_request_headers(&mut host, 13, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 13, true), HeaderAction::Continue);
     assert_eq!(host.redis_calls.len(), calls, "no Redis call while open");
     assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
@@ -408,9 +408,9 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     f.on_delete(&mut host, 13);
     // After breakerOpenMs one request probes; while it is out, others do not wait.
     host.now += 1000 * MS;
-    assert_eq!(f.on_request_headers(&mut host, 15, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 15, true), HeaderAction::StopIteration);
     let probe = host.last_redis_token().unwrap();
-    assert_eq!(f.on_request_headers(&mut host, 17, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 17, true), HeaderAction::Continue);
     f.on_redis_reply(
         &mut host,
         probe,
@@ -420,7 +420,7 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert!(host.logged("breaker closed"));
     // Closed again: the next request calls Redis.
-    assert_eq!(f.on_request_headers(&mut host, 19, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 19, true), HeaderAction::StopIteration);
 }
 
 #[test]
@@ -547,7 +547,7 @@ fn without_redis_requests_go_to_the_least_loaded_pod_by_its_metrics() {
     }
     host.override_host = None;
     let calls = host.redis_calls.len();
-    assert_eq!(f.on_request_headers(&mut host, 17, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 17, true), HeaderAction::Continue);
     assert_eq!(host.redis_calls.len(), calls, "no Redis call while the breaker is open");
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&1));
