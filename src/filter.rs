@@ -294,7 +294,6 @@ impl Filter {
             cluster,
             authority,
             start_ns: host.now_nanos(),
-            data: None,
             decision: None,
         };
         let entry = StreamEntry {

@@ -12,7 +12,8 @@
 //!   the call was made by a stream that is still alive (the dispatcher already made it the effective
 //!   context), `None` for calls made at root level (tick) and for streams that ended meanwhile.
 //! * `on_stream_done`: exactly once per stream that reached the policy, whatever the outcome
-//!   (success, upstream failure, reset, client abort, local reply). The place to release counters.
+//!   (success, upstream failure, reset, client abort, local reply). The place to release counters
+//!   and to drop what the policy keeps for the stream (by `Stream::id`, in a typed map of its own).
 //! * `on_tick`: periodic, at root level (no stream); period from `tick_period_ms`. Then
 //!   `on_pending_tick` for each of the policy's streams held with a call in flight (a way to give
 //!   up on a call that takes too long).
@@ -23,7 +24,6 @@
 
 use crate::config::{LbConfig, PolicyConfig};
 use crate::host::{Host, HttpReply, RedisReply};
-use std::any::Any;
 
 pub mod breaker;
 mod cache_check;
@@ -73,8 +73,6 @@ pub struct Stream {
     pub authority: String,
     /// Stream start time (ns since epoch) — for latency statistics.
     pub start_ns: u64,
-    /// Policy-private state (downcast with `data_mut::<T>()`).
-    pub data: Option<Box<dyn Any>>,
     /// How the policy decided (a counter's name without `ai_lb_`, plus details), for the optional
     /// decision response header.
     pub decision: Option<String>,
@@ -87,30 +85,6 @@ impl core::fmt::Debug for Stream {
             .field("route", &self.route)
             .field("cluster", &self.cluster)
             .finish()
-    }
-}
-
-impl Stream {
-    /// The policy-private state, if it has type `T`.
-    pub fn data_mut<T: 'static>(&mut self) -> Option<&mut T> {
-        self.data.as_mut().and_then(|d| d.downcast_mut::<T>())
-    }
-    /// Replaces the policy-private state.
-    pub fn set_data<T: 'static>(&mut self, v: T) {
-        self.data = Some(Box::new(v));
-    }
-    /// Takes the policy-private state out, if it has type `T`.
-    pub fn take_data<T: 'static>(&mut self) -> Option<T> {
-        match self.data.take() {
-            Some(d) => match d.downcast::<T>() {
-                Ok(v) => Some(*v),
-                Err(d) => {
-                    self.data = Some(d);
-                    None
-                }
-            },
-            None => None,
-        }
     }
 }
 

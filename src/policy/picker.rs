@@ -350,6 +350,8 @@ pub(crate) struct Picker {
     release_queue: Vec<Release>,
     /// The pods' metrics, which decide when Redis cannot.
     metrics: MetricsRouter,
+    /// Each live stream's pick, by stream id (from the pick's start to the stream's end).
+    picks: HashMap<u32, PickState>,
 }
 
 impl Picker {
@@ -372,6 +374,7 @@ impl Picker {
             last_heartbeat_ns: 0,
             root_calls: HashMap::new(),
             release_queue: Vec::new(),
+            picks: HashMap::new(),
         }
     }
 
@@ -444,17 +447,20 @@ impl Picker {
         let query = self.script.command(&call_keys, &call_args, false);
         match self.redis.call(host, &query) {
             Ok(token) => {
-                stream.set_data(PickState {
-                    keys: call.keys,
-                    owner_id: call.owner_id,
-                    request_id: call.request_id,
-                    call_keys,
-                    call_args,
-                    pending: Some((token, host.now_nanos())),
-                    used_eval: false,
-                    picked: None,
-                    cache_check: None,
-                });
+                self.picks.insert(
+                    stream.id,
+                    PickState {
+                        keys: call.keys,
+                        owner_id: call.owner_id,
+                        request_id: call.request_id,
+                        call_keys,
+                        call_args,
+                        pending: Some((token, host.now_nanos())),
+                        used_eval: false,
+                        picked: None,
+                        cache_check: None,
+                    },
+                );
                 Decision::Pending
             }
             Err(_) => {
@@ -478,13 +484,11 @@ impl Picker {
         }
         // A stream that ended while its pick was in flight already sent the cancel (on_done).
         let Some(stream) = stream else { return ReplyOutcome::NotForRequest };
-        let Some(state) = stream.data_mut::<PickState>() else {
-            return ReplyOutcome::NotForRequest;
-        };
-        if state.pending.map(|(t, _)| t) != Some(token) {
-            return ReplyOutcome::NotForRequest; // the late reply of an abandoned pick
+        match self.picks.get_mut(&stream.id) {
+            Some(state) if state.pending.map(|(t, _)| t) == Some(token) => state.pending = None,
+            // The late reply of an abandoned pick.
+            _ => return ReplyOutcome::NotForRequest,
         }
-        state.pending = None;
         let frame = match reply {
             RedisReply::NetworkError => {
                 self.redis_failed(host);
@@ -496,17 +500,23 @@ impl Picker {
             },
         };
         self.redis_answered(host);
-        if redis::is_noscript(&frame) && !state.used_eval {
+        if redis::is_noscript(&frame) {
             // The script is not cached on this Redis (restart, failover, new shard): send it once.
-            state.used_eval = true;
-            let query = self.script.command(&state.call_keys, &state.call_args, true);
-            return match self.redis.call(host, &query) {
-                Ok(t) => {
-                    state.pending = Some((t, host.now_nanos()));
-                    ReplyOutcome::NotForRequest
-                }
-                Err(_) => self.fallback(host, stream, Fallback::SendFailed),
-            };
+            let resend = self.picks.get_mut(&stream.id).filter(|s| !s.used_eval).map(|s| {
+                s.used_eval = true;
+                self.script.command(&s.call_keys, &s.call_args, true)
+            });
+            if let Some(query) = resend {
+                return match self.redis.call(host, &query) {
+                    Ok(t) => {
+                        if let Some(s) = self.picks.get_mut(&stream.id) {
+                            s.pending = Some((t, host.now_nanos()));
+                        }
+                        ReplyOutcome::NotForRequest
+                    }
+                    Err(_) => self.fallback(host, stream, Fallback::SendFailed),
+                };
+            }
         }
         if let Frame::Error(msg) = &frame {
             self.redis.on_error_reply(msg);
@@ -518,14 +528,16 @@ impl Picker {
             return self.fallback(host, stream, Fallback::BadReply("unexpected reply".into()));
         };
         let now = host.now_nanos();
-        if let Some(group) = self.groups.get_mut(&state.keys.owners) {
-            group.last_pick_ns = now;
-            if pick.admitted {
-                group.held += 1;
+        if let Some(state) = self.picks.get_mut(&stream.id) {
+            if let Some(group) = self.groups.get_mut(&state.keys.owners) {
+                group.last_pick_ns = now;
+                if pick.admitted {
+                    group.held += 1;
+                }
             }
-        }
-        if pick.admitted {
-            state.picked = Some(pick.host.clone());
+            if pick.admitted {
+                state.picked = Some(pick.host.clone());
+            }
         }
         if self.config.enable_detail_log {
             host.log(
@@ -553,11 +565,11 @@ impl Picker {
         stream: &mut Stream,
         why: Fallback,
     ) -> ReplyOutcome {
-        if let Some(state) = stream.data_mut::<PickState>() {
-            state.pending = None;
-            if !why.may_have_run() {
-                return ReplyOutcome::Fallback(why);
-            }
+        let Some(state) = self.picks.get_mut(&stream.id) else {
+            return ReplyOutcome::Fallback(why);
+        };
+        state.pending = None;
+        if why.may_have_run() {
             let rel = Release {
                 inflight_key: state.keys.inflight.clone(),
                 owner_id: state.owner_id.clone(),
@@ -664,21 +676,21 @@ impl Picker {
     }
 
     /// Checks the engine's cache report in the response against this prediction.
-    pub fn check_cache(&self, stream: &mut Stream, predicted_hit: bool) {
-        if let Some(state) = stream.data_mut::<PickState>() {
+    pub fn check_cache(&mut self, stream: &Stream, predicted_hit: bool) {
+        if let Some(state) = self.picks.get_mut(&stream.id) {
             state.cache_check = Some(CacheCheck::new(predicted_hit));
         }
     }
 
     /// A response body chunk: the cache check keeps the end of the response, and counts at its end.
     pub fn on_response_body(
-        &self,
+        &mut self,
         host: &mut dyn Host,
-        stream: &mut Stream,
+        stream: &Stream,
         size: usize,
         end_of_stream: bool,
     ) {
-        let Some(check) = stream.data_mut::<PickState>().and_then(|s| s.cache_check.as_mut())
+        let Some(check) = self.picks.get_mut(&stream.id).and_then(|s| s.cache_check.as_mut())
         else {
             return;
         };
@@ -691,8 +703,9 @@ impl Picker {
     /// A tick while `stream` waits for its pick: give up a pick slower than `breakerSlowMs`.
     pub fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
         let slow_ns = u64::from(self.config.state.breaker_slow_ms) * 1_000_000;
-        let Some(state) = stream.data_mut::<PickState>() else { return Decision::Pending };
-        let Some((_, sent)) = state.pending else { return Decision::Pending };
+        let Some((_, sent)) = self.picks.get(&stream.id).and_then(|s| s.pending) else {
+            return Decision::Pending;
+        };
         let now = host.now_nanos();
         if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
             return Decision::Pending;
@@ -705,7 +718,7 @@ impl Picker {
     /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
     /// runs before the cancel on the same connection, or finds the tombstone).
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
-        let Some(state) = stream.take_data::<PickState>() else { return };
+        let Some(state) = self.picks.remove(&stream.id) else { return };
         if state.picked.is_some() {
             if let Some(g) = self.groups.get_mut(&state.keys.owners) {
                 g.held = g.held.saturating_sub(1);
