@@ -374,16 +374,6 @@ impl PluginConfig {
             if has_top || rules.is_empty() { Some(parse_lb(&root, "", &warnings)?) } else { None };
         Ok(PluginConfig { default, rules, warnings: warnings.into_inner() })
     }
-
-    /// The config for a request: the first matching rule, else the top-level config.
-    pub fn select(&self, input: &MatchInput<'_>) -> Option<(usize, &LbConfig)> {
-        for (i, r) in self.rules.iter().enumerate() {
-            if r.matcher.matches(input) {
-                return Some((i, &r.config));
-            }
-        }
-        self.default.as_ref().map(|d| (self.rules.len(), d))
-    }
 }
 
 impl RuleMatch {

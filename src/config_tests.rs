@@ -6,6 +6,21 @@ fn parse(s: &str) -> Result<PluginConfig, ConfigError> {
     PluginConfig::from_json(s.as_bytes())
 }
 
+/// The rule a request gets, as the dispatcher chooses it: the first rule that matches, else the
+/// top-level config (index `rules.len()`).
+trait Select {
+    fn select(&self, input: &MatchInput<'_>) -> Option<(usize, &LbConfig)>;
+}
+
+impl Select for PluginConfig {
+    fn select(&self, input: &MatchInput<'_>) -> Option<(usize, &LbConfig)> {
+        match self.rules.iter().position(|r| r.matcher.matches(input)) {
+            Some(i) => self.rules.get(i).map(|r| (i, &r.config)),
+            None => self.default.as_ref().map(|d| (self.rules.len(), d)),
+        }
+    }
+}
+
 fn glr(extra: &str) -> String {
     format!(
         r#"{{"lb_policy":"global_least_request","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379{extra}}}}}"#

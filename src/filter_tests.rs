@@ -9,9 +9,16 @@ struct Scripted {
     headers: Option<Decision>,
     body: Option<Decision>,
     reply: Option<Decision>,
+    /// The headers callback makes a Redis call and holds the request for it.
     make_call: bool,
+    /// The reply callback asks to keep waiting for the call just answered.
+    wait_again: bool,
+    /// The stream-done callback makes a Redis call nothing waits for.
+    call_at_end: bool,
     bodies: Rc<RefCell<Vec<Vec<u8>>>>,
     done: Rc<RefCell<u32>>,
+    /// (token, came with its stream) of every reply.
+    replies: Rc<RefCell<Vec<(u32, bool)>>>,
 }
 
 impl Policy for Scripted {
@@ -20,7 +27,9 @@ impl Policy for Scripted {
     }
     fn on_request_headers(&mut self, host: &mut dyn Host, _s: &mut Stream, _eos: bool) -> Decision {
         if self.make_call {
-            let _ = host.redis_call("c", b"*1\r\n$4\r\nPING\r\n");
+            if let Ok(token) = host.redis_call("c", b"*1\r\n$4\r\nPING\r\n") {
+                return Decision::Pending(token);
+            }
         }
         self.headers.clone().unwrap_or(Decision::Passthrough)
     }
@@ -31,26 +40,60 @@ impl Policy for Scripted {
     fn on_redis_reply(
         &mut self,
         _h: &mut dyn Host,
-        _s: Option<&mut Stream>,
-        _t: u32,
+        s: Option<&mut Stream>,
+        t: u32,
         _r: &RedisReply,
     ) -> Decision {
+        self.replies.borrow_mut().push((t, s.is_some()));
+        if self.wait_again {
+            return Decision::Pending(t);
+        }
         self.reply.clone().unwrap_or(Decision::Passthrough)
     }
-    fn on_stream_done(&mut self, _h: &mut dyn Host, _s: &mut Stream) {
+    fn on_stream_done(&mut self, host: &mut dyn Host, _s: &mut Stream) {
         *self.done.borrow_mut() += 1;
+        if self.call_at_end {
+            let _ = host.redis_call("c", b"*1\r\n$4\r\nPING\r\n");
+        }
     }
 }
 
 #[test]
-fn pending_without_a_call_in_flight_never_pauses() {
-    let mut f = Filter::with_policy(
-        Box::new(Scripted { headers: Some(Decision::Pending), ..Default::default() }),
-        100,
-    );
+fn a_request_held_for_a_call_is_decided_by_its_reply() {
+    let replies = Rc::new(RefCell::new(Vec::new()));
+    let p = Scripted {
+        make_call: true,
+        reply: Some(Decision::Route("10.0.0.9:80".into())),
+        replies: replies.clone(),
+        ..Default::default()
+    };
+    let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::Continue);
-    assert!(host.logged("pending without a call"));
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
+    let t = host.last_redis_token().unwrap();
+    assert_eq!(f.stream_of_token(t), Some(1));
+    host.request_body = b"hello".to_vec();
+    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DataAction::StopIterationAndWatermark);
+    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
+    assert_eq!(*replies.borrow(), vec![(t, true)]);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
+    assert_eq!(host.resumes, 1);
+    assert_eq!(f.stream_of_token(t), None, "answered: nothing waits for it any more");
+}
+
+#[test]
+fn replies_no_stream_waits_for_reach_the_policy_without_a_stream() {
+    let replies = Rc::new(RefCell::new(Vec::new()));
+    let p = Scripted { call_at_end: true, replies: replies.clone(), ..Default::default() };
+    let mut f = Filter::with_policy(Box::new(p), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::Continue);
+    f.on_stream_end(&mut host, 1);
+    let t = host.last_redis_token().unwrap();
+    assert_eq!(f.stream_of_token(t), None);
+    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, false);
+    assert_eq!(*replies.borrow(), vec![(t, false)]);
+    assert_eq!(host.resumes, 0, "no stream was held");
 }
 
 #[test]
@@ -108,13 +151,8 @@ fn set_header_and_reject_decisions() {
 }
 
 #[test]
-fn a_reply_that_keeps_pending_without_a_new_call_resumes() {
-    let p = Scripted {
-        headers: Some(Decision::Pending),
-        reply: Some(Decision::Pending),
-        make_call: true,
-        ..Default::default()
-    };
+fn a_reply_that_keeps_waiting_for_the_call_just_answered_resumes() {
+    let p = Scripted { make_call: true, wait_again: true, ..Default::default() };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
@@ -214,4 +252,26 @@ fn the_start_log_names_the_default_policy() {
     let rules_only = r#"{"_rules_":[{"_match_route_":["r1"],"lb_policy":"endpoint_metrics"}]}"#;
     assert!(f.configure(&mut host, rules_only.as_bytes()));
     assert!(host.logged("configured: 1 rule(s), default none"));
+}
+
+#[test]
+fn the_first_matching_rule_serves_a_request_and_the_top_level_config_the_rest() {
+    let mut host = FakeHost::new();
+    host.set_hosts(&[("10.0.0.1:8000", true)]);
+    host.properties.insert("cluster_name".into(), b"outbound|8000||llm.static".to_vec());
+    let mut f = Filter::new();
+    let cfg =
+        br#"{"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"r","servicePort":1},
+      "_rules_":[{"_match_route_":["chat"],"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1}},
+                 {"_match_route_":["chat","other"],"lb_policy":"endpoint_metrics"}]}"#;
+    assert!(f.configure(&mut host, cfg));
+    host.properties.insert("route_name".into(), b"chat".to_vec());
+    // prefix_cache waits for the body before it calls Redis.
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
+    assert!(host.redis_calls.is_empty());
+    host.properties.insert("route_name".into(), b"elsewhere".to_vec());
+    // global_least_request picks on the headers.
+    assert_eq!(f.on_request_headers(&mut host, 2, false), HeaderAction::StopIteration);
+    assert_eq!(host.redis_calls.len(), 1);
+    assert_eq!(f.stream_of_token(host.last_redis_token().unwrap()), Some(2));
 }

@@ -18,9 +18,14 @@
 //!   `on_pending_tick` for each of the policy's streams held with a call in flight (a way to give
 //!   up on a call that takes too long).
 //!
+//! Calls: a policy makes Redis and HTTP calls through the host and gets their tokens back. To hold
+//! the request for a call's reply it returns [`Decision::Pending`] with that token; the reply then
+//! comes with the stream. Replies to its other calls (releases, heartbeats, scrapes, the late reply
+//! of a call it gave up on) come without a stream, to every policy: each keeps the tokens of its
+//! own calls and ignores the rest.
+//!
 //! Every decision that is not `NeedBody`/`Pending` ends the policy's say over the request; the
-//! dispatcher applies it and resumes. A policy must never leave a request paused without a pending
-//! call whose reply (or NetworkError) will come back to it.
+//! dispatcher applies it and resumes.
 
 use crate::config::{LbConfig, PolicyConfig};
 use crate::host::{Host, HttpReply, RedisReply};
@@ -56,8 +61,9 @@ pub enum Decision {
     },
     /// Keep the request paused and deliver the complete body to `on_request_body`.
     NeedBody,
-    /// Keep the request paused; a Redis / HTTP call is in flight and its reply will decide.
-    Pending,
+    /// Keep the request paused until the reply to this call (the token of a Redis or HTTP call the
+    /// policy just made) decides.
+    Pending(u32),
 }
 
 /// Per-request state the dispatcher keeps for a policy.
@@ -161,11 +167,11 @@ pub trait Policy {
     /// Periodic work at root level.
     fn on_tick(&mut self, _host: &mut dyn Host) {}
 
-    /// At each tick, for each stream this policy holds with a call in flight: `Pending` keeps
-    /// waiting; any other decision gives up on the call and is applied at once (the policy must
-    /// then ignore the call's late reply).
-    fn on_pending_tick(&mut self, _host: &mut dyn Host, _stream: &mut Stream) -> Decision {
-        Decision::Pending
+    /// At each tick, for each stream this policy holds with a call in flight: `None` keeps
+    /// waiting; a decision gives up on the call and is applied at once (the call's late reply then
+    /// comes without the stream).
+    fn on_pending_tick(&mut self, _host: &mut dyn Host, _stream: &mut Stream) -> Option<Decision> {
+        None
     }
 }
 

@@ -63,7 +63,11 @@ macro_rules! delegate_to_picker {
             self.picker.on_tick(host);
         }
 
-        fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
+        fn on_pending_tick(
+            &mut self,
+            host: &mut dyn Host,
+            stream: &mut Stream,
+        ) -> Option<Decision> {
             self.picker.on_pending_tick(host, stream)
         }
     };
@@ -281,9 +285,11 @@ impl Fallback {
 pub enum ReplyOutcome {
     /// The pick ran: route (or 429 when not admitted).
     Picked(PickResult),
-    /// Not a pick reply this request waits for (a release or heartbeat reply, an abandoned pick's
-    /// late reply), or the pick was resent with EVAL: nothing changes for the request.
+    /// Not a pick reply a request waits for (a release or heartbeat reply, an abandoned pick's
+    /// late reply).
     NotForRequest,
+    /// The script was not cached on Redis: the pick was sent again with EVAL, under this token.
+    Resent(u32),
     /// Redis could not decide.
     Fallback(Fallback),
 }
@@ -461,7 +467,7 @@ impl Picker {
                         cache_check: None,
                     },
                 );
-                Decision::Pending
+                Decision::Pending(token)
             }
             Err(_) => {
                 self.redis_failed(host);
@@ -512,7 +518,7 @@ impl Picker {
                         if let Some(s) = self.picks.get_mut(&stream.id) {
                             s.pending = Some((t, host.now_nanos()));
                         }
-                        ReplyOutcome::NotForRequest
+                        ReplyOutcome::Resent(t)
                     }
                     Err(_) => self.fallback(host, stream, Fallback::SendFailed),
                 };
@@ -651,7 +657,7 @@ impl Picker {
     }
 
     /// The decision for a reply's outcome: route to the pick, 429 when it was not admitted (the
-    /// script already undid the +1), keep waiting, or decide without Redis.
+    /// script already undid the +1), keep waiting for a resent pick, or decide without Redis.
     pub fn decide(
         &mut self,
         host: &mut dyn Host,
@@ -667,7 +673,8 @@ impl Picker {
                 }
                 Decision::Reject { status: 429, body: REJECT_BODY.to_string() }
             }
-            (ReplyOutcome::NotForRequest, _) => Decision::Pending,
+            (ReplyOutcome::Resent(token), _) => Decision::Pending(token),
+            (ReplyOutcome::NotForRequest, _) => Decision::Passthrough,
             (ReplyOutcome::Fallback(why), Some(stream)) => {
                 self.without_redis(host, stream, &why, None)
             }
@@ -701,18 +708,20 @@ impl Picker {
     }
 
     /// A tick while `stream` waits for its pick: give up a pick slower than `breakerSlowMs`.
-    pub fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
+    pub fn on_pending_tick(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+    ) -> Option<Decision> {
         let slow_ns = u64::from(self.config.state.breaker_slow_ms) * 1_000_000;
-        let Some((_, sent)) = self.picks.get(&stream.id).and_then(|s| s.pending) else {
-            return Decision::Pending;
-        };
+        let (_, sent) = self.picks.get(&stream.id).and_then(|s| s.pending)?;
         let now = host.now_nanos();
         if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
-            return Decision::Pending;
+            return None;
         }
         self.redis_failed(host);
         self.fallback(host, stream, Fallback::Slow);
-        self.without_redis(host, stream, &Fallback::Slow, None)
+        Some(self.without_redis(host, stream, &Fallback::Slow, None))
     }
 
     /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
