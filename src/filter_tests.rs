@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::host::fake::{FakeHost, LocalResponse};
+use crate::testutil::deliver;
 
 /// A policy that answers from a script and records what it saw.
 #[derive(Default)]
@@ -74,7 +75,7 @@ fn a_request_held_for_a_call_is_decided_by_its_reply() {
     assert_eq!(f.stream_of_token(t), Some(1));
     host.request_body = b"hello".to_vec();
     assert_eq!(f.on_request_body(&mut host, 1, 5, false), DataAction::StopIterationAndWatermark);
-    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
+    deliver(&mut f, &mut host, t, RedisReply::NetworkError);
     assert_eq!(*replies.borrow(), vec![(t, true)]);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
     assert_eq!(host.resumes, 1);
@@ -158,7 +159,7 @@ fn a_reply_that_keeps_waiting_for_the_call_just_answered_resumes() {
     assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     let t = host.last_redis_token().unwrap();
     assert_eq!(f.stream_of_token(t), Some(1));
-    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
+    deliver(&mut f, &mut host, t, RedisReply::NetworkError);
     assert_eq!(host.resumes, 1, "never left paused");
 }
 

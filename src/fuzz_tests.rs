@@ -15,6 +15,7 @@
 use crate::filter::Filter;
 use crate::host::fake::FakeHost;
 use crate::host::{Health, RedisReply, UpstreamHost};
+use crate::testutil::deliver;
 use crate::types::{DataAction, HeaderAction};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
@@ -83,11 +84,11 @@ fn reply_target(reply: &[u8]) {
         filter(&format!(r#"{{"lb_policy":"global_least_request","lb_config":{{{REDIS_CFG}}}}}"#));
     assert_eq!(f.on_request_headers(&mut host, 7, true), HeaderAction::StopIteration);
     let Some(t) = host.last_redis_token() else { panic!("no pick sent") };
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(reply.to_vec()), true);
+    deliver(&mut f, &mut host, t, RedisReply::Ok(reply.to_vec()));
     // NOSCRIPT resends the pick once: that one times out.
     if let Some(t2) = host.last_redis_token().filter(|t2| *t2 != t) {
         if f.stream_of_token(t2).is_some() {
-            f.on_redis_reply(&mut host, t2, &RedisReply::NetworkError, true);
+            deliver(&mut f, &mut host, t2, RedisReply::NetworkError);
         }
     }
     assert_eq!(host.resumes as usize + host.local_responses.len(), 1, "resumed exactly once");

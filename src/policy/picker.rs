@@ -32,12 +32,23 @@ use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
 use std::collections::HashMap;
 
-/// The `Policy` methods the Redis policies hand to their `picker` field unchanged: start, metric
-/// scrapes, stream end (the release), ticks and slow picks.
+/// The `Policy` methods the Redis policies hand to their `picker` field: start, Redis replies
+/// (`$routed` names how the policy counts an admitted pick, see [`Routed`]), metric scrapes, stream
+/// end (the release), ticks and slow picks.
 macro_rules! delegate_to_picker {
-    () => {
+    ($routed:expr) => {
         fn on_start(&mut self, host: &mut dyn Host) {
             self.picker.on_start(host);
+        }
+
+        fn on_redis_reply(
+            &mut self,
+            host: &mut dyn Host,
+            stream: Option<&mut Stream>,
+            token: u32,
+            reply: &crate::host::RedisReply,
+        ) -> Decision {
+            self.picker.on_redis_reply(host, stream, token, reply, $routed)
         }
 
         fn on_http_reply(
@@ -182,6 +193,17 @@ impl PickCall {
         args.extend(self.healthy.iter().cloned());
         (keys, args)
     }
+}
+
+/// How a policy counts a request its pick admitted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// The counter incremented by one.
+    pub counter: Counter,
+    /// The decision header's value.
+    pub decision: String,
+    /// `Some(predicted hit)`: check the prediction against the engine's cache report.
+    pub predicted_hit: Option<bool>,
 }
 
 /// Result of a successful pick script reply.
@@ -563,6 +585,30 @@ impl Picker {
         ReplyOutcome::Picked(pick)
     }
 
+    /// A Redis reply to one of this picker's calls: the decision for the stream waiting for it
+    /// (see [`Picker::decide`]); `routed` says how the policy counts an admitted pick.
+    pub fn on_redis_reply(
+        &mut self,
+        host: &mut dyn Host,
+        mut stream: Option<&mut Stream>,
+        token: u32,
+        reply: &RedisReply,
+        routed: fn(&mut dyn Host, &PickResult) -> Routed,
+    ) -> Decision {
+        let outcome = self.on_reply(host, stream.as_deref_mut(), token, reply);
+        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
+            if pick.admitted {
+                let r = routed(host, pick);
+                host.increment_counter(r.counter, 1);
+                s.decision = Some(r.decision);
+                if let Some(hit) = r.predicted_hit {
+                    self.check_cache(s, hit);
+                }
+            }
+        }
+        self.decide(host, stream, outcome)
+    }
+
     /// Every fallback after a pick was sent goes through here: cancel the pick (it may still run
     /// later). [`Picker::decide`] then decides without Redis.
     fn fallback(
@@ -683,7 +729,7 @@ impl Picker {
     }
 
     /// Checks the engine's cache report in the response against this prediction.
-    pub fn check_cache(&mut self, stream: &Stream, predicted_hit: bool) {
+    fn check_cache(&mut self, stream: &Stream, predicted_hit: bool) {
         if let Some(state) = self.picks.get_mut(&stream.id) {
             state.cache_check = Some(CacheCheck::new(predicted_hit));
         }

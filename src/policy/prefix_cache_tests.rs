@@ -145,12 +145,7 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     assert_eq!(args[7..7 + expected_chain.len()], expected_chain[..]);
     assert_eq!(args[7 + expected_chain.len()], "2", "healthy count");
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 3, true, Some(2))),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.2:8000", 3, true, Some(2))));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
@@ -191,12 +186,7 @@ fn bodiless_request_is_a_least_request_pick_in_the_headers_phase() {
     let (_, args) = keys_args(&command(&host, 0));
     assert_eq!(args[6], "0", "no prefix keys");
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_miss"), Some(&1));
 }
@@ -208,7 +198,7 @@ fn redis_errors_pass_through() {
     host.request_body = CHAT.as_bytes().to_vec();
     f.on_request_body(&mut host, 7, CHAT.len(), true);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
+    deliver(&mut f, &mut host, t, RedisReply::NetworkError);
     assert_eq!(host.resumes, 1);
     assert_eq!(host.override_host, None);
 }
@@ -229,12 +219,7 @@ fn body_ending_with_trailers_is_still_routed() {
     );
     assert_eq!(host.redis_calls.len(), 1);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(host.resumes, 1);
 }
@@ -275,7 +260,7 @@ fn a_hit_diverted_for_load_is_counted_and_named_in_the_decision_header() {
     let t = host.last_redis_token().unwrap();
     // {host, count, admitted, matched, diverted}
     let reply = b"*5\r\n$13\r\n10.0.0.1:8000\r\n:1\r\n:1\r\n:2\r\n:1\r\n".to_vec();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(reply), true);
+    deliver(&mut f, &mut host, t, RedisReply::Ok(reply));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(host.counters.get("ai_lb_prefix_hit_diverted"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), None);
