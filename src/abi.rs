@@ -11,14 +11,15 @@
 #![allow(unsafe_code)]
 
 use crate::filter::Filter;
-use crate::host::{Counter, Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
+use crate::host::{
+    Counter, Host, HostError, HttpReply, LogLevel, RedisInit, RedisReply, UpstreamHost,
+};
 use crate::types::{BufferType, DataAction, HeaderAction, MapType, MetricType, StreamType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
 mod sys {
-    use crate::host::LogLevel;
-    use crate::types::{BufferType, MapType, MetricType, StreamType};
+    use crate::types::{BufferType, LogLevel, MapType, MetricType, StreamType};
 
     // Statuses come back as `u32`: the host may answer a value this plugin does not know, so they
     // are matched (`status`, `get_bytes`), never transmuted into an enum.
@@ -280,13 +281,8 @@ impl Host for WasmHost {
         // SAFETY: valid slice.
         status(unsafe { sys::proxy_set_upstream_override_host(addr.as_ptr(), addr.len()) })
     }
-    fn redis_init(
-        &mut self,
-        cluster: &str,
-        username: &str,
-        password: &str,
-        timeout_ms: u32,
-    ) -> Result<(), HostError> {
+    fn redis_init(&mut self, init: &RedisInit) -> Result<(), HostError> {
+        let RedisInit { cluster, username, password, timeout_ms } = init;
         // SAFETY: valid slices.
         status(unsafe {
             sys::proxy_redis_init(
@@ -296,7 +292,7 @@ impl Host for WasmHost {
                 username.len(),
                 password.as_ptr(),
                 password.len(),
-                timeout_ms,
+                *timeout_ms,
             )
         })
     }

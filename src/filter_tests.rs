@@ -107,8 +107,8 @@ fn need_body_on_a_bodiless_request_continues() {
     assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::Continue);
 }
 
-#[test]
-fn body_is_delivered_once_whole_and_route_applies() {
+/// A filter whose policy waits for the body and routes to 10.0.0.9:80; the bodies it got.
+fn routes_by_body() -> (Filter, Rc<RefCell<Vec<Vec<u8>>>>) {
     let bodies = Rc::new(RefCell::new(Vec::new()));
     let p = Scripted {
         headers: Some(Decision::NeedBody),
@@ -116,7 +116,12 @@ fn body_is_delivered_once_whole_and_route_applies() {
         bodies: bodies.clone(),
         ..Default::default()
     };
-    let mut f = Filter::with_policy(Box::new(p), 100);
+    (Filter::with_policy(Box::new(p), 100), bodies)
+}
+
+#[test]
+fn body_is_delivered_once_whole_and_route_applies() {
+    let (mut f, bodies) = routes_by_body();
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     // The stream may buffer up to maxBodyBytes before Envoy answers 413.
@@ -208,14 +213,7 @@ fn unconfigured_filter_passes_everything() {
 
 #[test]
 fn body_ending_with_trailers_is_read_from_the_host_once() {
-    let bodies = Rc::new(RefCell::new(Vec::new()));
-    let p = Scripted {
-        headers: Some(Decision::NeedBody),
-        body: Some(Decision::Route("10.0.0.9:80".into())),
-        bodies: bodies.clone(),
-        ..Default::default()
-    };
-    let mut f = Filter::with_policy(Box::new(p), 100);
+    let (mut f, bodies) = routes_by_body();
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     host.request_body = b"hello".to_vec();

@@ -29,6 +29,24 @@ pub enum DataAction {
     StopIterationAndWatermark = 2,
 }
 
+/// Log levels, same numbering as proxy-wasm (argument of `proxy_log`).
+#[repr(u32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    /// Very verbose.
+    Trace = 0,
+    /// Debugging details (per-request decisions).
+    Debug = 1,
+    /// Normal operation.
+    Info = 2,
+    /// Something degraded (fallback to normal balancing).
+    Warn = 3,
+    /// Something is wrong with config or environment.
+    Error = 4,
+    /// Unrecoverable.
+    Critical = 5,
+}
+
 /// Header maps (argument of the header hostcalls).
 #[repr(u32)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
