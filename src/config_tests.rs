@@ -27,6 +27,12 @@ fn glr(extra: &str) -> String {
     )
 }
 
+fn prefix(extra: &str) -> String {
+    format!(
+        r#"{{"lb_policy":"prefix_cache","lb_config":{{"serviceFQDN":"r","servicePort":1{extra}}}}}"#
+    )
+}
+
 fn expect_err(json: &str, field: &str, needle: &str) {
     let e = parse(json).expect_err("config should be rejected");
     assert_eq!(e.field, field, "wrong field for {json}: {e}");
@@ -198,11 +204,7 @@ fn error_database() {
 }
 #[test]
 fn error_redis_key_ttl() {
-    expect_err(
-        r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1,"redisKeyTTL":1.5}}"#,
-        "lb_config.redisKeyTTL",
-        "integer",
-    );
+    expect_err(&prefix(r#","redisKeyTTL":1.5"#), "lb_config.redisKeyTTL", "integer");
 }
 #[test]
 fn error_max_request_count() {
@@ -218,11 +220,7 @@ fn error_max_body_bytes() {
 }
 #[test]
 fn error_hit_load_factor() {
-    expect_err(
-        r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1,"hitLoadFactor":-2}}"#,
-        "lb_config.hitLoadFactor",
-        "non-negative number",
-    );
+    expect_err(&prefix(r#","hitLoadFactor":-2"#), "lb_config.hitLoadFactor", "non-negative number");
 }
 #[test]
 fn error_target_metric() {
