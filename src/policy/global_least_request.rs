@@ -9,7 +9,7 @@
 use super::picker::{PickKind, PickResult, Picker, Routed};
 use super::{Decision, Policy, Stream};
 use crate::config::GlobalLeastRequestConfig;
-use crate::host::{Counter, Host, LogLevel};
+use crate::host::{Counter, Host};
 use crate::redis;
 
 /// The `global_least_request` policy.
@@ -33,21 +33,13 @@ fn routed(_host: &mut dyn Host, _pick: &PickResult) -> Routed {
 }
 
 impl Policy for GlobalLeastRequest {
-    fn name(&self) -> &'static str {
-        "global_least_request"
-    }
-
     fn on_request_headers(
         &mut self,
         host: &mut dyn Host,
         stream: &mut Stream,
         _end_of_stream: bool,
     ) -> Decision {
-        if stream.route.is_empty() || stream.cluster.is_empty() {
-            host.log(
-                LogLevel::Warn,
-                "global_least_request: no route_name/cluster_name; using normal balancing",
-            );
+        if !self.picker.has_group(host, stream) {
             return Decision::Passthrough;
         }
         self.picker.start(host, stream, PickKind::LeastRequest)

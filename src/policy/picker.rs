@@ -32,11 +32,15 @@ use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
 use std::collections::HashMap;
 
-/// The `Policy` methods the Redis policies hand to their `picker` field: start, Redis replies
+/// The `Policy` methods the Redis policies hand to their `picker` field: name, start, Redis replies
 /// (`$routed` names how the policy counts an admitted pick, see [`Routed`]), metric scrapes, stream
 /// end (the release), ticks and slow picks.
 macro_rules! delegate_to_picker {
     ($routed:expr) => {
+        fn name(&self) -> &'static str {
+            self.picker.name()
+        }
+
         fn on_start(&mut self, host: &mut dyn Host) {
             self.picker.on_start(host);
         }
@@ -195,6 +199,59 @@ impl PickCall {
     }
 }
 
+/// One `release.lua` call, typed: [`ReleaseCall::keys_args`] is the one place that writes KEYS
+/// and ARGV in the order the script's header reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseCall {
+    /// The route+cluster's in-flight hash.
+    pub inflight_key: String,
+    /// The picking owner's id.
+    pub owner_id: String,
+    /// The request id (its pick record).
+    pub request_id: String,
+    /// The host an admitted request was sent to; `None` for the cancel of an abandoned pick.
+    pub admitted_to: Option<String>,
+}
+
+impl ReleaseCall {
+    /// KEYS and ARGV of the script call.
+    pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
+        let (abandoned, host) = match &self.admitted_to {
+            Some(h) => ("0", h.clone()),
+            None => ("1", String::new()),
+        };
+        let args = vec![self.owner_id.clone(), self.request_id.clone(), abandoned.into(), host];
+        (vec![self.inflight_key.clone()], args)
+    }
+}
+
+/// One `heartbeat.lua` call, typed (see [`ReleaseCall`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatCall {
+    /// The route+cluster's in-flight hash.
+    pub inflight_key: String,
+    /// `leaseMs`.
+    pub lease_ms: u32,
+    /// This VM's owner id.
+    pub owner_id: String,
+    /// `cleanInterval` in seconds (0 = never).
+    pub clean_interval_s: u64,
+    /// Every host of the cluster (healthy or not): the cleanup keeps these.
+    pub hosts: Vec<String>,
+}
+
+impl HeartbeatCall {
+    /// KEYS and ARGV of the script call.
+    pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
+        let mut args = Vec::with_capacity(3 + self.hosts.len());
+        args.push(self.lease_ms.to_string());
+        args.push(self.owner_id.clone());
+        args.push(self.clean_interval_s.to_string());
+        args.extend(self.hosts.iter().cloned());
+        (vec![self.inflight_key.clone()], args)
+    }
+}
+
 /// How a policy counts a request its pick admitted.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Routed {
@@ -339,11 +396,7 @@ pub(crate) struct PickState {
 /// record, so a release whose outcome is unknown can always be sent again.
 #[derive(Debug, Clone)]
 struct Release {
-    inflight_key: String,
-    owner_id: String,
-    request_id: String,
-    /// The host an admitted request was sent to; `None` for the cancel of an abandoned pick.
-    admitted_to: Option<String>,
+    call: ReleaseCall,
     /// Sends that failed so far while the breaker was closed.
     failures: u32,
     use_eval: bool,
@@ -404,6 +457,24 @@ impl Picker {
             release_queue: Vec::new(),
             picks: HashMap::new(),
         }
+    }
+
+    /// The policy's name, for logs.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Whether the stream names the route and cluster whose shared state a pick uses (logged when
+    /// not: the request then takes normal balancing).
+    pub fn has_group(&self, host: &dyn Host, stream: &Stream) -> bool {
+        let named = !stream.route.is_empty() && !stream.cluster.is_empty();
+        if !named {
+            host.log(
+                LogLevel::Warn,
+                &format!("{}: no route_name/cluster_name; using normal balancing", self.name),
+            );
+        }
+        named
     }
 
     /// Plugin start: the Redis client, and the metrics scraper if there is one.
@@ -622,14 +693,13 @@ impl Picker {
         };
         state.pending = None;
         if why.may_have_run() {
-            let rel = Release {
+            let call = ReleaseCall {
                 inflight_key: state.keys.inflight.clone(),
                 owner_id: state.owner_id.clone(),
                 request_id: state.request_id.clone(),
                 admitted_to: None,
-                failures: 0,
-                use_eval: false,
             };
+            let rel = Release { call, failures: 0, use_eval: false };
             self.send_release(host, rel);
         }
         ReplyOutcome::Fallback(why)
@@ -781,14 +851,13 @@ impl Picker {
         } else if state.pending.is_none() {
             return;
         }
-        let rel = Release {
+        let call = ReleaseCall {
             inflight_key: state.keys.inflight,
             owner_id: state.owner_id,
             request_id: state.request_id,
             admitted_to: state.picked,
-            failures: 0,
-            use_eval: false,
         };
+        let rel = Release { call, failures: 0, use_eval: false };
         self.send_release(host, rel);
     }
 
@@ -827,12 +896,15 @@ impl Picker {
     fn send_heartbeat(&mut self, host: &mut dyn Host, owners_key: String, use_eval: bool) {
         let Some(owner) = self.owner.clone() else { return };
         let Some(group) = self.groups.get(&owners_key) else { return };
-        let mut args = Vec::with_capacity(3 + group.hosts.len());
-        args.push(self.config.state.lease_ms.to_string());
-        args.push(owner);
-        args.push(self.config.clean_interval_min.saturating_mul(60).to_string());
-        args.extend(group.hosts.iter().cloned());
-        let q = self.heartbeat.command(std::slice::from_ref(&group.inflight_key), &args, use_eval);
+        let call = HeartbeatCall {
+            inflight_key: group.inflight_key.clone(),
+            lease_ms: self.config.state.lease_ms,
+            owner_id: owner,
+            clean_interval_s: self.config.clean_interval_min.saturating_mul(60),
+            hosts: group.hosts.clone(),
+        };
+        let (keys, args) = call.keys_args();
+        let q = self.heartbeat.command(&keys, &args, use_eval);
         if let Ok(t) = self.redis.call(host, &q) {
             self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval });
         }
@@ -843,14 +915,8 @@ impl Picker {
             self.queue_release(host, rel);
             return;
         }
-        let q = self.release.command(
-            std::slice::from_ref(&rel.inflight_key),
-            &match &rel.admitted_to {
-                Some(h) => [rel.owner_id.clone(), rel.request_id.clone(), "0".into(), h.clone()],
-                None => [rel.owner_id.clone(), rel.request_id.clone(), "1".into(), String::new()],
-            },
-            rel.use_eval,
-        );
+        let (keys, args) = rel.call.keys_args();
+        let q = self.release.command(&keys, &args, rel.use_eval);
         match self.redis.call(host, &q) {
             Ok(token) => {
                 self.root_calls.insert(token, RootCall::Release(rel));
@@ -912,7 +978,7 @@ impl Picker {
                 &format!(
                     "{}: giving up the release of request {} after {} failed sends; the count \
                      returns when this VM's lease ends",
-                    self.name, rel.request_id, rel.failures
+                    self.name, rel.call.request_id, rel.failures
                 ),
             );
             host.increment_counter(Counter::ReleaseDropped, 1);
@@ -925,7 +991,10 @@ impl Picker {
         if self.release_queue.len() >= MAX_QUEUED_RELEASES {
             host.log(
                 LogLevel::Warn,
-                &format!("{}: release queue full; dropping request {}", self.name, rel.request_id),
+                &format!(
+                    "{}: release queue full; dropping request {}",
+                    self.name, rel.call.request_id
+                ),
             );
             host.increment_counter(Counter::ReleaseDropped, 1);
             return;

@@ -196,21 +196,13 @@ impl PrefixCache {
 }
 
 impl Policy for PrefixCache {
-    fn name(&self) -> &'static str {
-        "prefix_cache"
-    }
-
     fn on_request_headers(
         &mut self,
         host: &mut dyn Host,
         stream: &mut Stream,
         end_of_stream: bool,
     ) -> Decision {
-        if stream.route.is_empty() || stream.cluster.is_empty() {
-            host.log(
-                LogLevel::Warn,
-                "prefix_cache: no route_name/cluster_name; using normal balancing",
-            );
+        if !self.picker.has_group(host, stream) {
             return Decision::Passthrough;
         }
         if end_of_stream {
