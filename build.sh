@@ -6,7 +6,8 @@
 #   ./build.sh test       all tests: plugin unit tests (native and as wasm in node), gateway fidelity
 #                         tests, end-to-end tests of the .wasm with real Redis and HTTP, packaging tests
 #   ./build.sh demo       route a multi-turn conversation through the gateway to simulated pods, with Redis
-#   ./build.sh bench S    run benchmark scenario S (seed, shared-prefix, cache-pressure, replicas,
+#   ./build.sh bench S    run benchmark scenario S (seed, shared-prefix, shared-prefix-split,
+#                         cache-pressure, replicas, cross-replica, hot-spot, unequal-pods, pod-failure,
 #                         seed-aiperf: the published test driven by NVIDIA AIPerf)
 #   ./build.sh aiperf     install AIPerf (pinned, .venv-aiperf/) and build its podsim tokenizer
 #   ./build.sh package    build the Higress marketplace artefact directory (higress/dist)

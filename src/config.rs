@@ -1,4 +1,5 @@
-//! Plugin configuration: the same JSON shape, keys and defaults as Higress's Go `ai-load-balancer`,
+//! Plugin configuration: the JSON shape, keys and defaults of Higress's Go `ai-load-balancer`, read
+//! with Go's meaning (README "Coming from the Go plugin" lists every difference),
 //! plus a few keys of ours (camelCase like the Go `lb_config` keys). These types are the
 //! documentation of the config; README "## Plugin configuration" lists every key with its default.
 //!
@@ -22,9 +23,10 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 pub const DEFAULT_CLUSTER_HEADER: &str = "x-higress-target-cluster";
 /// Default latency sample queue size for `cluster_metrics`, as in Go.
 pub const DEFAULT_QUEUE_SIZE: usize = 100;
-/// Default sliding window size (requests) for `endpoint_metrics` `rate_limit`, as in Go.
+/// Default sliding window size (requests) for `endpoint_metrics` `rate_limit` (ours; Go always
+/// counts its last 100 picks).
 pub const DEFAULT_WINDOW_SIZE: usize = 100;
-/// Default sliding window length (s) for `endpoint_metrics` `rate_limit`, as in Go.
+/// Default sliding window length (s) for `endpoint_metrics` `rate_limit` (ours; Go has none).
 pub const DEFAULT_WINDOW_SECONDS: u64 = 60;
 /// Default `prefix_cache` hit load guard (ours): a prefix hit is not taken when the hit host has
 /// more than `hitLoadFactor` × (least in-flight + 1) requests in flight. 0 disables the guard.
@@ -178,6 +180,9 @@ pub enum MetricPolicy {
     Least,
     /// `most`: the host with the largest `target_metric`.
     Most,
+    /// `least`/`most` without `target_metric`: Go reads every value as 0, so all pods with the
+    /// default metrics tie and one is picked at random.
+    Random,
 }
 
 /// `endpoint_metrics` (alias `metrics_based`) settings (`lb_config`).
@@ -185,7 +190,8 @@ pub enum MetricPolicy {
 pub struct EndpointMetricsConfig {
     /// `metric_policy` (default `default`).
     pub metric_policy: MetricPolicy,
-    /// `target_metric` (required for `least`/`most`): metric name in the pods' Prometheus text.
+    /// `target_metric` (for `least`/`most`; without it they become [`MetricPolicy::Random`]):
+    /// metric name in the pods' Prometheus text.
     pub target_metric: Option<String>,
     /// `rate_limit` (default 1.0): largest share of the recent requests one host may get.
     pub rate_limit: f64,
@@ -281,19 +287,25 @@ pub struct LbConfig {
     pub decision_header: Option<String>,
 }
 
-/// What a `_rules_` entry matches on. A rule may combine kinds: all given kinds must match
-/// (any entry within a kind).
+/// What a `_rules_` entry matches on, read as Higress's wasm-go rule matcher reads it: a rule has
+/// one kind, chosen by precedence from the match keys it has (route, optionally with service;
+/// else domain; else service; else route prefix, optionally with consumer). Keys of a lower kind
+/// next to a higher one are not consulted (a warning says so at start).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RuleMatch {
     /// `_match_route_`: exact route names (property `route_name`).
     pub routes: Vec<String>,
     /// `_match_route_prefix_`: route name prefixes.
     pub route_prefixes: Vec<String>,
-    /// `_match_domain_`: `:authority` without port; `*.example.com` and `example.*` wildcards.
+    /// `_match_domain_`: `:authority` without port, compared as written (case-sensitive, as in
+    /// Go); `*.example.com` and `example.*` wildcards.
     pub domains: Vec<String>,
     /// `_match_service_`: `fqdn` or `fqdn:port`, compared with the cluster name
-    /// `outbound|port|subset|fqdn` (or the whole cluster name).
+    /// `outbound|port|subset|fqdn`.
     pub services: Vec<String>,
+    /// `_match_consumer_`: with `_match_route_prefix_` only, values of the `x-mse-consumer`
+    /// request header (set by Higress's auth plugins).
+    pub consumers: Vec<String>,
 }
 
 /// One `_rules_` entry.
@@ -327,10 +339,12 @@ pub struct MatchInput<'a> {
     pub authority: &'a str,
     /// Property `cluster_name`.
     pub cluster: &'a str,
+    /// Request header `x-mse-consumer` (only read when a rule has `_match_consumer_`).
+    pub consumer: &'a str,
 }
 
-const MATCH_KEYS: [&str; 4] =
-    ["_match_route_", "_match_domain_", "_match_service_", "_match_route_prefix_"];
+/// The request header Higress's auth plugins name the consumer in (`_match_consumer_`).
+pub const CONSUMER_HEADER: &str = "x-mse-consumer";
 
 impl PluginConfig {
     /// Parses the plugin configuration (JSON text as delivered to `proxy_on_configure`).
@@ -349,63 +363,126 @@ impl PluginConfig {
         };
         let warnings = RefCell::new(Vec::new());
         let mut rules = Vec::new();
-        if let Some(rv) = root.get("_rules_") {
-            let arr =
-                rv.as_array().ok_or_else(|| err("_rules_", "expected an array of rule objects"))?;
-            for (i, r) in arr.iter().enumerate() {
-                let path = format!("_rules_[{i}]");
-                let obj = r.as_object().ok_or_else(|| err(&path, "expected an object"))?;
-                let matcher = parse_matcher(obj, &path)?;
-                // A rule carries its own complete config; top-level keys it does not set are
-                // inherited (so a rule may only change e.g. lb_config).
-                let mut merged = root.clone();
-                merged.remove("_rules_");
-                for (k, val) in obj {
-                    if !MATCH_KEYS.contains(&k.as_str()) {
-                        merged.insert(k.clone(), val.clone());
-                    }
-                }
-                let config = parse_lb(&merged, &format!("{path}."), &warnings)?;
-                rules.push(Rule { matcher, config });
+        let rule_values = match root.get("_rules_") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a.iter().collect(),
+            // gjson's `.Array()` reads any other value as a list of one.
+            Some(v) => {
+                warn_at(
+                    &warnings,
+                    "_rules_",
+                    format!("{} read as a list of one rule, as Go reads it", type_name(v)),
+                );
+                vec![v]
             }
+        };
+        let empty = Map::new();
+        for (i, r) in rule_values.into_iter().enumerate() {
+            let path = format!("_rules_[{i}]");
+            // A rule that is not an object has no match keys, which Go refuses below.
+            let obj = r.as_object().unwrap_or(&empty);
+            let matcher = parse_matcher(obj, &path, &warnings)?;
+            // Each rule is a complete config of its own: Go parses it alone, nothing is inherited
+            // from the top level.
+            let config = parse_lb(obj, &format!("{path}."), &warnings)?;
+            rules.push(Rule { matcher, config });
         }
         let has_top = root.keys().any(|k| k != "_rules_");
-        let default =
-            if has_top || rules.is_empty() { Some(parse_lb(&root, "", &warnings)?) } else { None };
+        let default = if rules.is_empty() {
+            Some(parse_lb(&root, "", &warnings)?)
+        } else if has_top {
+            // Go disables an invalid top-level config when rules exist (requests matching no rule
+            // pass through) instead of failing the plugin.
+            match parse_lb(&root, "", &warnings) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    warn_at(
+                        &warnings,
+                        &e.field,
+                        format!(
+                            "{}: the top-level config is disabled, only _rules_ apply (as in Go)",
+                            e.message
+                        ),
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
         Ok(PluginConfig { default, rules, warnings: warnings.into_inner() })
     }
+
+    /// Whether a rule reads the consumer header (so the request path reads it only then).
+    pub fn matches_consumers(&self) -> bool {
+        self.rules.iter().any(|r| r.matcher.kind() == RuleKind::RoutePrefixAndConsumer)
+    }
+}
+
+/// The kind of a rule, by the wasm-go matcher's precedence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RuleKind {
+    /// `_match_route_` (and no `_match_service_`).
+    Route,
+    /// `_match_route_` and `_match_service_`: both must match.
+    RouteAndService,
+    /// `_match_domain_` (no route).
+    Domain,
+    /// `_match_service_` (no route, no domain).
+    Service,
+    /// `_match_route_prefix_` alone.
+    RoutePrefix,
+    /// `_match_route_prefix_` and `_match_consumer_`: both must match.
+    RoutePrefixAndConsumer,
 }
 
 impl RuleMatch {
-    /// True when every given kind has a matching entry.
+    /// The rule's kind (which keys it is matched on).
+    pub fn kind(&self) -> RuleKind {
+        if !self.routes.is_empty() {
+            if self.services.is_empty() {
+                RuleKind::Route
+            } else {
+                RuleKind::RouteAndService
+            }
+        } else if !self.domains.is_empty() {
+            RuleKind::Domain
+        } else if !self.services.is_empty() {
+            RuleKind::Service
+        } else if !self.consumers.is_empty() {
+            RuleKind::RoutePrefixAndConsumer
+        } else {
+            RuleKind::RoutePrefix
+        }
+    }
+
+    /// True when the request matches the rule's kind.
     pub fn matches(&self, input: &MatchInput<'_>) -> bool {
-        let route_ok = (self.routes.is_empty() && self.route_prefixes.is_empty())
-            || self.routes.iter().any(|r| r == input.route)
-            || self.route_prefixes.iter().any(|p| input.route.starts_with(p.as_str()));
-        let domain_ok = self.domains.is_empty() || {
-            let host = strip_port(input.authority).to_ascii_lowercase();
-            // Patterns are lower-cased once at parse time (not per request).
-            self.domains.iter().any(|d| domain_matches(d, &host))
-        };
-        let service_ok = self.services.is_empty()
-            || self.services.iter().any(|s| service_matches(s, input.cluster));
-        route_ok && domain_ok && service_ok
+        let route = || self.routes.iter().any(|r| r == input.route);
+        let service = || self.services.iter().any(|s| service_matches(s, input.cluster));
+        let prefix = || self.route_prefixes.iter().any(|p| input.route.starts_with(p.as_str()));
+        match self.kind() {
+            RuleKind::Route => route(),
+            RuleKind::RouteAndService => route() && service(),
+            RuleKind::Domain => {
+                let host = strip_port(input.authority);
+                self.domains.iter().any(|d| domain_matches(d, host))
+            }
+            RuleKind::Service => service(),
+            RuleKind::RoutePrefix => prefix(),
+            RuleKind::RoutePrefixAndConsumer => {
+                prefix() && self.consumers.iter().any(|c| c == input.consumer)
+            }
+        }
     }
 }
 
+/// The host without its port, as Envoy's (and the wasm-go matcher's) port stripping does: cut at
+/// the last `:` unless it lies inside an IPv6 literal's brackets.
 fn strip_port(authority: &str) -> &str {
-    if authority.starts_with('[') {
-        // IPv6 literal: keep up to the closing bracket.
-        return match authority.find(']') {
-            Some(i) => authority.get(..=i).unwrap_or(authority),
-            None => authority,
-        };
-    }
     match authority.rfind(':') {
-        Some(i)
-            if authority.get(i + 1..).is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit())) =>
-        {
-            authority.get(..i).unwrap_or(authority)
+        Some(colon) if authority.rfind(']').is_none_or(|bracket| bracket < colon) => {
+            authority.get(..colon).unwrap_or(authority)
         }
         _ => authority,
     }
@@ -421,33 +498,55 @@ fn domain_matches(pattern: &str, host: &str) -> bool {
     }
 }
 
+/// `service` (`fqdn` or `fqdn:port`) against a cluster name `outbound|port|subset|fqdn`; other
+/// cluster name shapes never match, as in Go.
 fn service_matches(service: &str, cluster: &str) -> bool {
-    if service == cluster {
-        return true;
-    }
-    // cluster: outbound|port|subset|fqdn
-    let mut parts = cluster.split('|');
-    let (_dir, port, _subset, fqdn) = (parts.next(), parts.next(), parts.next(), parts.next());
-    let (Some(port), Some(fqdn)) = (port, fqdn) else { return false };
+    let parts: Vec<&str> = cluster.split('|').collect();
+    let [_, port, _, fqdn] = parts.as_slice() else { return false };
     match service.rsplit_once(':') {
-        Some((name, p)) if p.bytes().all(|b| b.is_ascii_digit()) => name == fqdn && p == port,
-        _ => service == fqdn,
+        Some((name, p)) if name == *fqdn && p == *port => true,
+        _ => service == *fqdn,
     }
 }
 
-fn parse_matcher(obj: &Map<String, Value>, path: &str) -> Result<RuleMatch, ConfigError> {
+const MATCH_KEYS: [&str; 5] = [
+    "_match_route_",
+    "_match_domain_",
+    "_match_service_",
+    "_match_route_prefix_",
+    "_match_consumer_",
+];
+
+fn parse_matcher(
+    obj: &Map<String, Value>,
+    path: &str,
+    warnings: &RefCell<Vec<String>>,
+) -> Result<RuleMatch, ConfigError> {
     let mut m = RuleMatch::default();
     for key in MATCH_KEYS {
-        if let Some(v) = obj.get(key) {
-            let field = format!("{path}.{key}");
-            let list = string_list(v, &field)?;
-            match key {
-                "_match_route_" => m.routes = list,
-                "_match_domain_" => {
-                    m.domains = list.into_iter().map(|d| d.to_ascii_lowercase()).collect()
+        let Some(v) = obj.get(key) else { continue };
+        let field = format!("{path}.{key}");
+        let items: Vec<&Value> = match v {
+            Value::Array(a) => a.iter().collect(),
+            Value::Null => Vec::new(),
+            // gjson's `.Array()` reads a single value as a list of one.
+            other => {
+                warn_at(warnings, &field, format!("{other} read as a list of one, as Go reads it"));
+                vec![other]
+            }
+        };
+        let list = items.into_iter().map(go_string);
+        match key {
+            // Go keeps an empty domain (it matches an empty host) but drops other empty names.
+            "_match_domain_" => m.domains = list.collect(),
+            _ => {
+                let list: Vec<String> = list.filter(|s| !s.is_empty()).collect();
+                match key {
+                    "_match_route_" => m.routes = list,
+                    "_match_service_" => m.services = list,
+                    "_match_route_prefix_" => m.route_prefixes = list,
+                    _ => m.consumers = list,
                 }
-                "_match_service_" => m.services = list,
-                _ => m.route_prefixes = list,
             }
         }
     }
@@ -461,7 +560,56 @@ fn parse_matcher(obj: &Map<String, Value>, path: &str) -> Result<RuleMatch, Conf
             "a rule needs a non-empty _match_route_, _match_domain_, _match_service_ or _match_route_prefix_",
         ));
     }
+    // Keys the rule's kind does not consult, as the wasm-go matcher ignores them.
+    let kind = m.kind();
+    let unused: &[(&str, bool)] = &[
+        (
+            "_match_domain_",
+            !m.domains.is_empty() && matches!(kind, RuleKind::Route | RuleKind::RouteAndService),
+        ),
+        ("_match_service_", !m.services.is_empty() && kind == RuleKind::Domain),
+        (
+            "_match_route_prefix_",
+            !m.route_prefixes.is_empty()
+                && !matches!(kind, RuleKind::RoutePrefix | RuleKind::RoutePrefixAndConsumer),
+        ),
+        ("_match_consumer_", !m.consumers.is_empty() && kind != RuleKind::RoutePrefixAndConsumer),
+    ];
+    for (key, ignored) in unused {
+        if *ignored {
+            warn_at(
+                warnings,
+                &format!("{path}.{key}"),
+                format!(
+                    "ignored: this rule matches on {kind:?} only, as Higress's rule matcher does"
+                ),
+            );
+        }
+    }
     Ok(m)
+}
+
+/// A JSON value as gjson's `.String()` gives it: strings as they are, null as "", anything else as
+/// its JSON text.
+fn go_string(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => String::new(),
+        other => other.to_string(),
+    }
+}
+
+/// gjson's integer text: an optional `-` and digits, nothing else.
+fn gjson_parse_int(s: &str) -> Option<i64> {
+    let digits = s.strip_prefix('-').unwrap_or(s);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse::<i64>().ok()
+}
+
+fn warn_at(warnings: &RefCell<Vec<String>>, field: &str, msg: impl std::fmt::Display) {
+    warnings.borrow_mut().push(format!("ai-load-balancer config: {field}: {msg}"));
 }
 
 fn type_name(v: &Value) -> &'static str {
@@ -498,51 +646,69 @@ struct Fields<'a> {
 impl Fields<'_> {
     /// Records that `key` was read with the Go plugin's meaning of a value it tolerates.
     fn warn(&self, key: &str, msg: impl std::fmt::Display) {
-        self.warnings
-            .borrow_mut()
-            .push(format!("ai-load-balancer config: {}: {msg}", self.path(key)));
+        warn_at(self.warnings, &self.path(key), msg);
     }
-    /// A Go plugin key given as a string that is not a number (`timeout: 3s`): the Go plugin reads
-    /// it with gjson `.Int()`, which gives 0, so it starts with 0 (each key's meaning of 0) and a
-    /// warning. `None` for our own keys, which must be numbers.
-    fn go_int_of_text(&self, key: &str, text: &str) -> Option<i64> {
-        const GO_INT_KEYS: [&str; 8] = [
+    /// Whether `key` is one the Go plugin reads with gjson `.Int()` (ours are read strictly).
+    fn is_go_int_key(key: &str) -> bool {
+        const GO_INT_KEYS: [&str; 7] = [
+            "servicePort",
             "timeout",
             "database",
             "maxRequestCount",
             "cleanInterval",
             "redisKeyTTL",
-            "window_size",
-            "window_seconds",
             "queue_size",
         ];
-        if !GO_INT_KEYS.contains(&key) {
-            return None;
-        }
-        self.warn(
-            key,
-            format!("{text:?} is not a number (no units): read as 0, as the Go plugin reads it"),
-        );
-        Some(0)
+        GO_INT_KEYS.contains(&key)
     }
-    /// An integer that may be negative (Go reads these with gjson `.Int()`): numbers or numeric
-    /// strings; anything else is an error.
+    /// A Go integer key read as gjson `.Int()` reads it: integers and integer strings as they are;
+    /// a fraction truncated toward zero; `true` 1, `false` 0; a string that is not an integer
+    /// (`3s`, `" 5"`, `"1.5"`) and arrays or objects 0. Anything but an integer or an integer string
+    /// gets a warning naming the field.
+    fn go_int(&self, key: &str, v: &Value) -> i64 {
+        let (n, why) = match v {
+            Value::Number(n) => match n.as_i64() {
+                Some(i) => return i,
+                None => {
+                    let f = n.as_f64().unwrap_or(0.0);
+                    if f.fract() == 0.0 && f.abs() < 9e15 {
+                        return f as i64;
+                    }
+                    // `as` saturates out-of-range values, as the limits here do.
+                    (
+                        f.trunc() as i64,
+                        format!("{v} is not an integer: read as {}", f.trunc() as i64),
+                    )
+                }
+            },
+            Value::String(s) => match gjson_parse_int(s) {
+                Some(i) => return i,
+                None => (0, format!("{s:?} is not a number (no units): read as 0")),
+            },
+            Value::Bool(b) => (i64::from(*b), format!("{b} read as {}", i64::from(*b))),
+            other => (0, format!("{} read as 0", type_name(other))),
+        };
+        self.warn(key, format!("{why}, as the Go plugin reads it"));
+        n
+    }
+    /// An integer that may be negative: Go keys as [`Fields::go_int`]; our keys as numbers or
+    /// numeric strings, anything else an error.
     fn int(&self, key: &str) -> Result<Option<i64>, ConfigError> {
-        let bad = |v: &Value| err(&self.path(key), format!("expected an integer, got {v}"));
-        match self.present(key) {
-            None => Ok(None),
-            Some(v @ Value::Number(n)) => n
+        let Some(v) = self.present(key) else { return Ok(None) };
+        if Self::is_go_int_key(key) {
+            return Ok(Some(self.go_int(key, v)));
+        }
+        let bad = || err(&self.path(key), format!("expected an integer, got {v}"));
+        match v {
+            Value::Number(n) => n
                 .as_i64()
                 .or_else(|| {
                     n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9e18).map(|f| f as i64)
                 })
                 .map(Some)
-                .ok_or_else(|| bad(v)),
-            Some(v @ Value::String(s)) => match s.trim().parse::<i64>() {
-                Ok(x) => Ok(Some(x)),
-                Err(_) => self.go_int_of_text(key, s).map(Some).ok_or_else(|| bad(v)),
-            },
-            Some(v) => Err(bad(v)),
+                .ok_or_else(bad),
+            Value::String(s) => s.trim().parse::<i64>().map(Some).map_err(|_| bad()),
+            _ => Err(bad()),
         }
     }
     fn path(&self, key: &str) -> String {
@@ -565,32 +731,27 @@ impl Fields<'_> {
             }
         }
     }
-    /// Non-negative integer in `0..=max`; numeric strings are accepted (Go's gjson does).
+    /// Non-negative integer in `0..=max`; numeric strings are accepted (Go's gjson does); Go keys
+    /// are read as [`Fields::go_int`] first.
     fn uint(&self, key: &str, max: u64) -> Result<Option<u64>, ConfigError> {
         let bad = |v: &Value| {
             err(&self.path(key), format!("expected an integer between 0 and {max}, got {v}"))
         };
-        match self.present(key) {
-            None => Ok(None),
-            Some(v @ Value::Number(n)) => {
-                let x = n.as_u64().or_else(|| {
+        let Some(v) = self.present(key) else { return Ok(None) };
+        let x = if Self::is_go_int_key(key) {
+            u64::try_from(self.go_int(key, v)).ok()
+        } else {
+            match v {
+                Value::Number(n) => n.as_u64().or_else(|| {
                     n.as_f64().filter(|f| f.fract() == 0.0 && *f >= 0.0).map(|f| f as u64)
-                });
-                match x {
-                    Some(x) if x <= max => Ok(Some(x)),
-                    _ => Err(bad(v)),
-                }
+                }),
+                Value::String(s) => s.trim().parse::<u64>().ok(),
+                _ => None,
             }
-            Some(v @ Value::String(s)) => match s.trim().parse::<u64>() {
-                Ok(x) if x <= max => Ok(Some(x)),
-                Ok(_) => Err(bad(v)),
-                Err(_) if s.trim().parse::<i64>().is_ok() => Err(bad(v)),
-                Err(_) => match self.go_int_of_text(key, s) {
-                    Some(x) => Ok(Some(x.unsigned_abs())),
-                    None => Err(bad(v)),
-                },
-            },
-            Some(v) => Err(bad(v)),
+        };
+        match x {
+            Some(x) if x <= max => Ok(Some(x)),
+            _ => Err(bad(v)),
         }
     }
     fn float(&self, key: &str) -> Result<Option<f64>, ConfigError> {
@@ -654,11 +815,13 @@ fn parse_lb(
     let lb_obj = match root.get("lb_config") {
         None | Some(Value::Null) => &empty,
         Some(Value::Object(m)) => m,
+        // gjson finds no keys in anything else: the policy runs on its defaults, as in Go.
         Some(v) => {
-            return Err(err(
-                &top.path("lb_config"),
-                format!("expected an object, got {}", type_name(v)),
-            ))
+            top.warn(
+                "lb_config",
+                format!("{} has no keys: read as {{}}, as Go reads it", type_name(v)),
+            );
+            &empty
         }
     };
     let f = Fields { obj: lb_obj, prefix: format!("{prefix}lb_config."), warnings };
@@ -821,12 +984,16 @@ fn parse_state(f: &Fields<'_>) -> Result<SharedStateConfig, ConfigError> {
 }
 
 fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, ConfigError> {
-    // One Go version spelled these keys in camelCase; accept both.
-    let metric_policy_raw = match f.string("metric_policy")? {
-        Some(v) => Some(v),
-        None => f.string("metricPolicy")?,
-    };
-    let metric_policy = match metric_policy_raw.as_deref() {
+    // Not Go keys: Go ignores them and runs its defaults, so a Go config carrying them must too.
+    for (camel, snake) in [("metricPolicy", "metric_policy"), ("targetMetric", "target_metric")] {
+        if f.present(camel).is_some() {
+            f.warn(
+                camel,
+                format!("not a key (the key is {snake}): ignored, as the Go plugin ignores it"),
+            );
+        }
+    }
+    let metric_policy = match f.string("metric_policy")?.as_deref() {
         None | Some("") | Some("default") => MetricPolicy::Default,
         Some("least") => MetricPolicy::Least,
         Some("most") => MetricPolicy::Most,
@@ -839,17 +1006,17 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
             MetricPolicy::Default
         }
     };
-    let target_metric = match f.string("target_metric")? {
-        Some(v) => Some(v),
-        None => f.string("targetMetric")?,
-    }
-    .filter(|s| !s.is_empty());
-    if metric_policy != MetricPolicy::Default && target_metric.is_none() {
-        return Err(err(
-            &f.path("target_metric"),
-            "required when metric_policy is least or most: a metric name",
-        ));
-    }
+    let target_metric = f.string("target_metric")?.filter(|s| !s.is_empty());
+    let metric_policy = if metric_policy != MetricPolicy::Default && target_metric.is_none() {
+        // Go reads every pod's value as 0: all pods tie and one is picked at random.
+        f.warn(
+            "target_metric",
+            "missing with metric_policy least/most: every pod ties, picked at random (as in Go)",
+        );
+        MetricPolicy::Random
+    } else {
+        metric_policy
+    };
     Ok(EndpointMetricsConfig {
         metric_policy,
         target_metric,

@@ -157,12 +157,20 @@ fn error_lb_policy_not_string() {
     expect_err(r#"{"lb_policy":[5]}"#, "lb_policy", "expected a string");
 }
 #[test]
-fn error_lb_config_not_object() {
+fn lb_config_not_an_object_has_no_keys_as_in_go() {
+    // The Redis policies then miss their Redis location, as in Go.
     expect_err(
         r#"{"lb_policy":"prefix_cache","lb_config":"x"}"#,
-        "lb_config",
-        "expected an object",
+        "lb_config.serviceFQDN",
+        "required",
     );
+    // endpoint_metrics runs on its defaults, with a warning.
+    let c = parse(r#"{"lb_policy":"endpoint_metrics","lb_config":[1]}"#).unwrap();
+    let Some(LbConfig { policy: PolicyConfig::EndpointMetrics(e), .. }) = c.default else {
+        panic!()
+    };
+    assert_eq!(e.metric_policy, MetricPolicy::Default);
+    assert!(c.warnings[0].contains("lb_config: an array has no keys"), "{:?}", c.warnings);
 }
 #[test]
 fn error_service_fqdn() {
@@ -177,7 +185,7 @@ fn error_service_port() {
     expect_err(
         r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":"abc"}}"#,
         "lb_config.servicePort",
-        "between 0 and 65535",
+        "required",
     );
     expect_err(
         r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r"}}"#,
@@ -199,36 +207,12 @@ fn error_password() {
     expect_err(&glr(r#","password":{}"#), "lb_config.password", "expected a string");
 }
 #[test]
-fn error_database() {
-    expect_err(&glr(r#","database":[1]"#), "lb_config.database", "integer");
-}
-#[test]
-fn error_redis_key_ttl() {
-    expect_err(&prefix(r#","redisKeyTTL":1.5"#), "lb_config.redisKeyTTL", "integer");
-}
-#[test]
-fn error_max_request_count() {
-    expect_err(&glr(r#","maxRequestCount":true"#), "lb_config.maxRequestCount", "integer");
-}
-#[test]
-fn error_clean_interval() {
-    expect_err(&glr(r#","cleanInterval":{"every":"hour"}"#), "lb_config.cleanInterval", "integer");
-}
-#[test]
 fn error_max_body_bytes() {
     expect_err(&glr(r#","maxBodyBytes":-1"#), "lb_config.maxBodyBytes", "integer");
 }
 #[test]
 fn error_hit_load_factor() {
     expect_err(&prefix(r#","hitLoadFactor":-2"#), "lb_config.hitLoadFactor", "non-negative number");
-}
-#[test]
-fn error_target_metric() {
-    expect_err(
-        r#"{"lb_policy":"endpoint_metrics","lb_config":{"metric_policy":"most"}}"#,
-        "lb_config.target_metric",
-        "required",
-    );
 }
 #[test]
 fn error_rate_limit() {
@@ -265,27 +249,19 @@ fn error_cluster_header() {
     );
 }
 #[test]
-fn error_queue_size() {
-    expect_err(
-        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"queue_size":[100]}}"#,
-        "lb_config.queue_size",
-        "integer",
-    );
-}
-#[test]
-fn error_rules_not_array() {
-    expect_err(r#"{"_rules_":{}}"#, "_rules_", "array");
-}
-#[test]
 fn error_rule_without_matcher() {
     expect_err(&format!(r#"{{"_rules_":[{}]}}"#, glr("")), "_rules_[0]", "_match_route_");
-}
-#[test]
-fn error_rule_matcher_type() {
+    // Consumers alone are no match kind (Go refuses it too).
     expect_err(
-        r#"{"_rules_":[{"_match_route_":"r1","lb_policy":"prefix_cache"}]}"#,
-        "_rules_[0]._match_route_",
-        "array of strings",
+        r#"{"_rules_":[{"_match_consumer_":["alice"],"lb_policy":"endpoint_metrics"}]}"#,
+        "_rules_[0]",
+        "_match_route_prefix_",
+    );
+    // Go drops empty route names: a list of only "" is no matcher.
+    expect_err(
+        r#"{"_rules_":[{"_match_route_":[""],"lb_policy":"endpoint_metrics"}]}"#,
+        "_rules_[0]",
+        "_match_route_",
     );
 }
 #[test]
@@ -297,7 +273,19 @@ fn error_inside_rule_names_the_rule() {
     );
 }
 
-// ---- rules ----
+// ---- rules, as Higress's wasm-go rule matcher reads them ----
+
+const EM: &str = r#""lb_policy":"endpoint_metrics""#;
+
+fn select_index(
+    c: &PluginConfig,
+    route: &str,
+    authority: &str,
+    cluster: &str,
+    consumer: &str,
+) -> Option<usize> {
+    c.select(&MatchInput { route, authority, cluster, consumer }).map(|(i, _)| i)
+}
 
 #[test]
 fn rules_match_route_domain_service_and_prefix_first_wins() {
@@ -311,11 +299,10 @@ fn rules_match_route_domain_service_and_prefix_first_wins() {
     }"#;
     let c = parse(json).unwrap();
     assert!(c.default.is_none(), "only rules: unmatched requests pass through");
-    let sel = |route: &str, authority: &str, cluster: &str| {
-        c.select(&MatchInput { route, authority, cluster }).map(|(i, _)| i)
-    };
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    let sel = |route, authority, cluster| select_index(&c, route, authority, cluster, "");
     assert_eq!(sel("chat-route", "api.example.com", "outbound|8000||llm.static"), Some(0));
-    assert_eq!(sel("other", "API.Example.com:443", ""), Some(1));
+    assert_eq!(sel("other", "api.example.com:443", ""), Some(1));
     assert_eq!(sel("other", "api.test", ""), Some(1));
     assert_eq!(sel("other", "example.com", "outbound|8000||llm.static"), Some(2));
     assert_eq!(sel("other", "x", "outbound|9000||llm.static"), None, "port must match");
@@ -324,31 +311,231 @@ fn rules_match_route_domain_service_and_prefix_first_wins() {
 }
 
 #[test]
-fn rules_inherit_top_level_keys_and_default_applies_otherwise() {
+fn a_rule_is_parsed_alone_nothing_is_inherited() {
+    // Go parses each rule with the plugin's parser and no override parser: a rule without
+    // lb_policy is invalid even when the top level has one.
     let json = r#"{"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"redis.static","servicePort":6379},
-      "_rules_":[{"_match_route_":["r2"],"lb_policy":"prefix_cache"}]}"#;
+      "_rules_":[{"_match_route_":["r2"],"lb_config":{"serviceFQDN":"redis.static","servicePort":6379}}]}"#;
+    expect_err(json, "_rules_[0].lb_policy", "missing");
+    // A top-level lb_type: cluster does not reach the rule: its lb_type is the default, endpoint.
+    let json = r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"]},
+      "_rules_":[{"_match_route_":["r2"],"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"redis.static","servicePort":6379}}]}"#;
     let c = parse(json).unwrap();
-    let (i, cfg) = c.select(&MatchInput { route: "r2", authority: "", cluster: "" }).unwrap();
-    assert_eq!(i, 0);
-    let PolicyConfig::PrefixCache(p) = &cfg.policy else { panic!("rule config") };
-    assert_eq!(p.least_request.redis.service_fqdn, "redis.static");
-    let (i, cfg) = c.select(&MatchInput { route: "r1", authority: "", cluster: "" }).unwrap();
-    assert_eq!(i, 1);
-    assert!(matches!(cfg.policy, PolicyConfig::GlobalLeastRequest(_)));
+    let (i, cfg) = c.select(&MatchInput { route: "r2", ..Default::default() }).unwrap();
+    assert_eq!((i, cfg.lb_type), (0, LbType::Endpoint));
+    // A rule's lb_config does not inherit the top level's keys either.
+    let json = r#"{"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"redis.static","servicePort":6379,"timeout":900},
+      "_rules_":[{"_match_route_":["r2"],"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"redis.static","servicePort":6380}}]}"#;
+    let c = parse(json).unwrap();
+    let (_, cfg) = c.select(&MatchInput { route: "r2", ..Default::default() }).unwrap();
+    let PolicyConfig::GlobalLeastRequest(g) = &cfg.policy else { panic!("rule config") };
+    assert_eq!((g.redis.service_port, g.redis.timeout_ms), (6380, 3000));
+    let (i, cfg) = c.select(&MatchInput { route: "r1", ..Default::default() }).unwrap();
+    assert_eq!(i, 1, "the top level applies to other routes");
+    let PolicyConfig::GlobalLeastRequest(g) = &cfg.policy else { panic!("top-level config") };
+    assert_eq!(g.redis.timeout_ms, 900);
 }
 
 #[test]
-fn domain_patterns_match_case_insensitively_in_either_direction() {
-    // Patterns are lower-cased once when the config is parsed; hosts on every request.
-    let json = r#"{"_rules_": [{"_match_domain_": ["*.Example.COM", "API.Test"], "lb_policy": "endpoint_metrics"}]}"#;
-    let c = parse(json).unwrap();
-    let sel = |authority: &str| {
-        c.select(&MatchInput { route: "r", authority, cluster: "" }).map(|(i, _)| i)
+fn an_invalid_top_level_next_to_rules_is_disabled_with_a_warning() {
+    let json = format!(
+        r#"{{"lb_policy":"prefix_cache","lb_config":{{}},"_rules_":[{{"_match_route_":["r1"],{EM}}}]}}"#
+    );
+    let c = parse(&json).unwrap();
+    assert!(c.default.is_none(), "Go disables the global config");
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    assert!(c.warnings[0].contains("lb_config.serviceFQDN: required"), "{:?}", c.warnings);
+    assert!(c.warnings[0].contains("disabled"), "{:?}", c.warnings);
+    assert_eq!(select_index(&c, "r1", "", "", ""), Some(0));
+    assert_eq!(select_index(&c, "r2", "", "", ""), None, "unmatched requests pass through");
+    // Without rules (or with an empty list) an invalid top level still fails the plugin, as in Go.
+    expect_err(r#"{"lb_policy":"prefix_cache","_rules_":[]}"#, "lb_config.serviceFQDN", "required");
+    expect_err(
+        r#"{"lb_policy":"prefix_cache","_rules_":null}"#,
+        "lb_config.serviceFQDN",
+        "required",
+    );
+}
+
+#[test]
+fn rule_kind_follows_go_precedence() {
+    // route (+service) > domain > service > route prefix (+consumer); other keys are ignored.
+    let json = format!(
+        r#"{{"_rules_":[
+        {{"_match_route_":["r1"],"_match_domain_":["only.example"],{EM}}},
+        {{"_match_route_":["r2"],"_match_service_":["svc"],{EM}}},
+        {{"_match_domain_":["d.example"],"_match_service_":["svc"],{EM}}},
+        {{"_match_service_":["svc"],"_match_route_prefix_":["p-"],{EM}}},
+        {{"_match_route_prefix_":["c-"],"_match_consumer_":["alice"],{EM}}},
+        {{"_match_route_":["r3"],"_match_consumer_":["bob"],{EM}}}
+      ]}}"#
+    );
+    let c = parse(&json).unwrap();
+    let kinds: Vec<RuleKind> = c.rules.iter().map(|r| r.matcher.kind()).collect();
+    use RuleKind::*;
+    assert_eq!(kinds, [Route, RouteAndService, Domain, Service, RoutePrefixAndConsumer, Route]);
+    // Each ignored key is named in a warning.
+    let ignored = [
+        "_rules_[0]._match_domain_",
+        "_rules_[2]._match_service_",
+        "_rules_[3]._match_route_prefix_",
+        "_rules_[5]._match_consumer_",
+    ];
+    assert_eq!(c.warnings.len(), ignored.len(), "{:?}", c.warnings);
+    for (w, key) in c.warnings.iter().zip(ignored) {
+        assert!(w.contains(key) && w.contains("ignored"), "{w}");
+    }
+    let svc = "outbound|80||svc";
+    let sel =
+        |route, authority, cluster, consumer| select_index(&c, route, authority, cluster, consumer);
+    assert_eq!(sel("r1", "other.example", "", ""), Some(0), "the domain is not consulted");
+    assert_eq!(sel("r2", "", "outbound|80||other", ""), None, "route and service both");
+    assert_eq!(sel("r2", "", svc, ""), Some(1));
+    assert_eq!(sel("x", "d.example", "", ""), Some(2));
+    assert_eq!(sel("x", "other", svc, ""), Some(3));
+    assert_eq!(sel("p-1", "", "", ""), None, "the prefix is not consulted next to a service");
+    assert_eq!(sel("c-1", "", "", "alice"), Some(4));
+    assert_eq!(sel("c-1", "", "", "mallory"), None);
+    assert_eq!(sel("r3", "", "", ""), Some(5), "consumers only count with a route prefix");
+    assert!(c.matches_consumers());
+}
+
+#[test]
+fn domains_and_services_compare_as_go_does() {
+    let json = format!(
+        r#"{{"_rules_":[
+        {{"_match_domain_":["*.Example.com","api.test","pre.*"],{EM}}},
+        {{"_match_service_":["llm.static","llm.dns:8000"],{EM}}}
+      ]}}"#
+    );
+    let c = parse(&json).unwrap();
+    let host = |authority| select_index(&c, "r", authority, "", "");
+    assert_eq!(host("chat.Example.com"), Some(0));
+    assert_eq!(host("chat.example.com"), None, "case-sensitive, as in Go");
+    assert_eq!(host("api.test:8443"), Some(0));
+    assert_eq!(host("api.test.evil"), None);
+    assert_eq!(host("pre.anything"), Some(0));
+    assert_eq!(host("[::1]:80"), None);
+    let svc = |cluster| select_index(&c, "r", "", cluster, "");
+    assert_eq!(svc("outbound|80||llm.static"), Some(1), "fqdn alone: any port");
+    assert_eq!(svc("outbound|8000||llm.dns"), Some(1));
+    assert_eq!(svc("outbound|9000||llm.dns"), None);
+    assert_eq!(svc("llm.static"), None, "only outbound|port|subset|fqdn names match");
+    assert_eq!(svc("outbound|80||llm.static|x"), None);
+    assert_eq!(strip_port("[::1]:80"), "[::1]");
+    assert_eq!(strip_port("[::1]"), "[::1]");
+    assert_eq!(strip_port("host:abc"), "host", "Go cuts at the last colon whatever follows");
+}
+
+#[test]
+fn rule_shapes_go_tolerates_start_with_a_warning() {
+    // A match key given one value instead of a list: gjson reads a list of one.
+    let c = parse(&format!(r#"{{"_rules_":[{{"_match_route_":"r1",{EM}}}]}}"#)).unwrap();
+    assert_eq!(c.rules[0].matcher.routes, ["r1"]);
+    assert!(c.warnings[0].contains("_rules_[0]._match_route_"), "{:?}", c.warnings);
+    // _rules_ given one rule object instead of a list.
+    let c = parse(&format!(r#"{{"_rules_":{{"_match_route_":["r1"],{EM}}}}}"#)).unwrap();
+    assert_eq!(c.rules.len(), 1);
+    assert!(
+        c.warnings[0].contains("_rules_: an object read as a list of one rule"),
+        "{:?}",
+        c.warnings
+    );
+    // Non-string names read as their JSON text; empty names dropped.
+    let c = parse(&format!(r#"{{"_rules_":[{{"_match_route_":[7,"",null,"r"],{EM}}}]}}"#)).unwrap();
+    assert_eq!(c.rules[0].matcher.routes, ["7", "r"]);
+    // A rule that is not an object has no match keys: refused, as in Go.
+    expect_err(r#"{"_rules_":["r1"]}"#, "_rules_[0]", "_match_route_");
+}
+
+/// Go integer keys read as gjson `.Int()` reads them (what Go starts with): a fraction truncated,
+/// booleans 1/0, non-integer strings, arrays and objects 0; each such value warns, naming the field.
+#[test]
+fn go_integer_keys_read_as_gjson_int() {
+    let glr_of = |extra: &str| {
+        let c = parse(&glr(extra)).unwrap_or_else(|e| panic!("{extra}: {e}"));
+        let Some(LbConfig { policy: PolicyConfig::GlobalLeastRequest(g), .. }) = c.default else {
+            panic!("wrong policy")
+        };
+        (g, c.warnings)
     };
-    assert_eq!(sel("chat.example.com"), Some(0));
-    assert_eq!(sel("CHAT.EXAMPLE.COM:8443"), Some(0));
-    assert_eq!(sel("api.test"), Some(0));
-    assert_eq!(sel("api.test.evil"), None);
+    type Check = fn(&GlobalLeastRequestConfig) -> bool;
+    let cases: Vec<(&str, Check, &str)> = vec![
+        (r#","maxRequestCount":true"#, |g| g.max_request_count == 1, "true read as 1"),
+        (r#","maxRequestCount":false"#, |g| g.max_request_count == 0, "false read as 0"),
+        (
+            r#","maxRequestCount":2.9"#,
+            |g| g.max_request_count == 2,
+            "2.9 is not an integer: read as 2",
+        ),
+        (
+            r#","maxRequestCount":-2.9"#,
+            |g| g.max_request_count == 0,
+            "-2.9 is not an integer: read as -2",
+        ),
+        (
+            r#","cleanInterval":{"every":"hour"}"#,
+            |g| g.clean_interval_min == 60,
+            "an object read as 0",
+        ),
+        (r#","database":[1]"#, |g| g.redis.database == 0, "an array read as 0"),
+        (r#","database":true"#, |g| g.redis.database == 1, "true read as 1"),
+        (r#","timeout":1500.7"#, |g| g.redis.timeout_ms == 1500, "read as 1500"),
+        (r#","timeout":" 700""#, |g| g.redis.timeout_ms == 3000, "\" 700\" is not a number"),
+        (r#","timeout":"1.5""#, |g| g.redis.timeout_ms == 3000, "\"1.5\" is not a number"),
+        (r#","timeout":"-20""#, |g| g.redis.timeout_ms == 3000, "timeout: -20 is negative"),
+        (r#","servicePort":6379.0"#, |g| g.redis.service_port == 6379, ""),
+        (r#","servicePort":"6380""#, |g| g.redis.service_port == 6380, ""),
+    ];
+    for (extra, check, warned) in cases {
+        // servicePort given twice: serde_json keeps the last.
+        let (g, warnings) = glr_of(extra);
+        assert!(check(&g), "{extra}: {g:?}");
+        if warned.is_empty() {
+            assert!(warnings.is_empty(), "{extra}: {warnings:?}");
+        } else {
+            assert!(warnings.iter().any(|w| w.contains(warned)), "{extra}: {warnings:?}");
+        }
+    }
+    let c = parse(r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1,"redisKeyTTL":1.5}}"#).unwrap();
+    let Some(LbConfig { policy: PolicyConfig::PrefixCache(p), .. }) = c.default else { panic!() };
+    assert_eq!(p.redis_key_ttl_s, 1, "1.5 reads as 1 (Go: keys live 1 s)");
+    let c = parse(r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":["a"],"queue_size":[100]}}"#).unwrap();
+    let Some(LbConfig { policy: PolicyConfig::ClusterMetrics(m), .. }) = c.default else {
+        panic!()
+    };
+    assert_eq!(m.queue_size, 100, "an array reads as 0, the default");
+    // A port that reads as 0 is missing, as Go says ("invalid redis service config").
+    expect_err(&glr(r#","servicePort":false"#), "lb_config.servicePort", "required");
+    // Our own integer keys stay strict.
+    expect_err(&glr(r#","leaseMs":true"#), "lb_config.leaseMs", "integer");
+    expect_err(&glr(r#","breakerFailures":2.5"#), "lb_config.breakerFailures", "integer");
+}
+
+#[test]
+fn least_or_most_without_target_metric_ties_every_pod_as_in_go() {
+    let c =
+        parse(r#"{"lb_policy":"endpoint_metrics","lb_config":{"metric_policy":"most"}}"#).unwrap();
+    let Some(LbConfig { policy: PolicyConfig::EndpointMetrics(e), .. }) = c.default else {
+        panic!()
+    };
+    assert_eq!((e.metric_policy, e.target_metric), (MetricPolicy::Random, None));
+    assert!(c.warnings[0].contains("lb_config.target_metric: missing"), "{:?}", c.warnings);
+}
+
+#[test]
+fn camel_case_metric_keys_are_not_go_keys_and_are_ignored() {
+    let c = parse(r#"{"lb_policy":"endpoint_metrics","lb_config":{"metricPolicy":"most","targetMetric":"x"}}"#).unwrap();
+    let Some(LbConfig { policy: PolicyConfig::EndpointMetrics(e), .. }) = c.default else {
+        panic!()
+    };
+    assert_eq!(
+        (e.metric_policy, e.target_metric),
+        (MetricPolicy::Default, None),
+        "Go runs its default"
+    );
+    assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
+    assert!(c.warnings[0].contains("lb_config.metricPolicy: not a key (the key is metric_policy)"));
 }
 
 /// Configs the Go plugin starts with, each with the meaning Go gives it: they start here too, with

@@ -12,7 +12,7 @@
 //!   reply (or NetworkError) to that call, or the policy giving up at a tick, decides and resumes it.
 //! * `Policy::on_stream_done` runs exactly once per stream (on_log, else on_done, else on_delete).
 
-use crate::config::{LbConfig, MatchInput, PluginConfig, RuleMatch};
+use crate::config::{LbConfig, MatchInput, PluginConfig, RuleMatch, CONSUMER_HEADER};
 use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply};
 use crate::policy::{self, Decision, Policy, Stream};
 use crate::types::{DataAction, HeaderAction};
@@ -107,6 +107,8 @@ pub struct Filter {
     /// The routes of the configuration before the last one: their policies may still get replies
     /// to calls made before the change.
     previous: Vec<Rc<Route>>,
+    /// Whether a rule matches on the consumer header (read only then).
+    reads_consumer: bool,
     streams: HashMap<u32, StreamEntry>,
     /// Call token -> the stream held for its reply.
     waiting: HashMap<u32, u32>,
@@ -132,6 +134,7 @@ impl Filter {
             host.log(LogLevel::Warn, w);
         }
         let rules = cfg.rules.len();
+        let reads_consumer = cfg.matches_consumers();
         let mut routes: Vec<Rc<Route>> = cfg
             .rules
             .into_iter()
@@ -151,6 +154,7 @@ impl Filter {
             &format!("ai-load-balancer configured: {rules} rule(s), default {default_name}"),
         );
         self.previous = std::mem::replace(&mut self.routes, routes);
+        self.reads_consumer = reads_consumer;
         true
     }
 
@@ -218,7 +222,17 @@ impl Filter {
         let route = host.route_name().unwrap_or_default();
         let cluster = host.cluster_name().unwrap_or_default();
         let authority = host.request_header(":authority").unwrap_or_default();
-        let input = MatchInput { route: &route, authority: &authority, cluster: &cluster };
+        let consumer = if self.reads_consumer {
+            host.request_header(CONSUMER_HEADER).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let input = MatchInput {
+            route: &route,
+            authority: &authority,
+            cluster: &cluster,
+            consumer: &consumer,
+        };
         let Some(served_by) = self.routes.iter().find(|r| r.matches(&input)).cloned() else {
             return HeaderAction::Continue;
         };

@@ -165,31 +165,47 @@ fn load() -> Module {
             "{WASM}: {e}. Build the plugin first: `cargo build --target wasm32-wasip1 --profile wasm-release -p ai-load-balancer` (./build.sh does it)"
         )
     });
-    // A stale .wasm would test old code: say so loudly (not fatal, other people edit src/ too).
-    if let (Ok(w), Ok(src)) = (std::fs::metadata(WASM).and_then(|m| m.modified()), newest_source())
-    {
-        if src > w {
-            eprintln!("WARNING: {WASM} is older than src/; rebuild it to test the current code");
-        }
-    }
+    // A .wasm older than the code it is built from would pass or fail for old code.
+    let built = std::fs::metadata(WASM).and_then(|m| m.modified());
+    let (Ok(built), Ok((newest, path))) = (built, newest_module_source()) else {
+        panic!("{WASM}: cannot read the modification times of the module and its sources")
+    };
+    assert!(
+        newest <= built,
+        "{WASM} is older than {path}: rebuild it (`./build.sh wasm`) to test the current code"
+    );
     parse(&bytes)
 }
 
-fn newest_source() -> std::io::Result<std::time::SystemTime> {
-    fn walk(dir: &std::path::Path, newest: &mut std::time::SystemTime) -> std::io::Result<()> {
-        for e in std::fs::read_dir(dir)? {
-            let e = e?;
-            let md = e.metadata()?;
-            if md.is_dir() {
-                walk(&e.path(), newest)?;
-            } else if md.modified()? > *newest {
-                *newest = md.modified()?;
+/// The newest file the module is built from (the plugin's non-test sources, its Lua scripts and
+/// its Cargo.toml), with its path. Test-only files are left out: editing them does not change the
+/// module.
+fn newest_module_source() -> std::io::Result<(std::time::SystemTime, String)> {
+    fn is_test_only(p: &std::path::Path) -> bool {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        name.ends_with("_tests.rs")
+            || name == "testutil.rs"
+            || name == "fake.rs"
+            || p.components().any(|c| c.as_os_str() == "fuzz_corpus" || c.as_os_str() == "testdata")
+    }
+    fn walk(
+        path: &std::path::Path,
+        newest: &mut (std::time::SystemTime, String),
+    ) -> std::io::Result<()> {
+        let md = std::fs::metadata(path)?;
+        if md.is_dir() {
+            for e in std::fs::read_dir(path)? {
+                walk(&e?.path(), newest)?;
             }
+        } else if !is_test_only(path) && md.modified()? > newest.0 {
+            *newest = (md.modified()?, path.display().to_string());
         }
         Ok(())
     }
-    let mut newest = std::time::UNIX_EPOCH;
-    walk(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/src")), &mut newest)?;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut newest = (std::time::UNIX_EPOCH, String::new());
+    walk(&root.join("src"), &mut newest)?;
+    walk(&root.join("Cargo.toml"), &mut newest)?;
     Ok(newest)
 }
 

@@ -56,10 +56,16 @@ pub struct MetricsRouter {
     /// Scrapes pods itself when `scrapeCluster` names an ORIGINAL_DST cluster to do it through.
     scraper: Option<Scraper>,
     scrape_interval_ms: u32,
-    /// Last parsed host-provided body per pod: health-check bodies change once per check interval
-    /// while every request reads them, so an equal body (a memcmp) reuses the parse.
-    parsed: HashMap<String, (String, PodMetrics)>,
+    /// Last parsed host-provided body per cluster and pod: health-check bodies change once per
+    /// check interval while every request reads them, so an equal body (a memcmp) reuses the
+    /// parse. Kept per cluster, so one policy serving several clusters (rules matching by domain or
+    /// route prefix) does not evict one cluster's pods for another's on every request.
+    parsed: HashMap<String, HashMap<String, (String, PodMetrics)>>,
 }
+
+/// At most this many clusters keep parsed metrics in one policy instance; beyond, the cache starts
+/// over (bounded memory with any number of clusters).
+const MAX_PARSED_CLUSTERS: usize = 64;
 
 impl MetricsRouter {
     /// A router over `source` ranking pods as `ranking` says.
@@ -86,6 +92,12 @@ impl MetricsRouter {
     /// Whether the policy ranks by the GIE filter chain (which reads the model for LoRA pods).
     pub fn uses_filter_chain(&self) -> bool {
         self.ranking.policy == MetricPolicy::Default
+    }
+
+    /// Pods with a cached parse, per cluster (for tests of the cache's bounds).
+    #[cfg(test)]
+    pub fn cached_pods(&self, cluster: &str) -> usize {
+        self.parsed.get(cluster).map_or(0, HashMap::len)
     }
 
     /// Whether the plugin scrapes the pods itself.
@@ -117,17 +129,21 @@ impl MetricsRouter {
             healthy.iter().any(|h| h.metrics.as_deref().is_some_and(|m| !m.is_empty()));
         let target = self.ranking.target_metric.as_deref();
         if host_has_metrics {
+            if !self.parsed.contains_key(cluster) && self.parsed.len() >= MAX_PARSED_CLUSTERS {
+                self.parsed.clear();
+            }
+            let parsed = self.parsed.entry(cluster.to_string()).or_default();
             // Forget pods that left the cluster (bounded memory).
-            self.parsed.retain(|addr, _| healthy.iter().any(|h| h.address == *addr));
+            parsed.retain(|addr, _| healthy.iter().any(|h| h.address == *addr));
             let mut out = Vec::with_capacity(healthy.len());
             for h in healthy {
                 let metrics = match h.metrics {
                     Some(body) if !body.is_empty() => {
-                        let m = match self.parsed.get(&h.address) {
+                        let m = match parsed.get(&h.address) {
                             Some((cached, m)) if *cached == body => m.clone(),
                             _ => {
                                 let m = prometheus::parse(body.as_bytes(), target);
-                                self.parsed.insert(h.address.clone(), (body, m.clone()));
+                                parsed.insert(h.address.clone(), (body, m.clone()));
                                 m
                             }
                         };
@@ -164,7 +180,7 @@ impl MetricsRouter {
         )
     }
 
-    /// The pod to route to, or `None` when no pod has usable metrics.
+    /// The pod to route to, or `None` when some pod has no usable metrics.
     pub fn choose(
         &mut self,
         host: &mut dyn Host,
@@ -173,9 +189,10 @@ impl MetricsRouter {
         now_ms: u64,
     ) -> Option<String> {
         let interval = u64::from(self.scrape_interval_ms);
+        // One pod without metrics: no opinion for the whole request, as in Go.
         let candidates: Vec<Candidate<'_>> = pods
             .iter()
-            .filter_map(|p| {
+            .map(|p| {
                 let m = p.metrics.as_ref()?;
                 // Requests sent after the sample are not in it yet. Host-provided metrics carry no
                 // time: assume they are one scrape interval old.
@@ -186,7 +203,7 @@ impl MetricsRouter {
                     pending: self.recent.count_since(&p.address, since),
                 })
             })
-            .collect();
+            .collect::<Option<_>>()?;
         let survivors = schedule::filter(self.ranking.policy, model, &candidates);
         let idx = schedule::pick(&survivors, host.random_u64())?;
         let chosen = candidates.get(idx).map(|c| c.address)?;

@@ -21,8 +21,10 @@
 //! `least` / `most` apply the same band rule to the user's `target_metric`.
 //!
 //! Differences from the Go plugin (documented in the README):
-//! - A pod whose metrics are unknown (missing, unparsable or stale) is not a candidate; the Go
-//!   plugin reads missing values as 0, which makes a pod without metrics look idle.
+//! - As in Go, when any pod's metrics are unknown (missing, unparsable, stale, or without the
+//!   queue and KV-cache signals) the request gets no opinion (normal balancing). Go also needs
+//!   `vllm:lora_requests_info` and vLLM V0 names; here a pod without LoRA info has no adapters, and
+//!   vLLM V1 and SGLang names count.
 //! - LoRA: adapters in `waiting_lora_adapters` count as present (newer GIE does the same), and a
 //!   request without `model` skips the LoRA steps.
 //! - `pending`: requests this worker sent to a pod after its metrics were sampled are added to the
@@ -76,9 +78,9 @@ impl Candidate<'_> {
     /// True when the pod has the signals `policy` needs.
     pub fn usable_for(&self, policy: MetricPolicy) -> bool {
         match policy {
-            MetricPolicy::Default => {
-                let m = self.metrics;
-                m.waiting.is_some() || m.running.is_some() || m.kv_cache_usage.is_some()
+            // The chain's two signals (Go needs them too, plus LoRA info, which is optional here).
+            MetricPolicy::Default | MetricPolicy::Random => {
+                self.metrics.waiting.is_some() && self.metrics.kv_cache_usage.is_some()
             }
             MetricPolicy::Least | MetricPolicy::Most => {
                 self.metrics.target.is_some_and(f64::is_finite)
@@ -88,16 +90,17 @@ impl Candidate<'_> {
 }
 
 /// Returns the indices (into `pods`) of the pods the policy would pick among; the caller picks one
-/// at random. Pods not [`Candidate::usable_for`] the policy are ignored; an empty result means
-/// "no opinion" (the gateway then balances normally).
+/// at random. As in Go, when any pod is not [`Candidate::usable_for`] the policy the result is
+/// empty: "no opinion" (the gateway then balances normally), rather than ranking the pods it
+/// cannot see out of the choice.
 pub fn filter(policy: MetricPolicy, model: &str, pods: &[Candidate<'_>]) -> Vec<usize> {
-    let usable: Vec<usize> =
-        pods.iter().enumerate().filter(|(_, c)| c.usable_for(policy)).map(|(i, _)| i).collect();
-    if usable.is_empty() {
-        return usable;
+    if pods.is_empty() || !pods.iter().all(|c| c.usable_for(policy)) {
+        return Vec::new();
     }
+    let usable: Vec<usize> = (0..pods.len()).collect();
     match policy {
         MetricPolicy::Default => default_chain(model, pods, usable),
+        MetricPolicy::Random => usable,
         MetricPolicy::Least => band(pods, usable, |c| c.metrics.target.unwrap_or(0.0), false),
         MetricPolicy::Most => band(pods, usable, |c| c.metrics.target.unwrap_or(0.0), true),
     }

@@ -99,27 +99,36 @@ fn pending_requests_spread_a_burst_over_queueing_pods_only() {
 }
 
 #[test]
-fn unknown_metrics_are_not_candidates() {
+fn one_pod_with_unknown_metrics_leaves_the_request_to_normal_balancing() {
+    // As in Go: a pod the scheduler cannot see makes the whole request fall back, instead of
+    // ranking that pod out of the choice (a new pod would otherwise get no traffic at all).
     let empty = PodMetrics::default();
     let ms = [("a", empty.clone()), ("b", pm(20.0, 0.7))];
-    let pods = cands(&ms);
-    assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["b"]);
+    assert!(filter(MetricPolicy::Default, "", &cands(&ms)).is_empty());
+    let running_only = PodMetrics { running: Some(3.0), ..Default::default() };
+    let ms = [("a", running_only), ("b", pm(20.0, 0.7))];
+    assert!(filter(MetricPolicy::Default, "", &cands(&ms)).is_empty(), "queue and KV are needed");
     let ms = [("a", empty.clone()), ("b", empty)];
     assert!(filter(MetricPolicy::Default, "", &cands(&ms)).is_empty());
+    let ms = [("a", pm(0.0, 0.1)), ("b", pm(20.0, 0.7))];
+    assert_eq!(names(&cands(&ms), &filter(MetricPolicy::Default, "", &cands(&ms))), ["a"]);
 }
 
 #[test]
 fn least_and_most_use_the_target_metric() {
     let t = |v: f64| PodMetrics { target: Some(v), ..Default::default() };
-    let ms = [("a", t(1.0)), ("b", t(2.0)), ("c", t(10.0)), ("d", PodMetrics::default())];
+    let ms = [("a", t(1.0)), ("b", t(2.0)), ("c", t(10.0))];
     let pods = cands(&ms);
-    // Range 1..10 over 3 usable pods: width 3.
+    // Range 1..10 over 3 pods: width 3.
     assert_eq!(names(&pods, &filter(MetricPolicy::Least, "", &pods)), ["a", "b"]);
     assert_eq!(names(&pods, &filter(MetricPolicy::Most, "", &pods)), ["c"]);
+    // A pod without the target metric: no opinion (Go falls back to normal balancing).
+    let ms = [("a", t(1.0)), ("d", PodMetrics::default())];
+    assert!(filter(MetricPolicy::Least, "", &cands(&ms)).is_empty());
     let ms = [("a", t(5.0)), ("b", t(5.0))];
     assert_eq!(names(&cands(&ms), &filter(MetricPolicy::Least, "", &cands(&ms))), ["a", "b"]);
     let ms = [("a", t(f64::INFINITY)), ("b", t(3.0))];
-    assert_eq!(names(&cands(&ms), &filter(MetricPolicy::Least, "", &cands(&ms))), ["b"]);
+    assert!(filter(MetricPolicy::Least, "", &cands(&ms)).is_empty(), "not a usable value");
 }
 
 #[test]

@@ -26,6 +26,9 @@ pub const KEY_PREFIX: &str = "ai-lb/metrics/";
 const LEASE_PREFIX: &str = "ai-lb/lease/";
 /// A cluster no request has named for this long stops being scraped.
 const CLUSTER_IDLE_MS: u64 = 10 * 60 * 1000;
+/// At most this many departed pods wait for their shared entries to be emptied (a tick empties
+/// them all; the bound only matters if ticks stop).
+const MAX_DEPARTED: usize = 4096;
 
 #[derive(Debug, Default)]
 struct ClusterPods {
@@ -46,6 +49,10 @@ pub struct Scraper {
     worker_id: u64,
     clusters: HashMap<String, ClusterPods>,
     in_flight: HashMap<u32, (String, String, u64)>,
+    /// (cluster, pod) that left their cluster: their snapshot and lease are emptied on the next
+    /// tick, so shared data does not keep a snapshot per pod IP ever seen (proxy-wasm cannot
+    /// delete a key; an empty value frees all but the key's name).
+    departed: Vec<(String, String)>,
 }
 
 impl Scraper {
@@ -75,6 +82,7 @@ impl Scraper {
             worker_id: 0,
             clusters: HashMap::new(),
             in_flight: HashMap::new(),
+            departed: Vec::new(),
         }
     }
 
@@ -105,6 +113,9 @@ impl Scraper {
         }
         let entry = self.clusters.entry(cluster.to_string()).or_default();
         if entry.pods.as_slice() != pods {
+            let gone = entry.pods.iter().filter(|p| !pods.contains(p));
+            let room = MAX_DEPARTED.saturating_sub(self.departed.len());
+            self.departed.extend(gone.take(room).map(|p| (cluster.to_string(), p.clone())));
             entry.pods = pods.to_vec();
         }
         entry.last_seen_ms = now_ms;
@@ -124,7 +135,15 @@ impl Scraper {
 
     /// Starts the scrapes due at `now_ms`.
     pub fn on_tick(&mut self, host: &mut dyn Host, now_ms: u64) {
-        self.clusters.retain(|_, c| now_ms.saturating_sub(c.last_seen_ms) < CLUSTER_IDLE_MS);
+        let departed = &mut self.departed;
+        self.clusters.retain(|cluster, c| {
+            let live = now_ms.saturating_sub(c.last_seen_ms) < CLUSTER_IDLE_MS;
+            if !live {
+                departed.extend(c.pods.iter().map(|p| (cluster.clone(), p.clone())));
+            }
+            live
+        });
+        self.forget_departed(host);
         // A reply that never came (host bug) must not block a pod forever.
         let timeout = u64::from(self.timeout_ms) * 2;
         self.in_flight.retain(|_, (_, _, started)| now_ms.saturating_sub(*started) < timeout);
@@ -157,6 +176,21 @@ impl Scraper {
                     LogLevel::Warn,
                     &format!("endpoint_metrics: scrape of {pod} in {cluster} not sent: {e}"),
                 ),
+            }
+        }
+    }
+
+    /// Empties the shared entries of pods that left (unless they came back meanwhile).
+    fn forget_departed(&mut self, host: &mut dyn Host) {
+        for (cluster, pod) in std::mem::take(&mut self.departed) {
+            if self.clusters.get(&cluster).is_some_and(|c| c.pods.contains(&pod)) {
+                continue;
+            }
+            for key in [self.snapshot_key(&cluster, &pod), self.lease_key(&cluster, &pod)] {
+                if host.get_shared_data(&key).0.is_some_and(|v| !v.is_empty()) {
+                    // A failure leaves a stale entry, which readers ignore; nothing to retry.
+                    let _ = host.set_shared_data(&key, b"", 0);
+                }
             }
         }
     }

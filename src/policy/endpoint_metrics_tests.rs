@@ -198,8 +198,10 @@ fn a_failed_scrape_makes_the_pod_unknown_at_once() {
         };
         p.on_http_reply(&mut h, None, *token, &reply);
     }
+    // Pod 1 is unknown from now on, so the request is left to normal balancing (as Go does when
+    // a pod has no metrics), not sent to the busy pod 2.
     for _ in 0..10 {
-        assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+        assert_eq!(route(&mut p, &mut h), Decision::Passthrough);
     }
 }
 
@@ -242,12 +244,13 @@ fn least_and_most_follow_target_metric() {
         assert_eq!(route(&mut most, &mut h), Decision::Route("10.0.0.1:8000".into()));
         h.now += 1_000_000_000;
     }
-    // A pod whose metrics lack the target metric is never chosen by least/most.
+    // A pod whose metrics lack the target metric: the request uses normal balancing (Go's
+    // scheduler fails for the whole request too).
     let mut h = host_with(&[
         ("10.0.0.9:8000", true, Some("sglang:num_running_reqs 0\n".into())),
         pods[0].clone(),
     ]);
-    assert_eq!(route(&mut least, &mut h), Decision::Route("10.0.0.1:8000".into()));
+    assert_eq!(route(&mut least, &mut h), Decision::Passthrough);
 }
 
 #[test]
@@ -316,4 +319,35 @@ fn through_the_dispatcher_scrape_on_tick_then_pin_requests() {
     }
     f.on_request_headers(&mut h, 11, true);
     assert_eq!(h.override_host.as_deref(), Some("10.0.0.2:8000"));
+}
+
+#[test]
+fn parsed_metrics_are_cached_per_cluster_and_bounded() {
+    // One policy serving two clusters (e.g. a domain rule over two services), requests alternating:
+    // each cluster keeps its pods' parses instead of evicting the other's on every request.
+    let a = || {
+        host_with(&[
+            ("10.0.1.1:8000", true, Some(vllm(2, 0, 0.2, None))),
+            ("10.0.1.2:8000", true, Some(vllm(1, 0, 0.2, None))),
+        ])
+    };
+    let b = || host_with(&[("10.0.2.1:8000", true, Some(vllm(3, 0, 0.2, None)))]);
+    let mut p = EndpointMetrics::new(config("{}"));
+    for _ in 0..3 {
+        for (cluster, mut h) in [("outbound|8000||a", a()), ("outbound|8000||b", b())] {
+            let mut s = Stream { cluster: cluster.to_string(), ..Default::default() };
+            assert!(matches!(p.on_request_headers(&mut h, &mut s, true), Decision::Route(_)));
+        }
+        assert_eq!(p.router.cached_pods("outbound|8000||a"), 2);
+        assert_eq!(p.router.cached_pods("outbound|8000||b"), 1);
+    }
+    // Any number of clusters: the cache starts over rather than grow.
+    for i in 0..200 {
+        let mut h = b();
+        let mut s = Stream { cluster: format!("outbound|8000||c{i}"), ..Default::default() };
+        p.on_request_headers(&mut h, &mut s, true);
+    }
+    let cached: usize =
+        (0..200).map(|i| p.router.cached_pods(&format!("outbound|8000||c{i}"))).sum();
+    assert!(cached <= 64, "{cached} clusters cached");
 }

@@ -24,27 +24,32 @@ pub const MAX_BLOCKS: usize = 256;
 /// Splits a request body into prefix blocks. `None` when the body is not a JSON object (the
 /// request then passes through). An object without `messages`/`prompt` gives no blocks.
 /// `split_system`: also cut after the leading system/developer messages (`splitSystemPrompt`).
+///
+/// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `messages` (each
+/// message's `role`, `content` and `tool_calls`) and `prompt` are read, other keys are skipped,
+/// and string contents without escapes are borrowed from the body, not copied.
 pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> {
-    let v: Value = serde_json::from_slice(body).ok()?;
-    let obj = v.as_object()?;
+    let req: ChatBody<'_> = serde_json::from_slice(body).ok()?;
     let mut blocks = Vec::new();
     let mut cur = String::new();
-    if let Some(tools) = obj.get("tools").filter(|t| !t.is_null()) {
+    if let Some(tools) = &req.tools {
         cur.push_str("tools:");
         cur.push_str(&tools.to_string());
     }
-    if let Some(Value::Array(messages)) = obj.get("messages") {
+    if let Some(Messages::List(messages)) = &req.messages {
         let last = messages.len().saturating_sub(1);
-        let is_system = |m: &Value| {
-            matches!(m.get("role").and_then(Value::as_str), Some("system" | "developer"))
-        };
+        let is_system = |m: &Message<'_>| matches!(m.role(), "system" | "developer");
         for (i, m) in messages.iter().enumerate() {
-            let role = m.get("role").and_then(Value::as_str).unwrap_or("");
+            let role = m.role();
             cur.push_str(role);
             cur.push(':');
-            push_content(&mut cur, m.get("content"));
-            if let Some(tc) = m.get("tool_calls").filter(|t| !t.is_null()) {
-                cur.push_str(&tc.to_string());
+            if let Message::Object { content, tool_calls, .. } = m {
+                if let Some(content) = content {
+                    push_content(&mut cur, content);
+                }
+                if let Some(tc) = tool_calls {
+                    cur.push_str(&tc.to_string());
+                }
             }
             // End of the leading system run: the next message is the first non-system one.
             let system_cut = split_system
@@ -55,7 +60,7 @@ pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> 
                 blocks.push(std::mem::take(&mut cur));
             }
         }
-    } else if let Some(prompt) = obj.get("prompt") {
+    } else if let Some(prompt) = &req.prompt {
         // /v1/completions: one prompt is one block (a string, or an array of strings / token ids).
         match prompt {
             Value::String(s) => cur.push_str(s),
@@ -85,11 +90,15 @@ pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> 
 
 /// Appends the text of a message `content`: a string; an array of parts (text, image URLs so that
 /// different images differ, other parts as JSON); nothing for null.
-fn push_content(out: &mut String, content: Option<&Value>) {
-    match content {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) => out.push_str(s),
-        Some(Value::Array(parts)) => {
+fn push_content(out: &mut String, content: &Json<'_>) {
+    let v = match content {
+        Json::Str(s) => return out.push_str(s),
+        Json::Other(v) => v,
+    };
+    match v {
+        Value::Null => {}
+        Value::String(s) => out.push_str(s),
+        Value::Array(parts) => {
             for p in parts {
                 match p.get("type").and_then(Value::as_str) {
                     Some("text") => {
@@ -112,7 +121,224 @@ fn push_content(out: &mut String, content: Option<&Value>) {
                 }
             }
         }
-        Some(other) => out.push_str(&other.to_string()),
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// The parts of a chat/completions body the blocks are made of.
+struct ChatBody<'a> {
+    tools: Option<Value>,
+    messages: Option<Messages<'a>>,
+    prompt: Option<Value>,
+}
+
+/// `messages`: a list, or any other value (then the body is read as a completions body).
+enum Messages<'a> {
+    List(Vec<Message<'a>>),
+    NotAList,
+}
+
+/// One message: an object (its other keys skipped), or any other value (an empty role).
+enum Message<'a> {
+    Object { role: Option<Json<'a>>, content: Option<Json<'a>>, tool_calls: Option<Value> },
+    NotAnObject,
+}
+
+impl Message<'_> {
+    fn role(&self) -> &str {
+        match self {
+            Message::Object { role: Some(Json::Str(r)), .. } => r,
+            _ => "",
+        }
+    }
+}
+
+/// A JSON value whose strings are borrowed from the body when they need no unescaping; other
+/// values (small: content parts, numbers) are kept as a [`Value`].
+enum Json<'a> {
+    Str(std::borrow::Cow<'a, str>),
+    Other(Value),
+}
+
+mod body_de {
+    //! Deserializers for [`super::ChatBody`]: visitors that keep only what the blocks need.
+    use super::{ChatBody, Json, Message, Messages};
+    use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
+    use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use serde_json::Value;
+    use std::borrow::Cow;
+    use std::fmt;
+
+    #[derive(serde::Deserialize)]
+    #[serde(field_identifier, rename_all = "snake_case")]
+    enum BodyField {
+        Tools,
+        Messages,
+        Prompt,
+        #[serde(other)]
+        Other,
+    }
+
+    #[derive(serde::Deserialize)]
+    #[serde(field_identifier, rename_all = "snake_case")]
+    enum MessageField {
+        Role,
+        Content,
+        ToolCalls,
+        #[serde(other)]
+        Other,
+    }
+
+    /// Consumes any value in a visitor callback, for the shapes that are read as "not this".
+    macro_rules! skip_scalars {
+        ($out:expr) => {
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok($out)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok($out)
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok($out)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok($out)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok($out)
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok($out)
+            }
+        };
+    }
+
+    impl<'de> Deserialize<'de> for ChatBody<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = ChatBody<'de>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                    let mut body = ChatBody { tools: None, messages: None, prompt: None };
+                    // A repeated key: the last one counts (as in a parsed JSON object).
+                    while let Some(key) = map.next_key::<BodyField>()? {
+                        match key {
+                            BodyField::Tools => body.tools = map.next_value()?,
+                            BodyField::Messages => body.messages = map.next_value()?,
+                            BodyField::Prompt => body.prompt = map.next_value()?,
+                            BodyField::Other => {
+                                map.next_value::<IgnoredAny>()?;
+                            }
+                        }
+                    }
+                    Ok(body)
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Messages<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Messages<'de>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("any JSON value")
+                }
+                skip_scalars!(Messages::NotAList);
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                    let mut list = Vec::new();
+                    while let Some(m) = seq.next_element()? {
+                        list.push(m);
+                    }
+                    Ok(Messages::List(list))
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                    Ok(Messages::NotAList)
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Message<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Message<'de>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("any JSON value")
+                }
+                skip_scalars!(Message::NotAnObject);
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    Ok(Message::NotAnObject)
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                    let (mut role, mut content, mut tool_calls) = (None, None, None);
+                    while let Some(key) = map.next_key::<MessageField>()? {
+                        match key {
+                            MessageField::Role => role = map.next_value()?,
+                            MessageField::Content => content = map.next_value()?,
+                            MessageField::ToolCalls => tool_calls = map.next_value()?,
+                            MessageField::Other => {
+                                map.next_value::<IgnoredAny>()?;
+                            }
+                        }
+                    }
+                    Ok(Message::Object { role, content, tool_calls })
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Json<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Json<'de>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("any JSON value")
+                }
+                fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Self::Value, E> {
+                    Ok(Json::Str(Cow::Borrowed(s)))
+                }
+                fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
+                    Ok(Json::Str(Cow::Owned(s.to_owned())))
+                }
+                fn visit_string<E>(self, s: String) -> Result<Self::Value, E> {
+                    Ok(Json::Str(Cow::Owned(s)))
+                }
+                fn visit_bool<E>(self, b: bool) -> Result<Self::Value, E> {
+                    Ok(Json::Other(Value::Bool(b)))
+                }
+                fn visit_i64<E>(self, n: i64) -> Result<Self::Value, E> {
+                    Ok(Json::Other(Value::from(n)))
+                }
+                fn visit_u64<E>(self, n: u64) -> Result<Self::Value, E> {
+                    Ok(Json::Other(Value::from(n)))
+                }
+                fn visit_f64<E>(self, n: f64) -> Result<Self::Value, E> {
+                    Ok(Json::Other(Value::from(n)))
+                }
+                fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                    Ok(Json::Other(Value::Null))
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+                    Value::deserialize(SeqAccessDeserializer::new(seq)).map(Json::Other)
+                }
+                fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+                    Value::deserialize(MapAccessDeserializer::new(map)).map(Json::Other)
+                }
+            }
+            d.deserialize_any(V)
+        }
     }
 }
 

@@ -283,3 +283,34 @@ fn without_redis_a_prompt_goes_to_the_pod_with_room_by_its_metrics() {
     assert_eq!(host.counters.get("ai_lb_fallback_redis_error"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&1));
 }
+
+#[test]
+fn odd_message_shapes_read_as_a_parsed_object_would() {
+    let blocks = |b: &str| blocks_from_body(b.as_bytes(), false);
+    // A message that is not an object has an empty role and no content; a non-string role is "".
+    assert_eq!(
+        blocks(r#"{"messages":["x",{"role":5,"content":"a"},{"role":"user","content":"q"}]}"#),
+        Some(vec!["::auser:q".to_string()])
+    );
+    // Repeated keys: the last one counts; unknown keys are skipped whatever they hold.
+    assert_eq!(
+        blocks(r#"{"messages":[{"role":"system","role":"user","content":"a","x":{"y":[1,{}]}}]}"#),
+        Some(vec!["user:a".to_string()])
+    );
+    // Escaped strings are unescaped, as in a parsed tree.
+    assert_eq!(
+        blocks(r#"{"messages":[{"role":"user","content":"line\nnext \u00e9"}]}"#),
+        Some(vec!["user:line\nnext é".to_string()])
+    );
+    // messages that is not a list: the body is read as a completions body.
+    assert_eq!(blocks(r#"{"messages":{"a":1},"prompt":"p"}"#), Some(vec!["p".to_string()]));
+    // tool_calls without content; null content and null tool_calls add nothing.
+    assert_eq!(
+        blocks(
+            r#"{"messages":[{"role":"assistant","tool_calls":[{"id":"1"}]},{"role":"user","content":null,"tool_calls":null}]}"#
+        ),
+        Some(vec![r#"assistant:[{"id":"1"}]user:"#.to_string()])
+    );
+    assert_eq!(blocks(r#"{"messages":[]} x"#), None, "trailing bytes");
+    assert_eq!(blocks(r#""just a string""#), None);
+}

@@ -1,7 +1,7 @@
 //! `loadgen`: run a workload against an OpenAI-compatible endpoint and print a JSON summary.
 
 use clap::Parser;
-use loadgen::{run, summarize, Target, Workload};
+use loadgen::{run, summarize, GatewayChoice, Target, Workload};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,6 +13,9 @@ struct Args {
     /// Base URL (repeat for several gateway replicas; sessions are spread over them).
     #[arg(long, required = true)]
     url: Vec<String>,
+    /// Send each turn of a session through the next gateway (--url repeated), not all through one.
+    #[arg(long)]
+    gateway_per_turn: bool,
     /// YAML file with the workload (either the workload itself, or a scenario file with a
     /// `workload:` key).
     #[arg(long)]
@@ -45,6 +48,13 @@ async fn main() -> anyhow::Result<()> {
     };
     let target = Target {
         urls: a.url.clone(),
+        gateway_choice: if a.gateway_per_turn {
+            GatewayChoice::PerTurn
+        } else {
+            GatewayChoice::PerSession
+        },
+        sticky: None,
+        time_scale: a.time_scale,
         model: a.model.clone(),
         timeout: Duration::from_secs(a.timeout_s),
         page: a.page,

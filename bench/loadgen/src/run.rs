@@ -15,12 +15,58 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
+/// Which gateway replica a turn goes through.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GatewayChoice {
+    /// Session i sends every turn to `urls[i % len]` (one client per gateway replica).
+    #[default]
+    PerSession,
+    /// Turn t of session i goes to `urls[(i + t) % len]`: consecutive turns always cross
+    /// replicas, so only state shared between them (Redis) can keep a session's affinity.
+    PerTurn,
+}
+
+impl GatewayChoice {
+    /// Index of the gateway for turn `turn` of session `session` among `n`.
+    pub fn index(self, session: usize, turn: usize, n: usize) -> usize {
+        match self {
+            GatewayChoice::PerSession => session % n.max(1),
+            GatewayChoice::PerTurn => (session + turn) % n.max(1),
+        }
+    }
+}
+
+/// A session-hash sticky client: every request carries `header: values[hash(session) % len]`
+/// (the gateway routes on it, e.g. a cluster per pod through `cluster_header`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StickyHeader {
+    /// Header name.
+    pub header: String,
+    /// One value per pod.
+    pub values: Vec<String>,
+}
+
+impl StickyHeader {
+    /// The value for `session`: FNV-1a of its id, modulo the number of values.
+    pub fn value(&self, session: usize) -> Option<&str> {
+        let h = podsim::tokenizer::fnv1a32(&(session as u64).to_le_bytes());
+        let n = self.values.len();
+        (n > 0).then(|| self.values[h as usize % n].as_str())
+    }
+}
+
 /// Where and how to send.
 #[derive(Debug, Clone)]
 pub struct Target {
-    /// Base URLs (e.g. `http://127.0.0.1:8080`); session i goes to `urls[i % len]` (one
-    /// client per gateway replica).
+    /// Base URLs (e.g. `http://127.0.0.1:8080`), one per gateway replica.
     pub urls: Vec<String>,
+    /// How turns are spread over `urls`.
+    pub gateway_choice: GatewayChoice,
+    /// Session-hash stickiness decided by the client (the `session_hash` baseline).
+    pub sticky: Option<StickyHeader>,
+    /// Pods' time scale: think times and arrival times are simulated ms, slept times scale.
+    pub time_scale: f64,
     /// `model` field.
     pub model: String,
     /// Per-request timeout.
@@ -82,6 +128,9 @@ impl Oracle {
         }
         best
     }
+    /// Records a prompt as cached (from when it is sent: engines cache prompt pages once they are
+    /// prefilled, and counting them from the send is the upper bound) or a prompt + reply (when
+    /// the request finishes).
     fn add(&mut self, s: &SessionPlan, seq: Vec<u32>) {
         let seq = Arc::new(seq);
         for k in Self::keys(s) {
@@ -106,11 +155,19 @@ struct Reply {
     gateway_added_ms: Option<f64>,
 }
 
-async fn send(client: &HttpClient, url: &str, body: Value, t0: Instant) -> Result<Reply, String> {
-    let req = hyper::Request::post(format!("{url}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| e.to_string())?;
+async fn send(
+    client: &HttpClient,
+    url: &str,
+    sticky: Option<(&str, &str)>,
+    body: Value,
+    t0: Instant,
+) -> Result<Reply, String> {
+    let mut req = hyper::Request::post(format!("{url}/v1/chat/completions"))
+        .header("content-type", "application/json");
+    if let Some((name, value)) = sticky {
+        req = req.header(name, value);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_string()))).map_err(|e| e.to_string())?;
     let resp = client.request(req).await.map_err(|e| format!("connect: {e}"))?;
     let headers_ms = t0.elapsed().as_secs_f64() * 1000.0;
     let status = resp.status();
@@ -165,6 +222,10 @@ async fn send(client: &HttpClient, url: &str, body: Value, t0: Instant) -> Resul
             }
         }
     }
+    if !done {
+        // The pod died mid-stream (or the gateway cut it): not a complete reply.
+        return Err(format!("stream ended before [DONE] after {} bytes", reply.text.len()));
+    }
     Ok(reply)
 }
 
@@ -176,16 +237,28 @@ async fn run_session(
     started: Instant,
     progress: Arc<AtomicU64>,
 ) -> Vec<RequestRecord> {
-    let url = &target.urls[s.id % target.urls.len()];
+    let sticky =
+        target.sticky.as_ref().and_then(|st| st.value(s.id).map(|v| (st.header.as_str(), v)));
     let mut history: Vec<Message> = Vec::new();
     if let Some(sys) = &s.system {
         history.push(Message { role: "system".into(), content: sys.clone() });
     }
     let mut out = Vec::new();
     for (t, turn) in s.turns.iter().enumerate() {
+        if turn.think_ms > 0.0 {
+            tokio::time::sleep(scaled(turn.think_ms, target.time_scale)).await;
+        }
+        let url = &target.urls[target.gateway_choice.index(s.id, t, target.urls.len())];
         history.push(Message { role: "user".into(), content: turn.user.clone() });
         let prompt = chat_prompt_tokens(&history, None);
-        let oracle_hit = oracle.lock().map(|o| o.best(&s, &prompt)).unwrap_or(0);
+        let oracle_hit = oracle
+            .lock()
+            .map(|mut o| {
+                let best = o.best(&s, &prompt);
+                o.add(&s, prompt.clone());
+                best
+            })
+            .unwrap_or(0);
         let messages: Vec<Value> =
             history.iter().map(|m| json!({"role": m.role, "content": m.content})).collect();
         let body = json!({
@@ -193,7 +266,7 @@ async fn run_session(
             "stream": true, "stream_options": {"include_usage": true},
         });
         let t0 = Instant::now();
-        let res = tokio::time::timeout(target.timeout, send(&client, url, body, t0))
+        let res = tokio::time::timeout(target.timeout, send(&client, url, sticky, body, t0))
             .await
             .unwrap_or_else(|_| Err("timeout".into()));
         let e2e_ms = t0.elapsed().as_secs_f64() * 1000.0;
@@ -246,8 +319,14 @@ async fn run_session(
     out
 }
 
-/// Runs all sessions against `target` with at most `concurrency` sessions in flight; returns
-/// one record per request, in completion order of sessions. `progress` counts finished requests.
+fn scaled(sim_ms: f64, time_scale: f64) -> Duration {
+    let ts = if time_scale > 0.0 { time_scale } else { 1.0 };
+    Duration::from_secs_f64((sim_ms * ts / 1000.0).max(0.0))
+}
+
+/// Runs all sessions against `target`: sessions with a `start_ms` (open loop) start then,
+/// whatever is in flight; the others run at most `concurrency` at a time. Returns one record per
+/// request, in completion order of sessions. `progress` counts finished requests.
 pub async fn run(
     sessions: Vec<SessionPlan>,
     target: Target,
@@ -265,6 +344,13 @@ pub async fn run(
     let started = Instant::now();
     let mut tasks = Vec::new();
     for s in sessions {
+        if let Some(start) = s.start_ms {
+            tokio::time::sleep_until((started + scaled(start, target.time_scale)).into()).await;
+            let (client, target, oracle, progress) =
+                (client.clone(), target.clone(), oracle.clone(), progress.clone());
+            tasks.push(tokio::spawn(run_session(client, target, s, oracle, started, progress)));
+            continue;
+        }
         let Ok(permit) = sem.clone().acquire_owned().await else { break };
         let (client, target, oracle, progress) =
             (client.clone(), target.clone(), oracle.clone(), progress.clone());
@@ -289,7 +375,7 @@ mod tests {
 
     #[test]
     fn oracle_counts_same_session_and_group_only() {
-        let mk = |id, group| SessionPlan { id, group, system: None, turns: vec![] };
+        let mk = |id, group| SessionPlan { id, group, system: None, turns: vec![], start_ms: None };
         let mut o = Oracle::default();
         let a = mk(0, Some(1));
         o.add(&a, (0..100).collect());
@@ -299,5 +385,21 @@ mod tests {
         assert_eq!(o.best(&mk(5, Some(2)), &prompt), 0, "other session, other group");
         assert_eq!(cacheable(100, 120, 16), 96);
         assert_eq!(cacheable(120, 120, 16), 112);
+    }
+
+    #[test]
+    fn per_turn_gateways_rotate_and_sticky_values_are_stable() {
+        let per_turn: Vec<usize> = (0..5).map(|t| GatewayChoice::PerTurn.index(7, t, 4)).collect();
+        assert_eq!(per_turn, [3, 0, 1, 2, 3], "every turn through the next gateway");
+        assert!((0..5).all(|t| GatewayChoice::PerSession.index(7, t, 4) == 3));
+        let st =
+            StickyHeader { header: "x".into(), values: vec!["a".into(), "b".into(), "c".into()] };
+        let picks: Vec<&str> = (0..300).filter_map(|s| st.value(s)).collect();
+        assert_eq!(picks.len(), 300);
+        assert_eq!(st.value(42), st.value(42));
+        for v in ["a", "b", "c"] {
+            let n = picks.iter().filter(|p| **p == v).count();
+            assert!((60..140).contains(&n), "{v}: {n} of 300 sessions");
+        }
     }
 }

@@ -13,9 +13,13 @@ pub struct Dist {
     pub p50: f64,
     /// 90th percentile.
     pub p90: f64,
-    /// 99th percentile.
-    pub p99: f64,
+    /// 99th percentile, only from at least [`MIN_SAMPLES_FOR_P99`] values (below that it is one
+    /// of the few largest values, not a percentile anyone can compare).
+    pub p99: Option<f64>,
 }
+
+/// Fewest values a p99 is reported from.
+pub const MIN_SAMPLES_FOR_P99: usize = 1000;
 
 /// Nearest-rank percentile of sorted values (0 when empty).
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -31,7 +35,12 @@ pub fn dist(values: &[f64]) -> Dist {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
     v.sort_by(|a, b| a.total_cmp(b));
     let mean = if v.is_empty() { 0.0 } else { v.iter().sum::<f64>() / v.len() as f64 };
-    Dist { mean, p50: percentile(&v, 50.0), p90: percentile(&v, 90.0), p99: percentile(&v, 99.0) }
+    Dist {
+        mean,
+        p50: percentile(&v, 50.0),
+        p90: percentile(&v, 90.0),
+        p99: (v.len() >= MIN_SAMPLES_FOR_P99).then(|| percentile(&v, 99.0)),
+    }
 }
 
 /// p50/p99 pair.
@@ -39,8 +48,8 @@ pub fn dist(values: &[f64]) -> Dist {
 pub struct P50P99 {
     /// Median.
     pub p50: f64,
-    /// 99th percentile.
-    pub p99: f64,
+    /// 99th percentile (from at least [`MIN_SAMPLES_FOR_P99`] values).
+    pub p99: Option<f64>,
 }
 
 /// What a run achieved, client side.
@@ -113,13 +122,15 @@ mod tests {
 
     #[test]
     fn percentiles_nearest_rank() {
-        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        let v: Vec<f64> = (1..=1000).map(f64::from).collect();
         let d = dist(&v);
-        assert_eq!(d.p50, 50.0);
-        assert_eq!(d.p90, 90.0);
-        assert_eq!(d.p99, 99.0);
-        assert!((d.mean - 50.5).abs() < 1e-9);
-        assert_eq!(dist(&[]).p99, 0.0);
+        assert_eq!(d.p50, 500.0);
+        assert_eq!(d.p90, 900.0);
+        assert_eq!(d.p99, Some(990.0));
+        assert!((d.mean - 500.5).abs() < 1e-9);
+        assert_eq!(dist(&v[..999]).p99, None, "no p99 from fewer than 1000 values");
+        assert_eq!(dist(&v[..999]).p90, 900.0);
+        assert_eq!(dist(&[]).p99, None);
     }
 
     #[test]

@@ -1,4 +1,16 @@
 //! Workload shapes and their deterministic expansion into sessions of turns.
+//!
+//! Distributions (all drawn from the workload's `seed`, so every policy gets the same load):
+//! - turns per session and new user tokens per turn: normal(mean, stddev), rounded, at least 1;
+//! - `max_tokens` per turn: normal(mean, stddev), at least 1. The reply itself may be shorter:
+//!   the pods decide when the model stops (EOS, see podsim's `eos_mean_tokens`), as real models do;
+//! - think time before each later turn of a session: exponential with mean `think_time_ms_mean`
+//!   (simulated ms), the shape of AIPerf's `--conversation-turn-delay-mean` with a memoryless user;
+//! - open loop (`arrival_rate_per_s`): sessions start at Poisson times (exponential gaps, simulated
+//!   seconds) whatever is still in flight; without it, `concurrency` sessions run at once (closed
+//!   loop), a thinking session keeping its slot;
+//! - system prompts: `system_prompts` distinct ones of `system_prompt_tokens` each, a session
+//!   taking prompt k with probability ∝ 1/(k+1)^`system_prompt_zipf` (0 = uniform).
 
 use podsim::tokenizer::{words, Rng};
 use serde::{Deserialize, Serialize};
@@ -8,6 +20,9 @@ fn default_concurrency() -> usize {
 }
 fn default_seed() -> u64 {
     42
+}
+fn one() -> usize {
+    1
 }
 
 /// A workload, as written in a scenario file (`kind: multi_turn | shared_prefix`).
@@ -38,9 +53,21 @@ pub enum Workload {
         /// Sessions in flight at once.
         #[serde(default = "default_concurrency")]
         concurrency: usize,
-        /// Tokens of a system prompt shared by all sessions (0 = none).
+        /// Tokens of each system prompt (0 = none).
         #[serde(default)]
         system_prompt_tokens: usize,
+        /// Distinct system prompts sessions choose from.
+        #[serde(default = "one")]
+        system_prompts: usize,
+        /// Zipf exponent of the system prompts' popularity (0 = uniform).
+        #[serde(default)]
+        system_prompt_zipf: f64,
+        /// Mean think time before each later turn (simulated ms, exponential; 0 = none).
+        #[serde(default)]
+        think_time_ms_mean: f64,
+        /// Open loop: sessions start as a Poisson process of this rate (per simulated second).
+        #[serde(default)]
+        arrival_rate_per_s: Option<f64>,
         /// Tokens of a per-session document sent in the first turn (0 = none).
         #[serde(default)]
         session_prefix_tokens: usize,
@@ -63,6 +90,9 @@ pub enum Workload {
         /// Requests in flight at once.
         #[serde(default = "default_concurrency")]
         concurrency: usize,
+        /// Open loop: requests start as a Poisson process of this rate (per simulated second).
+        #[serde(default)]
+        arrival_rate_per_s: Option<f64>,
         /// Text seed.
         #[serde(default = "default_seed")]
         seed: u64,
@@ -76,6 +106,8 @@ pub struct TurnPlan {
     pub user: String,
     /// max_tokens.
     pub max_tokens: usize,
+    /// Think time before sending this turn, simulated ms (0 for a session's first turn).
+    pub think_ms: f64,
 }
 
 /// One session (a conversation, or a single prompt of a shared-prefix group).
@@ -90,10 +122,48 @@ pub struct SessionPlan {
     pub system: Option<String>,
     /// Turns in order.
     pub turns: Vec<TurnPlan>,
+    /// Open loop: when the session starts, simulated ms after the run begins.
+    pub start_ms: Option<f64>,
 }
 
 fn sample(rng: &mut Rng, mean: f64, sd: f64, min: usize) -> usize {
     rng.normal(mean, sd).round().max(min as f64) as usize
+}
+
+/// Exponential with mean `mean` (0 when `mean` is not positive).
+pub fn exponential(rng: &mut Rng, mean: f64) -> f64 {
+    if mean <= 0.0 {
+        return 0.0;
+    }
+    -mean * (1.0 - rng.next_f64()).ln()
+}
+
+/// Index in 0..n with probability ∝ 1/(k+1)^s.
+pub fn zipf(rng: &mut Rng, n: usize, s: f64) -> usize {
+    let weights: Vec<f64> = (0..n.max(1)).map(|k| 1.0 / ((k + 1) as f64).powf(s)).collect();
+    let mut x = rng.next_f64() * weights.iter().sum::<f64>();
+    for (k, w) in weights.iter().enumerate() {
+        if x < *w {
+            return k;
+        }
+        x -= w;
+    }
+    weights.len() - 1
+}
+
+/// Start times (simulated ms) of `n` arrivals of a Poisson process of `rate` per second, from
+/// a stream of their own so the sessions' text does not depend on the arrival option.
+fn poisson_starts(seed: u64, n: usize, rate: Option<f64>) -> Vec<Option<f64>> {
+    let Some(rate) = rate.filter(|r| *r > 0.0) else { return vec![None; n] };
+    let mut rng = Rng::new(seed ^ 0xa771_7a15);
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            let start = t;
+            t += exponential(&mut rng, 1000.0 / rate);
+            Some(start)
+        })
+        .collect()
 }
 
 impl Workload {
@@ -102,6 +172,16 @@ impl Workload {
         match self {
             Workload::MultiTurn { concurrency, .. }
             | Workload::SharedPrefix { concurrency, .. } => (*concurrency).max(1),
+        }
+    }
+
+    /// Whether sessions start on a schedule (open loop) rather than as slots free up.
+    pub fn open_loop(&self) -> bool {
+        match self {
+            Workload::MultiTurn { arrival_rate_per_s, .. }
+            | Workload::SharedPrefix { arrival_rate_per_s, .. } => {
+                arrival_rate_per_s.is_some_and(|r| r > 0.0)
+            }
         }
     }
 
@@ -117,15 +197,31 @@ impl Workload {
                 output_tokens_mean,
                 output_tokens_stddev,
                 system_prompt_tokens,
+                system_prompts,
+                system_prompt_zipf,
+                think_time_ms_mean,
+                arrival_rate_per_s,
                 session_prefix_tokens,
                 seed,
                 ..
             } => {
                 let mut rng = Rng::new(*seed);
-                let system =
-                    (*system_prompt_tokens > 0).then(|| words(&mut rng, *system_prompt_tokens));
+                let systems: Vec<String> = if *system_prompt_tokens > 0 {
+                    (0..(*system_prompts).max(1))
+                        .map(|_| words(&mut rng, *system_prompt_tokens))
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                // Popularity and think times draw from streams of their own, so adding them to a
+                // workload leaves its text (and so its token counts) unchanged.
+                let mut pick = Rng::new(seed ^ 0x21bf);
+                let mut think = Rng::new(seed ^ 0x7a1e_u64);
+                let starts = poisson_starts(*seed, *sessions, *arrival_rate_per_s);
                 (0..*sessions)
                     .map(|id| {
+                        let group = (!systems.is_empty())
+                            .then(|| zipf(&mut pick, systems.len(), *system_prompt_zipf));
                         let n = sample(&mut rng, *turns_mean, *turns_stddev, 1);
                         let turns = (0..n)
                             .map(|t| {
@@ -140,14 +236,20 @@ impl Workload {
                                 }
                                 let max_tokens =
                                     sample(&mut rng, *output_tokens_mean, *output_tokens_stddev, 1);
-                                TurnPlan { user, max_tokens }
+                                let think_ms = if t == 0 {
+                                    0.0
+                                } else {
+                                    exponential(&mut think, *think_time_ms_mean)
+                                };
+                                TurnPlan { user, max_tokens, think_ms }
                             })
                             .collect();
                         SessionPlan {
                             id,
-                            group: system.as_ref().map(|_| 0),
-                            system: system.clone(),
+                            group,
+                            system: group.and_then(|g| systems.get(g).cloned()),
                             turns,
+                            start_ms: starts.get(id).copied().flatten(),
                         }
                     })
                     .collect()
@@ -158,6 +260,7 @@ impl Workload {
                 prefix_tokens,
                 question_tokens,
                 output_tokens,
+                arrival_rate_per_s,
                 seed,
                 ..
             } => {
@@ -174,7 +277,9 @@ impl Workload {
                             turns: vec![TurnPlan {
                                 user: words(&mut rng, *question_tokens),
                                 max_tokens: *output_tokens,
+                                think_ms: 0.0,
                             }],
+                            start_ms: None,
                         });
                     }
                 }
@@ -183,8 +288,10 @@ impl Workload {
                     let j = rng.below(i as u64 + 1) as usize;
                     out.swap(i, j);
                 }
+                let starts = poisson_starts(*seed, out.len(), *arrival_rate_per_s);
                 for (i, s) in out.iter_mut().enumerate() {
                     s.id = i;
+                    s.start_ms = starts.get(i).copied().flatten();
                 }
                 out
             }
@@ -197,21 +304,13 @@ mod tests {
     use super::*;
     use podsim::tokenizer::tokenize;
 
+    fn yaml(text: &str) -> Workload {
+        serde_yaml::from_str(text).expect("workload yaml")
+    }
+
     #[test]
     fn multi_turn_plan_is_deterministic_and_sized() {
-        let w = Workload::MultiTurn {
-            sessions: 60,
-            turns_mean: 5.0,
-            turns_stddev: 0.0,
-            input_tokens_mean: 200.0,
-            input_tokens_stddev: 0.0,
-            output_tokens_mean: 800.0,
-            output_tokens_stddev: 0.0,
-            concurrency: 20,
-            system_prompt_tokens: 0,
-            session_prefix_tokens: 0,
-            seed: 1,
-        };
+        let w = yaml("{kind: multi_turn, sessions: 60, turns_mean: 5, input_tokens_mean: 200, output_tokens_mean: 800, concurrency: 20, seed: 1}");
         let a = w.plan();
         assert_eq!(a, w.plan());
         assert_eq!(a.len(), 60);
@@ -223,15 +322,7 @@ mod tests {
 
     #[test]
     fn shared_prefix_groups_share_their_system_prompt() {
-        let w = Workload::SharedPrefix {
-            groups: 4,
-            prompts_per_group: 3,
-            prefix_tokens: 100,
-            question_tokens: 10,
-            output_tokens: 5,
-            concurrency: 4,
-            seed: 3,
-        };
+        let w = yaml("{kind: shared_prefix, groups: 4, prompts_per_group: 3, prefix_tokens: 100, question_tokens: 10, output_tokens: 5, concurrency: 4, seed: 3}");
         let p = w.plan();
         assert_eq!(p.len(), 12);
         for g in 0..4 {
@@ -245,5 +336,66 @@ mod tests {
         let mut sorted = order.clone();
         sorted.sort();
         assert_ne!(order, sorted);
+    }
+
+    #[test]
+    fn think_times_are_exponential_and_leave_the_text_alone() {
+        let base = "{kind: multi_turn, sessions: 200, turns_mean: 6, input_tokens_mean: 20, output_tokens_mean: 30, output_tokens_stddev: 10, seed: 5";
+        let plain = yaml(&format!("{base}}}")).plan();
+        let thinking = yaml(&format!("{base}, think_time_ms_mean: 3000}}")).plan();
+        let text = |p: &[SessionPlan]| -> Vec<(String, usize)> {
+            p.iter().flat_map(|s| s.turns.iter().map(|t| (t.user.clone(), t.max_tokens))).collect()
+        };
+        assert_eq!(text(&plain), text(&thinking), "same sessions, only the pauses differ");
+        assert!(plain.iter().flat_map(|s| &s.turns).all(|t| t.think_ms == 0.0));
+        assert!(thinking.iter().all(|s| s.turns[0].think_ms == 0.0), "no pause before turn 1");
+        let later: Vec<f64> =
+            thinking.iter().flat_map(|s| s.turns[1..].iter().map(|t| t.think_ms)).collect();
+        let mean = later.iter().sum::<f64>() / later.len() as f64;
+        assert!((2700.0..3300.0).contains(&mean), "mean think {mean} over {}", later.len());
+        // exponential: about 1 - e^-1 = 63% below the mean
+        let below = later.iter().filter(|t| **t < 3000.0).count() as f64 / later.len() as f64;
+        assert!((0.58..0.68).contains(&below), "{below}");
+        // max_tokens spread as asked
+        let outs: Vec<f64> = text(&plain).iter().map(|(_, m)| *m as f64).collect();
+        let m = outs.iter().sum::<f64>() / outs.len() as f64;
+        let sd = (outs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / outs.len() as f64).sqrt();
+        assert!((29.0..31.0).contains(&m) && (9.0..11.0).contains(&sd), "{m} ± {sd}");
+    }
+
+    #[test]
+    fn open_loop_sessions_start_as_a_poisson_process() {
+        let w = yaml("{kind: multi_turn, sessions: 2000, turns_mean: 1, input_tokens_mean: 5, output_tokens_mean: 5, arrival_rate_per_s: 4, seed: 9}");
+        assert!(w.open_loop());
+        let starts: Vec<f64> = w.plan().iter().map(|s| s.start_ms.expect("scheduled")).collect();
+        assert_eq!(starts[0], 0.0);
+        assert!(starts.windows(2).all(|p| p[1] >= p[0]), "in order");
+        let gap = starts[starts.len() - 1] / (starts.len() - 1) as f64;
+        assert!((235.0..265.0).contains(&gap), "mean gap {gap} ms at 4/s");
+        let closed = yaml("{kind: shared_prefix, groups: 2, prompts_per_group: 2, prefix_tokens: 20, question_tokens: 5, output_tokens: 5}");
+        assert!(!closed.open_loop());
+        assert!(closed.plan().iter().all(|s| s.start_ms.is_none()));
+    }
+
+    #[test]
+    fn hot_spot_system_prompts_follow_zipf() {
+        let w = yaml("{kind: multi_turn, sessions: 3000, turns_mean: 1, input_tokens_mean: 5, output_tokens_mean: 5, system_prompt_tokens: 50, system_prompts: 4, system_prompt_zipf: 1.0, seed: 2}");
+        let plan = w.plan();
+        let mut counts = [0usize; 4];
+        let mut texts: Vec<Option<String>> = vec![None; 4];
+        for s in &plan {
+            let g = s.group.expect("a group per system prompt");
+            counts[g] += 1;
+            let sys = s.system.clone().expect("system prompt");
+            assert_eq!(tokenize(&sys).len(), 50);
+            let seen = texts[g].get_or_insert_with(|| sys.clone());
+            assert_eq!(*seen, sys, "a group is one system prompt");
+        }
+        assert_ne!(texts[0], texts[1]);
+        // 1 : 1/2 : 1/3 : 1/4 over H4 = 2.083: 48%, 24%, 16%, 12%
+        let share = |k: usize| counts[k] as f64 / 3000.0;
+        assert!((0.45..0.51).contains(&share(0)), "{counts:?}");
+        assert!((0.21..0.27).contains(&share(1)), "{counts:?}");
+        assert!((0.10..0.14).contains(&share(3)), "{counts:?}");
     }
 }

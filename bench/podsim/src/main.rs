@@ -1,7 +1,7 @@
 //! `podsim`: serve several simulated pods from one process.
 
 use clap::Parser;
-use podsim::engine::{EngineConfig, LatencyModel};
+use podsim::engine::{EngineConfig, LatencyModel, Profile, H100_8B};
 use podsim::server::{serve, Faults, Flavor, Pod, PodConfig};
 use std::io::Write;
 use std::net::SocketAddr;
@@ -40,24 +40,36 @@ struct Args {
     /// Prefill token budget per step (chunked prefill).
     #[arg(long, default_value_t = 8192)]
     prefill_budget: usize,
+    /// Hardware profile (step costs and API overhead): h100-8b, published-testbed. The four
+    /// coefficient options below override single terms of it.
+    #[arg(long, default_value_t = H100_8B)]
+    profile: Profile,
     /// Step base cost (ms).
-    #[arg(long, default_value_t = 6.0)]
-    step_base_ms: f64,
+    #[arg(long)]
+    step_base_ms: Option<f64>,
     /// Cost per uncached prefill token (ms).
-    #[arg(long, default_value_t = 0.030)]
-    prefill_ms_per_token: f64,
+    #[arg(long)]
+    prefill_ms_per_token: Option<f64>,
     /// Cost per decoding sequence (ms).
-    #[arg(long, default_value_t = 0.05)]
-    decode_ms_per_seq: f64,
+    #[arg(long)]
+    decode_ms_per_seq: Option<f64>,
     /// Cost per context token in the batch (ms).
-    #[arg(long, default_value_t = 0.000049)]
-    ctx_ms_per_token: f64,
+    #[arg(long)]
+    ctx_ms_per_token: Option<f64>,
+    /// Speed of each pod relative to the profile (comma-separated, pod i gets entry i, missing
+    /// entries 1.0): 0.5 = every step takes twice as long.
+    #[arg(long, value_delimiter = ',')]
+    speed: Vec<f64>,
+    /// Mean reply length at which the model stops (EOS), geometric; 0 = every reply runs to
+    /// max_tokens. Requests with "ignore_eos": true always run to max_tokens.
+    #[arg(long, default_value_t = 0.0)]
+    eos_mean_tokens: f64,
     /// Real seconds per simulated second (0.25 = 4x faster than real time).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
-    /// API/tokenization overhead before scheduling (simulated ms).
-    #[arg(long, default_value_t = 10.0)]
-    api_overhead_ms: f64,
+    /// API/tokenization overhead before scheduling (simulated ms; default: the profile's).
+    #[arg(long)]
+    api_overhead_ms: Option<f64>,
     /// LoRA adapters served (comma-separated); enables vllm:lora_requests_info.
     #[arg(long, value_delimiter = ',')]
     lora: Vec<String>,
@@ -70,9 +82,16 @@ struct Args {
     /// Fault: 503 on /health and completions for this many seconds after start.
     #[arg(long, default_value_t = 0.0)]
     slow_start_s: f64,
-    /// Fault: stop answering anything after this many seconds.
+    /// Fault: stop answering anything, and stop the engine, after this many seconds.
     #[arg(long)]
     hang_after_s: Option<f64>,
+    /// Fault: the hang ends after this many seconds (default: never).
+    #[arg(long)]
+    hang_for_s: Option<f64>,
+    /// Fault: the engine dies after this many seconds: streams in flight are cut, completions and
+    /// /health answer 503.
+    #[arg(long)]
+    fail_after_s: Option<f64>,
     /// Pods the faults apply to (comma-separated indexes; default: all).
     #[arg(long, value_delimiter = ',')]
     fault_pods: Vec<usize>,
@@ -91,17 +110,23 @@ async fn main() -> anyhow::Result<()> {
             })
             .collect()
     };
+    let p = a.profile.model;
+    let model = LatencyModel {
+        base_ms: a.step_base_ms.unwrap_or(p.base_ms),
+        prefill_ms_per_token: a.prefill_ms_per_token.unwrap_or(p.prefill_ms_per_token),
+        decode_ms_per_seq: a.decode_ms_per_seq.unwrap_or(p.decode_ms_per_seq),
+        ctx_ms_per_token: a.ctx_ms_per_token.unwrap_or(p.ctx_ms_per_token),
+    };
+    if let Some(bad) = a.speed.iter().find(|s| !(**s > 0.0 && s.is_finite())) {
+        anyhow::bail!("--speed {bad}: every speed factor must be a positive number");
+    }
     let engine = EngineConfig {
         page: a.page_size,
         capacity_tokens: a.kv_capacity_tokens,
         max_running: a.max_running,
         prefill_budget: a.prefill_budget,
-        model: LatencyModel {
-            base_ms: a.step_base_ms,
-            prefill_ms_per_token: a.prefill_ms_per_token,
-            decode_ms_per_seq: a.decode_ms_per_seq,
-            ctx_ms_per_token: a.ctx_ms_per_token,
-        },
+        model,
+        eos_mean_tokens: a.eos_mean_tokens,
     };
     let mut out = std::io::stdout().lock();
     for (i, addr) in addrs.iter().enumerate() {
@@ -111,6 +136,8 @@ async fn main() -> anyhow::Result<()> {
                 error_rate: a.error_rate,
                 slow_start_s: a.slow_start_s,
                 hang_after_s: a.hang_after_s,
+                hang_for_s: a.hang_for_s,
+                fail_after_s: a.fail_after_s,
             }
         } else {
             Faults::default()
@@ -120,9 +147,12 @@ async fn main() -> anyhow::Result<()> {
             name: format!("{}-{i}", a.name_prefix),
             model: a.model.clone(),
             flavor: a.flavor[i % a.flavor.len().max(1)],
-            engine,
+            engine: EngineConfig {
+                model: model.at_speed(a.speed.get(i).copied().unwrap_or(1.0)),
+                ..engine
+            },
             time_scale: a.time_scale,
-            api_overhead_ms: a.api_overhead_ms,
+            api_overhead_ms: a.api_overhead_ms.unwrap_or(a.profile.api_overhead_ms),
             loras: a.lora.clone(),
             max_lora: a.max_lora,
             faults,

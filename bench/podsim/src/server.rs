@@ -1,6 +1,6 @@
 //! OpenAI-compatible HTTP front end of a simulated pod, its scheduler driver and /metrics.
 
-use crate::engine::{EngineConfig, Event, Scheduler, Usage};
+use crate::engine::{self, EngineConfig, Event, Finish, Scheduler, Usage};
 use crate::tokenizer::{chat_prompt_tokens, hash_tokens, tokenize, Message, Rng};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -49,8 +49,14 @@ pub struct Faults {
     pub error_rate: f64,
     /// /health (and completions) answer 503 for this many seconds after start.
     pub slow_start_s: f64,
-    /// After this many seconds the pod stops answering anything (connections hang).
+    /// After this many seconds the pod stops answering anything and its engine stops stepping
+    /// (a hung GPU): connections and streams stall.
     pub hang_after_s: Option<f64>,
+    /// The hang ends after this long (default: never).
+    pub hang_for_s: Option<f64>,
+    /// From this many seconds on the engine is dead: streams in flight are cut, and completions
+    /// and `/health` answer 503 (so a health check removes the pod).
+    pub fail_after_s: Option<f64>,
 }
 
 /// Everything that defines one simulated pod.
@@ -132,7 +138,20 @@ impl Pod {
         if self.hang.load(Ordering::Relaxed) {
             return true;
         }
-        matches!(self.cfg.faults.hang_after_s, Some(s) if self.started.elapsed().as_secs_f64() >= s)
+        let t = self.started.elapsed().as_secs_f64();
+        let f = &self.cfg.faults;
+        matches!(f.hang_after_s, Some(s) if t >= s && f.hang_for_s.is_none_or(|d| t < s + d))
+    }
+
+    fn failed(&self) -> bool {
+        matches!(self.cfg.faults.fail_after_s, Some(s) if self.started.elapsed().as_secs_f64() >= s)
+    }
+
+    /// Waits while the pod hangs.
+    async fn wait_while_hanging(&self) {
+        while self.hanging() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     fn starting(&self) -> bool {
@@ -143,6 +162,23 @@ impl Pod {
     async fn drive(self: Arc<Self>) {
         let mut deadline = Instant::now();
         loop {
+            if self.hanging() {
+                self.wait_while_hanging().await;
+                deadline = Instant::now();
+            }
+            if self.failed() {
+                // The engine died: every stream in flight ends where it is (no [DONE]).
+                {
+                    let mut st = self.lock();
+                    let ids: Vec<u64> = st.senders.keys().copied().collect();
+                    for id in ids {
+                        st.sched.abort(id);
+                    }
+                    st.senders.clear();
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
             let step = self.lock().sched.begin_step();
             let Some(ms) = step else {
                 self.notify.notified().await;
@@ -160,7 +196,7 @@ impl Pod {
             let events = st.sched.end_step();
             let mut gone = Vec::new();
             for (id, ev) in events {
-                let done = matches!(ev, Event::Done(_));
+                let done = matches!(ev, Event::Done(..));
                 if let Some(tx) = st.senders.get(&id) {
                     if tx.send(ev).is_err() {
                         gone.push(id);
@@ -338,6 +374,17 @@ impl Pod {
             "# TYPE podsim_cache_tree_tokens gauge\npodsim_cache_tree_tokens {}",
             s.cached_tree_tokens()
         );
+        // Simulated seconds: Σ (running + waiting) × step time, and Σ step time.
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_inflight_seconds_total counter\npodsim_inflight_seconds_total {}",
+            c.inflight_us as f64 / 1e6
+        );
+        let _ = writeln!(
+            o,
+            "# TYPE podsim_busy_seconds_total counter\npodsim_busy_seconds_total {}",
+            c.busy_us as f64 / 1e6
+        );
         o
     }
 
@@ -365,13 +412,13 @@ impl Pod {
 
     async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<RespBody> {
         let t0 = Instant::now();
-        if self.hanging() {
-            std::future::pending::<()>().await;
-        }
+        self.wait_while_hanging().await;
         let path = req.uri().path().to_string();
         match (req.method().clone(), path.as_str()) {
             (Method::GET, "/health") | (Method::GET, "/health/ready") => {
-                if self.starting() {
+                if self.failed() {
+                    self.error(StatusCode::SERVICE_UNAVAILABLE, "engine dead")
+                } else if self.starting() {
                     self.error(StatusCode::SERVICE_UNAVAILABLE, "starting")
                 } else {
                     let mut r = Response::new(full("OK"));
@@ -424,6 +471,9 @@ impl Pod {
         chat: bool,
         t0: Instant,
     ) -> Response<RespBody> {
+        if self.failed() {
+            return self.error(StatusCode::SERVICE_UNAVAILABLE, "engine dead");
+        }
         if self.starting() {
             return self.error(StatusCode::SERVICE_UNAVAILABLE, "starting");
         }
@@ -466,6 +516,7 @@ impl Pod {
         let model = v.get("model").and_then(Value::as_str).unwrap_or(&self.cfg.model).to_string();
         let adapter = self.cfg.loras.iter().find(|l| **l == model).cloned();
         let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let ignore_eos = v.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false);
         let include_usage =
             v.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false);
 
@@ -484,7 +535,7 @@ impl Pod {
             let id = st.next_id;
             st.next_id += 1;
             st.senders.insert(id, tx);
-            st.sched.submit(id, prompt, max_tokens, seed, adapter);
+            st.sched.submit(engine::Request { id, prompt, max_tokens, seed, adapter, ignore_eos });
             id
         };
         self.notify.notify_one();
@@ -514,19 +565,22 @@ impl Pod {
         }
         let mut text = String::new();
         let mut usage = Usage::default();
+        let mut finish = Finish::Length;
         while let Some(ev) = rx.recv().await {
             match ev {
                 Event::Token(t) => text.push_str(&t),
-                Event::Done(u) => {
+                Event::Done(u, f) => {
                     usage = u;
+                    finish = f;
                     break;
                 }
             }
         }
+        let reason = finish.as_str();
         let choice = if chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
         } else {
-            json!({"index": 0, "text": text, "finish_reason": "length"})
+            json!({"index": 0, "text": text, "finish_reason": reason})
         };
         let v = json!({
             "id": rid, "object": if chat { "chat.completion" } else { "text_completion" },
@@ -609,11 +663,12 @@ impl SseBody {
                 self.first = false;
                 self.chunk(out, choice, None);
             }
-            Event::Done(u) => {
+            Event::Done(u, finish) => {
+                let reason = finish.as_str();
                 let choice = if self.chat {
-                    json!([{"index": 0, "delta": {}, "finish_reason": "length"}])
+                    json!([{"index": 0, "delta": {}, "finish_reason": reason}])
                 } else {
-                    json!([{"index": 0, "text": "", "finish_reason": "length"}])
+                    json!([{"index": 0, "text": "", "finish_reason": reason}])
                 };
                 self.chunk(out, choice, None);
                 if self.include_usage {
@@ -675,4 +730,47 @@ pub async fn serve(pod: Arc<Pod>, addr: SocketAddr) -> std::io::Result<SocketAdd
         }
     });
     Ok(local)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn get_status(addr: SocketAddr, path: &str) -> u16 {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes()).await.expect("write");
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.expect("read");
+        let text = String::from_utf8_lossy(&buf);
+        text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
+    }
+
+    #[tokio::test]
+    async fn a_pod_hangs_then_dies_on_its_timeline() {
+        let cfg = PodConfig {
+            index: 0,
+            name: "pod-0".into(),
+            model: "m".into(),
+            flavor: Flavor::VllmV1,
+            engine: EngineConfig::default(),
+            time_scale: 1.0,
+            api_overhead_ms: 0.0,
+            loras: vec![],
+            max_lora: 0,
+            faults: Faults {
+                hang_after_s: Some(0.0),
+                hang_for_s: Some(0.3),
+                fail_after_s: Some(0.6),
+                ..Faults::default()
+            },
+        };
+        let addr = serve(Pod::new(cfg), "127.0.0.1:0".parse().expect("addr")).await.expect("serve");
+        let t0 = Instant::now();
+        assert_eq!(get_status(addr, "/health").await, 200, "answers once the hang is over");
+        let waited = t0.elapsed();
+        assert!(waited >= Duration::from_millis(250), "hung for {waited:?}");
+        tokio::time::sleep(Duration::from_millis(700).saturating_sub(t0.elapsed())).await;
+        assert_eq!(get_status(addr, "/health").await, 503, "dead engine fails its health check");
+    }
 }

@@ -108,13 +108,22 @@ pub fn command_args(
         concurrency,
         system_prompt_tokens,
         session_prefix_tokens,
+        think_time_ms_mean,
+        arrival_rate_per_s,
         seed,
+        ..
     } = &sc.workload
     else {
         bail!("scenario {}: the aiperf driver needs a multi_turn workload", sc.name);
     };
     if *system_prompt_tokens > 0 || *session_prefix_tokens > 0 {
         bail!("scenario {}: AIPerf has no shared system prompt or session document", sc.name);
+    }
+    if *think_time_ms_mean > 0.0 || arrival_rate_per_s.is_some() {
+        bail!(
+            "scenario {}: give AIPerf's think time as aiperf.turn_delay_ms_mean; open-loop arrivals are not mapped to AIPerf",
+            sc.name
+        );
     }
     let mut a: Vec<String> = [
         "profile",
@@ -344,6 +353,11 @@ pub async fn run_policy(
     redis: &Redis,
     policy: &str,
 ) -> Result<AiperfRow> {
+    if policy == "session_hash" {
+        bail!(
+            "policy session_hash needs our load generator (AIPerf cannot send the session header)"
+        );
+    }
     let (pods_proc, pods) = start_pods(paths, sc).await?;
     redis_cmd(&redis.addr, &["FLUSHALL"]).await?;
     let (gw, addr) =
@@ -417,7 +431,7 @@ pub async fn run_loadgen(
     policy: &str,
 ) -> Result<LoadgenRow> {
     let progress = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let r = crate::run_policy(paths, sc, redis, policy, 1, progress).await?;
+    let r = crate::run_policy(paths, sc, redis, policy, 1, 0, progress).await?;
     Ok(LoadgenRow {
         ttft_mean_ms: r.ttft_ms.mean,
         ttft_p50_ms: r.ttft_ms.p50,

@@ -78,8 +78,18 @@ type Area<'a> = DrawingArea<BitMapBackend<'a>, plotters::coord::Shift>;
 
 fn draw_cdf(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn std::error::Error>> {
     let multi = rep.config.gateway_replicas.len() > 1;
-    // x range: up to the largest p99 so the tails stay readable.
-    let xmax = rep.policies.iter().map(|r| r.ttft_ms.p99).fold(1.0, f64::max) * 1.05;
+    // x range: up to the largest 99th value so the tails stay readable (clipped tails are drawn
+    // at the edge).
+    let xmax = rep
+        .policies
+        .iter()
+        .map(|r| {
+            let mut v = r.ttfts.clone();
+            v.sort_by(|a, b| a.total_cmp(b));
+            loadgen::stats::percentile(&v, 99.0)
+        })
+        .fold(1.0, f64::max)
+        * 1.05;
     let mut b = ChartBuilder::on(area);
     b.margin(15);
     if text {
@@ -107,7 +117,7 @@ fn draw_cdf(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn std
         let c = COLORS[i % COLORS.len()];
         let s = chart.draw_series(LineSeries::new(pts, c.stroke_width(3)))?;
         if text {
-            let name = format!("{} (mean {:.0} ms)", label(r, multi), r.ttft_ms.mean);
+            let name = format!("{} (mean {:.0} ms)", label(r, multi), r.ttft_mean_ms.median);
             s.label(name).legend(move |(x, y)| {
                 PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(3))
             });
@@ -147,8 +157,8 @@ fn draw_hits(rep: &Report, area: &Area<'_>, text: bool) -> Result<(), Box<dyn st
     for (i, r) in rep.policies.iter().enumerate() {
         let c = COLORS[i % COLORS.len()];
         let x = i as f64;
-        let hit = r.prefix_hit_rate * 100.0;
-        let oracle = r.oracle_hit_rate * 100.0;
+        let hit = r.prefix_hit_rate.median * 100.0;
+        let oracle = r.oracle_hit_rate.median * 100.0;
         chart.draw_series(std::iter::once(Rectangle::new(
             [(x + 0.12, 0.0), (x + 0.52, hit)],
             c.filled(),

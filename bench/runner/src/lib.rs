@@ -1,18 +1,23 @@
-//! bench: runs a scenario once per load-balancing policy (Redis + podsim pods + gateway
-//! replicas with the plugin) and reports latency, throughput, hit rates, balance and Redis cost.
+//! bench: runs a scenario's load-balancing policies (Redis + podsim pods + gateway replicas with
+//! the plugin), each several times in interleaved order, and reports latency, throughput, hit
+//! rates, balance and Redis cost as median with min–max over the repetitions.
 
 pub mod aiperf;
 pub mod chart;
+pub mod model;
 pub mod procs;
 pub mod redis_cost;
 pub mod scenario;
+pub mod stats;
+pub mod tables;
 
 use anyhow::{anyhow, Context, Result};
 use loadgen::stats::{Dist, P50P99};
-use procs::{free_port, http_get, prom_value, redis_cmd, redis_usage, require, Proc, Redis};
+use procs::{http_get, prom_value, redis_cmd, redis_usage, require, Proc, Redis};
 use scenario::Scenario;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use stats::PolicyAggregate;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -20,10 +25,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::process::Command;
 
-/// Cluster names as Higress/Envoy spell them.
-pub const LLM_CLUSTER: &str = "outbound|8000||llm.static";
-/// The Redis cluster the plugin names in `proxy_redis_init` (serviceFQDN redis.static, port 6379).
-pub const REDIS_CLUSTER: &str = "outbound|6379||redis.static";
+/// Cluster names as Higress/Envoy spell them, the same as the end-to-end tests': the LLM service,
+/// and the Redis cluster the plugin names in `proxy_redis_init` (serviceFQDN redis.static, port 6379).
+pub use testkit::gateway::{LLM_CLUSTER, REDIS_CLUSTER};
+/// Request header naming the upstream cluster in the `session_hash` baseline (Envoy
+/// `cluster_header`): one cluster per pod, the client hashing the session onto them.
+pub const SESSION_CLUSTER_HEADER: &str = "x-bench-session-cluster";
+
+/// Cluster of pod `i` in the `session_hash` baseline.
+pub fn pod_cluster(i: usize) -> String {
+    format!("outbound|8000||pod-{i}.static")
+}
 
 /// Where the binaries and results live.
 #[derive(Debug, Clone)]
@@ -53,11 +65,13 @@ impl Paths {
     }
 }
 
-/// Results of one policy (at one gateway replica count).
-#[derive(Debug, Clone, Serialize, Default)]
+/// Results of one run of one policy (at one gateway replica count).
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct PolicyResult {
     /// Policy name.
     pub policy: String,
+    /// Repetition (0-based).
+    pub repetition: usize,
     /// Gateway replicas sharing one Redis.
     pub gateway_replicas: usize,
     /// Requests sent.
@@ -76,11 +90,15 @@ pub struct PolicyResult {
     pub client_hit_rate: f64,
     /// What a router knowing every cache could reach (same session or group seen before).
     pub oracle_hit_rate: f64,
-    /// max over pods of peak in-flight requests / mean over pods of the same.
-    pub max_over_mean_load: f64,
+    /// Requests on the busiest pod / mean requests per pod (pods' own counters).
+    pub request_share_max_over_mean: f64,
+    /// Time-weighted in-flight (running + waiting) requests: busiest pod / mean pod.
+    pub inflight_max_over_mean: f64,
+    /// Time-weighted mean in-flight requests per pod over the run.
+    pub mean_inflight_per_pod: Vec<f64>,
     /// Peak in-flight (running + waiting) per pod.
     pub peak_inflight_per_pod: Vec<u64>,
-    /// Requests served per pod.
+    /// Requests served per pod (`x-pod-name` of the responses).
     pub requests_per_pod: BTreeMap<String, usize>,
     /// Redis command time per routed request (µs).
     pub redis_usec_per_request: f64,
@@ -95,21 +113,67 @@ pub struct PolicyResult {
     pub ttfts: Vec<f64>,
 }
 
+/// When, from what and where a report was made.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct Stamp {
+    /// Unix time at the end of the run.
+    pub unix_time: u64,
+    /// `git describe --always --dirty` of the source tree.
+    pub commit: String,
+    /// Host name, CPU model and core count.
+    pub machine: String,
+}
+
+impl Stamp {
+    /// The stamp for now, the tree at `root` and this machine.
+    pub fn now(root: &Path) -> Stamp {
+        let commit = std::process::Command::new("git")
+            .args(["describe", "--always", "--dirty", "--abbrev=12"])
+            .current_dir(root)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_else(|| "unknown".into());
+        let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split_once(':'))
+                    .map(|(_, v)| v.trim().to_string())
+            })
+            .unwrap_or_else(|| "unknown CPU".into());
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+        Stamp {
+            unix_time: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            commit,
+            machine: format!("{} ({cpu}, {cores} cores)", host.trim()),
+        }
+    }
+}
+
 /// The whole report written to bench/results/<scenario>.json.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {
     /// Scenario name.
     pub scenario: String,
     /// Scenario description.
     pub description: String,
-    /// Unix time of the run.
-    pub unix_time: u64,
+    /// Date, commit and machine.
+    pub stamp: Stamp,
     /// Pods' time scale.
     pub time_scale: f64,
     /// The scenario as run.
     pub config: Scenario,
-    /// One entry per (replicas, policy).
-    pub policies: Vec<PolicyResult>,
+    /// One entry per (replicas, policy): median with min–max over the repetitions.
+    pub policies: Vec<PolicyAggregate>,
+    /// Every run, in the order they were made.
+    pub runs: Vec<PolicyResult>,
 }
 
 fn gateway_config(
@@ -119,7 +183,36 @@ fn gateway_config(
     pods: &[String],
     redis: &str,
 ) -> Value {
+    let health = sc.health_check.then(|| {
+        json!({"path": "/health", "interval_ms": 200, "timeout_ms": 1000,
+            "unhealthy_threshold": 3, "healthy_threshold": 1})
+    });
+    if policy == "session_hash" {
+        // No plugin: one cluster per pod, picked by the header the client derives from the
+        // session (what a hash-on-session load balancer gives).
+        let clusters: Vec<Value> = pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut c = json!({"name": pod_cluster(i), "endpoints": [p]});
+                if let Some(h) = &health {
+                    c["health_check"] = h.clone();
+                }
+                c
+            })
+            .collect();
+        return json!({
+            "listeners": [{"name": "main", "address": "127.0.0.1:0"}],
+            "admin": {"address": "127.0.0.1:0"},
+            "routes": [{"name": "llm-route", "match": {"prefix": "/"},
+                "cluster_header": SESSION_CLUSTER_HEADER, "timeout_ms": 600000}],
+            "clusters": clusters,
+        });
+    }
     let mut llm = json!({"name": LLM_CLUSTER, "lb_policy": "round_robin", "endpoints": pods});
+    if let Some(h) = health {
+        llm["health_check"] = h;
+    }
     if policy == "endpoint_metrics" {
         // Like Higress: the health checker keeps each pod's /metrics body for the plugin.
         llm["health_check"] = json!({"path": "/metrics", "interval_ms": 200, "timeout_ms": 1000,
@@ -158,7 +251,13 @@ pub async fn start_pods(paths: &Paths, sc: &Scenario) -> Result<(Proc, Vec<Strin
         .args(["--flavor", &sc.pods.flavor])
         .args(["--kv-capacity-tokens", &sc.pods.kv_capacity_tokens.to_string()])
         .args(["--max-running", &sc.pods.max_running.to_string()])
-        .args(&sc.pods.args);
+        .args(["--profile", &sc.pods.profile])
+        .args(["--eos-mean-tokens", &sc.pods.eos_mean_tokens.to_string()]);
+    if !sc.pods.speed.is_empty() {
+        let speeds: Vec<String> = sc.pods.speed.iter().map(f64::to_string).collect();
+        cmd.args(["--speed", &speeds.join(",")]);
+    }
+    cmd.args(&sc.pods.args);
     let p = Proc::spawn_until_ready(cmd, "podsim", Duration::from_secs(30)).await?;
     let addrs: Vec<String> =
         p.lines_with("POD ").into_iter().filter_map(|v| v.get(1).cloned()).collect();
@@ -178,7 +277,7 @@ pub async fn start_gateway(
     tag: &str,
 ) -> Result<(Proc, String)> {
     require(&paths.gateway, "build it: cargo build --release -p gateway")?;
-    if policy != "round_robin" {
+    if !matches!(policy, "round_robin" | "session_hash") {
         require(&paths.wasm, "build it: cargo build --target wasm32-wasip1 --profile wasm-release -p ai-load-balancer")?;
     }
     let dir = std::env::temp_dir().join(format!("bench-{}", std::process::id()));
@@ -213,6 +312,7 @@ pub async fn run_policy(
     redis: &Redis,
     policy: &str,
     replicas: usize,
+    repetition: usize,
     progress: Arc<AtomicU64>,
 ) -> Result<PolicyResult> {
     // Fresh pods per policy: every policy starts with cold caches.
@@ -233,6 +333,12 @@ pub async fn run_policy(
     redis_cmd(&redis.addr, &["CONFIG", "RESETSTAT"]).await?;
     let target = loadgen::Target {
         urls,
+        gateway_choice: sc.client_gateway,
+        sticky: (policy == "session_hash").then(|| loadgen::StickyHeader {
+            header: SESSION_CLUSTER_HEADER.into(),
+            values: (0..pods.len()).map(pod_cluster).collect(),
+        }),
+        time_scale: sc.time_scale,
         model: sc.model.clone(),
         timeout: Duration::from_secs(600),
         page: 16,
@@ -245,22 +351,31 @@ pub async fn run_policy(
     let mut prompt = 0.0;
     let mut cached = 0.0;
     let mut peaks = Vec::new();
+    let mut requests = Vec::new();
+    let mut inflight = Vec::new();
     for p in &pods {
-        let m = http_get(p, "/metrics").await.with_context(|| format!("scraping {p}"))?;
+        // A pod that hangs (pod-failure) must not stop the report: it counts as empty.
+        let m = match tokio::time::timeout(Duration::from_secs(3), http_get(p, "/metrics")).await {
+            Ok(r) => r.with_context(|| format!("scraping {p}"))?,
+            Err(_) => String::new(),
+        };
         prompt += prom_value(&m, "podsim_prompt_tokens_total").unwrap_or(0.0);
         cached += prom_value(&m, "podsim_cached_tokens_total").unwrap_or(0.0);
         peaks.push(prom_value(&m, "podsim_peak_inflight").unwrap_or(0.0) as u64);
+        requests.push(prom_value(&m, "podsim_requests_total").unwrap_or(0.0));
+        inflight.push(prom_value(&m, "podsim_inflight_seconds_total").unwrap_or(0.0));
     }
     for g in gws {
         g.stop().await;
     }
     pods_proc.stop().await;
     let s = loadgen::summarize(&records, wall, sc.time_scale);
-    let mean_peak = peaks.iter().sum::<u64>() as f64 / peaks.len().max(1) as f64;
     let routed = records.len().max(1) as f64;
     let ts = sc.time_scale;
+    let sim_s = (wall / ts).max(1e-9);
     Ok(PolicyResult {
         policy: policy.to_string(),
+        repetition,
         gateway_replicas: replicas,
         requests: s.requests,
         errors: s.errors,
@@ -270,11 +385,9 @@ pub async fn run_policy(
         prefix_hit_rate: if prompt > 0.0 { cached / prompt } else { 0.0 },
         client_hit_rate: s.client_hit_rate,
         oracle_hit_rate: s.oracle_hit_rate,
-        max_over_mean_load: if mean_peak > 0.0 {
-            *peaks.iter().max().unwrap_or(&0) as f64 / mean_peak
-        } else {
-            0.0
-        },
+        request_share_max_over_mean: stats::max_over_mean(&requests),
+        inflight_max_over_mean: stats::max_over_mean(&inflight),
+        mean_inflight_per_pod: inflight.iter().map(|x| x / sim_s).collect(),
         peak_inflight_per_pod: peaks,
         requests_per_pod: s.per_pod_requests,
         redis_usec_per_request: usec as f64 / routed,
@@ -311,7 +424,7 @@ pub fn load_scenario(paths: &Paths, name: &str) -> Result<Scenario> {
 }
 
 /// Label of a result row.
-pub fn label(r: &PolicyResult, multi_replica: bool) -> String {
+pub fn label(r: &PolicyAggregate, multi_replica: bool) -> String {
     if multi_replica {
         format!("{} x{}", r.policy, r.gateway_replicas)
     } else {
@@ -319,37 +432,33 @@ pub fn label(r: &PolicyResult, multi_replica: bool) -> String {
     }
 }
 
-/// The results table (Markdown, also readable on a terminal).
+/// The results table (Markdown, also readable on a terminal): median (min–max) over the
+/// repetitions; p99 only where every run had at least 1000 requests.
 pub fn table(rep: &Report) -> String {
     let multi = rep.config.gateway_replicas.len() > 1;
     let mut t = String::from(
-        "| policy | req | err | TTFT mean | TTFT p50 | TTFT p99 | E2E mean | E2E p99 | out tok/s | hit rate (pods) | oracle | max/mean load | redis µs/req | redis B/req | gw added p50/p99 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| policy | runs × req | err | TTFT mean | TTFT p50 | TTFT p99 | E2E mean | out tok/s | hit rate (pods) | oracle | req share max/mean | in-flight max/mean | redis µs/req | redis B/req | gw added p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in &rep.policies {
         t.push_str(&format!(
-            "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}% | {:.1}% | {:.2} | {:.1} | {:.0} | {:.2} / {:.2} |\n",
+            "| {} | {} × {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             label(r, multi),
-            r.requests,
+            r.repetitions,
+            r.requests_per_run,
             r.errors,
-            r.ttft_ms.mean,
-            r.ttft_ms.p50,
-            r.ttft_ms.p99,
-            r.e2e_ms.mean,
-            r.e2e_ms.p99,
-            r.output_tokens_per_s,
-            r.prefix_hit_rate * 100.0,
-            r.oracle_hit_rate * 100.0,
-            r.max_over_mean_load,
-            r.redis_usec_per_request,
-            r.redis_bytes_per_request,
-            r.gateway_added_ms.p50,
-            r.gateway_added_ms.p99,
+            r.ttft_mean_ms.show(0, 1.0),
+            r.ttft_p50_ms.show(0, 1.0),
+            r.ttft_p99_ms.map(|s| s.show(0, 1.0)).unwrap_or_else(|| "n/a".into()),
+            r.e2e_mean_ms.show(0, 1.0),
+            r.output_tokens_per_s.show(0, 1.0),
+            r.prefix_hit_rate.show(1, 100.0),
+            r.oracle_hit_rate.show(1, 100.0),
+            r.request_share_max_over_mean.show(2, 1.0),
+            r.inflight_max_over_mean.show(2, 1.0),
+            r.redis_usec_per_request.show(1, 1.0),
+            r.redis_bytes_per_request.show(0, 1.0),
+            r.gateway_added_p50_ms.show(2, 1.0),
         ));
     }
     t
-}
-
-/// A free port (re-exported for the demo).
-pub fn port() -> Result<u16> {
-    free_port()
 }

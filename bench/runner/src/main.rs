@@ -2,7 +2,9 @@
 
 use anyhow::{bail, Result};
 use bench::procs::{redis_cmd, Redis, Resp};
-use bench::{chart, load_scenario, run_policy, start_gateway, start_pods, table, Paths, Report};
+use bench::{
+    chart, load_scenario, run_policy, start_gateway, start_pods, stats, table, Paths, Report, Stamp,
+};
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -23,13 +25,29 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Run a scenario (name in bench/scenarios/ or a YAML path) once per policy.
+    /// Run a scenario (name in bench/scenarios/ or a YAML path): every policy, repeated in
+    /// interleaved order.
     Run {
         /// Scenario name or file.
         scenario: String,
         /// Only these policies (comma-separated), default: the scenario's list.
         #[arg(long, value_delimiter = ',')]
         policies: Vec<String>,
+        /// Repetitions per policy (default: the scenario's, 3 unless it says otherwise).
+        #[arg(long)]
+        reps: Option<usize>,
+    },
+    /// The scenario's workload through the pods' latency model alone (no HTTP, gateway or Redis),
+    /// with round_robin and session_hash: what the model gives, in a second.
+    Model {
+        /// Scenario name or file.
+        scenario: String,
+    },
+    /// The README's result tables from bench/results/*.json, stamped with date, commit, machine.
+    Tables {
+        /// Replace the generated part of README.md instead of printing.
+        #[arg(long)]
+        write: bool,
     },
     /// Two 5-turn conversations through one gateway with prefix_cache; checks session stickiness.
     Demo,
@@ -52,11 +70,15 @@ fn root(cli: &Cli) -> PathBuf {
     })
 }
 
-async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
+async fn run(paths: Paths, name: String, only: Vec<String>, reps: Option<usize>) -> Result<()> {
     let mut sc = load_scenario(&paths, &name)?;
     if !only.is_empty() {
         sc.policies.retain(|p| only.contains(p));
     }
+    if let Some(r) = reps {
+        sc.repetitions = r;
+    }
+    sc.repetitions = sc.repetitions.max(1);
     if let Some(opts) = bench::aiperf::aiperf_options(&bench::scenario_file(&paths, &name))? {
         return bench::aiperf::run_scenario(&paths, sc, opts).await;
     }
@@ -67,7 +89,8 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
         .iter()
         .flat_map(|r| sc.policies.iter().map(move |p| (*r, p.clone())))
         .collect();
-    let bar = ProgressBar::new(per_run * runs.len() as u64);
+    let order = stats::interleaved(runs.len(), sc.repetitions);
+    let bar = ProgressBar::new(per_run * order.len() as u64);
     bar.set_style(
         ProgressStyle::with_template(
             "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}",
@@ -75,8 +98,13 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let mut results = Vec::new();
-    for (i, (replicas, policy)) in runs.iter().enumerate() {
-        bar.set_message(format!("{policy} via {replicas} gateway(s)"));
+    for (i, (rep, k)) in order.iter().enumerate() {
+        let Some((replicas, policy)) = runs.get(*k) else { continue };
+        bar.set_message(format!(
+            "{policy} via {replicas} gateway(s), repetition {}/{}",
+            rep + 1,
+            sc.repetitions
+        ));
         let progress = Arc::new(AtomicU64::new(0));
         let ticker = {
             let (bar, progress) = (bar.clone(), progress.clone());
@@ -88,11 +116,12 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
                 }
             })
         };
-        let r = run_policy(&paths, &sc, &redis, policy, *replicas, progress).await;
+        let r = run_policy(&paths, &sc, &redis, policy, *replicas, *rep, progress).await;
         ticker.abort();
         let r = r?;
         bar.println(format!(
-            "{policy} x{replicas}: {} requests, {} errors, TTFT mean {:.0} ms, hit rate {:.1}%",
+            "{policy} x{replicas} #{}: {} requests, {} errors, TTFT mean {:.0} ms, hit rate {:.1}%",
+            rep + 1,
             r.requests,
             r.errors,
             r.ttft_ms.mean,
@@ -104,10 +133,11 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
     let rep = Report {
         scenario: sc.name.clone(),
         description: sc.description.clone(),
-        unix_time: SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        stamp: Stamp::now(&paths.root),
         time_scale: sc.time_scale,
         config: sc.clone(),
-        policies: results,
+        policies: stats::aggregate(&results),
+        runs: results,
     };
     std::fs::create_dir_all(&paths.results)?;
     let json_path = paths.results.join(format!("{}.json", sc.name));
@@ -115,11 +145,47 @@ async fn run(paths: Paths, name: String, only: Vec<String>) -> Result<()> {
     let png_path = paths.results.join(format!("{}.png", sc.name));
     chart::draw(&rep, &png_path)?;
     println!(
-        "\n{}: {}\n(latencies in simulated ms at time scale {}; gateway added time in real ms)\n",
-        sc.name, sc.description, sc.time_scale
+        "\n{}: {}\n(median (min–max) of {} runs each, interleaved; latencies in simulated ms at time scale {}, profile {}; gateway added time in real ms)\n",
+        sc.name, sc.description, sc.repetitions, sc.time_scale, sc.pods.profile
     );
     print!("{}", table(&rep));
     println!("\nwrote {} and {}", json_path.display(), png_path.display());
+    Ok(())
+}
+
+fn tables(paths: Paths, write: bool) -> Result<()> {
+    let (md, skipped) = bench::tables::render(&paths.results)?;
+    for f in skipped {
+        eprintln!("skipped {f}: not a `bench run` report of this version (re-run its scenario)");
+    }
+    if !write {
+        print!("{md}");
+        return Ok(());
+    }
+    let readme = paths.root.join("README.md");
+    let text = std::fs::read_to_string(&readme)?;
+    std::fs::write(&readme, bench::tables::splice(&text, &md)?)?;
+    println!("updated {}", readme.display());
+    Ok(())
+}
+
+fn model(paths: Paths, name: String) -> Result<()> {
+    let sc = load_scenario(&paths, &name)?;
+    println!("{} (model only, profile {}):\n", sc.name, sc.pods.profile);
+    println!("| policy | req | TTFT mean | E2E mean | out tok/s | out tokens/reply | hit rate |");
+    println!("|---|---|---|---|---|---|---|");
+    for policy in ["round_robin", "session_hash"] {
+        let r = bench::model::run(&sc, policy)?;
+        println!(
+            "| {policy} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}% |",
+            r.requests,
+            r.ttft_mean_ms,
+            r.e2e_mean_ms,
+            r.output_tokens_per_s,
+            r.output_tokens_mean,
+            r.hit_rate * 100.0
+        );
+    }
     Ok(())
 }
 
@@ -150,6 +216,9 @@ async fn demo(paths: Paths) -> Result<()> {
     println!("redis {}  pods {}  gateway {addr} (prefix_cache)", redis.addr, pods.join(" "));
     let target = loadgen::Target {
         urls: vec![format!("http://{addr}")],
+        gateway_choice: loadgen::GatewayChoice::PerSession,
+        sticky: None,
+        time_scale: sc.time_scale,
         model: sc.model.clone(),
         timeout: Duration::from_secs(60),
         page: 16,
@@ -206,7 +275,9 @@ async fn main() {
     let paths = Paths::new(&root(&cli));
     let work = async move {
         match cli.cmd {
-            Cmd::Run { scenario, policies } => run(paths, scenario, policies).await,
+            Cmd::Run { scenario, policies, reps } => run(paths, scenario, policies, reps).await,
+            Cmd::Model { scenario } => model(paths, scenario),
+            Cmd::Tables { write } => tables(paths, write),
             Cmd::Demo => demo(paths).await,
             Cmd::RedisCost { requests, reps } => redis_cost(paths, requests, reps).await,
         }

@@ -63,12 +63,6 @@ impl Proc {
     }
 }
 
-/// A free TCP port on 127.0.0.1 (bound then released).
-pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
-}
-
 /// A local `redis-server` on a free port, no persistence.
 pub struct Redis {
     /// The process.
@@ -80,7 +74,7 @@ pub struct Redis {
 impl Redis {
     /// Starts redis-server and waits for PING.
     pub async fn start() -> Result<Redis> {
-        let port = free_port()?;
+        let port = testkit::paths::free_port()?;
         let proc = Command::new("redis-server")
             .args([
                 "--port",

@@ -1,13 +1,13 @@
 //! Scenario files (bench/scenarios/*.yaml).
 
-use loadgen::Workload;
+use loadgen::{GatewayChoice, Workload};
 use serde::{Deserialize, Serialize};
 
 fn one() -> Vec<usize> {
     vec![1]
 }
 fn all_policies() -> Vec<String> {
-    ["round_robin", "global_least_request", "prefix_cache", "endpoint_metrics"]
+    ["round_robin", "session_hash", "global_least_request", "prefix_cache", "endpoint_metrics"]
         .iter()
         .map(|s| s.to_string())
         .collect()
@@ -20,6 +20,9 @@ fn default_model() -> String {
 }
 fn default_workers() -> usize {
     2
+}
+fn default_reps() -> usize {
+    3
 }
 
 /// The simulated pods of a scenario.
@@ -36,9 +39,21 @@ pub struct Pods {
     /// Max running sequences per pod.
     #[serde(default = "default_running")]
     pub max_running: usize,
+    /// Hardware profile: `h100-8b` or `published-testbed` (podsim `--profile`).
+    #[serde(default = "default_profile")]
+    pub profile: String,
+    /// Speed of each pod relative to the profile (pod i gets entry i, missing entries 1.0).
+    #[serde(default)]
+    pub speed: Vec<f64>,
+    /// Mean reply length at which the model stops (EOS); 0 = replies run to max_tokens.
+    #[serde(default)]
+    pub eos_mean_tokens: f64,
     /// Extra podsim arguments.
     #[serde(default)]
     pub args: Vec<String>,
+}
+fn default_profile() -> String {
+    "h100-8b".into()
 }
 fn default_flavor() -> String {
     "vllm-v1".into()
@@ -69,12 +84,24 @@ pub struct Scenario {
     /// Gateway replica counts to run (each with every policy), sharing one Redis.
     #[serde(default = "one")]
     pub gateway_replicas: Vec<usize>,
+    /// How turns are spread over the replicas: `per_session` (a session keeps its gateway) or
+    /// `per_turn` (each turn through the next gateway).
+    #[serde(default)]
+    pub client_gateway: GatewayChoice,
+    /// Repetitions of every (replicas, policy), run interleaved.
+    #[serde(default = "default_reps")]
+    pub repetitions: usize,
     /// Gateway worker threads per replica.
     #[serde(default = "default_workers")]
     pub gateway_workers: usize,
-    /// Policies: round_robin (no plugin), global_least_request, prefix_cache, endpoint_metrics.
+    /// Policies: round_robin and session_hash (no plugin), global_least_request, prefix_cache,
+    /// endpoint_metrics.
     #[serde(default = "all_policies")]
     pub policies: Vec<String>,
+    /// Active health checks of the pods for every policy (`endpoint_metrics` always has one, on
+    /// `/metrics`; the others check `/health`), as a deployment with failing pods would have.
+    #[serde(default)]
+    pub health_check: bool,
     /// Extra plugin `lb_config` keys per policy (merged over the defaults).
     #[serde(default)]
     pub lb_config: serde_json::Map<String, serde_json::Value>,
@@ -103,6 +130,12 @@ mod tests {
                 "name matches file"
             );
             assert!(!s.workload.plan().is_empty());
+            assert!(
+                podsim::engine::Profile::named(&s.pods.profile).is_some(),
+                "{}: profile {}",
+                s.name,
+                s.pods.profile
+            );
             n += 1;
         }
         assert!(n >= 4, "seed, shared-prefix, cache-pressure, replicas");
