@@ -10,40 +10,51 @@
 //! [`Filter`] and call it. Compiled only for `target_arch = "wasm32"`.
 #![allow(unsafe_code)]
 
-use crate::filter::{Filter, DATA_CONTINUE, HEADERS_CONTINUE};
-use crate::host::{Counter, Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
+use crate::filter::Filter;
+use crate::host::{
+    Counter, Host, HostError, HttpReply, LogLevel, RedisInit, RedisReply, UpstreamHost,
+};
+use crate::types::{BufferType, DataAction, HeaderAction, MapType, MetricType, StreamType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
 mod sys {
+    use crate::types::{BufferType, LogLevel, MapType, MetricType, StreamType};
+
+    // Statuses come back as `u32`: the host may answer a value this plugin does not know, so they
+    // are matched (`status`, `get_bytes`), never transmuted into an enum.
     #[link(wasm_import_module = "env")]
     extern "C" {
-        pub fn proxy_log(level: u32, msg: *const u8, len: usize) -> u32;
+        pub fn proxy_log(level: LogLevel, msg: *const u8, len: usize) -> u32;
         pub fn proxy_get_current_time_nanoseconds(out: *mut u64) -> u32;
         pub fn proxy_set_tick_period_milliseconds(ms: u32) -> u32;
         pub fn proxy_get_buffer_bytes(
-            t: u32,
+            t: BufferType,
             start: usize,
             max: usize,
             out: *mut *mut u8,
             out_len: *mut usize,
         ) -> u32;
-        pub fn proxy_get_header_map_pairs(t: u32, out: *mut *mut u8, out_len: *mut usize) -> u32;
+        pub fn proxy_get_header_map_pairs(
+            t: MapType,
+            out: *mut *mut u8,
+            out_len: *mut usize,
+        ) -> u32;
         pub fn proxy_get_header_map_value(
-            t: u32,
+            t: MapType,
             key: *const u8,
             key_len: usize,
             out: *mut *mut u8,
             out_len: *mut usize,
         ) -> u32;
         pub fn proxy_replace_header_map_value(
-            t: u32,
+            t: MapType,
             key: *const u8,
             key_len: usize,
             v: *const u8,
             v_len: usize,
         ) -> u32;
-        pub fn proxy_remove_header_map_value(t: u32, key: *const u8, key_len: usize) -> u32;
+        pub fn proxy_remove_header_map_value(t: MapType, key: *const u8, key_len: usize) -> u32;
         pub fn proxy_get_property(
             path: *const u8,
             path_len: usize,
@@ -70,7 +81,7 @@ mod sys {
             v_len: usize,
             cas: u32,
         ) -> u32;
-        pub fn proxy_continue_stream(stream_type: u32) -> u32;
+        pub fn proxy_continue_stream(stream_type: StreamType) -> u32;
         pub fn proxy_send_local_response(
             status: u32,
             details: *const u8,
@@ -94,7 +105,12 @@ mod sys {
             token: *mut u32,
         ) -> u32;
         pub fn proxy_set_effective_context(ctx: u32) -> u32;
-        pub fn proxy_define_metric(t: u32, name: *const u8, name_len: usize, id: *mut u32) -> u32;
+        pub fn proxy_define_metric(
+            t: MetricType,
+            name: *const u8,
+            name_len: usize,
+            id: *mut u32,
+        ) -> u32;
         pub fn proxy_increment_metric(id: u32, offset: i64) -> u32;
         // Higress extensions.
         pub fn proxy_redis_init(
@@ -122,17 +138,6 @@ mod sys {
         pub fn random_get(buf: *mut u8, len: usize) -> u16;
     }
 }
-
-const MAP_REQUEST_HEADERS: u32 = 0;
-const MAP_RESPONSE_HEADERS: u32 = 2;
-const MAP_HTTP_CALL_RESPONSE_HEADERS: u32 = 6;
-const BUFFER_REQUEST_BODY: u32 = 0;
-const BUFFER_RESPONSE_BODY: u32 = 1;
-const BUFFER_HTTP_CALL_RESPONSE_BODY: u32 = 4;
-const BUFFER_PLUGIN_CONFIGURATION: u32 = 7;
-const BUFFER_REDIS_CALL_RESPONSE: u32 = 9;
-const STREAM_REQUEST: u32 = 0;
-const METRIC_COUNTER: u32 = 0;
 
 fn status(code: u32) -> Result<(), HostError> {
     if code == 0 {
@@ -164,7 +169,7 @@ fn get_bytes(
     }
 }
 
-fn buffer_bytes(t: u32, start: usize, max: usize) -> Option<Vec<u8>> {
+fn buffer_bytes(t: BufferType, start: usize, max: usize) -> Option<Vec<u8>> {
     if max == 0 {
         return Some(Vec::new());
     }
@@ -172,7 +177,7 @@ fn buffer_bytes(t: u32, start: usize, max: usize) -> Option<Vec<u8>> {
     get_bytes(|p, l| unsafe { sys::proxy_get_buffer_bytes(t, start, max, p, l) }).ok().flatten()
 }
 
-fn header_value(map: u32, name: &str) -> Option<String> {
+fn header_value(map: MapType, name: &str) -> Option<String> {
     // SAFETY: name is a valid slice; out-pointers are valid locals.
     let v = get_bytes(|p, l| unsafe {
         sys::proxy_get_header_map_value(map, name.as_ptr(), name.len(), p, l)
@@ -197,7 +202,7 @@ impl Host for WasmHost {
     fn log(&self, level: LogLevel, msg: &str) {
         // SAFETY: msg is a valid slice.
         unsafe {
-            sys::proxy_log(level as u32, msg.as_ptr(), msg.len());
+            sys::proxy_log(level, msg.as_ptr(), msg.len());
         }
     }
     fn now_nanos(&self) -> u64 {
@@ -233,21 +238,21 @@ impl Host for WasmHost {
         })
     }
     fn request_header(&self, name: &str) -> Option<String> {
-        header_value(MAP_REQUEST_HEADERS, name)
+        header_value(MapType::HttpRequestHeaders, name)
     }
     fn set_request_header(&mut self, name: &str, value: Option<&str>) {
         // SAFETY: valid slices.
         unsafe {
             match value {
                 Some(v) => sys::proxy_replace_header_map_value(
-                    MAP_REQUEST_HEADERS,
+                    MapType::HttpRequestHeaders,
                     name.as_ptr(),
                     name.len(),
                     v.as_ptr(),
                     v.len(),
                 ),
                 None => sys::proxy_remove_header_map_value(
-                    MAP_REQUEST_HEADERS,
+                    MapType::HttpRequestHeaders,
                     name.as_ptr(),
                     name.len(),
                 ),
@@ -255,13 +260,13 @@ impl Host for WasmHost {
         }
     }
     fn request_body(&self, max: usize) -> Option<Vec<u8>> {
-        buffer_bytes(BUFFER_REQUEST_BODY, 0, max)
+        buffer_bytes(BufferType::HttpRequestBody, 0, max)
     }
     fn response_header(&self, name: &str) -> Option<String> {
-        header_value(MAP_RESPONSE_HEADERS, name)
+        header_value(MapType::HttpResponseHeaders, name)
     }
     fn response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
-        buffer_bytes(BUFFER_RESPONSE_BODY, start, max)
+        buffer_bytes(BufferType::HttpResponseBody, start, max)
     }
     fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>> {
         // SAFETY: out-pointers are valid locals.
@@ -276,13 +281,8 @@ impl Host for WasmHost {
         // SAFETY: valid slice.
         status(unsafe { sys::proxy_set_upstream_override_host(addr.as_ptr(), addr.len()) })
     }
-    fn redis_init(
-        &mut self,
-        cluster: &str,
-        username: &str,
-        password: &str,
-        timeout_ms: u32,
-    ) -> Result<(), HostError> {
+    fn redis_init(&mut self, init: &RedisInit) -> Result<(), HostError> {
+        let RedisInit { cluster, username, password, timeout_ms } = init;
         // SAFETY: valid slices.
         status(unsafe {
             sys::proxy_redis_init(
@@ -292,7 +292,7 @@ impl Host for WasmHost {
                 username.len(),
                 password.as_ptr(),
                 password.len(),
-                timeout_ms,
+                *timeout_ms,
             )
         })
     }
@@ -375,7 +375,7 @@ impl Host for WasmHost {
     fn resume_request(&mut self) {
         // SAFETY: plain integer argument.
         unsafe {
-            sys::proxy_continue_stream(STREAM_REQUEST);
+            sys::proxy_continue_stream(StreamType::HttpRequest);
         }
     }
     fn set_effective_stream(&mut self, ctx: u32) -> bool {
@@ -385,7 +385,7 @@ impl Host for WasmHost {
         // SAFETY: valid slices.
         unsafe {
             sys::proxy_replace_header_map_value(
-                MAP_RESPONSE_HEADERS,
+                MapType::HttpResponseHeaders,
                 name.as_ptr(),
                 name.len(),
                 value.as_ptr(),
@@ -403,7 +403,7 @@ impl Host for WasmHost {
             let mut id = 0u32;
             // SAFETY: valid slice and local.
             let rc = unsafe {
-                sys::proxy_define_metric(METRIC_COUNTER, name.as_ptr(), name.len(), &mut id)
+                sys::proxy_define_metric(MetricType::Counter, name.as_ptr(), name.len(), &mut id)
             };
             if rc != 0 {
                 return None;
@@ -550,7 +550,7 @@ pub extern "C" fn proxy_on_vm_start(_root: u32, _size: usize) -> u32 {
 /// Plugin configuration. Returns 0 (fail start) only for an invalid config.
 #[no_mangle]
 pub extern "C" fn proxy_on_configure(root: u32, size: usize) -> u32 {
-    let bytes = buffer_bytes(BUFFER_PLUGIN_CONFIGURATION, 0, size).unwrap_or_default();
+    let bytes = buffer_bytes(BufferType::PluginConfiguration, 0, size).unwrap_or_default();
     let (ok, tick) = with_filter(root, (false, 0), |f, _| {
         let mut host = WasmHost;
         let ok = f.configure(&mut host, &bytes);
@@ -575,44 +575,52 @@ pub extern "C" fn proxy_on_queue_ready(_root: u32, _queue: u32) {}
 
 /// Request headers.
 #[no_mangle]
-pub extern "C" fn proxy_on_request_headers(ctx: u32, _headers: usize, end_of_stream: u32) -> u32 {
-    with_filter(ctx, HEADERS_CONTINUE, |f, _| {
+pub extern "C" fn proxy_on_request_headers(
+    ctx: u32,
+    _headers: usize,
+    end_of_stream: u32,
+) -> HeaderAction {
+    with_filter(ctx, HeaderAction::Continue, |f, _| {
         f.on_request_headers(&mut WasmHost, ctx, end_of_stream != 0)
     })
 }
 
 /// Request body chunk (cumulative size when buffering).
 #[no_mangle]
-pub extern "C" fn proxy_on_request_body(ctx: u32, size: usize, end_of_stream: u32) -> u32 {
-    with_filter(ctx, DATA_CONTINUE, |f, _| {
+pub extern "C" fn proxy_on_request_body(ctx: u32, size: usize, end_of_stream: u32) -> DataAction {
+    with_filter(ctx, DataAction::Continue, |f, _| {
         f.on_request_body(&mut WasmHost, ctx, size, end_of_stream != 0)
     })
 }
 
 /// Request trailers (the body ended without an end-of-stream body callback).
 #[no_mangle]
-pub extern "C" fn proxy_on_request_trailers(ctx: u32, _trailers: usize) -> u32 {
-    with_filter(ctx, HEADERS_CONTINUE, |f, _| f.on_request_trailers(&mut WasmHost, ctx))
+pub extern "C" fn proxy_on_request_trailers(ctx: u32, _trailers: usize) -> HeaderAction {
+    with_filter(ctx, HeaderAction::Continue, |f, _| f.on_request_trailers(&mut WasmHost, ctx))
 }
 
 /// Response headers.
 #[no_mangle]
-pub extern "C" fn proxy_on_response_headers(ctx: u32, _headers: usize, _end_of_stream: u32) -> u32 {
+pub extern "C" fn proxy_on_response_headers(
+    ctx: u32,
+    _headers: usize,
+    _end_of_stream: u32,
+) -> HeaderAction {
     with_filter(ctx, (), |f, _| f.on_response_headers(&mut WasmHost, ctx));
-    HEADERS_CONTINUE
+    HeaderAction::Continue
 }
 
 /// Response body chunk.
 #[no_mangle]
-pub extern "C" fn proxy_on_response_body(ctx: u32, size: usize, end_of_stream: u32) -> u32 {
+pub extern "C" fn proxy_on_response_body(ctx: u32, size: usize, end_of_stream: u32) -> DataAction {
     with_filter(ctx, (), |f, _| f.on_response_body(&mut WasmHost, ctx, size, end_of_stream != 0));
-    DATA_CONTINUE
+    DataAction::Continue
 }
 
 /// Response trailers: continue.
 #[no_mangle]
-pub extern "C" fn proxy_on_response_trailers(_ctx: u32, _trailers: usize) -> u32 {
-    0
+pub extern "C" fn proxy_on_response_trailers(_ctx: u32, _trailers: usize) -> HeaderAction {
+    HeaderAction::Continue
 }
 
 /// Access-log time: the stream is over (first of on_log / on_done / on_delete ends it).
@@ -652,7 +660,7 @@ pub extern "C" fn proxy_on_http_call_response(
     // Read the reply before switching context: the call-response buffers belong to the root call.
     // SAFETY: out-pointers are valid locals.
     let headers = get_bytes(|p, l| unsafe {
-        sys::proxy_get_header_map_pairs(MAP_HTTP_CALL_RESPONSE_HEADERS, p, l)
+        sys::proxy_get_header_map_pairs(MapType::HttpCallResponseHeaders, p, l)
     })
     .ok()
     .flatten()
@@ -667,7 +675,7 @@ pub extern "C" fn proxy_on_http_call_response(
         .find(|(k, _)| k == ":status")
         .and_then(|(_, v)| v.parse::<u16>().ok())
         .unwrap_or(0);
-    let body = buffer_bytes(BUFFER_HTTP_CALL_RESPONSE_BODY, 0, body_size).unwrap_or_default();
+    let body = buffer_bytes(BufferType::HttpCallResponseBody, 0, body_size).unwrap_or_default();
     let reply = HttpReply { status, headers, body };
     if vm_busy() {
         defer(Deferred::Http(root, token, reply));
@@ -687,7 +695,7 @@ pub extern "C" fn proxy_on_redis_call_response(
     // Buffer 9 is only valid during this callback: read it now, even if handling is deferred.
     let reply = if status == 0 {
         RedisReply::Ok(
-            buffer_bytes(BUFFER_REDIS_CALL_RESPONSE, 0, response_size).unwrap_or_default(),
+            buffer_bytes(BufferType::RedisCallResponse, 0, response_size).unwrap_or_default(),
         )
     } else {
         RedisReply::NetworkError

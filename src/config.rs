@@ -417,16 +417,6 @@ impl PluginConfig {
     pub fn matches_consumers(&self) -> bool {
         self.rules.iter().any(|r| r.matcher.kind() == RuleKind::RoutePrefixAndConsumer)
     }
-
-    /// The config for a request: the first matching rule, else the top-level config.
-    pub fn select(&self, input: &MatchInput<'_>) -> Option<(usize, &LbConfig)> {
-        for (i, r) in self.rules.iter().enumerate() {
-            if r.matcher.matches(input) {
-                return Some((i, &r.config));
-            }
-        }
-        self.default.as_ref().map(|d| (self.rules.len(), d))
-    }
 }
 
 /// The kind of a rule, by the wasm-go matcher's precedence.

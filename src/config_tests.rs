@@ -6,9 +6,30 @@ fn parse(s: &str) -> Result<PluginConfig, ConfigError> {
     PluginConfig::from_json(s.as_bytes())
 }
 
+/// The rule a request gets, as the dispatcher chooses it: the first rule that matches, else the
+/// top-level config (index `rules.len()`).
+trait Select {
+    fn select(&self, input: &MatchInput<'_>) -> Option<(usize, &LbConfig)>;
+}
+
+impl Select for PluginConfig {
+    fn select(&self, input: &MatchInput<'_>) -> Option<(usize, &LbConfig)> {
+        match self.rules.iter().position(|r| r.matcher.matches(input)) {
+            Some(i) => self.rules.get(i).map(|r| (i, &r.config)),
+            None => self.default.as_ref().map(|d| (self.rules.len(), d)),
+        }
+    }
+}
+
 fn glr(extra: &str) -> String {
     format!(
         r#"{{"lb_policy":"global_least_request","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379{extra}}}}}"#
+    )
+}
+
+fn prefix(extra: &str) -> String {
+    format!(
+        r#"{{"lb_policy":"prefix_cache","lb_config":{{"serviceFQDN":"r","servicePort":1{extra}}}}}"#
     )
 }
 
@@ -191,11 +212,7 @@ fn error_max_body_bytes() {
 }
 #[test]
 fn error_hit_load_factor() {
-    expect_err(
-        r#"{"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1,"hitLoadFactor":-2}}"#,
-        "lb_config.hitLoadFactor",
-        "non-negative number",
-    );
+    expect_err(&prefix(r#","hitLoadFactor":-2"#), "lb_config.hitLoadFactor", "non-negative number");
 }
 #[test]
 fn error_rate_limit() {

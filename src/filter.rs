@@ -2,160 +2,116 @@
 //! callback of one root context here; native tests drive it with the fake host.
 //!
 //! Guarantees (the reasons are Higress facts, see README "## Design"):
-//! * Header pause returns StopIteration (1), which under ABI 0_2_100 still lets body callbacks come.
+//! * Header pause returns StopIteration, which under ABI 0_2_100 still lets body callbacks come.
 //! * A bodiless request (headers with end_of_stream) is decided in the headers phase (Higress #3740).
-//! * While a decision is pending, body chunks are buffered (StopIterationAndBuffer): returning
-//!   Continue from a body callback would release the held headers before the upstream is chosen.
+//! * While a decision is pending, body chunks are held (StopIterationAndBuffer/Watermark):
+//!   returning Continue from a body callback would release the held headers before the upstream is
+//!   chosen.
 //! * Bodies above `maxBodyBytes` and every error path continue on the gateway's normal balancing.
-//! * A stream is never left paused: a `Pending` decision without an outstanding call resumes.
+//! * A stream is held only while it waits for one named call (`Decision::Pending(token)`): the
+//!   reply (or NetworkError) to that call, or the policy giving up at a tick, decides and resumes it.
 //! * `Policy::on_stream_done` runs exactly once per stream (on_log, else on_done, else on_delete).
 
-use crate::config::{LbConfig, MatchInput, PluginConfig, CONSUMER_HEADER};
-use crate::host::{Counter, Host, HostError, HttpReply, LogLevel, RedisReply, UpstreamHost};
+use crate::config::{LbConfig, MatchInput, PluginConfig, RuleMatch, CONSUMER_HEADER};
+use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply};
 use crate::policy::{self, Decision, Policy, Stream};
+use crate::types::{DataAction, HeaderAction};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
-/// proxy-wasm header action: continue.
-pub const HEADERS_CONTINUE: u32 = 0;
-/// proxy-wasm header action: StopIteration (held headers; body callbacks keep coming under 0_2_100).
-pub const HEADERS_STOP_ITERATION: u32 = 1;
-/// proxy-wasm data action: continue.
-pub const DATA_CONTINUE: u32 = 0;
-/// proxy-wasm data action: StopIterationAndBuffer (the host accumulates the body).
-pub const DATA_STOP_AND_BUFFER: u32 = 1;
-/// proxy-wasm data action: StopIterationAndWatermark (the host accumulates the body, and past its
-/// buffer limit stops reading from the client instead of answering 413).
-pub const DATA_STOP_AND_WATERMARK: u32 = 2;
+/// A `_rules_` entry, or the top-level config, with the policy instance that serves it.
+struct Route {
+    /// What the rule matches; `None` for the top-level config, which takes what no rule matched.
+    matcher: Option<RuleMatch>,
+    policy: RefCell<Box<dyn Policy>>,
+    /// `maxBodyBytes`.
+    max_body: usize,
+    /// `decisionHeader`, if set.
+    decision_header: Option<String>,
+}
 
-type PolicyRef = Rc<RefCell<Box<dyn Policy>>>;
+impl Route {
+    fn new(matcher: Option<RuleMatch>, config: &LbConfig) -> Route {
+        Route {
+            matcher,
+            policy: RefCell::new(policy::build(config)),
+            max_body: config.max_body_bytes,
+            decision_header: config.decision_header.clone(),
+        }
+    }
+
+    fn matches(&self, input: &MatchInput<'_>) -> bool {
+        self.matcher.as_ref().is_none_or(|m| m.matches(input))
+    }
+
+    /// Runs a callback of this route's policy; `default` if the policy is already running (a
+    /// re-entrant host call), so that nothing ever panics.
+    fn call<R>(&self, default: R, f: impl FnOnce(&mut dyn Policy) -> R) -> R {
+        match self.policy.try_borrow_mut() {
+            Ok(mut p) => f(p.as_mut()),
+            Err(_) => default,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Waiting for the complete body.
     WaitingBody,
-    /// A call is in flight; the request is held.
-    Pending,
+    /// Held until the reply to this call (its token) arrives, or the policy gives up at a tick.
+    Waiting(u32),
     /// Decided (or never paused): everything continues.
     Done,
 }
 
 struct StreamEntry {
-    policy: PolicyRef,
+    route: Rc<Route>,
     stream: Stream,
     phase: Phase,
-    max_body: usize,
-    /// `decisionHeader`, if set.
-    decision_header: Option<String>,
     ended: bool,
-    outstanding: u32,
 }
 
-struct TokenOwner {
-    policy: PolicyRef,
-    stream: Option<u32>,
+/// What a decision did to the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Settled {
+    /// Held for a call's reply.
+    Held,
+    /// Goes upstream.
+    Continues,
+    /// Answered locally: must not continue.
+    Replied,
 }
 
-/// Records the tokens of calls a policy makes, so their replies go back to it.
-struct Tracking<'a> {
-    inner: &'a mut dyn Host,
-    tokens: Vec<u32>,
-}
+impl Settled {
+    fn header_action(self) -> HeaderAction {
+        match self {
+            Settled::Continues => HeaderAction::Continue,
+            Settled::Held | Settled::Replied => HeaderAction::StopIteration,
+        }
+    }
 
-impl Host for Tracking<'_> {
-    fn log(&self, level: LogLevel, msg: &str) {
-        self.inner.log(level, msg)
-    }
-    fn now_nanos(&self) -> u64 {
-        self.inner.now_nanos()
-    }
-    fn random_u64(&mut self) -> u64 {
-        self.inner.random_u64()
-    }
-    fn get_property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        self.inner.get_property(path)
-    }
-    fn set_property(&mut self, path: &[&str], value: &[u8]) -> Result<(), HostError> {
-        self.inner.set_property(path, value)
-    }
-    fn request_header(&self, name: &str) -> Option<String> {
-        self.inner.request_header(name)
-    }
-    fn set_request_header(&mut self, name: &str, value: Option<&str>) {
-        self.inner.set_request_header(name, value)
-    }
-    fn request_body(&self, max: usize) -> Option<Vec<u8>> {
-        self.inner.request_body(max)
-    }
-    fn response_header(&self, name: &str) -> Option<String> {
-        self.inner.response_header(name)
-    }
-    fn response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
-        self.inner.response_body(start, max)
-    }
-    fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>> {
-        self.inner.upstream_hosts()
-    }
-    fn set_upstream_override_host(&mut self, addr: &str) -> Result<(), HostError> {
-        self.inner.set_upstream_override_host(addr)
-    }
-    fn redis_init(
-        &mut self,
-        cluster: &str,
-        username: &str,
-        password: &str,
-        timeout_ms: u32,
-    ) -> Result<(), HostError> {
-        self.inner.redis_init(cluster, username, password, timeout_ms)
-    }
-    fn redis_call(&mut self, cluster: &str, query: &[u8]) -> Result<u32, HostError> {
-        let t = self.inner.redis_call(cluster, query)?;
-        self.tokens.push(t);
-        Ok(t)
-    }
-    fn http_call(
-        &mut self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: Option<&[u8]>,
-        timeout_ms: u32,
-    ) -> Result<u32, HostError> {
-        let t = self.inner.http_call(cluster, headers, body, timeout_ms)?;
-        self.tokens.push(t);
-        Ok(t)
-    }
-    fn get_shared_data(&self, key: &str) -> (Option<Vec<u8>>, u32) {
-        self.inner.get_shared_data(key)
-    }
-    fn set_shared_data(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), HostError> {
-        self.inner.set_shared_data(key, value, cas)
-    }
-    fn send_local_response(&mut self, status: u32, body: &[u8], headers: &[(&str, &str)]) {
-        self.inner.send_local_response(status, body, headers)
-    }
-    fn resume_request(&mut self) {
-        self.inner.resume_request()
-    }
-    fn set_effective_stream(&mut self, ctx: u32) -> bool {
-        self.inner.set_effective_stream(ctx)
-    }
-    fn increment_counter(&mut self, counter: Counter, delta: i64) {
-        self.inner.increment_counter(counter, delta)
-    }
-    fn set_response_header(&mut self, name: &str, value: &str) {
-        self.inner.set_response_header(name, value)
+    fn data_action(self) -> DataAction {
+        match self {
+            Settled::Continues => DataAction::Continue,
+            Settled::Held | Settled::Replied => DataAction::StopIterationAndBuffer,
+        }
     }
 }
 
-/// The plugin state of one root context: config, policy instances, live streams, call tokens.
+/// The plugin state of one root context: routes with their policies, live streams, held calls.
 #[derive(Default)]
 pub struct Filter {
-    config: Option<PluginConfig>,
-    /// Index = rule index; the default config (if any) is last.
-    policies: Vec<Option<PolicyRef>>,
+    /// The rules in order, then the top-level config: the first that matches serves a request.
+    routes: Vec<Rc<Route>>,
+    /// The routes of the configuration before the last one: their policies may still get replies
+    /// to calls made before the change.
+    previous: Vec<Rc<Route>>,
+    /// Whether a rule matches on the consumer header (read only then).
+    reads_consumer: bool,
     streams: HashMap<u32, StreamEntry>,
-    tokens: HashMap<u32, TokenOwner>,
+    /// Call token -> the stream held for its reply.
+    waiting: HashMap<u32, u32>,
 }
 
 impl Filter {
@@ -177,71 +133,48 @@ impl Filter {
         for w in &cfg.warnings {
             host.log(LogLevel::Warn, w);
         }
-        let mut policies: Vec<Option<PolicyRef>> = Vec::with_capacity(cfg.rules.len() + 1);
-        let mut all: Vec<&LbConfig> = cfg.rules.iter().map(|r| &r.config).collect();
-        if let Some(d) = &cfg.default {
-            all.push(d);
+        let rules = cfg.rules.len();
+        let reads_consumer = cfg.matches_consumers();
+        let mut routes: Vec<Rc<Route>> = cfg
+            .rules
+            .into_iter()
+            .map(|r| Rc::new(Route::new(Some(r.matcher), &r.config)))
+            .collect();
+        routes.extend(cfg.default.map(|d| Rc::new(Route::new(None, &d))));
+        for r in &routes {
+            r.call((), |p| p.on_start(host));
         }
-        for c in all {
-            let p: PolicyRef = Rc::new(RefCell::new(policy::build(c)));
-            self.run_root(host, &p, |pol, h| pol.on_start(h));
-            policies.push(Some(p));
-        }
-        let default_name = match policies.last() {
-            Some(Some(p)) if cfg.default.is_some() => p.borrow().name(),
-            _ => "none",
-        };
-        if cfg.default.is_none() {
-            policies.push(None);
-        }
+        let default_name = routes
+            .last()
+            .filter(|r| r.matcher.is_none())
+            .and_then(|r| r.policy.try_borrow().ok().map(|p| p.name()))
+            .unwrap_or("none");
         host.log(
             LogLevel::Info,
-            &format!(
-                "ai-load-balancer configured: {} rule(s), default {default_name}",
-                cfg.rules.len()
-            ),
+            &format!("ai-load-balancer configured: {rules} rule(s), default {default_name}"),
         );
-        self.config = Some(cfg);
-        self.policies = policies;
+        self.previous = std::mem::replace(&mut self.routes, routes);
+        self.reads_consumer = reads_consumer;
         true
     }
 
     /// A filter with a single policy for every request (tests of the flow itself).
     #[cfg(test)]
     pub(crate) fn with_policy(policy: Box<dyn Policy>, max_body: usize) -> Filter {
-        let mut f = Filter::new();
-        f.config = Some(PluginConfig {
-            default: Some(LbConfig {
-                lb_type: crate::config::LbType::Endpoint,
-                policy: crate::config::PolicyConfig::EndpointMetrics(
-                    crate::config::EndpointMetricsConfig {
-                        metric_policy: crate::config::MetricPolicy::Default,
-                        target_metric: None,
-                        rate_limit: 1.0,
-                        window_size: 1,
-                        window_seconds: 1,
-                        source: crate::config::PodMetricsSource {
-                            metrics_stale_ms: 1000,
-                            ..Default::default()
-                        },
-                    },
-                ),
-                max_body_bytes: max_body,
-                decision_header: Some("x-ai-lb-decision".into()),
-            }),
-            rules: Vec::new(),
-            warnings: Vec::new(),
-        });
-        f.policies = vec![Some(Rc::new(RefCell::new(policy)))];
-        f
+        let route = Route {
+            matcher: None,
+            policy: RefCell::new(policy),
+            max_body,
+            decision_header: Some("x-ai-lb-decision".into()),
+        };
+        Filter { routes: vec![Rc::new(route)], ..Filter::default() }
     }
 
     /// Smallest non-zero tick period wanted by any policy (0 = none).
     pub fn tick_period_ms(&self) -> u32 {
-        self.policies
+        self.routes
             .iter()
-            .flatten()
-            .filter_map(|p| p.try_borrow().ok().map(|p| p.tick_period_ms()))
+            .filter_map(|r| r.policy.try_borrow().ok().map(|p| p.tick_period_ms()))
             .filter(|t| *t > 0)
             .min()
             .unwrap_or(0)
@@ -250,48 +183,46 @@ impl Filter {
     /// Root tick: every policy's periodic work, then each held stream's policy may give up on the
     /// call it waits for (the stream is made the effective context to resume it).
     pub fn on_tick(&mut self, host: &mut dyn Host) {
-        let policies: Vec<PolicyRef> = self.policies.iter().flatten().cloned().collect();
-        for p in policies {
-            self.run_root(host, &p, |pol, h| pol.on_tick(h));
+        for r in &self.routes {
+            r.call((), |p| p.on_tick(host));
         }
         let mut held: Vec<u32> = self
             .streams
             .iter()
-            .filter(|(_, e)| e.phase == Phase::Pending)
+            .filter(|(_, e)| matches!(e.phase, Phase::Waiting(_)))
             .map(|(c, _)| *c)
             .collect();
         held.sort_unstable();
         for ctx in held {
-            let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_pending_tick(h, s));
-            if matches!(decision, Decision::Pending | Decision::NeedBody) {
+            let Some(decision) = self.call_stream(ctx, None, |p, s| p.on_pending_tick(host, s))
+            else {
                 continue;
-            }
-            self.set_phase(ctx, Phase::Done);
+            };
             if !host.set_effective_stream(ctx) {
                 host.log(
                     LogLevel::Warn,
                     "ai-load-balancer: could not switch to a held stream to resume it",
                 );
+                self.set_phase(ctx, Phase::Done);
                 continue;
             }
-            if apply_final(host, decision) {
+            if self.settle(host, ctx, decision) == Settled::Continues {
                 host.resume_request();
             }
         }
     }
 
-    /// Request headers of stream `ctx`. Returns the header action.
+    /// Request headers of stream `ctx`.
     pub fn on_request_headers(
         &mut self,
         host: &mut dyn Host,
         ctx: u32,
         end_of_stream: bool,
-    ) -> u32 {
-        let Some(cfg) = &self.config else { return HEADERS_CONTINUE };
+    ) -> HeaderAction {
         let route = host.route_name().unwrap_or_default();
         let cluster = host.cluster_name().unwrap_or_default();
         let authority = host.request_header(":authority").unwrap_or_default();
-        let consumer = if cfg.matches_consumers() {
+        let consumer = if self.reads_consumer {
             host.request_header(CONSUMER_HEADER).unwrap_or_default()
         } else {
             String::new()
@@ -302,87 +233,53 @@ impl Filter {
             cluster: &cluster,
             consumer: &consumer,
         };
-        let Some((idx, lb)) = cfg.select(&input) else {
-            return HEADERS_CONTINUE;
+        let Some(served_by) = self.routes.iter().find(|r| r.matches(&input)).cloned() else {
+            return HeaderAction::Continue;
         };
-        let max_body = lb.max_body_bytes;
-        let decision_header = lb.decision_header.clone();
-        let Some(Some(p)) = self.policies.get(idx).cloned() else { return HEADERS_CONTINUE };
+        let max_body = served_by.max_body;
         let stream = Stream {
             id: ctx,
             route,
             cluster,
             authority,
             start_ns: host.now_nanos(),
-            data: None,
             decision: None,
         };
-        let entry = StreamEntry {
-            policy: p,
-            stream,
-            phase: Phase::Done,
-            max_body,
-            decision_header,
-            ended: false,
-            outstanding: 0,
-        };
+        let entry = StreamEntry { route: served_by, stream, phase: Phase::Done, ended: false };
         self.streams.insert(ctx, entry);
-        let decision =
-            self.call_stream(host, ctx, |pol, h, s| pol.on_request_headers(h, s, end_of_stream));
-        match decision {
-            Decision::NeedBody if end_of_stream => {
-                // A body policy asked for a body that will never come: never hang (Higress #3740).
-                host.log(LogLevel::Warn, "ai-load-balancer: policy asked for the body of a bodiless request; using normal balancing");
-                self.set_phase(ctx, Phase::Done);
-                HEADERS_CONTINUE
-            }
-            Decision::NeedBody => {
-                raise_decoder_buffer_limit(host, max_body);
-                self.set_phase(ctx, Phase::WaitingBody);
-                HEADERS_STOP_ITERATION
-            }
-            Decision::Pending => {
-                if self.outstanding(ctx) == 0 {
-                    host.log(LogLevel::Warn, "ai-load-balancer: pending without a call in flight; using normal balancing");
-                    self.set_phase(ctx, Phase::Done);
-                    return HEADERS_CONTINUE;
-                }
-                self.set_phase(ctx, Phase::Pending);
-                HEADERS_STOP_ITERATION
-            }
-            other => {
-                self.set_phase(ctx, Phase::Done);
-                if apply_final(host, other) {
-                    HEADERS_CONTINUE
-                } else {
-                    HEADERS_STOP_ITERATION
-                }
-            }
+        let decision = self.call_stream(ctx, Decision::Passthrough, |p, s| {
+            p.on_request_headers(host, s, end_of_stream)
+        });
+        if decision == Decision::NeedBody && !end_of_stream {
+            raise_decoder_buffer_limit(host, max_body);
+            self.set_phase(ctx, Phase::WaitingBody);
+            return HeaderAction::StopIteration;
         }
+        self.settle(host, ctx, decision).header_action()
     }
 
-    /// A request body chunk; `body_size` is the cumulative buffered size. Returns the data action.
+    /// A request body chunk; `body_size` is the cumulative buffered size.
     pub fn on_request_body(
         &mut self,
         host: &mut dyn Host,
         ctx: u32,
         body_size: usize,
         end_of_stream: bool,
-    ) -> u32 {
-        let Some(entry) = self.streams.get(&ctx) else { return DATA_CONTINUE };
+    ) -> DataAction {
+        let Some(entry) = self.streams.get(&ctx) else { return DataAction::Continue };
         match entry.phase {
-            Phase::Done => DATA_CONTINUE,
+            Phase::Done => DataAction::Continue,
             // Hold the data: continuing here would release the held headers before the pick. The
             // body is not needed, so past the buffer limit the client is slowed down (flow
             // control), never answered 413.
-            Phase::Pending => DATA_STOP_AND_WATERMARK,
+            Phase::Waiting(_) => DataAction::StopIterationAndWatermark,
             Phase::WaitingBody => {
-                if body_size > entry.max_body {
-                    let max = entry.max_body;
-                    return self.body_too_large(host, ctx, body_size, max);
+                let max = entry.route.max_body;
+                if body_size > max {
+                    return self.body_too_large(host, ctx, body_size, max).data_action();
                 }
                 if !end_of_stream {
-                    return DATA_STOP_AND_BUFFER;
+                    return DataAction::StopIterationAndBuffer;
                 }
                 let Some(body) = host.request_body(body_size) else {
                     host.log(
@@ -390,71 +287,61 @@ impl Filter {
                         "ai-load-balancer: request body unavailable; using normal balancing",
                     );
                     self.set_phase(ctx, Phase::Done);
-                    return DATA_CONTINUE;
+                    return DataAction::Continue;
                 };
-                self.body_complete(host, ctx, &body)
+                self.body_complete(host, ctx, &body).data_action()
             }
         }
     }
 
-    /// A waiting body is over `maxBodyBytes`: normal balancing. Returns the data action.
-    fn body_too_large(&mut self, host: &mut dyn Host, ctx: u32, size: usize, max: usize) -> u32 {
+    /// A waiting body is over `maxBodyBytes`: normal balancing.
+    fn body_too_large(
+        &mut self,
+        host: &mut dyn Host,
+        ctx: u32,
+        size: usize,
+        max: usize,
+    ) -> Settled {
         host.log(
             LogLevel::Info,
-            &format!("ai-load-balancer: request body larger than maxBodyBytes ({size} > {max}); using normal balancing"),
+            &format!(
+                "ai-load-balancer: request body larger than maxBodyBytes ({size} > {max}); using \
+                 normal balancing"
+            ),
         );
         host.increment_counter(Counter::FallbackBodyTooLarge, 1);
         if let Some(entry) = self.streams.get_mut(&ctx) {
             entry.stream.decision = Some(Counter::FallbackBodyTooLarge.label().to_string());
         }
         self.set_phase(ctx, Phase::Done);
-        DATA_CONTINUE
+        Settled::Continues
     }
 
-    /// The complete body of a stream waiting for it: the policy decides. Returns the data action.
-    fn body_complete(&mut self, host: &mut dyn Host, ctx: u32, body: &[u8]) -> u32 {
-        let decision = self.call_stream(host, ctx, |pol, h, s| pol.on_request_body(h, s, body));
-        match decision {
-            Decision::Pending if self.outstanding(ctx) > 0 => {
-                self.set_phase(ctx, Phase::Pending);
-                DATA_STOP_AND_BUFFER
-            }
-            Decision::Pending | Decision::NeedBody => {
-                self.set_phase(ctx, Phase::Done);
-                DATA_CONTINUE
-            }
-            other => {
-                self.set_phase(ctx, Phase::Done);
-                if apply_final(host, other) {
-                    DATA_CONTINUE
-                } else {
-                    DATA_STOP_AND_BUFFER
-                }
-            }
-        }
+    /// The complete body of a stream waiting for it: the policy decides.
+    fn body_complete(&mut self, host: &mut dyn Host, ctx: u32, body: &[u8]) -> Settled {
+        let decision =
+            self.call_stream(ctx, Decision::Passthrough, |p, s| p.on_request_body(host, s, body));
+        self.settle(host, ctx, decision)
     }
 
     /// Request trailers: the body ended without an end-of-stream body callback. A body policy still
-    /// waiting decides now on the buffered body. Returns the trailers action (0 continue, 1 stop).
-    pub fn on_request_trailers(&mut self, host: &mut dyn Host, ctx: u32) -> u32 {
-        let Some(entry) = self.streams.get(&ctx) else { return HEADERS_CONTINUE };
+    /// waiting decides now on the buffered body.
+    pub fn on_request_trailers(&mut self, host: &mut dyn Host, ctx: u32) -> HeaderAction {
+        let Some(entry) = self.streams.get(&ctx) else { return HeaderAction::Continue };
         match entry.phase {
-            Phase::Done => HEADERS_CONTINUE,
-            Phase::Pending => HEADERS_STOP_ITERATION,
+            Phase::Done => HeaderAction::Continue,
+            Phase::Waiting(_) => HeaderAction::StopIteration,
             Phase::WaitingBody => {
-                let max = entry.max_body;
+                let max = entry.route.max_body;
                 // One read of up to max+1 bytes: its length says whether the body is over the
                 // limit, and it is the body the policy gets (no second copy of it).
                 let body = host.request_body(max.saturating_add(1)).unwrap_or_default();
-                let action = if body.len() > max {
+                let settled = if body.len() > max {
                     self.body_too_large(host, ctx, body.len(), max)
                 } else {
                     self.body_complete(host, ctx, &body)
                 };
-                match action {
-                    DATA_CONTINUE => HEADERS_CONTINUE,
-                    _ => HEADERS_STOP_ITERATION,
-                }
+                settled.header_action()
             }
         }
     }
@@ -462,16 +349,13 @@ impl Filter {
     /// Response headers of stream `ctx`.
     pub fn on_response_headers(&mut self, host: &mut dyn Host, ctx: u32) {
         if let Some(entry) = self.streams.get(&ctx) {
-            if let Some(name) = &entry.decision_header {
+            if let Some(name) = &entry.route.decision_header {
                 host.set_response_header(
                     name,
                     entry.stream.decision.as_deref().unwrap_or("normal_balancing"),
                 );
             }
-            self.call_stream(host, ctx, |pol, h, s| {
-                pol.on_response_headers(h, s);
-                Decision::Passthrough
-            });
+            self.call_stream(ctx, (), |p, s| p.on_response_headers(host, s));
         }
     }
 
@@ -483,25 +367,19 @@ impl Filter {
         size: usize,
         end_of_stream: bool,
     ) {
-        if self.streams.contains_key(&ctx) {
-            self.call_stream(host, ctx, |pol, h, s| {
-                pol.on_response_body(h, s, size, end_of_stream);
-                Decision::Passthrough
-            });
-        }
+        self.call_stream(ctx, (), |p, s| p.on_response_body(host, s, size, end_of_stream));
     }
 
-    /// The stream ended (proxy_on_log, proxy_on_done): runs `on_stream_done` once.
+    /// The stream ended (proxy_on_log, proxy_on_done): runs `on_stream_done` once. A reply the
+    /// stream still waited for then goes to the policies without it.
     pub fn on_stream_end(&mut self, host: &mut dyn Host, ctx: u32) {
         let Some(entry) = self.streams.get_mut(&ctx) else { return };
         if entry.ended {
             return;
         }
         entry.ended = true;
-        self.call_stream(host, ctx, |pol, h, s| {
-            pol.on_stream_done(h, s);
-            Decision::Passthrough
-        });
+        self.call_stream(ctx, (), |p, s| p.on_stream_done(host, s));
+        self.set_phase(ctx, Phase::Done);
     }
 
     /// The stream context is deleted: forget it (after `on_stream_end` if that never ran).
@@ -510,16 +388,14 @@ impl Filter {
         self.streams.remove(&ctx);
     }
 
-    /// The live stream waiting for the reply with this token, if any. `abi.rs` makes it the
+    /// The live stream held for the reply with this token, if any. `abi.rs` makes it the
     /// effective context before calling `on_redis_reply` / `on_http_reply`.
     pub fn stream_of_token(&self, token: u32) -> Option<u32> {
-        let owner = self.tokens.get(&token)?;
-        let s = owner.stream?;
-        self.streams.contains_key(&s).then_some(s)
+        self.waiting.get(&token).copied()
     }
 
     /// A Redis reply. `stream_active` says whether the effective context was switched to the
-    /// owning stream (false: the stream is gone, or the switch failed).
+    /// stream held for it (false: no stream waits for it, or the switch failed).
     pub fn on_redis_reply(
         &mut self,
         host: &mut dyn Host,
@@ -527,9 +403,7 @@ impl Filter {
         reply: &RedisReply,
         stream_active: bool,
     ) {
-        self.on_reply(host, token, stream_active, |pol, h, s, t| {
-            pol.on_redis_reply(h, s, t, reply)
-        });
+        self.on_reply(host, token, stream_active, |p, h, s| p.on_redis_reply(h, s, token, reply));
     }
 
     /// An HTTP-call reply (see `on_redis_reply`).
@@ -540,7 +414,7 @@ impl Filter {
         reply: &HttpReply,
         stream_active: bool,
     ) {
-        self.on_reply(host, token, stream_active, |pol, h, s, t| pol.on_http_reply(h, s, t, reply));
+        self.on_reply(host, token, stream_active, |p, h, s| p.on_http_reply(h, s, token, reply));
     }
 
     /// Number of live streams (for tests and leak checks).
@@ -553,92 +427,105 @@ impl Filter {
         host: &mut dyn Host,
         token: u32,
         stream_active: bool,
-        f: impl FnOnce(&mut dyn Policy, &mut dyn Host, Option<&mut Stream>, u32) -> Decision,
+        f: impl Fn(&mut dyn Policy, &mut dyn Host, Option<&mut Stream>) -> Decision,
     ) {
-        let Some(owner) = self.tokens.remove(&token) else { return };
-        let stream_id = owner.stream.filter(|s| stream_active && self.streams.contains_key(s));
-        let Some(sid) = stream_id else {
-            // Root-level call, or its stream is gone: the policy may still need the reply (e.g. to
-            // undo a +1 for a client that went away while the pick was in flight).
-            self.run_root(host, &owner.policy, |pol, h| {
-                let _ = f(pol, h, None, token);
-            });
+        let held = self.stream_of_token(token);
+        let Some(ctx) = held.filter(|_| stream_active) else {
+            if let Some(ctx) = held {
+                self.set_phase(ctx, Phase::Done); // the host could not switch to it: it is gone
+            }
+            // No stream waits for it (a release, heartbeat or scrape; a stream that ended or gave
+            // up): each policy knows its own calls and ignores the others'. A policy may still
+            // need the reply, e.g. to undo a +1 for a client that went away meanwhile.
+            for r in self.routes.iter().chain(&self.previous) {
+                r.call((), |p| {
+                    f(p, host, None);
+                });
+            }
             return;
         };
-        if let Some(e) = self.streams.get_mut(&sid) {
-            e.outstanding = e.outstanding.saturating_sub(1);
+        self.set_phase(ctx, Phase::Done);
+        let mut decision = self.call_stream(ctx, Decision::Passthrough, |p, s| f(p, host, Some(s)));
+        if decision == Decision::Pending(token) {
+            host.log(
+                LogLevel::Warn,
+                "ai-load-balancer: policy keeps waiting for a call already answered; resuming",
+            );
+            decision = Decision::Passthrough;
         }
-        let decision = self.call_stream(host, sid, |pol, h, s| f(pol, h, Some(s), token));
-        let Some(entry) = self.streams.get(&sid) else { return };
-        if entry.phase != Phase::Pending {
-            return; // a fire-and-forget reply; the request is not held
+        if self.settle(host, ctx, decision) == Settled::Continues {
+            host.resume_request();
         }
-        match decision {
-            Decision::Pending if self.outstanding(sid) > 0 => {}
-            Decision::Pending | Decision::NeedBody => {
+    }
+
+    /// Applies a policy's decision to stream `ctx`, which is the current context: the one place a
+    /// decision takes effect.
+    fn settle(&mut self, host: &mut dyn Host, ctx: u32, decision: Decision) -> Settled {
+        let settled = match decision {
+            Decision::Pending(token) => {
+                self.set_phase(ctx, Phase::Waiting(token));
+                return Settled::Held;
+            }
+            Decision::NeedBody => {
+                // No body callback will come (bodiless request, Higress #3740; or the body was
+                // already delivered): never hang.
                 host.log(
                     LogLevel::Warn,
-                    "ai-load-balancer: policy left the request without a pending call; resuming",
+                    "ai-load-balancer: policy asked for a body that will not come; using normal \
+                     balancing",
                 );
-                self.set_phase(sid, Phase::Done);
-                host.resume_request();
+                Settled::Continues
             }
-            other => {
-                self.set_phase(sid, Phase::Done);
-                if apply_final(host, other) {
-                    host.resume_request();
+            Decision::Passthrough => Settled::Continues,
+            Decision::Route(addr) => {
+                if let Err(e) = host.set_upstream_override_host(&addr) {
+                    host.log(
+                        LogLevel::Warn,
+                        &format!(
+                            "ai-load-balancer: set_upstream_override_host({addr}) failed: {e}"
+                        ),
+                    );
                 }
+                Settled::Continues
             }
-        }
-    }
-
-    /// Runs a root-level policy callback (start, tick, a reply without its stream), recording the
-    /// calls it makes so that their replies come back to this policy.
-    fn run_root(
-        &mut self,
-        host: &mut dyn Host,
-        policy: &PolicyRef,
-        f: impl FnOnce(&mut dyn Policy, &mut dyn Host),
-    ) {
-        let mut tracking = Tracking { inner: host, tokens: Vec::new() };
-        if let Ok(mut pol) = policy.try_borrow_mut() {
-            f(pol.as_mut(), &mut tracking);
-        }
-        for t in std::mem::take(&mut tracking.tokens) {
-            self.tokens.insert(t, TokenOwner { policy: policy.clone(), stream: None });
-        }
-    }
-
-    /// Runs a policy callback for a live stream, recording the calls it makes.
-    fn call_stream(
-        &mut self,
-        host: &mut dyn Host,
-        ctx: u32,
-        f: impl FnOnce(&mut dyn Policy, &mut dyn Host, &mut Stream) -> Decision,
-    ) -> Decision {
-        let Some(entry) = self.streams.get_mut(&ctx) else { return Decision::Passthrough };
-        let policy = entry.policy.clone();
-        let mut tracking = Tracking { inner: host, tokens: Vec::new() };
-        let decision = match policy.try_borrow_mut() {
-            Ok(mut pol) => f(pol.as_mut(), &mut tracking, &mut entry.stream),
-            Err(_) => Decision::Passthrough,
+            Decision::SetHeader { name, value } => {
+                host.set_request_header(&name, Some(&value));
+                Settled::Continues
+            }
+            Decision::Reject { status, body } => {
+                host.send_local_response(
+                    status,
+                    body.as_bytes(),
+                    &[("content-type", "text/plain")],
+                );
+                Settled::Replied
+            }
         };
-        let tokens = std::mem::take(&mut tracking.tokens);
-        entry.outstanding += tokens.len() as u32;
-        for t in tokens {
-            self.tokens.insert(t, TokenOwner { policy: policy.clone(), stream: Some(ctx) });
-        }
-        decision
+        self.set_phase(ctx, Phase::Done);
+        settled
+    }
+
+    /// Runs a policy callback for live stream `ctx`; `default` if there is none.
+    fn call_stream<R>(
+        &mut self,
+        ctx: u32,
+        default: R,
+        f: impl FnOnce(&mut dyn Policy, &mut Stream) -> R,
+    ) -> R {
+        let Some(entry) = self.streams.get_mut(&ctx) else { return default };
+        let route = Rc::clone(&entry.route);
+        route.call(default, |p| f(p, &mut entry.stream))
     }
 
     fn set_phase(&mut self, ctx: u32, phase: Phase) {
-        if let Some(e) = self.streams.get_mut(&ctx) {
-            e.phase = phase;
+        let Some(entry) = self.streams.get_mut(&ctx) else { return };
+        if let Phase::Waiting(token) = entry.phase {
+            self.waiting.remove(&token);
         }
-    }
-
-    fn outstanding(&self, ctx: u32) -> u32 {
-        self.streams.get(&ctx).map(|e| e.outstanding).unwrap_or(0)
+        if let Phase::Waiting(token) = phase {
+            self.waiting.insert(token, ctx);
+        }
+        entry.phase = phase;
     }
 }
 
@@ -653,31 +540,6 @@ fn raise_decoder_buffer_limit(host: &mut dyn Host, max_body: usize) {
             LogLevel::Debug,
             &format!("ai-load-balancer: set_decoder_buffer_limit not supported by the host: {e:?}"),
         );
-    }
-}
-
-/// Applies a final decision to the current stream. Returns true when the request should continue
-/// (false after a local reply).
-fn apply_final(host: &mut dyn Host, d: Decision) -> bool {
-    match d {
-        Decision::Route(addr) => {
-            if let Err(e) = host.set_upstream_override_host(&addr) {
-                host.log(
-                    LogLevel::Warn,
-                    &format!("ai-load-balancer: set_upstream_override_host({addr}) failed: {e}"),
-                );
-            }
-            true
-        }
-        Decision::SetHeader { name, value } => {
-            host.set_request_header(&name, Some(&value));
-            true
-        }
-        Decision::Reject { status, body } => {
-            host.send_local_response(status, body.as_bytes(), &[("content-type", "text/plain")]);
-            false
-        }
-        Decision::Passthrough | Decision::NeedBody | Decision::Pending => true,
     }
 }
 

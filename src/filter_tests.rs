@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::host::fake::{FakeHost, LocalResponse};
+use crate::testutil::deliver;
 
 /// A policy that answers from a script and records what it saw.
 #[derive(Default)]
@@ -9,9 +10,16 @@ struct Scripted {
     headers: Option<Decision>,
     body: Option<Decision>,
     reply: Option<Decision>,
+    /// The headers callback makes a Redis call and holds the request for it.
     make_call: bool,
+    /// The reply callback asks to keep waiting for the call just answered.
+    wait_again: bool,
+    /// The stream-done callback makes a Redis call nothing waits for.
+    call_at_end: bool,
     bodies: Rc<RefCell<Vec<Vec<u8>>>>,
     done: Rc<RefCell<u32>>,
+    /// (token, came with its stream) of every reply.
+    replies: Rc<RefCell<Vec<(u32, bool)>>>,
 }
 
 impl Policy for Scripted {
@@ -20,7 +28,9 @@ impl Policy for Scripted {
     }
     fn on_request_headers(&mut self, host: &mut dyn Host, _s: &mut Stream, _eos: bool) -> Decision {
         if self.make_call {
-            let _ = host.redis_call("c", b"*1\r\n$4\r\nPING\r\n");
+            if let Ok(token) = host.redis_call("c", b"*1\r\n$4\r\nPING\r\n") {
+                return Decision::Pending(token);
+            }
         }
         self.headers.clone().unwrap_or(Decision::Passthrough)
     }
@@ -31,26 +41,60 @@ impl Policy for Scripted {
     fn on_redis_reply(
         &mut self,
         _h: &mut dyn Host,
-        _s: Option<&mut Stream>,
-        _t: u32,
+        s: Option<&mut Stream>,
+        t: u32,
         _r: &RedisReply,
     ) -> Decision {
+        self.replies.borrow_mut().push((t, s.is_some()));
+        if self.wait_again {
+            return Decision::Pending(t);
+        }
         self.reply.clone().unwrap_or(Decision::Passthrough)
     }
-    fn on_stream_done(&mut self, _h: &mut dyn Host, _s: &mut Stream) {
+    fn on_stream_done(&mut self, host: &mut dyn Host, _s: &mut Stream) {
         *self.done.borrow_mut() += 1;
+        if self.call_at_end {
+            let _ = host.redis_call("c", b"*1\r\n$4\r\nPING\r\n");
+        }
     }
 }
 
 #[test]
-fn pending_without_a_call_in_flight_never_pauses() {
-    let mut f = Filter::with_policy(
-        Box::new(Scripted { headers: Some(Decision::Pending), ..Default::default() }),
-        100,
-    );
+fn a_request_held_for_a_call_is_decided_by_its_reply() {
+    let replies = Rc::new(RefCell::new(Vec::new()));
+    let p = Scripted {
+        make_call: true,
+        reply: Some(Decision::Route("10.0.0.9:80".into())),
+        replies: replies.clone(),
+        ..Default::default()
+    };
+    let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
-    assert!(host.logged("pending without a call"));
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
+    let t = host.last_redis_token().unwrap();
+    assert_eq!(f.stream_of_token(t), Some(1));
+    host.request_body = b"hello".to_vec();
+    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DataAction::StopIterationAndWatermark);
+    deliver(&mut f, &mut host, t, RedisReply::NetworkError);
+    assert_eq!(*replies.borrow(), vec![(t, true)]);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
+    assert_eq!(host.resumes, 1);
+    assert_eq!(f.stream_of_token(t), None, "answered: nothing waits for it any more");
+}
+
+#[test]
+fn replies_no_stream_waits_for_reach_the_policy_without_a_stream() {
+    let replies = Rc::new(RefCell::new(Vec::new()));
+    let p = Scripted { call_at_end: true, replies: replies.clone(), ..Default::default() };
+    let mut f = Filter::with_policy(Box::new(p), 100);
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::Continue);
+    f.on_stream_end(&mut host, 1);
+    let t = host.last_redis_token().unwrap();
+    assert_eq!(f.stream_of_token(t), None);
+    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, false);
+    assert_eq!(*replies.borrow(), vec![(t, false)]);
+    assert_eq!(host.resumes, 0, "no stream was held");
 }
 
 #[test]
@@ -60,11 +104,11 @@ fn need_body_on_a_bodiless_request_continues() {
         100,
     );
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::Continue);
 }
 
-#[test]
-fn body_is_delivered_once_whole_and_route_applies() {
+/// A filter whose policy waits for the body and routes to 10.0.0.9:80; the bodies it got.
+fn routes_by_body() -> (Filter, Rc<RefCell<Vec<Vec<u8>>>>) {
     let bodies = Rc::new(RefCell::new(Vec::new()));
     let p = Scripted {
         headers: Some(Decision::NeedBody),
@@ -72,15 +116,20 @@ fn body_is_delivered_once_whole_and_route_applies() {
         bodies: bodies.clone(),
         ..Default::default()
     };
-    let mut f = Filter::with_policy(Box::new(p), 100);
+    (Filter::with_policy(Box::new(p), 100), bodies)
+}
+
+#[test]
+fn body_is_delivered_once_whole_and_route_applies() {
+    let (mut f, bodies) = routes_by_body();
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     // The stream may buffer up to maxBodyBytes before Envoy answers 413.
     assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), Some(b"100".to_vec()));
     host.request_body = b"hello".to_vec();
-    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DATA_STOP_AND_BUFFER);
+    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DataAction::StopIterationAndBuffer);
     host.request_body = b"hello world".to_vec();
-    assert_eq!(f.on_request_body(&mut host, 1, 11, true), DATA_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 1, 11, true), DataAction::Continue);
     assert_eq!(*bodies.borrow(), vec![b"hello world".to_vec()]);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
     assert_eq!(host.resumes, 0, "continued by the return value, not by a resume");
@@ -94,7 +143,7 @@ fn set_header_and_reject_decisions() {
     };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::Continue);
     assert_eq!(host.request_header("x-target").as_deref(), Some("c1"));
 
     let p = Scripted {
@@ -103,24 +152,19 @@ fn set_header_and_reject_decisions() {
     };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 1, true), HeaderAction::StopIteration);
     assert_eq!(host.local_responses, vec![LocalResponse { status: 503, body: b"no".to_vec() }]);
 }
 
 #[test]
-fn a_reply_that_keeps_pending_without_a_new_call_resumes() {
-    let p = Scripted {
-        headers: Some(Decision::Pending),
-        reply: Some(Decision::Pending),
-        make_call: true,
-        ..Default::default()
-    };
+fn a_reply_that_keeps_waiting_for_the_call_just_answered_resumes() {
+    let p = Scripted { make_call: true, wait_again: true, ..Default::default() };
     let mut f = Filter::with_policy(Box::new(p), 100);
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     let t = host.last_redis_token().unwrap();
     assert_eq!(f.stream_of_token(t), Some(1));
-    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
+    deliver(&mut f, &mut host, t, RedisReply::NetworkError);
     assert_eq!(host.resumes, 1, "never left paused");
 }
 
@@ -151,11 +195,11 @@ fn unmatched_requests_are_not_touched_when_only_rules_configure_the_plugin() {
     let mut f = Filter::new();
     let cfg = br#"{"_rules_":[{"_match_route_":["other"],"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"redis.static","servicePort":6379}}]}"#;
     assert!(f.configure(&mut host, cfg));
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::Continue);
     assert!(host.redis_calls.is_empty());
     assert_eq!(f.live_streams(), 0);
     host.properties.insert("route_name".into(), b"other".to_vec());
-    assert_eq!(f.on_request_headers(&mut host, 2, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 2, false), HeaderAction::StopIteration);
     assert_eq!(host.redis_calls.len(), 1);
 }
 
@@ -163,25 +207,18 @@ fn unmatched_requests_are_not_touched_when_only_rules_configure_the_plugin() {
 fn unconfigured_filter_passes_everything() {
     let mut f = Filter::new();
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_CONTINUE);
-    assert_eq!(f.on_request_body(&mut host, 1, 10, true), DATA_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::Continue);
+    assert_eq!(f.on_request_body(&mut host, 1, 10, true), DataAction::Continue);
 }
 
 #[test]
 fn body_ending_with_trailers_is_read_from_the_host_once() {
-    let bodies = Rc::new(RefCell::new(Vec::new()));
-    let p = Scripted {
-        headers: Some(Decision::NeedBody),
-        body: Some(Decision::Route("10.0.0.9:80".into())),
-        bodies: bodies.clone(),
-        ..Default::default()
-    };
-    let mut f = Filter::with_policy(Box::new(p), 100);
+    let (mut f, bodies) = routes_by_body();
     let mut host = FakeHost::new();
-    assert_eq!(f.on_request_headers(&mut host, 1, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
     host.request_body = b"hello".to_vec();
-    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DATA_STOP_AND_BUFFER);
-    assert_eq!(f.on_request_trailers(&mut host, 1), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 1, 5, false), DataAction::StopIterationAndBuffer);
+    assert_eq!(f.on_request_trailers(&mut host, 1), HeaderAction::Continue);
     assert_eq!(*bodies.borrow(), vec![b"hello".to_vec()]);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
     assert_eq!(
@@ -197,7 +234,7 @@ fn body_ending_with_trailers_is_read_from_the_host_once() {
     let mut host = FakeHost::new();
     f.on_request_headers(&mut host, 1, false);
     host.request_body = b"hello".to_vec();
-    assert_eq!(f.on_request_trailers(&mut host, 1), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_trailers(&mut host, 1), HeaderAction::Continue);
     assert_eq!(host.body_reads.get(), 1);
     assert!(host.logged("larger than maxBodyBytes"));
 }
@@ -214,4 +251,26 @@ fn the_start_log_names_the_default_policy() {
     let rules_only = r#"{"_rules_":[{"_match_route_":["r1"],"lb_policy":"endpoint_metrics"}]}"#;
     assert!(f.configure(&mut host, rules_only.as_bytes()));
     assert!(host.logged("configured: 1 rule(s), default none"));
+}
+
+#[test]
+fn the_first_matching_rule_serves_a_request_and_the_top_level_config_the_rest() {
+    let mut host = FakeHost::new();
+    host.set_hosts(&[("10.0.0.1:8000", true)]);
+    host.properties.insert("cluster_name".into(), b"outbound|8000||llm.static".to_vec());
+    let mut f = Filter::new();
+    let cfg =
+        br#"{"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"r","servicePort":1},
+      "_rules_":[{"_match_route_":["chat"],"lb_policy":"prefix_cache","lb_config":{"serviceFQDN":"r","servicePort":1}},
+                 {"_match_route_":["chat","other"],"lb_policy":"endpoint_metrics"}]}"#;
+    assert!(f.configure(&mut host, cfg));
+    host.properties.insert("route_name".into(), b"chat".to_vec());
+    // prefix_cache waits for the body before it calls Redis.
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
+    assert!(host.redis_calls.is_empty());
+    host.properties.insert("route_name".into(), b"elsewhere".to_vec());
+    // global_least_request picks on the headers.
+    assert_eq!(f.on_request_headers(&mut host, 2, false), HeaderAction::StopIteration);
+    assert_eq!(host.redis_calls.len(), 1);
+    assert_eq!(f.stream_of_token(host.last_redis_token().unwrap()), Some(2));
 }

@@ -12,9 +12,11 @@
 //! 10 million inputs in all, is `PROPTEST_CASES=2500000 cargo test --release --lib fuzz_` (see the
 //! README's Tests section).
 
-use crate::filter::{Filter, DATA_CONTINUE, HEADERS_STOP_ITERATION};
+use crate::filter::Filter;
 use crate::host::fake::FakeHost;
 use crate::host::{Health, RedisReply, UpstreamHost};
+use crate::testutil::deliver;
+use crate::types::{DataAction, HeaderAction};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
@@ -60,11 +62,11 @@ fn body_target(body: &[u8]) {
     let _ = crate::policy::prefix_cache::blocks_from_body(body, true);
     let (mut f, mut host) =
         filter(&format!(r#"{{"lb_policy":"prefix_cache","lb_config":{{{REDIS_CFG}}}}}"#));
-    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::StopIteration);
     host.request_body = body.to_vec();
     let action = f.on_request_body(&mut host, 7, body.len(), true);
     let waiting = host.last_redis_token().is_some_and(|t| f.stream_of_token(t).is_some());
-    if action == DATA_CONTINUE {
+    if action == DataAction::Continue {
         assert!(!waiting, "continued while its pick is still out");
         finish(&mut f, &mut host, 7);
         assert_eq!(host.resumes, 0, "continued twice");
@@ -80,13 +82,13 @@ fn reply_target(reply: &[u8]) {
     let _ = crate::redis::decode_reply(reply).map(|f| crate::policy::picker::parse_pick(&f));
     let (mut f, mut host) =
         filter(&format!(r#"{{"lb_policy":"global_least_request","lb_config":{{{REDIS_CFG}}}}}"#));
-    assert_eq!(f.on_request_headers(&mut host, 7, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 7, true), HeaderAction::StopIteration);
     let Some(t) = host.last_redis_token() else { panic!("no pick sent") };
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(reply.to_vec()), true);
+    deliver(&mut f, &mut host, t, RedisReply::Ok(reply.to_vec()));
     // NOSCRIPT resends the pick once: that one times out.
     if let Some(t2) = host.last_redis_token().filter(|t2| *t2 != t) {
         if f.stream_of_token(t2).is_some() {
-            f.on_redis_reply(&mut host, t2, &RedisReply::NetworkError, true);
+            deliver(&mut f, &mut host, t2, RedisReply::NetworkError);
         }
     }
     assert_eq!(host.resumes as usize + host.local_responses.len(), 1, "resumed exactly once");

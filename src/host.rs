@@ -5,22 +5,7 @@
 //! is running, or, inside a root callback (Redis / HTTP-call reply, tick), the context the dispatcher
 //! made effective. Policies never deal with context ids.
 
-/// Log levels, same numbering as proxy-wasm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum LogLevel {
-    /// Very verbose.
-    Trace = 0,
-    /// Debugging details (per-request decisions).
-    Debug = 1,
-    /// Normal operation.
-    Info = 2,
-    /// Something degraded (fallback to normal balancing).
-    Warn = 3,
-    /// Something is wrong with config or environment.
-    Error = 4,
-    /// Unrecoverable.
-    Critical = 5,
-}
+pub use crate::types::LogLevel;
 
 /// Error status of a hostcall (proxy-wasm `WasmResult` values other than Ok).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,6 +110,19 @@ pub enum RedisReply {
     NetworkError,
 }
 
+/// The arguments of `proxy_redis_init` (Higress): one per-worker Redis client per cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisInit {
+    /// `outbound|port||fqdn[?db=N&...]`.
+    pub cluster: String,
+    /// ACL user.
+    pub username: String,
+    /// Password.
+    pub password: String,
+    /// Operation timeout.
+    pub timeout_ms: u32,
+}
+
 /// What the policies may ask of the gateway. All methods are infallible from the caller's point of
 /// view except where a `Result` says otherwise; implementations never panic.
 pub trait Host {
@@ -170,14 +168,8 @@ pub trait Host {
     /// balances normally). Only effective while the request headers are held.
     fn set_upstream_override_host(&mut self, addr: &str) -> Result<(), HostError>;
 
-    /// (Re)initialises the per-worker Redis client for `cluster` (`outbound|port||fqdn[?db=N]`).
-    fn redis_init(
-        &mut self,
-        cluster: &str,
-        username: &str,
-        password: &str,
-        timeout_ms: u32,
-    ) -> Result<(), HostError>;
+    /// (Re)initialises the per-worker Redis client for `init.cluster`.
+    fn redis_init(&mut self, init: &RedisInit) -> Result<(), HostError>;
     /// Sends one complete RESP command; the reply arrives later with the returned token.
     fn redis_call(&mut self, cluster: &str, query: &[u8]) -> Result<u32, HostError>;
     /// Dispatches an HTTP call to `cluster`; headers must contain `:method`, `:path`, `:authority`.

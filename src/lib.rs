@@ -2,7 +2,8 @@
 //!
 //! Layout: `abi` (the only unsafe module: hostcalls, exported callbacks) drives `filter` (the
 //! request flow / dispatcher) over the narrow [`host::Host`] trait; `policy` holds the four
-//! policies; `config` the config types; `redis` RESP encoding and the Lua scripts.
+//! policies; `config` the config types; `redis` RESP encoding and the Lua scripts;
+//! `types` the ABI's enumerated values.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 // The plugin never panics on host- or client-supplied data: checked, not hoped (tests may unwrap).
@@ -20,6 +21,7 @@ pub mod metrics;
 pub mod pairs;
 pub mod policy;
 pub mod redis;
+pub mod types;
 
 #[cfg(test)]
 mod testutil;

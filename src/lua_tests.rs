@@ -1,7 +1,9 @@
 //! The Lua scripts against a real `redis-server` (from PATH, or `$AI_LB_REDIS_SERVER`). Native only.
 //! These fail (not skip) without redis-server: install it (`apt-get install redis-server`).
 
-use crate::policy::picker::{parse_pick, PickCall, PickKind, StateKeys};
+use crate::policy::picker::{
+    parse_pick, HeartbeatCall, PickCall, PickKind, ReleaseCall, StateKeys,
+};
 use crate::redis::{
     decode_reply, encode_command, Frame, Script, HEARTBEAT_LUA, LEAST_REQUEST_LUA,
     PREFIX_CACHE_LUA, RELEASE_LUA,
@@ -120,16 +122,14 @@ impl Redis {
     /// The release of a request admitted to `admitted_to`, or (`None`) the cancel of an abandoned
     /// pick.
     fn release(&mut self, owner: &str, req: &str, admitted_to: Option<&str>) -> Frame {
-        let s = Script::new(RELEASE_LUA);
-        let (flag, host) = match admitted_to {
-            Some(h) => ("0", h),
-            None => ("1", ""),
+        let call = ReleaseCall {
+            inflight_key: "inflight".into(),
+            owner_id: owner.into(),
+            request_id: req.into(),
+            admitted_to: admitted_to.map(str::to_string),
         };
-        self.raw(&s.command(
-            &["inflight".to_string()],
-            &[owner.to_string(), req.to_string(), flag.to_string(), host.to_string()],
-            true,
-        ))
+        let (keys, args) = call.keys_args();
+        self.raw(&Script::new(RELEASE_LUA).command(&keys, &args, true))
     }
 
     /// A heartbeat of `owner` with no cleanup.
@@ -144,10 +144,15 @@ impl Redis {
         clean_interval_s: u64,
         in_cluster: &[&str],
     ) -> Frame {
-        let s = Script::new(HEARTBEAT_LUA);
-        let mut args = vec![lease_ms.to_string(), owner.into(), clean_interval_s.to_string()];
-        args.extend(in_cluster.iter().map(|h| h.to_string()));
-        self.raw(&s.command(&["inflight".to_string()], &args, true))
+        let call = HeartbeatCall {
+            inflight_key: "inflight".into(),
+            lease_ms,
+            owner_id: owner.into(),
+            clean_interval_s,
+            hosts: in_cluster.iter().map(|h| h.to_string()).collect(),
+        };
+        let (keys, args) = call.keys_args();
+        self.raw(&Script::new(HEARTBEAT_LUA).command(&keys, &args, true))
     }
 
     fn hget(&mut self, key: &str, field: &str) -> Option<String> {

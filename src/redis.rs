@@ -19,7 +19,7 @@
 //! it); only prefix keys and the cleanup time do.
 
 use crate::config::RedisConfig;
-use crate::host::{Host, HostError, LogLevel};
+use crate::host::{Host, HostError, LogLevel, RedisInit};
 use redis_protocol::resp2::types::{OwnedFrame, Resp2Frame};
 use sha1::{Digest, Sha1};
 
@@ -148,9 +148,8 @@ pub fn owner_key(route: &str, cluster: &str, owner: &str) -> String {
 /// Per-policy Redis client: owns the cluster name and (re)initialisation.
 #[derive(Debug, Clone)]
 pub struct RedisClient {
-    config: RedisConfig,
-    /// Cluster name for redis_init (with `?db=N`).
-    init_cluster: String,
+    /// What `redis_init` gets (its cluster name with `?db=N` and the buffering parameters).
+    init: RedisInit,
     /// Cluster name for redis_call (the host strips any `?...` anyway).
     call_cluster: String,
     inited: bool,
@@ -170,24 +169,25 @@ impl RedisClient {
             config.buffer_flush_timeout_ms, config.max_buffer_size_before_flush
         );
         let call_cluster = config.service_cluster();
-        RedisClient { config, init_cluster, call_cluster, inited: false, last_attempt_ns: None }
+        let init = RedisInit {
+            cluster: init_cluster,
+            username: config.username,
+            password: config.password,
+            timeout_ms: config.timeout_ms,
+        };
+        RedisClient { init, call_cluster, inited: false, last_attempt_ns: None }
     }
 
     /// The cluster name passed to `proxy_redis_init`: [`RedisConfig::cluster`] plus the buffering
     /// parameters.
     pub fn init_cluster(&self) -> &str {
-        &self.init_cluster
+        &self.init.cluster
     }
 
     /// Initialises the connection. Failure is logged, not fatal (Higress #1517): retried later.
     pub fn init(&mut self, host: &mut dyn Host) -> bool {
         self.last_attempt_ns = Some(host.now_nanos());
-        match host.redis_init(
-            &self.init_cluster,
-            &self.config.username,
-            &self.config.password,
-            self.config.timeout_ms,
-        ) {
+        match host.redis_init(&self.init) {
             Ok(()) => {
                 self.inited = true;
                 true
@@ -196,7 +196,7 @@ impl RedisClient {
                 self.inited = false;
                 host.log(
                     LogLevel::Warn,
-                    &format!("ai-load-balancer: redis init of {} failed ({e}); will retry, using normal balancing meanwhile", self.init_cluster),
+                    &format!("ai-load-balancer: redis init of {} failed ({e}); will retry, using normal balancing meanwhile", self.init.cluster),
                 );
                 false
             }

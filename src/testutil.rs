@@ -2,6 +2,7 @@
 
 use crate::filter::Filter;
 use crate::host::fake::FakeHost;
+use crate::host::RedisReply;
 use crate::redis::{decode_reply, Frame};
 
 /// A configured filter and a fake host with hosts .1, .2 healthy and .3 unhealthy.
@@ -11,6 +12,20 @@ pub fn setup(config: &str) -> (Filter, FakeHost) {
     let mut f = Filter::new();
     assert!(f.configure(&mut host, config.as_bytes()), "config rejected: {:?}", host.logs.borrow());
     (f, host)
+}
+
+/// Delivers a Redis reply as `abi.rs` does: with the stream held for it (made the current
+/// context), else without a stream.
+pub fn deliver(f: &mut Filter, host: &mut FakeHost, token: u32, reply: RedisReply) {
+    let held = f.stream_of_token(token).is_some();
+    f.on_redis_reply(host, token, &reply, held);
+}
+
+/// Starts a bodiless request on stream `ctx` and answers its pick: admitted to `addr`.
+pub fn route_to(f: &mut Filter, host: &mut FakeHost, ctx: u32, addr: &str) {
+    f.on_request_headers(host, ctx, true);
+    let t = host.last_redis_token().expect("a pick was sent");
+    deliver(f, host, t, RedisReply::Ok(pick_reply(addr, 1, true, None)));
 }
 
 /// The `n`-th Redis command sent, as strings.

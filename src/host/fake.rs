@@ -6,18 +6,7 @@ use super::{Counter, Host, HostError, LogLevel, UpstreamHost};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-/// One `redis_init`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RedisInit {
-    /// `outbound|port||fqdn[?db=N&...]`.
-    pub cluster: String,
-    /// ACL user.
-    pub username: String,
-    /// Password.
-    pub password: String,
-    /// Operation timeout.
-    pub timeout_ms: u32,
-}
+pub use super::RedisInit;
 
 /// One `redis_call`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -212,19 +201,8 @@ impl Host for FakeHost {
         self.override_host = Some(addr.to_string());
         Ok(())
     }
-    fn redis_init(
-        &mut self,
-        cluster: &str,
-        username: &str,
-        password: &str,
-        timeout_ms: u32,
-    ) -> Result<(), HostError> {
-        self.redis_inits.push(RedisInit {
-            cluster: cluster.into(),
-            username: username.into(),
-            password: password.into(),
-            timeout_ms,
-        });
+    fn redis_init(&mut self, init: &RedisInit) -> Result<(), HostError> {
+        self.redis_inits.push(init.clone());
         match self.redis_init_error {
             Some(e) => Err(e),
             None => Ok(()),

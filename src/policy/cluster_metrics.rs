@@ -64,6 +64,8 @@ pub struct ClusterMetrics {
     config: ClusterMetricsConfig,
     stats: HashMap<String, ServiceStats>,
     recent: RecentPicks,
+    /// Each live stream's pick, by stream id (until the stream ends).
+    picks: HashMap<u32, Pick>,
 }
 
 fn now_ms(host: &dyn Host) -> u64 {
@@ -77,7 +79,7 @@ impl ClusterMetrics {
             config.service_list.iter().map(|s| (s.clone(), ServiceStats::default())).collect();
         // Share over the last `queue_size` choices; age is not a criterion (u64::MAX window).
         let recent = RecentPicks::new(config.queue_size, u64::MAX);
-        ClusterMetrics { config, stats, recent }
+        ClusterMetrics { config, stats, recent, picks: HashMap::new() }
     }
 
     fn value(&self, service: &str) -> f64 {
@@ -160,19 +162,17 @@ impl Policy for ClusterMetrics {
         host.log(LogLevel::Debug, &format!("cluster_metrics: -> {service}"));
         stream.decision = Some(format!("cluster_metrics; service={service}"));
         let start_ms = if stream.start_ns > 0 { stream.start_ns / 1_000_000 } else { now };
-        stream.set_data(Pick {
-            service: service.clone(),
-            start_ms,
-            status: 0,
-            first_byte_seen: false,
-        });
+        self.picks.insert(
+            stream.id,
+            Pick { service: service.clone(), start_ms, status: 0, first_byte_seen: false },
+        );
         Decision::SetHeader { name: self.config.cluster_header.clone(), value: service }
     }
 
     fn on_response_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         let status =
             host.response_header(":status").and_then(|s| s.trim().parse::<u16>().ok()).unwrap_or(0);
-        if let Some(p) = stream.data_mut::<Pick>() {
+        if let Some(p) = self.picks.get_mut(&stream.id) {
             p.status = status;
         }
     }
@@ -185,7 +185,7 @@ impl Policy for ClusterMetrics {
         _end_of_stream: bool,
     ) {
         let now = now_ms(host);
-        let Some(p) = stream.data_mut::<Pick>() else { return };
+        let Some(p) = self.picks.get_mut(&stream.id) else { return };
         if p.first_byte_seen || size == 0 {
             return;
         }
@@ -198,7 +198,7 @@ impl Policy for ClusterMetrics {
 
     fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         let now = now_ms(host);
-        let Some(p) = stream.take_data::<Pick>() else { return };
+        let Some(p) = self.picks.remove(&stream.id) else { return };
         if let Some(s) = self.stats.get_mut(&p.service) {
             s.in_flight = s.in_flight.saturating_sub(1);
         }

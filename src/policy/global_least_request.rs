@@ -6,10 +6,10 @@
 //! whatever the outcome. The decision is taken in the headers phase (no body needed). The machinery
 //! is shared with `prefix_cache`: see [`super::picker`].
 
-use super::picker::{PickKind, Picker, ReplyOutcome};
+use super::picker::{PickKind, PickResult, Picker, Routed};
 use super::{Decision, Policy, Stream};
 use crate::config::GlobalLeastRequestConfig;
-use crate::host::{Counter, Host, LogLevel, RedisReply};
+use crate::host::{Counter, Host};
 use crate::redis;
 
 /// The `global_least_request` policy.
@@ -26,46 +26,26 @@ impl GlobalLeastRequest {
     }
 }
 
-impl Policy for GlobalLeastRequest {
-    fn name(&self) -> &'static str {
-        "global_least_request"
-    }
+/// Every admitted pick is a least-request route.
+fn routed(_host: &mut dyn Host, _pick: &PickResult) -> Routed {
+    let counter = Counter::LeastRequestRouted;
+    Routed { counter, decision: counter.label().to_string(), predicted_hit: None }
+}
 
+impl Policy for GlobalLeastRequest {
     fn on_request_headers(
         &mut self,
         host: &mut dyn Host,
         stream: &mut Stream,
         _end_of_stream: bool,
     ) -> Decision {
-        if stream.route.is_empty() || stream.cluster.is_empty() {
-            host.log(
-                LogLevel::Warn,
-                "global_least_request: no route_name/cluster_name; using normal balancing",
-            );
+        if !self.picker.has_group(host, stream) {
             return Decision::Passthrough;
         }
         self.picker.start(host, stream, PickKind::LeastRequest)
     }
 
-    fn on_redis_reply(
-        &mut self,
-        host: &mut dyn Host,
-        stream: Option<&mut Stream>,
-        token: u32,
-        reply: &RedisReply,
-    ) -> Decision {
-        let mut stream = stream;
-        let outcome = self.picker.on_reply(host, stream.as_deref_mut(), token, reply);
-        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
-            if pick.admitted {
-                host.increment_counter(Counter::LeastRequestRouted, 1);
-                s.decision = Some(Counter::LeastRequestRouted.label().to_string());
-            }
-        }
-        self.picker.decide(host, stream, outcome)
-    }
-
-    super::picker::delegate_to_picker!();
+    super::picker::delegate_to_picker!(routed);
 }
 
 #[cfg(test)]

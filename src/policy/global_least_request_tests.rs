@@ -1,9 +1,9 @@
 //! `global_least_request` through the dispatcher against the fake host.
 
-use crate::filter::{DATA_STOP_AND_WATERMARK, HEADERS_CONTINUE, HEADERS_STOP_ITERATION};
 use crate::host::{Host, HostError, RedisReply};
 use crate::redis::{inflight_key, LEAST_REQUEST_LUA};
 use crate::testutil::*;
+use crate::types::{DataAction, HeaderAction};
 
 const CLUSTER: &str = "outbound|8000||llm.static";
 
@@ -52,7 +52,7 @@ fn bad_config_fails_start_with_one_clear_line() {
 #[test]
 fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     let (mut f, mut host) = setup(&cfg(r#","maxRequestCount":10,"cleanInterval":5"#));
-    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::StopIteration);
     // The body is not read: the stream keeps the gateway's own buffer limit.
     assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), None);
     assert_eq!(host.redis_calls.len(), 1);
@@ -71,14 +71,9 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     assert_eq!(healthy, vec!["10.0.0.1:8000", "10.0.0.2:8000"], "only healthy hosts");
     // Body chunks while the pick is in flight are held, not released: under flow control while the pick is out: a body over the buffer limit slows the client
     // down instead of getting 413.
-    assert_eq!(f.on_request_body(&mut host, 7, 100, false), DATA_STOP_AND_WATERMARK);
+    assert_eq!(f.on_request_body(&mut host, 7, 100, false), DataAction::StopIterationAndWatermark);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.resumes, 1);
 }
@@ -86,14 +81,9 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
 #[test]
 fn bodiless_request_decides_in_headers_and_never_waits_for_a_body() {
     let (mut f, mut host) = setup(&cfg(""));
-    assert_eq!(f.on_request_headers(&mut host, 7, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 7, true), HeaderAction::StopIteration);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!(host.resumes, 1, "resumed without any body callback");
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
 }
@@ -123,12 +113,7 @@ fn over_max_request_count_answers_429_and_never_decrements_again() {
     let (mut f, mut host) = setup(&cfg(r#","maxRequestCount":1"#));
     f.on_request_headers(&mut host, 7, true);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, false, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, false, None)));
     assert_eq!(host.local_responses.len(), 1);
     assert_eq!(host.local_responses[0].status, 429);
     assert_eq!(host.resumes, 0, "a local reply is not resumed");
@@ -141,14 +126,7 @@ fn over_max_request_count_answers_429_and_never_decrements_again() {
 #[test]
 fn decrement_exactly_once_when_the_stream_ends() {
     let (mut f, mut host) = setup(&cfg(""));
-    f.on_request_headers(&mut host, 7, true);
-    let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
-        true,
-    );
+    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
     // on_log, on_done and on_delete all end the stream; only the first counts.
     f.on_stream_end(&mut host, 7);
     f.on_stream_end(&mut host, 7);
@@ -162,12 +140,7 @@ fn decrement_on_delete_alone_for_reset_streams() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     f.on_delete(&mut host, 7); // no on_log (e.g. a reset stream)
     assert_eq!(releases(&host).len(), 1);
 }
@@ -197,11 +170,11 @@ fn noscript_falls_back_to_eval_then_routes() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
+    deliver(
+        &mut f,
         &mut host,
         t,
-        &RedisReply::Ok(b"-NOSCRIPT No matching script. Please use EVAL.\r\n".to_vec()),
-        true,
+        RedisReply::Ok(b"-NOSCRIPT No matching script. Please use EVAL.\r\n".to_vec()),
     );
     assert_eq!(host.resumes, 0, "still waiting for the EVAL");
     let cmd = command(&host, 1);
@@ -209,12 +182,7 @@ fn noscript_falls_back_to_eval_then_routes() {
     assert_eq!(cmd[1], LEAST_REQUEST_LUA);
     assert_eq!(keys_args(&cmd), keys_args(&command(&host, 0)), "same keys and args");
     let t2 = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t2,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, t2, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(host.resumes, 1);
 }
@@ -248,12 +216,7 @@ fn noauth_reinitialises_redis_on_the_next_request() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(b"-NOAUTH Authentication required.\r\n".to_vec()),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(b"-NOAUTH Authentication required.\r\n".to_vec()));
     assert_eq!(host.redis_inits.len(), 1);
     f.on_request_headers(&mut host, 8, false);
     assert_eq!(host.redis_inits.len(), 2);
@@ -263,17 +226,17 @@ fn noauth_reinitialises_redis_on_the_next_request() {
 fn redis_call_failure_or_missing_hosts_continue_immediately() {
     let (mut f, mut host) = setup(&cfg(""));
     host.redis_call_error = Some(HostError::InternalFailure);
-    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::Continue);
     let (mut f, mut host) = setup(&cfg(""));
     host.hosts = None;
-    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::Continue);
     assert!(host.redis_calls.is_empty());
     host.set_hosts(&[("10.0.0.1:8000", false)]);
-    assert_eq!(f.on_request_headers(&mut host, 8, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 8, false), HeaderAction::Continue);
     assert!(host.logged("no healthy upstream host"));
     host.properties.remove("route_name");
     host.set_hosts(&[("10.0.0.1:8000", true)]);
-    assert_eq!(f.on_request_headers(&mut host, 9, false), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 9, false), HeaderAction::Continue);
     assert!(host.redis_calls.is_empty());
 }
 
@@ -281,12 +244,7 @@ fn redis_call_failure_or_missing_hosts_continue_immediately() {
 fn replies_for_other_tokens_do_not_resume() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
-    f.on_redis_reply(
-        &mut host,
-        9999,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, 9999, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!(host.resumes, 0);
     assert_eq!(host.override_host, None);
 }
@@ -294,14 +252,7 @@ fn replies_for_other_tokens_do_not_resume() {
 #[test]
 fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
     let (mut f, mut host) = setup(&cfg(""));
-    f.on_request_headers(&mut host, 7, true);
-    let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
-        true,
-    );
+    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
     f.on_delete(&mut host, 7);
     let first = release_of(&host, 0, Some("10.0.0.2:8000"));
     // Higress closes the pipeline on an op timeout: the -1 may never have reached Redis.
@@ -316,12 +267,7 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
     // idempotent per pick record, so a -1 that did run is not applied twice).
     f.on_request_headers(&mut host, 9, true);
     let t2 = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t2,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, t2, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(releases(&host), vec![first.clone(), first.clone()]);
     // Acknowledged this time: never sent again.
@@ -334,26 +280,14 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
     );
     f.on_request_headers(&mut host, 11, true);
     let t3 = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t3,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, true, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, t3, RedisReply::Ok(pick_reply("10.0.0.1:8000", 2, true, None)));
     assert_eq!(releases(&host), vec![first.clone(), first]);
 }
 
 #[test]
 fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
     let (mut f, mut host) = setup(&cfg(""));
-    f.on_request_headers(&mut host, 7, true);
-    let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, None)),
-        true,
-    );
+    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
     f.on_delete(&mut host, 7);
     let mut ctx = 9;
     for _ in 0..15 {
@@ -362,12 +296,7 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
         f.on_redis_reply(&mut host, rt, &RedisReply::NetworkError, false);
         f.on_request_headers(&mut host, ctx, true);
         let pt = host.last_redis_token().unwrap();
-        f.on_redis_reply(
-            &mut host,
-            pt,
-            &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, false, None)),
-            true,
-        );
+        deliver(&mut f, &mut host, pt, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, false, None)));
         ctx += 2;
     }
     let first = release_of(&host, 0, Some("10.0.0.2:8000"));
@@ -400,7 +329,7 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     assert_eq!(host.resumes, 3);
     // Open: decided at once, no call to Redis.
     let calls = host.redis_calls.len();
-    assert_eq!(f.on_request_headers(&mut host, 13, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 13, true), HeaderAction::Continue);
     assert_eq!(host.redis_calls.len(), calls, "no Redis call while open");
     assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
@@ -408,19 +337,14 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     f.on_delete(&mut host, 13);
     // After breakerOpenMs one request probes; while it is out, others do not wait.
     host.now += 1000 * MS;
-    assert_eq!(f.on_request_headers(&mut host, 15, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 15, true), HeaderAction::StopIteration);
     let probe = host.last_redis_token().unwrap();
-    assert_eq!(f.on_request_headers(&mut host, 17, true), HEADERS_CONTINUE);
-    f.on_redis_reply(
-        &mut host,
-        probe,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
-        true,
-    );
+    assert_eq!(f.on_request_headers(&mut host, 17, true), HeaderAction::Continue);
+    deliver(&mut f, &mut host, probe, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert!(host.logged("breaker closed"));
     // Closed again: the next request calls Redis.
-    assert_eq!(f.on_request_headers(&mut host, 19, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 19, true), HeaderAction::StopIteration);
 }
 
 #[test]
@@ -439,12 +363,7 @@ fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     assert_eq!(host.override_host, None);
     assert_eq!(releases(&host), vec![release_of(&host, 0, None)], "the pick is cancelled");
     // Its late reply changes nothing, and the stream's end sends nothing more.
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!((host.resumes, host.override_host.clone()), (1, None));
     f.on_delete(&mut host, 7);
     assert_eq!(releases(&host).len(), 1);
@@ -547,7 +466,7 @@ fn without_redis_requests_go_to_the_least_loaded_pod_by_its_metrics() {
     }
     host.override_host = None;
     let calls = host.redis_calls.len();
-    assert_eq!(f.on_request_headers(&mut host, 17, true), HEADERS_CONTINUE);
+    assert_eq!(f.on_request_headers(&mut host, 17, true), HeaderAction::Continue);
     assert_eq!(host.redis_calls.len(), calls, "no Redis call while the breaker is open");
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&1));

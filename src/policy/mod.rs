@@ -12,18 +12,23 @@
 //!   the call was made by a stream that is still alive (the dispatcher already made it the effective
 //!   context), `None` for calls made at root level (tick) and for streams that ended meanwhile.
 //! * `on_stream_done`: exactly once per stream that reached the policy, whatever the outcome
-//!   (success, upstream failure, reset, client abort, local reply). The place to release counters.
+//!   (success, upstream failure, reset, client abort, local reply). The place to release counters
+//!   and to drop what the policy keeps for the stream (by `Stream::id`, in a typed map of its own).
 //! * `on_tick`: periodic, at root level (no stream); period from `tick_period_ms`. Then
 //!   `on_pending_tick` for each of the policy's streams held with a call in flight (a way to give
 //!   up on a call that takes too long).
 //!
+//! Calls: a policy makes Redis and HTTP calls through the host and gets their tokens back. To hold
+//! the request for a call's reply it returns [`Decision::Pending`] with that token; the reply then
+//! comes with the stream. Replies to its other calls (releases, heartbeats, scrapes, the late reply
+//! of a call it gave up on) come without a stream, to every policy: each keeps the tokens of its
+//! own calls and ignores the rest.
+//!
 //! Every decision that is not `NeedBody`/`Pending` ends the policy's say over the request; the
-//! dispatcher applies it and resumes. A policy must never leave a request paused without a pending
-//! call whose reply (or NetworkError) will come back to it.
+//! dispatcher applies it and resumes.
 
 use crate::config::{LbConfig, PolicyConfig};
 use crate::host::{Host, HttpReply, RedisReply};
-use std::any::Any;
 
 pub mod breaker;
 mod cache_check;
@@ -56,8 +61,9 @@ pub enum Decision {
     },
     /// Keep the request paused and deliver the complete body to `on_request_body`.
     NeedBody,
-    /// Keep the request paused; a Redis / HTTP call is in flight and its reply will decide.
-    Pending,
+    /// Keep the request paused until the reply to this call (the token of a Redis or HTTP call the
+    /// policy just made) decides.
+    Pending(u32),
 }
 
 /// Per-request state the dispatcher keeps for a policy.
@@ -73,8 +79,6 @@ pub struct Stream {
     pub authority: String,
     /// Stream start time (ns since epoch) — for latency statistics.
     pub start_ns: u64,
-    /// Policy-private state (downcast with `data_mut::<T>()`).
-    pub data: Option<Box<dyn Any>>,
     /// How the policy decided (a counter's name without `ai_lb_`, plus details), for the optional
     /// decision response header.
     pub decision: Option<String>,
@@ -87,30 +91,6 @@ impl core::fmt::Debug for Stream {
             .field("route", &self.route)
             .field("cluster", &self.cluster)
             .finish()
-    }
-}
-
-impl Stream {
-    /// The policy-private state, if it has type `T`.
-    pub fn data_mut<T: 'static>(&mut self) -> Option<&mut T> {
-        self.data.as_mut().and_then(|d| d.downcast_mut::<T>())
-    }
-    /// Replaces the policy-private state.
-    pub fn set_data<T: 'static>(&mut self, v: T) {
-        self.data = Some(Box::new(v));
-    }
-    /// Takes the policy-private state out, if it has type `T`.
-    pub fn take_data<T: 'static>(&mut self) -> Option<T> {
-        match self.data.take() {
-            Some(d) => match d.downcast::<T>() {
-                Ok(v) => Some(*v),
-                Err(d) => {
-                    self.data = Some(d);
-                    None
-                }
-            },
-            None => None,
-        }
     }
 }
 
@@ -187,11 +167,11 @@ pub trait Policy {
     /// Periodic work at root level.
     fn on_tick(&mut self, _host: &mut dyn Host) {}
 
-    /// At each tick, for each stream this policy holds with a call in flight: `Pending` keeps
-    /// waiting; any other decision gives up on the call and is applied at once (the policy must
-    /// then ignore the call's late reply).
-    fn on_pending_tick(&mut self, _host: &mut dyn Host, _stream: &mut Stream) -> Decision {
-        Decision::Pending
+    /// At each tick, for each stream this policy holds with a call in flight: `None` keeps
+    /// waiting; a decision gives up on the call and is applied at once (the call's late reply then
+    /// comes without the stream).
+    fn on_pending_tick(&mut self, _host: &mut dyn Host, _stream: &mut Stream) -> Option<Decision> {
+        None
     }
 }
 

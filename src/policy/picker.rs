@@ -32,12 +32,27 @@ use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
 use std::collections::HashMap;
 
-/// The `Policy` methods the Redis policies hand to their `picker` field unchanged: start, metric
-/// scrapes, stream end (the release), ticks and slow picks.
+/// The `Policy` methods the Redis policies hand to their `picker` field: name, start, Redis replies
+/// (`$routed` names how the policy counts an admitted pick, see [`Routed`]), metric scrapes, stream
+/// end (the release), ticks and slow picks.
 macro_rules! delegate_to_picker {
-    () => {
+    ($routed:expr) => {
+        fn name(&self) -> &'static str {
+            self.picker.name()
+        }
+
         fn on_start(&mut self, host: &mut dyn Host) {
             self.picker.on_start(host);
+        }
+
+        fn on_redis_reply(
+            &mut self,
+            host: &mut dyn Host,
+            stream: Option<&mut Stream>,
+            token: u32,
+            reply: &crate::host::RedisReply,
+        ) -> Decision {
+            self.picker.on_redis_reply(host, stream, token, reply, $routed)
         }
 
         fn on_http_reply(
@@ -63,7 +78,11 @@ macro_rules! delegate_to_picker {
             self.picker.on_tick(host);
         }
 
-        fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
+        fn on_pending_tick(
+            &mut self,
+            host: &mut dyn Host,
+            stream: &mut Stream,
+        ) -> Option<Decision> {
             self.picker.on_pending_tick(host, stream)
         }
     };
@@ -180,6 +199,70 @@ impl PickCall {
     }
 }
 
+/// One `release.lua` call, typed: [`ReleaseCall::keys_args`] is the one place that writes KEYS
+/// and ARGV in the order the script's header reads them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseCall {
+    /// The route+cluster's in-flight hash.
+    pub inflight_key: String,
+    /// The picking owner's id.
+    pub owner_id: String,
+    /// The request id (its pick record).
+    pub request_id: String,
+    /// The host an admitted request was sent to; `None` for the cancel of an abandoned pick.
+    pub admitted_to: Option<String>,
+}
+
+impl ReleaseCall {
+    /// KEYS and ARGV of the script call.
+    pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
+        let (abandoned, host) = match &self.admitted_to {
+            Some(h) => ("0", h.clone()),
+            None => ("1", String::new()),
+        };
+        let args = vec![self.owner_id.clone(), self.request_id.clone(), abandoned.into(), host];
+        (vec![self.inflight_key.clone()], args)
+    }
+}
+
+/// One `heartbeat.lua` call, typed (see [`ReleaseCall`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeartbeatCall {
+    /// The route+cluster's in-flight hash.
+    pub inflight_key: String,
+    /// `leaseMs`.
+    pub lease_ms: u32,
+    /// This VM's owner id.
+    pub owner_id: String,
+    /// `cleanInterval` in seconds (0 = never).
+    pub clean_interval_s: u64,
+    /// Every host of the cluster (healthy or not): the cleanup keeps these.
+    pub hosts: Vec<String>,
+}
+
+impl HeartbeatCall {
+    /// KEYS and ARGV of the script call.
+    pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
+        let mut args = Vec::with_capacity(3 + self.hosts.len());
+        args.push(self.lease_ms.to_string());
+        args.push(self.owner_id.clone());
+        args.push(self.clean_interval_s.to_string());
+        args.extend(self.hosts.iter().cloned());
+        (vec![self.inflight_key.clone()], args)
+    }
+}
+
+/// How a policy counts a request its pick admitted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Routed {
+    /// The counter incremented by one.
+    pub counter: Counter,
+    /// The decision header's value.
+    pub decision: String,
+    /// `Some(predicted hit)`: check the prediction against the engine's cache report.
+    pub predicted_hit: Option<bool>,
+}
+
 /// Result of a successful pick script reply.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PickResult {
@@ -281,9 +364,11 @@ impl Fallback {
 pub enum ReplyOutcome {
     /// The pick ran: route (or 429 when not admitted).
     Picked(PickResult),
-    /// Not a pick reply this request waits for (a release or heartbeat reply, an abandoned pick's
-    /// late reply), or the pick was resent with EVAL: nothing changes for the request.
+    /// Not a pick reply a request waits for (a release or heartbeat reply, an abandoned pick's
+    /// late reply).
     NotForRequest,
+    /// The script was not cached on Redis: the pick was sent again with EVAL, under this token.
+    Resent(u32),
     /// Redis could not decide.
     Fallback(Fallback),
 }
@@ -311,11 +396,7 @@ pub(crate) struct PickState {
 /// record, so a release whose outcome is unknown can always be sent again.
 #[derive(Debug, Clone)]
 struct Release {
-    inflight_key: String,
-    owner_id: String,
-    request_id: String,
-    /// The host an admitted request was sent to; `None` for the cancel of an abandoned pick.
-    admitted_to: Option<String>,
+    call: ReleaseCall,
     /// Sends that failed so far while the breaker was closed.
     failures: u32,
     use_eval: bool,
@@ -350,6 +431,8 @@ pub(crate) struct Picker {
     release_queue: Vec<Release>,
     /// The pods' metrics, which decide when Redis cannot.
     metrics: MetricsRouter,
+    /// Each live stream's pick, by stream id (from the pick's start to the stream's end).
+    picks: HashMap<u32, PickState>,
 }
 
 impl Picker {
@@ -372,7 +455,26 @@ impl Picker {
             last_heartbeat_ns: 0,
             root_calls: HashMap::new(),
             release_queue: Vec::new(),
+            picks: HashMap::new(),
         }
+    }
+
+    /// The policy's name, for logs.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Whether the stream names the route and cluster whose shared state a pick uses (logged when
+    /// not: the request then takes normal balancing).
+    pub fn has_group(&self, host: &dyn Host, stream: &Stream) -> bool {
+        let named = !stream.route.is_empty() && !stream.cluster.is_empty();
+        if !named {
+            host.log(
+                LogLevel::Warn,
+                &format!("{}: no route_name/cluster_name; using normal balancing", self.name),
+            );
+        }
+        named
     }
 
     /// Plugin start: the Redis client, and the metrics scraper if there is one.
@@ -444,18 +546,21 @@ impl Picker {
         let query = self.script.command(&call_keys, &call_args, false);
         match self.redis.call(host, &query) {
             Ok(token) => {
-                stream.set_data(PickState {
-                    keys: call.keys,
-                    owner_id: call.owner_id,
-                    request_id: call.request_id,
-                    call_keys,
-                    call_args,
-                    pending: Some((token, host.now_nanos())),
-                    used_eval: false,
-                    picked: None,
-                    cache_check: None,
-                });
-                Decision::Pending
+                self.picks.insert(
+                    stream.id,
+                    PickState {
+                        keys: call.keys,
+                        owner_id: call.owner_id,
+                        request_id: call.request_id,
+                        call_keys,
+                        call_args,
+                        pending: Some((token, host.now_nanos())),
+                        used_eval: false,
+                        picked: None,
+                        cache_check: None,
+                    },
+                );
+                Decision::Pending(token)
             }
             Err(_) => {
                 self.redis_failed(host);
@@ -478,13 +583,11 @@ impl Picker {
         }
         // A stream that ended while its pick was in flight already sent the cancel (on_done).
         let Some(stream) = stream else { return ReplyOutcome::NotForRequest };
-        let Some(state) = stream.data_mut::<PickState>() else {
-            return ReplyOutcome::NotForRequest;
-        };
-        if state.pending.map(|(t, _)| t) != Some(token) {
-            return ReplyOutcome::NotForRequest; // the late reply of an abandoned pick
+        match self.picks.get_mut(&stream.id) {
+            Some(state) if state.pending.map(|(t, _)| t) == Some(token) => state.pending = None,
+            // The late reply of an abandoned pick.
+            _ => return ReplyOutcome::NotForRequest,
         }
-        state.pending = None;
         let frame = match reply {
             RedisReply::NetworkError => {
                 self.redis_failed(host);
@@ -496,17 +599,23 @@ impl Picker {
             },
         };
         self.redis_answered(host);
-        if redis::is_noscript(&frame) && !state.used_eval {
+        if redis::is_noscript(&frame) {
             // The script is not cached on this Redis (restart, failover, new shard): send it once.
-            state.used_eval = true;
-            let query = self.script.command(&state.call_keys, &state.call_args, true);
-            return match self.redis.call(host, &query) {
-                Ok(t) => {
-                    state.pending = Some((t, host.now_nanos()));
-                    ReplyOutcome::NotForRequest
-                }
-                Err(_) => self.fallback(host, stream, Fallback::SendFailed),
-            };
+            let resend = self.picks.get_mut(&stream.id).filter(|s| !s.used_eval).map(|s| {
+                s.used_eval = true;
+                self.script.command(&s.call_keys, &s.call_args, true)
+            });
+            if let Some(query) = resend {
+                return match self.redis.call(host, &query) {
+                    Ok(t) => {
+                        if let Some(s) = self.picks.get_mut(&stream.id) {
+                            s.pending = Some((t, host.now_nanos()));
+                        }
+                        ReplyOutcome::Resent(t)
+                    }
+                    Err(_) => self.fallback(host, stream, Fallback::SendFailed),
+                };
+            }
         }
         if let Frame::Error(msg) = &frame {
             self.redis.on_error_reply(msg);
@@ -518,14 +627,16 @@ impl Picker {
             return self.fallback(host, stream, Fallback::BadReply("unexpected reply".into()));
         };
         let now = host.now_nanos();
-        if let Some(group) = self.groups.get_mut(&state.keys.owners) {
-            group.last_pick_ns = now;
-            if pick.admitted {
-                group.held += 1;
+        if let Some(state) = self.picks.get_mut(&stream.id) {
+            if let Some(group) = self.groups.get_mut(&state.keys.owners) {
+                group.last_pick_ns = now;
+                if pick.admitted {
+                    group.held += 1;
+                }
             }
-        }
-        if pick.admitted {
-            state.picked = Some(pick.host.clone());
+            if pick.admitted {
+                state.picked = Some(pick.host.clone());
+            }
         }
         if self.config.enable_detail_log {
             host.log(
@@ -545,6 +656,30 @@ impl Picker {
         ReplyOutcome::Picked(pick)
     }
 
+    /// A Redis reply to one of this picker's calls: the decision for the stream waiting for it
+    /// (see [`Picker::decide`]); `routed` says how the policy counts an admitted pick.
+    pub fn on_redis_reply(
+        &mut self,
+        host: &mut dyn Host,
+        mut stream: Option<&mut Stream>,
+        token: u32,
+        reply: &RedisReply,
+        routed: fn(&mut dyn Host, &PickResult) -> Routed,
+    ) -> Decision {
+        let outcome = self.on_reply(host, stream.as_deref_mut(), token, reply);
+        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
+            if pick.admitted {
+                let r = routed(host, pick);
+                host.increment_counter(r.counter, 1);
+                s.decision = Some(r.decision);
+                if let Some(hit) = r.predicted_hit {
+                    self.check_cache(s, hit);
+                }
+            }
+        }
+        self.decide(host, stream, outcome)
+    }
+
     /// Every fallback after a pick was sent goes through here: cancel the pick (it may still run
     /// later). [`Picker::decide`] then decides without Redis.
     fn fallback(
@@ -553,19 +688,18 @@ impl Picker {
         stream: &mut Stream,
         why: Fallback,
     ) -> ReplyOutcome {
-        if let Some(state) = stream.data_mut::<PickState>() {
-            state.pending = None;
-            if !why.may_have_run() {
-                return ReplyOutcome::Fallback(why);
-            }
-            let rel = Release {
+        let Some(state) = self.picks.get_mut(&stream.id) else {
+            return ReplyOutcome::Fallback(why);
+        };
+        state.pending = None;
+        if why.may_have_run() {
+            let call = ReleaseCall {
                 inflight_key: state.keys.inflight.clone(),
                 owner_id: state.owner_id.clone(),
                 request_id: state.request_id.clone(),
                 admitted_to: None,
-                failures: 0,
-                use_eval: false,
             };
+            let rel = Release { call, failures: 0, use_eval: false };
             self.send_release(host, rel);
         }
         ReplyOutcome::Fallback(why)
@@ -639,7 +773,7 @@ impl Picker {
     }
 
     /// The decision for a reply's outcome: route to the pick, 429 when it was not admitted (the
-    /// script already undid the +1), keep waiting, or decide without Redis.
+    /// script already undid the +1), keep waiting for a resent pick, or decide without Redis.
     pub fn decide(
         &mut self,
         host: &mut dyn Host,
@@ -655,7 +789,8 @@ impl Picker {
                 }
                 Decision::Reject { status: 429, body: REJECT_BODY.to_string() }
             }
-            (ReplyOutcome::NotForRequest, _) => Decision::Pending,
+            (ReplyOutcome::Resent(token), _) => Decision::Pending(token),
+            (ReplyOutcome::NotForRequest, _) => Decision::Passthrough,
             (ReplyOutcome::Fallback(why), Some(stream)) => {
                 self.without_redis(host, stream, &why, None)
             }
@@ -664,21 +799,21 @@ impl Picker {
     }
 
     /// Checks the engine's cache report in the response against this prediction.
-    pub fn check_cache(&self, stream: &mut Stream, predicted_hit: bool) {
-        if let Some(state) = stream.data_mut::<PickState>() {
+    fn check_cache(&mut self, stream: &Stream, predicted_hit: bool) {
+        if let Some(state) = self.picks.get_mut(&stream.id) {
             state.cache_check = Some(CacheCheck::new(predicted_hit));
         }
     }
 
     /// A response body chunk: the cache check keeps the end of the response, and counts at its end.
     pub fn on_response_body(
-        &self,
+        &mut self,
         host: &mut dyn Host,
-        stream: &mut Stream,
+        stream: &Stream,
         size: usize,
         end_of_stream: bool,
     ) {
-        let Some(check) = stream.data_mut::<PickState>().and_then(|s| s.cache_check.as_mut())
+        let Some(check) = self.picks.get_mut(&stream.id).and_then(|s| s.cache_check.as_mut())
         else {
             return;
         };
@@ -689,23 +824,26 @@ impl Picker {
     }
 
     /// A tick while `stream` waits for its pick: give up a pick slower than `breakerSlowMs`.
-    pub fn on_pending_tick(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
+    pub fn on_pending_tick(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+    ) -> Option<Decision> {
         let slow_ns = u64::from(self.config.state.breaker_slow_ms) * 1_000_000;
-        let Some(state) = stream.data_mut::<PickState>() else { return Decision::Pending };
-        let Some((_, sent)) = state.pending else { return Decision::Pending };
+        let (_, sent) = self.picks.get(&stream.id).and_then(|s| s.pending)?;
         let now = host.now_nanos();
         if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
-            return Decision::Pending;
+            return None;
         }
         self.redis_failed(host);
         self.fallback(host, stream, Fallback::Slow);
-        self.without_redis(host, stream, &Fallback::Slow, None)
+        Some(self.without_redis(host, stream, &Fallback::Slow, None))
     }
 
     /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
     /// runs before the cancel on the same connection, or finds the tombstone).
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
-        let Some(state) = stream.take_data::<PickState>() else { return };
+        let Some(state) = self.picks.remove(&stream.id) else { return };
         if state.picked.is_some() {
             if let Some(g) = self.groups.get_mut(&state.keys.owners) {
                 g.held = g.held.saturating_sub(1);
@@ -713,14 +851,13 @@ impl Picker {
         } else if state.pending.is_none() {
             return;
         }
-        let rel = Release {
+        let call = ReleaseCall {
             inflight_key: state.keys.inflight,
             owner_id: state.owner_id,
             request_id: state.request_id,
             admitted_to: state.picked,
-            failures: 0,
-            use_eval: false,
         };
+        let rel = Release { call, failures: 0, use_eval: false };
         self.send_release(host, rel);
     }
 
@@ -759,12 +896,15 @@ impl Picker {
     fn send_heartbeat(&mut self, host: &mut dyn Host, owners_key: String, use_eval: bool) {
         let Some(owner) = self.owner.clone() else { return };
         let Some(group) = self.groups.get(&owners_key) else { return };
-        let mut args = Vec::with_capacity(3 + group.hosts.len());
-        args.push(self.config.state.lease_ms.to_string());
-        args.push(owner);
-        args.push(self.config.clean_interval_min.saturating_mul(60).to_string());
-        args.extend(group.hosts.iter().cloned());
-        let q = self.heartbeat.command(std::slice::from_ref(&group.inflight_key), &args, use_eval);
+        let call = HeartbeatCall {
+            inflight_key: group.inflight_key.clone(),
+            lease_ms: self.config.state.lease_ms,
+            owner_id: owner,
+            clean_interval_s: self.config.clean_interval_min.saturating_mul(60),
+            hosts: group.hosts.clone(),
+        };
+        let (keys, args) = call.keys_args();
+        let q = self.heartbeat.command(&keys, &args, use_eval);
         if let Ok(t) = self.redis.call(host, &q) {
             self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval });
         }
@@ -775,14 +915,8 @@ impl Picker {
             self.queue_release(host, rel);
             return;
         }
-        let q = self.release.command(
-            std::slice::from_ref(&rel.inflight_key),
-            &match &rel.admitted_to {
-                Some(h) => [rel.owner_id.clone(), rel.request_id.clone(), "0".into(), h.clone()],
-                None => [rel.owner_id.clone(), rel.request_id.clone(), "1".into(), String::new()],
-            },
-            rel.use_eval,
-        );
+        let (keys, args) = rel.call.keys_args();
+        let q = self.release.command(&keys, &args, rel.use_eval);
         match self.redis.call(host, &q) {
             Ok(token) => {
                 self.root_calls.insert(token, RootCall::Release(rel));
@@ -844,7 +978,7 @@ impl Picker {
                 &format!(
                     "{}: giving up the release of request {} after {} failed sends; the count \
                      returns when this VM's lease ends",
-                    self.name, rel.request_id, rel.failures
+                    self.name, rel.call.request_id, rel.failures
                 ),
             );
             host.increment_counter(Counter::ReleaseDropped, 1);
@@ -857,7 +991,10 @@ impl Picker {
         if self.release_queue.len() >= MAX_QUEUED_RELEASES {
             host.log(
                 LogLevel::Warn,
-                &format!("{}: release queue full; dropping request {}", self.name, rel.request_id),
+                &format!(
+                    "{}: release queue full; dropping request {}",
+                    self.name, rel.call.request_id
+                ),
             );
             host.increment_counter(Counter::ReleaseDropped, 1);
             return;

@@ -9,10 +9,10 @@
 //! otherwise picks the least-loaded host, writes the rest of the chain, and counts in-flight like
 //! `global_least_request`.
 
-use super::picker::{PickKind, Picker, ReplyOutcome};
+use super::picker::{PickKind, PickResult, Picker, Routed};
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
-use crate::host::{Counter, Host, LogLevel, RedisReply};
+use crate::host::{Counter, Host, LogLevel};
 use crate::redis;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
@@ -374,6 +374,24 @@ pub fn chain(blocks: &[String]) -> Vec<String> {
     out
 }
 
+/// An admitted pick is a hit (on the pod holding the longest known prefix), a hit diverted for
+/// load (`hitLoadFactor`), or a miss; a hit's prediction is checked against the engine's report.
+fn routed(host: &mut dyn Host, pick: &PickResult) -> Routed {
+    let counter = match (pick.matched > 0, pick.diverted) {
+        (true, false) => Counter::PrefixHit,
+        (true, true) => Counter::PrefixHitDiverted,
+        (false, _) => Counter::PrefixMiss,
+    };
+    if counter == Counter::PrefixHit {
+        host.increment_counter(Counter::PrefixMatchedBlocks, pick.matched);
+    }
+    Routed {
+        counter,
+        decision: format!("{}; blocks={}", counter.label(), pick.matched),
+        predicted_hit: Some(counter == Counter::PrefixHit),
+    }
+}
+
 /// The `prefix_cache` policy.
 pub struct PrefixCache {
     picker: Picker,
@@ -404,21 +422,13 @@ impl PrefixCache {
 }
 
 impl Policy for PrefixCache {
-    fn name(&self) -> &'static str {
-        "prefix_cache"
-    }
-
     fn on_request_headers(
         &mut self,
         host: &mut dyn Host,
         stream: &mut Stream,
         end_of_stream: bool,
     ) -> Decision {
-        if stream.route.is_empty() || stream.cluster.is_empty() {
-            host.log(
-                LogLevel::Warn,
-                "prefix_cache: no route_name/cluster_name; using normal balancing",
-            );
+        if !self.picker.has_group(host, stream) {
             return Decision::Passthrough;
         }
         if end_of_stream {
@@ -447,33 +457,6 @@ impl Policy for PrefixCache {
         self.pick(host, stream, &keys)
     }
 
-    fn on_redis_reply(
-        &mut self,
-        host: &mut dyn Host,
-        stream: Option<&mut Stream>,
-        token: u32,
-        reply: &RedisReply,
-    ) -> Decision {
-        let mut stream = stream;
-        let outcome = self.picker.on_reply(host, stream.as_deref_mut(), token, reply);
-        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
-            if pick.admitted {
-                let kind = match (pick.matched > 0, pick.diverted) {
-                    (true, false) => Counter::PrefixHit,
-                    (true, true) => Counter::PrefixHitDiverted,
-                    (false, _) => Counter::PrefixMiss,
-                };
-                host.increment_counter(kind, 1);
-                if kind == Counter::PrefixHit {
-                    host.increment_counter(Counter::PrefixMatchedBlocks, pick.matched);
-                }
-                s.decision = Some(format!("{}; blocks={}", kind.label(), pick.matched));
-                self.picker.check_cache(s, kind == Counter::PrefixHit);
-            }
-        }
-        self.picker.decide(host, stream, outcome)
-    }
-
     fn on_response_body(
         &mut self,
         host: &mut dyn Host,
@@ -484,7 +467,7 @@ impl Policy for PrefixCache {
         self.picker.on_response_body(host, stream, size, end_of_stream);
     }
 
-    super::picker::delegate_to_picker!();
+    super::picker::delegate_to_picker!(routed);
 }
 
 #[cfg(test)]

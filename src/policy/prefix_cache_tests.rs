@@ -1,10 +1,10 @@
 //! `prefix_cache`: blocks, hashing, chaining, and the request flow against the fake host.
 
 use super::*;
-use crate::filter::{DATA_CONTINUE, DATA_STOP_AND_BUFFER, HEADERS_STOP_ITERATION};
 use crate::host::RedisReply;
 use crate::redis::{inflight_key, PREFIX_CACHE_LUA};
 use crate::testutil::*;
+use crate::types::{DataAction, HeaderAction};
 
 const CLUSTER: &str = "outbound|8000||llm.static";
 const CHAT: &str = r#"{"model":"m","messages":[
@@ -125,11 +125,14 @@ fn content_parts_images_tool_calls_tools_and_prompt() {
 #[test]
 fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     let (mut f, mut host) = setup(&cfg(r#","hitLoadFactor":2"#));
-    assert_eq!(f.on_request_headers(&mut host, 7, false), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::StopIteration);
     assert!(host.redis_calls.is_empty());
-    assert_eq!(f.on_request_body(&mut host, 7, 10, false), DATA_STOP_AND_BUFFER);
+    assert_eq!(f.on_request_body(&mut host, 7, 10, false), DataAction::StopIterationAndBuffer);
     host.request_body = CHAT.as_bytes().to_vec();
-    assert_eq!(f.on_request_body(&mut host, 7, CHAT.len(), true), DATA_STOP_AND_BUFFER);
+    assert_eq!(
+        f.on_request_body(&mut host, 7, CHAT.len(), true),
+        DataAction::StopIterationAndBuffer
+    );
     assert_eq!(host.redis_calls.len(), 1, "one round trip");
     let cmd = command(&host, 0);
     assert_eq!(cmd[1], crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_bytes()));
@@ -142,12 +145,7 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     assert_eq!(args[7..7 + expected_chain.len()], expected_chain[..]);
     assert_eq!(args[7 + expected_chain.len()], "2", "healthy count");
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.2:8000", 3, true, Some(2))),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.2:8000", 3, true, Some(2))));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
@@ -162,7 +160,7 @@ fn malformed_json_passes_through_with_a_log_line() {
     f.on_request_headers(&mut host, 7, false);
     host.request_body = b"{\"messages\": [".to_vec();
     let n = host.request_body.len();
-    assert_eq!(f.on_request_body(&mut host, 7, n, true), DATA_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 7, n, true), DataAction::Continue);
     assert!(host.redis_calls.is_empty());
     assert_eq!(host.override_host, None);
     assert!(host.logged("not a JSON object"));
@@ -174,9 +172,9 @@ fn malformed_json_passes_through_with_a_log_line() {
 fn body_above_max_body_bytes_passes_through() {
     let (mut f, mut host) = setup(&cfg(r#","maxBodyBytes":100"#));
     f.on_request_headers(&mut host, 7, false);
-    assert_eq!(f.on_request_body(&mut host, 7, 60, false), DATA_STOP_AND_BUFFER);
-    assert_eq!(f.on_request_body(&mut host, 7, 160, false), DATA_CONTINUE);
-    assert_eq!(f.on_request_body(&mut host, 7, 200, true), DATA_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 7, 60, false), DataAction::StopIterationAndBuffer);
+    assert_eq!(f.on_request_body(&mut host, 7, 160, false), DataAction::Continue);
+    assert_eq!(f.on_request_body(&mut host, 7, 200, true), DataAction::Continue);
     assert!(host.redis_calls.is_empty());
     assert!(host.logged("maxBodyBytes"));
 }
@@ -184,16 +182,11 @@ fn body_above_max_body_bytes_passes_through() {
 #[test]
 fn bodiless_request_is_a_least_request_pick_in_the_headers_phase() {
     let (mut f, mut host) = setup(&cfg(""));
-    assert_eq!(f.on_request_headers(&mut host, 7, true), HEADERS_STOP_ITERATION);
+    assert_eq!(f.on_request_headers(&mut host, 7, true), HeaderAction::StopIteration);
     let (_, args) = keys_args(&command(&host, 0));
     assert_eq!(args[6], "0", "no prefix keys");
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_miss"), Some(&1));
 }
@@ -205,7 +198,7 @@ fn redis_errors_pass_through() {
     host.request_body = CHAT.as_bytes().to_vec();
     f.on_request_body(&mut host, 7, CHAT.len(), true);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, t, &RedisReply::NetworkError, true);
+    deliver(&mut f, &mut host, t, RedisReply::NetworkError);
     assert_eq!(host.resumes, 1);
     assert_eq!(host.override_host, None);
 }
@@ -215,20 +208,18 @@ fn body_ending_with_trailers_is_still_routed() {
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
     host.request_body = CHAT.as_bytes().to_vec();
-    assert_eq!(f.on_request_body(&mut host, 7, CHAT.len(), false), DATA_STOP_AND_BUFFER);
+    assert_eq!(
+        f.on_request_body(&mut host, 7, CHAT.len(), false),
+        DataAction::StopIterationAndBuffer
+    );
     assert_eq!(
         f.on_request_trailers(&mut host, 7),
-        HEADERS_STOP_ITERATION,
+        HeaderAction::StopIteration,
         "trailers wait for the pick"
     );
     assert_eq!(host.redis_calls.len(), 1);
     let t = host.last_redis_token().unwrap();
-    f.on_redis_reply(
-        &mut host,
-        t,
-        &RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))),
-        true,
-    );
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(host.resumes, 1);
 }
@@ -269,7 +260,7 @@ fn a_hit_diverted_for_load_is_counted_and_named_in_the_decision_header() {
     let t = host.last_redis_token().unwrap();
     // {host, count, admitted, matched, diverted}
     let reply = b"*5\r\n$13\r\n10.0.0.1:8000\r\n:1\r\n:1\r\n:2\r\n:1\r\n".to_vec();
-    f.on_redis_reply(&mut host, t, &RedisReply::Ok(reply), true);
+    deliver(&mut f, &mut host, t, RedisReply::Ok(reply));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(host.counters.get("ai_lb_prefix_hit_diverted"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), None);
@@ -287,7 +278,7 @@ fn without_redis_a_prompt_goes_to_the_pod_with_room_by_its_metrics() {
     host.redis_call_error = Some(crate::host::HostError::InternalFailure);
     f.on_request_headers(&mut host, 7, false);
     host.request_body = CHAT.as_bytes().to_vec();
-    assert_eq!(f.on_request_body(&mut host, 7, CHAT.len(), true), DATA_CONTINUE);
+    assert_eq!(f.on_request_body(&mut host, 7, CHAT.len(), true), DataAction::Continue);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(host.counters.get("ai_lb_fallback_redis_error"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&1));
