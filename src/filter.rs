@@ -242,14 +242,14 @@ impl Filter {
             route,
             cluster,
             authority,
+            bodiless: end_of_stream,
             start_ns: host.now_nanos(),
             decision: None,
         };
         let entry = StreamEntry { route: served_by, stream, phase: Phase::Done, ended: false };
         self.streams.insert(ctx, entry);
-        let decision = self.call_stream(ctx, Decision::Passthrough, |p, s| {
-            p.on_request_headers(host, s, end_of_stream)
-        });
+        let decision =
+            self.call_stream(ctx, Decision::Passthrough, |p, s| p.on_request_headers(host, s));
         if decision == Decision::NeedBody && !end_of_stream {
             raise_decoder_buffer_limit(host, max_body);
             self.set_phase(ctx, Phase::WaitingBody);

@@ -26,7 +26,7 @@ impl Policy for Scripted {
     fn name(&self) -> &'static str {
         "scripted"
     }
-    fn on_request_headers(&mut self, host: &mut dyn Host, _s: &mut Stream, _eos: bool) -> Decision {
+    fn on_request_headers(&mut self, host: &mut dyn Host, _s: &mut Stream) -> Decision {
         if self.make_call {
             if let Ok(token) = host.redis_call("c", b"*1\r\n$4\r\nPING\r\n") {
                 return Decision::Pending(token);

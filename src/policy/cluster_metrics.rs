@@ -144,12 +144,7 @@ impl Policy for ClusterMetrics {
         "cluster_metrics"
     }
 
-    fn on_request_headers(
-        &mut self,
-        host: &mut dyn Host,
-        stream: &mut Stream,
-        _end_of_stream: bool,
-    ) -> Decision {
+    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
         let now = now_ms(host);
         let rand = host.random_u64();
         let Some(service) = self.choose(now, rand) else {

@@ -21,8 +21,8 @@ fn start(p: &mut ClusterMetrics, h: &mut FakeHost) -> (Stream, String) {
     // Each stream has its own id, as the dispatcher gives it (the policy keeps state per stream).
     static NEXT_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let mut s = Stream { id, start_ns: h.now, ..Default::default() };
-    match p.on_request_headers(h, &mut s, true) {
+    let mut s = Stream { id, start_ns: h.now, bodiless: true, ..Default::default() };
+    match p.on_request_headers(h, &mut s) {
         Decision::SetHeader { name, value } => {
             assert_eq!(name, "x-higress-target-cluster");
             (s, value)

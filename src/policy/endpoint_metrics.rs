@@ -56,6 +56,13 @@ impl EndpointMetrics {
         EndpointMetrics { router: MetricsRouter::new(&config.source, ranking) }
     }
 
+    /// The routed cluster's healthy pods with their metrics; `None` (no host list, no healthy pod,
+    /// no metrics source) leaves the request to normal balancing.
+    fn pods(&mut self, host: &dyn Host, stream: &Stream, now: u64) -> Option<Vec<PodView>> {
+        let list = host.upstream_hosts()?;
+        self.router.gather(host, &stream.cluster, list, now)
+    }
+
     fn decide(
         &mut self,
         host: &mut dyn Host,
@@ -100,22 +107,12 @@ impl Policy for EndpointMetrics {
         }
     }
 
-    fn on_request_headers(
-        &mut self,
-        host: &mut dyn Host,
-        stream: &mut Stream,
-        end_of_stream: bool,
-    ) -> Decision {
+    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
         let now = now_ms(host);
-        let Some(pods) = host
-            .upstream_hosts()
-            .and_then(|list| self.router.gather(host, &stream.cluster, list, now))
-        else {
-            return Decision::Passthrough;
-        };
+        let Some(pods) = self.pods(host, stream, now) else { return Decision::Passthrough };
         // The model name only matters to the LoRA steps of the default chain.
         let lora_pods = pods.iter().any(|p| p.metrics.as_ref().is_some_and(|m| m.lora.is_some()));
-        if self.router.uses_filter_chain() && lora_pods && !end_of_stream {
+        if self.router.uses_filter_chain() && lora_pods && !stream.bodiless {
             return Decision::NeedBody;
         }
         self.decide(host, stream, &pods, "", now)
@@ -128,12 +125,7 @@ impl Policy for EndpointMetrics {
         body: &[u8],
     ) -> Decision {
         let now = now_ms(host);
-        let Some(pods) = host
-            .upstream_hosts()
-            .and_then(|list| self.router.gather(host, &stream.cluster, list, now))
-        else {
-            return Decision::Passthrough;
-        };
+        let Some(pods) = self.pods(host, stream, now) else { return Decision::Passthrough };
         let model = body_model(body);
         self.decide(host, stream, &pods, &model, now)
     }

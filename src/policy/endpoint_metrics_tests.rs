@@ -54,8 +54,12 @@ fn stream() -> Stream {
     Stream { cluster: CLUSTER.to_string(), ..Default::default() }
 }
 
+fn bodiless() -> Stream {
+    Stream { bodiless: true, ..stream() }
+}
+
 fn route(p: &mut EndpointMetrics, h: &mut FakeHost) -> Decision {
-    p.on_request_headers(h, &mut stream(), true)
+    p.on_request_headers(h, &mut bodiless())
 }
 
 #[test]
@@ -213,16 +217,16 @@ fn lora_deployments_read_the_model_from_the_body() {
     ]);
     let mut p = EndpointMetrics::new(config(r#"{"metric_policy":"default"}"#));
     let mut s = stream();
-    assert_eq!(p.on_request_headers(&mut h, &mut s, false), Decision::NeedBody);
+    assert_eq!(p.on_request_headers(&mut h, &mut s), Decision::NeedBody);
     let body = br#"{"model":"sql-lora","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
     assert_eq!(p.on_request_body(&mut h, &mut s, body), Decision::Route("10.0.0.1:8000".into()));
     let body = br#"{"model":"tweet-summary","prompt":"x"}"#;
     assert_eq!(p.on_request_body(&mut h, &mut s, body), Decision::Route("10.0.0.2:8000".into()));
     // A bodiless request decides on its headers (never waits for a body that will not come).
-    assert!(matches!(p.on_request_headers(&mut h, &mut s, true), Decision::Route(_)));
+    assert!(matches!(p.on_request_headers(&mut h, &mut bodiless()), Decision::Route(_)));
     // Without LoRA pods the headers suffice.
     let mut h2 = host_with(&[("10.0.0.1:8000", true, Some(vllm(3, 1, 0.3, None)))]);
-    assert!(matches!(p.on_request_headers(&mut h2, &mut s, false), Decision::Route(_)));
+    assert!(matches!(p.on_request_headers(&mut h2, &mut s), Decision::Route(_)));
 }
 
 #[test]
@@ -335,8 +339,9 @@ fn parsed_metrics_are_cached_per_cluster_and_bounded() {
     let mut p = EndpointMetrics::new(config("{}"));
     for _ in 0..3 {
         for (cluster, mut h) in [("outbound|8000||a", a()), ("outbound|8000||b", b())] {
-            let mut s = Stream { cluster: cluster.to_string(), ..Default::default() };
-            assert!(matches!(p.on_request_headers(&mut h, &mut s, true), Decision::Route(_)));
+            let mut s =
+                Stream { cluster: cluster.to_string(), bodiless: true, ..Default::default() };
+            assert!(matches!(p.on_request_headers(&mut h, &mut s), Decision::Route(_)));
         }
         assert_eq!(p.router.cached_pods("outbound|8000||a"), 2);
         assert_eq!(p.router.cached_pods("outbound|8000||b"), 1);
@@ -344,8 +349,12 @@ fn parsed_metrics_are_cached_per_cluster_and_bounded() {
     // Any number of clusters: the cache starts over rather than grow.
     for i in 0..200 {
         let mut h = b();
-        let mut s = Stream { cluster: format!("outbound|8000||c{i}"), ..Default::default() };
-        p.on_request_headers(&mut h, &mut s, true);
+        let mut s = Stream {
+            cluster: format!("outbound|8000||c{i}"),
+            bodiless: true,
+            ..Default::default()
+        };
+        p.on_request_headers(&mut h, &mut s);
     }
     let cached: usize =
         (0..200).map(|i| p.router.cached_pods(&format!("outbound|8000||c{i}"))).sum();

@@ -33,12 +33,7 @@ fn routed(_host: &mut dyn Host, _pick: &PickResult) -> Routed {
 }
 
 impl Policy for GlobalLeastRequest {
-    fn on_request_headers(
-        &mut self,
-        host: &mut dyn Host,
-        stream: &mut Stream,
-        _end_of_stream: bool,
-    ) -> Decision {
+    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
         if !self.picker.has_group(host, stream) {
             return Decision::Passthrough;
         }

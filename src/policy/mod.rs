@@ -3,8 +3,8 @@
 //! The dispatcher (`crate::filter`, driven by `abi.rs` in the .wasm and by tests natively) owns the
 //! request flow; a policy only answers "what now?" at each event:
 //!
-//! * `on_request_headers(.., end_of_stream)`: policies that do not need the body decide here. Body
-//!   policies return [`Decision::NeedBody`] — unless `end_of_stream` is true (bodiless request, Higress
+//! * `on_request_headers`: policies that do not need the body decide here. Body policies return
+//!   [`Decision::NeedBody`] — unless [`Stream::bodiless`] (the headers ended the request, Higress
 //!   #3740): then no body callback will ever come and they MUST decide now.
 //! * `on_request_body(.., body)`: called once with the complete body (the dispatcher buffers;
 //!   bodies above `maxBodyBytes` never reach the policy, they pass through).
@@ -77,6 +77,8 @@ pub struct Stream {
     pub cluster: String,
     /// `:authority`.
     pub authority: String,
+    /// The headers ended the request (GET...): no body callback will come.
+    pub bodiless: bool,
     /// Stream start time (ns since epoch) — for latency statistics.
     pub start_ns: u64,
     /// How the policy decided (a counter's name without `ai_lb_`, plus details), for the optional
@@ -103,13 +105,8 @@ pub trait Policy {
     /// Must not fail the plugin start for environment errors (Higress #1517): log and retry later.
     fn on_start(&mut self, _host: &mut dyn Host) {}
 
-    /// Request headers arrived. See the module docs for `end_of_stream`.
-    fn on_request_headers(
-        &mut self,
-        host: &mut dyn Host,
-        stream: &mut Stream,
-        end_of_stream: bool,
-    ) -> Decision;
+    /// Request headers arrived. See the module docs for [`Stream::bodiless`].
+    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision;
 
     /// The complete request body (only after `NeedBody`).
     fn on_request_body(

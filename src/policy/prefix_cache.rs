@@ -422,16 +422,11 @@ impl PrefixCache {
 }
 
 impl Policy for PrefixCache {
-    fn on_request_headers(
-        &mut self,
-        host: &mut dyn Host,
-        stream: &mut Stream,
-        end_of_stream: bool,
-    ) -> Decision {
+    fn on_request_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) -> Decision {
         if !self.picker.has_group(host, stream) {
             return Decision::Passthrough;
         }
-        if end_of_stream {
+        if stream.bodiless {
             // Bodiless (GET...): no prompt, so a least-request pick now (Higress #3740: never wait).
             return self.pick(host, stream, &[]);
         }
