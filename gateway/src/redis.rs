@@ -151,7 +151,9 @@ impl RedisClient {
                     tokio::task::spawn_local(run_standalone(cfg, addr, rx, events, gen));
                 }
                 RedisTarget::Cluster { seeds, settings } => {
-                    tokio::task::spawn_local(cluster_client::run(cfg, seeds, settings, rx, events, gen));
+                    tokio::task::spawn_local(cluster_client::run(
+                        cfg, seeds, settings, rx, events, gen,
+                    ));
                 }
             }
             self.tx = Some(tx);
@@ -217,11 +219,7 @@ fn connection_setup(cfg: &RedisConfig) -> (Vec<u8>, usize) {
         if cfg.username.is_empty() {
             wbuf.extend(resp_command(&[b"AUTH", cfg.password.as_bytes()]));
         } else {
-            wbuf.extend(resp_command(&[
-                b"AUTH",
-                cfg.username.as_bytes(),
-                cfg.password.as_bytes(),
-            ]));
+            wbuf.extend(resp_command(&[b"AUTH", cfg.username.as_bytes(), cfg.password.as_bytes()]));
         }
         n += 1;
     }

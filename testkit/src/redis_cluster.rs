@@ -373,7 +373,8 @@ impl RedisClusterFixture {
                 break;
             }
         }
-        let replica = replica.ok_or_else(|| anyhow!("master {master} ({master_id}) has no replica"))?;
+        let replica =
+            replica.ok_or_else(|| anyhow!("master {master} ({master_id}) has no replica"))?;
         expect_ok(self.client(replica).await?.cmd(&["CLUSTER", "FAILOVER"]).await?, "FAILOVER")?;
         let deadline = Instant::now() + OP_TIMEOUT;
         loop {

@@ -140,8 +140,7 @@ impl Router {
 
     /// A master for a command without a key (or a slot no master serves: the node answers).
     fn any_master(&mut self) -> Option<SocketAddr> {
-        let mut masters: Vec<SocketAddr> =
-            self.slots.iter().flatten().flatten().copied().collect();
+        let mut masters: Vec<SocketAddr> = self.slots.iter().flatten().flatten().copied().collect();
         masters.sort();
         masters.dedup();
         if masters.is_empty() {
@@ -217,7 +216,9 @@ impl Router {
             self.slots.iter().flatten().flatten().copied().collect();
         candidates.sort();
         candidates.dedup();
-        candidates.extend(self.seeds.iter().filter(|s| !candidates.contains(s)).copied().collect::<Vec<_>>());
+        candidates.extend(
+            self.seeds.iter().filter(|s| !candidates.contains(s)).copied().collect::<Vec<_>>(),
+        );
         let cfg = self.cfg.clone();
         let timeout = Duration::from_millis(self.settings.cluster_refresh_timeout_ms.max(1));
         let maps = self.maps.clone();
@@ -229,8 +230,12 @@ impl Router {
                         found = Some(ranges);
                         break;
                     }
-                    Ok(Err(e)) => tracing::debug!(cluster = %cfg.cluster, %addr, "CLUSTER SLOTS: {e}"),
-                    Err(_) => tracing::debug!(cluster = %cfg.cluster, %addr, "CLUSTER SLOTS timed out"),
+                    Ok(Err(e)) => {
+                        tracing::debug!(cluster = %cfg.cluster, %addr, "CLUSTER SLOTS: {e}")
+                    }
+                    Err(_) => {
+                        tracing::debug!(cluster = %cfg.cluster, %addr, "CLUSTER SLOTS timed out")
+                    }
                 }
             }
             let _ = maps.send(found);
@@ -282,10 +287,9 @@ pub fn key_slot(query: &[u8]) -> Option<usize> {
             }
             arg(3)?
         }
-        "PING" | "ECHO" | "SCRIPT" | "FUNCTION" | "INFO" | "TIME" | "CLUSTER" | "AUTH" | "SELECT"
-        | "HELLO" | "CLIENT" | "CONFIG" | "COMMAND" | "DBSIZE" | "FLUSHALL" | "FLUSHDB" => {
-            return None
-        }
+        "PING" | "ECHO" | "SCRIPT" | "FUNCTION" | "INFO" | "TIME" | "CLUSTER" | "AUTH"
+        | "SELECT" | "HELLO" | "CLIENT" | "CONFIG" | "COMMAND" | "DBSIZE" | "FLUSHALL"
+        | "FLUSHDB" => return None,
         _ => arg(1)?,
     };
     Some(redis_protocol::redis_keyslot(key) as usize)

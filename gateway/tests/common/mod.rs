@@ -462,7 +462,6 @@ pub fn one_cluster_config(up: &str, plugin: bool, extra_clusters: &str) -> Strin
     )
 }
 
-
 /// Plugin for the Redis tests: POST body = raw RESP query, header x-cluster = cluster string.
 pub fn redis_plugin() -> String {
     let mut w = Wat::new();
@@ -501,7 +500,6 @@ pub fn redis_plugin() -> String {
     );
     w.module("0_2_100", &body)
 }
-
 
 /// A RESP command (array of bulk strings).
 pub fn resp(args: &[&str]) -> String {
