@@ -125,7 +125,7 @@ impl RedisTarget {
 pub struct RedisClient {
     /// Settings.
     pub cfg: RedisConfig,
-    tx: Option<mpsc::UnboundedSender<(u32, Bytes)>>,
+    tx: Option<mpsc::UnboundedSender<NodeRequest>>,
 }
 
 impl RedisClient {
@@ -148,7 +148,12 @@ impl RedisClient {
             let cfg = self.cfg.clone();
             match target {
                 RedisTarget::Node(addr) => {
-                    tokio::task::spawn_local(run_standalone(cfg, addr, rx, events, gen));
+                    tokio::task::spawn_local(run_node(
+                        cfg,
+                        addr,
+                        rx,
+                        ReplySink::Worker { events, gen },
+                    ));
                 }
                 RedisTarget::Cluster { seeds, settings } => {
                     tokio::task::spawn_local(cluster_client::run(
@@ -158,7 +163,8 @@ impl RedisClient {
             }
             self.tx = Some(tx);
         }
-        self.tx.as_ref().is_some_and(|t| t.send((token, query)).is_ok())
+        let request = NodeRequest { token, query, asking: false };
+        self.tx.as_ref().is_some_and(|t| t.send(request).is_ok())
     }
 }
 
@@ -242,26 +248,6 @@ fn queue_request(
     }
     wbuf.extend_from_slice(&req.query);
     pending.push_back((Some(req.token), Instant::now()));
-}
-
-/// A single Redis server: one connection, replies straight to the worker.
-async fn run_standalone(
-    cfg: RedisConfig,
-    addr: SocketAddr,
-    mut rx: mpsc::UnboundedReceiver<(u32, Bytes)>,
-    events: mpsc::UnboundedSender<WorkerEvent>,
-    gen: u64,
-) {
-    let (tx, node_rx) = mpsc::unbounded_channel();
-    let conn = run_node(cfg, addr, node_rx, ReplySink::Worker { events, gen });
-    let forward = async move {
-        while let Some((token, query)) = rx.recv().await {
-            if tx.send(NodeRequest { token, query, asking: false }).is_err() {
-                break;
-            }
-        }
-    };
-    tokio::join!(conn, forward);
 }
 
 /// One node's connection: opened on the first request, opened again for the next request after a

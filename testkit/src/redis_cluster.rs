@@ -9,14 +9,14 @@
 //! (`CLUSTER FAILOVER` on a replica).
 
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context as _, Result};
+use anyhow::{anyhow, bail, Result};
 use tokio::time::Instant;
 
 use crate::paths::{free_port, TempDir};
-use crate::redis::{RedisClient, RedisValue};
+use crate::redis::{redis_server_bin, spawn_redis_server, RedisClient, RedisValue};
 
 /// How long the whole cluster gets to come up (all nodes agreeing on the slot map).
 pub const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -101,35 +101,24 @@ impl RedisClusterFixture {
     }
 
     fn spawn_node(&mut self) -> Result<()> {
-        let bin = std::env::var("AI_LB_REDIS_SERVER")
-            .ok()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| "redis-server".to_string());
         let (port, bus_port) = (free_port()?, free_port()?);
         let dir = self.dir.path().join(port.to_string());
         std::fs::create_dir_all(&dir)?;
-        let log = std::fs::File::create(dir.join("redis.log"))?;
-        let child = Command::new(&bin)
-            .args(["--port", &port.to_string()])
-            .args(["--cluster-port", &bus_port.to_string()])
-            .args(["--cluster-enabled", "yes"])
-            .args(["--cluster-config-file", "nodes.conf"])
-            .args(["--cluster-node-timeout", "2000"])
+        let extra = [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-port",
+            &bus_port.to_string(),
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            "2000",
             // A master gone for good must not stop the others serving their slots.
-            .args(["--cluster-require-full-coverage", "no"])
-            .args(["--bind", "127.0.0.1"])
-            .args(["--save", ""])
-            .args(["--appendonly", "no"])
-            .args(["--protected-mode", "no"])
-            .arg("--dir")
-            .arg(&dir)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| {
-                format!("spawn {bin} (install Debian's redis-server, or set AI_LB_REDIS_SERVER)")
-            })?;
+            "--cluster-require-full-coverage",
+            "no",
+        ]
+        .map(str::to_string);
+        let child = spawn_redis_server(&redis_server_bin(), port, &dir, &extra)?;
         self.nodes.push(Node { port, bus_port, child: Some(child), id: String::new() });
         Ok(())
     }

@@ -68,7 +68,7 @@ pub(super) async fn run(
     cfg: RedisConfig,
     seeds: Vec<SocketAddr>,
     settings: RedisClusterConfig,
-    mut rx: mpsc::UnboundedReceiver<(u32, Bytes)>,
+    mut rx: mpsc::UnboundedReceiver<NodeRequest>,
     events: mpsc::UnboundedSender<WorkerEvent>,
     gen: u64,
 ) {
@@ -97,7 +97,7 @@ pub(super) async fn run(
     loop {
         tokio::select! {
             m = rx.recv() => match m {
-                Some((token, query)) => router.submit(token, query),
+                Some(request) => router.submit(request.token, request.query),
                 None => {
                     // Client dropped (re-init or VM gone): what is pending fails, connections close.
                     for token in std::mem::take(&mut router.pending).into_keys() {
