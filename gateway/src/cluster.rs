@@ -3,7 +3,7 @@
 //! Shared by all workers (Envoy keeps a thread-local copy per worker; one shared copy behaves the same
 //! for our purposes and lets the admin API change endpoints atomically).
 
-use crate::config::{ClusterConfig, ClusterType, HealthCheckConfig, LbPolicy};
+use crate::config::{ClusterConfig, ClusterType, HealthCheckConfig, LbPolicy, RedisClusterConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -105,6 +105,8 @@ pub struct Cluster {
     pub cluster_type: ClusterType,
     /// ORIGINAL_DST: destination from `x-envoy-original-dst-host`.
     pub use_http_header: bool,
+    /// REDIS_CLUSTER: slot map refresh settings.
+    pub redis_cluster: RedisClusterConfig,
     rr: AtomicUsize,
 }
 
@@ -194,7 +196,7 @@ impl Cluster {
                 let addr = original_dst_header?.trim();
                 self.find(addr).or_else(|| Endpoint::new(addr))
             }
-            ClusterType::OriginalDst => None,
+            ClusterType::OriginalDst | ClusterType::RedisCluster => None,
             ClusterType::Static => self.pick_with_override(override_host),
         }
     }
@@ -240,6 +242,7 @@ impl Clusters {
                     connect_timeout: Duration::from_millis(cfg.connect_timeout_ms.max(1)),
                     cluster_type: cfg.cluster_type,
                     use_http_header: cfg.original_dst_lb_config.use_http_header,
+                    redis_cluster: cfg.redis_cluster,
                     rr: AtomicUsize::new(0),
                 }),
             );

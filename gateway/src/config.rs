@@ -130,6 +130,9 @@ pub struct ClusterConfig {
     /// `ORIGINAL_DST` only: Envoy's `original_dst_lb_config`.
     #[serde(default)]
     pub original_dst_lb_config: OriginalDstLbConfig,
+    /// `REDIS_CLUSTER` only: Envoy's `RedisClusterConfig` (slot map refresh).
+    #[serde(default)]
+    pub redis_cluster: RedisClusterConfig,
 }
 
 /// Envoy's cluster discovery types the host knows.
@@ -145,6 +148,41 @@ pub enum ClusterType {
     /// a plugin's HTTP call nor this host's listeners have: such requests fail (503).
     #[serde(rename = "ORIGINAL_DST", alias = "original_dst")]
     OriginalDst,
+    /// Envoy's `envoy.clusters.redis`: the endpoints are seed nodes of a Redis Cluster; the Redis
+    /// client learns the slot map from them (`CLUSTER SLOTS`), sends each command to the master of
+    /// its key's slot and follows `MOVED` / `ASK`. HTTP requests to such a cluster find no host
+    /// (503), as Envoy's Redis cluster load balancer needs a key to pick one.
+    #[serde(rename = "REDIS_CLUSTER", alias = "redis_cluster")]
+    RedisCluster,
+}
+
+/// Envoy's `envoy.extensions.clusters.redis.v3.RedisClusterConfig`, the keys this host uses.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+pub struct RedisClusterConfig {
+    /// How often the slot map is read again (Envoy's `cluster_refresh_rate`, default 5 s). A
+    /// `MOVED` reply or a node's connection failing also triggers a read.
+    #[serde(default = "default_cluster_refresh_rate")]
+    pub cluster_refresh_rate_ms: u64,
+    /// How long one `CLUSTER SLOTS` may take (Envoy's `cluster_refresh_timeout`, default 3 s).
+    #[serde(default = "default_cluster_refresh_timeout")]
+    pub cluster_refresh_timeout_ms: u64,
+}
+
+impl Default for RedisClusterConfig {
+    fn default() -> Self {
+        RedisClusterConfig {
+            cluster_refresh_rate_ms: default_cluster_refresh_rate(),
+            cluster_refresh_timeout_ms: default_cluster_refresh_timeout(),
+        }
+    }
+}
+
+fn default_cluster_refresh_rate() -> u64 {
+    5_000
+}
+
+fn default_cluster_refresh_timeout() -> u64 {
+    3_000
 }
 
 /// Envoy's `original_dst_lb_config`.

@@ -6,7 +6,14 @@
 //! (flush after `buffer_flush_timeout` ms or `max_buffer_size_before_flush` bytes; 0/0 flushes at
 //! once). Connect failure, remote close and op timeout close the connection and fail every pending
 //! request with NetworkError (status 1, size 0).
+//!
+//! On a `REDIS_CLUSTER` cluster the client is a Redis Cluster client, as Envoy's Redis connection
+//! pool on an `envoy.clusters.redis` cluster: see [`cluster_client`].
 
+mod cluster_client;
+
+use crate::cluster::Cluster;
+use crate::config::ClusterType;
 use crate::worker::WorkerEvent;
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
@@ -83,11 +90,42 @@ impl RedisConfig {
     }
 }
 
-/// One worker's client for one cluster. Dropping it closes the connection (pending requests fail).
+/// Where a client's commands go.
+#[derive(Debug, Clone)]
+pub enum RedisTarget {
+    /// One Redis server: every command goes to it.
+    Node(SocketAddr),
+    /// A Redis Cluster reached through these seed nodes.
+    Cluster {
+        /// The cluster's endpoints; the slot map is read from the first that answers.
+        seeds: Vec<SocketAddr>,
+        /// Slot map refresh settings.
+        settings: crate::config::RedisClusterConfig,
+    },
+}
+
+impl RedisTarget {
+    /// The target of a gateway cluster: its first endpoint, or on a `REDIS_CLUSTER` cluster all
+    /// its endpoints as seeds. `None` without endpoints (the call then fails with InternalFailure).
+    pub fn of(cluster: &Cluster) -> Option<RedisTarget> {
+        let endpoints = cluster.endpoints();
+        match cluster.cluster_type {
+            ClusterType::RedisCluster if !endpoints.is_empty() => Some(RedisTarget::Cluster {
+                seeds: endpoints.iter().map(|e| e.addr).collect(),
+                settings: cluster.redis_cluster,
+            }),
+            ClusterType::RedisCluster => None,
+            _ => endpoints.first().map(|e| RedisTarget::Node(e.addr)),
+        }
+    }
+}
+
+/// One worker's client for one cluster. Dropping it closes its connections (pending requests
+/// fail).
 pub struct RedisClient {
     /// Settings.
     pub cfg: RedisConfig,
-    tx: Option<mpsc::UnboundedSender<(u32, Bytes)>>,
+    tx: Option<mpsc::UnboundedSender<NodeRequest>>,
 }
 
 impl RedisClient {
@@ -99,7 +137,7 @@ impl RedisClient {
     /// Queue a raw command. The reply arrives as a `WorkerEvent::Redis`.
     pub fn send(
         &mut self,
-        addr: SocketAddr,
+        target: RedisTarget,
         token: u32,
         query: Bytes,
         events: mpsc::UnboundedSender<WorkerEvent>,
@@ -108,31 +146,63 @@ impl RedisClient {
         if self.tx.as_ref().is_none_or(|t| t.is_closed()) {
             let (tx, rx) = mpsc::unbounded_channel();
             let cfg = self.cfg.clone();
-            tokio::task::spawn_local(run(cfg, addr, rx, events, gen));
+            match target {
+                RedisTarget::Node(addr) => {
+                    tokio::task::spawn_local(run_node(
+                        cfg,
+                        addr,
+                        rx,
+                        ReplySink::Worker { events, gen },
+                    ));
+                }
+                RedisTarget::Cluster { seeds, settings } => {
+                    tokio::task::spawn_local(cluster_client::run(
+                        cfg, seeds, settings, rx, events, gen,
+                    ));
+                }
+            }
             self.tx = Some(tx);
         }
-        self.tx.as_ref().is_some_and(|t| t.send((token, query)).is_ok())
+        let request = NodeRequest { token, query, asking: false };
+        self.tx.as_ref().is_some_and(|t| t.send(request).is_ok())
     }
 }
 
-fn deliver(
-    events: &mpsc::UnboundedSender<WorkerEvent>,
-    gen: u64,
+/// One command for a node's connection.
+struct NodeRequest {
     token: u32,
-    reply: Option<Bytes>,
-) {
-    let _ = events.send(WorkerEvent::Redis { gen, token, reply });
+    query: Bytes,
+    /// Send `ASKING` first (a Redis Cluster `ASK` redirection).
+    asking: bool,
+}
+
+/// Where a connection's replies go: straight to the worker, or (Redis Cluster) to the cluster
+/// router, which may redirect them.
+#[derive(Clone)]
+enum ReplySink {
+    Worker { events: mpsc::UnboundedSender<WorkerEvent>, gen: u64 },
+    Router(mpsc::UnboundedSender<(u32, Option<Bytes>)>),
+}
+
+impl ReplySink {
+    /// `None` is a failure (NetworkError).
+    fn deliver(&self, token: u32, reply: Option<Bytes>) {
+        match self {
+            ReplySink::Worker { events, gen } => {
+                let _ = events.send(WorkerEvent::Redis { gen: *gen, token, reply });
+            }
+            ReplySink::Router(tx) => {
+                let _ = tx.send((token, reply));
+            }
+        }
+    }
 }
 
 /// Fails every request still waiting on a connection that broke.
-fn deliver_all_failed(
-    events: &mpsc::UnboundedSender<WorkerEvent>,
-    gen: u64,
-    pending: &mut VecDeque<(Option<u32>, Instant)>,
-) {
+fn deliver_all_failed(sink: &ReplySink, pending: &mut VecDeque<(Option<u32>, Instant)>) {
     for (t, _) in pending.drain(..) {
         if let Some(t) = t {
-            deliver(events, gen, t, None);
+            sink.deliver(t, None);
         }
     }
 }
@@ -147,15 +217,48 @@ fn resp_command(args: &[&[u8]]) -> Vec<u8> {
     out
 }
 
-async fn run(
+/// The commands a new connection sends first, with discarded replies: `AUTH`, `SELECT`.
+fn connection_setup(cfg: &RedisConfig) -> (Vec<u8>, usize) {
+    let mut wbuf = Vec::new();
+    let mut n = 0;
+    if !cfg.password.is_empty() {
+        if cfg.username.is_empty() {
+            wbuf.extend(resp_command(&[b"AUTH", cfg.password.as_bytes()]));
+        } else {
+            wbuf.extend(resp_command(&[b"AUTH", cfg.username.as_bytes(), cfg.password.as_bytes()]));
+        }
+        n += 1;
+    }
+    if let Some(db) = &cfg.db {
+        wbuf.extend(resp_command(&[b"SELECT", db.as_bytes()]));
+        n += 1;
+    }
+    (wbuf, n)
+}
+
+/// Appends one request (with `ASKING` before it when asked) to the write buffer.
+fn queue_request(
+    req: NodeRequest,
+    wbuf: &mut Vec<u8>,
+    pending: &mut VecDeque<(Option<u32>, Instant)>,
+) {
+    if req.asking {
+        wbuf.extend(resp_command(&[b"ASKING"]));
+        pending.push_back((None, Instant::now()));
+    }
+    wbuf.extend_from_slice(&req.query);
+    pending.push_back((Some(req.token), Instant::now()));
+}
+
+/// One node's connection: opened on the first request, opened again for the next request after a
+/// failure; ends (failing what is pending) when its sender is dropped.
+async fn run_node(
     cfg: RedisConfig,
     addr: SocketAddr,
-    mut rx: mpsc::UnboundedReceiver<(u32, Bytes)>,
-    events: mpsc::UnboundedSender<WorkerEvent>,
-    gen: u64,
+    mut rx: mpsc::UnboundedReceiver<NodeRequest>,
+    sink: ReplySink,
 ) {
-    // Each outer iteration is one connection; a new one is opened for the next request after a failure.
-    let mut first: Option<(u32, Bytes)> = None;
+    let mut first: Option<NodeRequest> = None;
     loop {
         let Some(req) = (match first.take() {
             Some(r) => Some(r),
@@ -169,41 +272,25 @@ async fn run(
             Ok(Ok(s)) => s,
             _ => {
                 tracing::debug!(cluster = %cfg.cluster, %addr, "redis connect failed");
-                deliver(&events, gen, req.0, None);
-                while let Ok((t, _)) = rx.try_recv() {
-                    deliver(&events, gen, t, None);
+                sink.deliver(req.token, None);
+                while let Ok(r) = rx.try_recv() {
+                    sink.deliver(r.token, None);
                 }
                 continue;
             }
         };
         let _ = sock.set_nodelay(true);
-        // None = reply to discard (AUTH / SELECT).
+        // None = reply to discard (AUTH / SELECT / ASKING).
         let mut pending: VecDeque<(Option<u32>, Instant)> = VecDeque::new();
-        let mut wbuf: Vec<u8> = Vec::new();
-        if !cfg.password.is_empty() {
-            if cfg.username.is_empty() {
-                wbuf.extend(resp_command(&[b"AUTH", cfg.password.as_bytes()]));
-            } else {
-                wbuf.extend(resp_command(&[
-                    b"AUTH",
-                    cfg.username.as_bytes(),
-                    cfg.password.as_bytes(),
-                ]));
-            }
-            pending.push_back((None, Instant::now()));
-        }
-        if let Some(db) = &cfg.db {
-            wbuf.extend(resp_command(&[b"SELECT", db.as_bytes()]));
-            pending.push_back((None, Instant::now()));
-        }
-        wbuf.extend_from_slice(&req.1);
-        pending.push_back((Some(req.0), Instant::now()));
+        let (mut wbuf, setup) = connection_setup(&cfg);
+        pending.extend(std::iter::repeat_n((None, Instant::now()), setup));
+        queue_request(req, &mut wbuf, &mut pending);
         let mut flush_at: Option<tokio::time::Instant> = None;
         if cfg.flushes_at_once(wbuf.len()) {
             // Written here, not through a timer: tokio timers round up to the millisecond, which
             // would add ~1 ms to every Redis round trip.
             if sock.write_all(&wbuf).await.is_err() {
-                deliver_all_failed(&events, gen, &mut pending);
+                deliver_all_failed(&sink, &mut pending);
                 continue;
             }
             wbuf.clear();
@@ -217,9 +304,8 @@ async fn run(
             let deadline = pending.iter().find(|p| p.0.is_some()).map(|p| p.1 + cfg.timeout);
             tokio::select! {
                 r = rx.recv(), if channel_open => match r {
-                    Some((t, q)) => {
-                        wbuf.extend_from_slice(&q);
-                        pending.push_back((Some(t), Instant::now()));
+                    Some(req) => {
+                        queue_request(req, &mut wbuf, &mut pending);
                         if cfg.flushes_at_once(wbuf.len()) {
                             flush_at = None;
                             if sock.write_all(&wbuf).await.is_err() {
@@ -251,7 +337,7 @@ async fn run(
                                 Ok(Some((_, n))) => {
                                     let raw = rbuf.split_to(n).freeze();
                                     match pending.pop_front() {
-                                        Some((Some(t), _)) => deliver(&events, gen, t, Some(raw)),
+                                        Some((Some(t), _)) => sink.deliver(t, Some(raw)),
                                         Some((None, _)) => {}
                                         None => tracing::warn!(cluster = %cfg.cluster, "unexpected redis reply"),
                                     }
@@ -267,17 +353,17 @@ async fn run(
                     }
                 },
                 _ = async { match deadline { Some(d) => tokio::time::sleep_until(d.into()).await, None => std::future::pending().await } } => {
-                    tracing::debug!(cluster = %cfg.cluster, "redis op timeout; closing connection");
+                    tracing::debug!(cluster = %cfg.cluster, %addr, "redis op timeout; closing connection");
                     break true;
                 }
             }
         };
         if failed {
-            deliver_all_failed(&events, gen, &mut pending);
+            deliver_all_failed(&sink, &mut pending);
         }
         if !channel_open {
-            while let Ok((t, _)) = rx.try_recv() {
-                deliver(&events, gen, t, None);
+            while let Ok(r) = rx.try_recv() {
+                sink.deliver(r.token, None);
             }
             return;
         }

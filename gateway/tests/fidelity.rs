@@ -12,17 +12,6 @@ fn pairs(p: &[(&str, &str)]) -> Vec<u8> {
     gateway::abi::marshal_pairs(&v)
 }
 
-fn one_cluster_config(up: &str, plugin: bool, extra_clusters: &str) -> String {
-    let plugin = if plugin {
-        "plugin:\n  wasm: {PLUGIN}\n  name: test-plugin\n  root_id: test-root\n  configuration: {a: 1}\n"
-    } else {
-        ""
-    };
-    format!(
-        "listeners: [{{name: main, address: 127.0.0.1:0}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n  - name: test-route\n    match: {{prefix: /}}\n    cluster: pods\n    timeout_ms: 5000\nclusters:\n  - name: pods\n    endpoints: [{up}]\n{extra_clusters}{plugin}"
-    )
-}
-
 fn idx(ev: &[String], prefix: &str) -> Option<usize> {
     ev.iter().position(|e| e.starts_with(prefix))
 }
@@ -311,45 +300,6 @@ async fn plain_proxy_round_robin_and_admin_endpoints() {
     assert_eq!(get(&gw.url("/p"), &[]).await.status, 503);
 }
 
-/// Plugin for the Redis tests: POST body = raw RESP query, header x-cluster = cluster string.
-fn redis_plugin() -> String {
-    let mut w = Wat::new();
-    let body = format!(
-        r#"
-  (global $stream (mut i32) (i32.const 0))
-  (func (export "proxy_on_configure") (param $root i32) (param $size i32) (result i32)
-    (call $ev_start {ev_init}) (call $ev_num (call $proxy_redis_init {cl_init} (i32.const 0) (i32.const 0) {pw} (i32.const 1000))) (call $ev_end)
-    (i32.const 1))
-  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
-    (global.set $stream (local.get $ctx))
-    (i32.const 1))
-  (func (export "proxy_on_request_body") (param $ctx i32) (param $size i32) (param $eos i32) (result i32)
-    (local $r i32)
-    (if (i32.eqz (local.get $eos)) (then (return (i32.const 1))))
-    (drop (call $proxy_get_buffer_bytes (i32.const 0) (i32.const 0) (local.get $size) (i32.const 512) (i32.const 516)))
-    (drop (call $proxy_get_header_map_value (i32.const 0) {hk} (i32.const 520) (i32.const 524)))
-    (local.set $r (call $proxy_redis_call (i32.load (i32.const 520)) (i32.load (i32.const 524)) (i32.load (i32.const 512)) (i32.load (i32.const 516)) (i32.const 264)))
-    (call $ev_start {ev_call}) (call $ev_num (local.get $r)) (call $ev_num (i32.load (i32.const 264))) (call $ev_end)
-    (if (local.get $r)
-      (then (drop (call $proxy_send_local_response (i32.add (i32.const 590) (local.get $r)) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const -1)))))
-    (i32.const 1))
-  (func (export "proxy_on_redis_call_response") (param $root i32) (param $token i32) (param $status i32) (param $size i32)
-    (call $ev_start {ev_resp}) (call $ev_num (local.get $token)) (call $ev_num (local.get $status)) (call $ev_num (local.get $size)) (call $ev_end)
-    (i32.store (i32.const 256) (i32.const 0)) (i32.store (i32.const 260) (i32.const 0))
-    (drop (call $proxy_get_buffer_bytes (i32.const 9) (i32.const 0) (local.get $size) (i32.const 256) (i32.const 260)))
-    (drop (call $proxy_set_effective_context (global.get $stream)))
-    (drop (call $proxy_send_local_response (i32.add (i32.const 200) (i32.mul (local.get $status) (i32.const 303))) (i32.const 0) (i32.const 0) (i32.load (i32.const 256)) (i32.load (i32.const 260)) (i32.const 0) (i32.const 0) (i32.const -1))))
-"#,
-        ev_init = w.s("init"),
-        cl_init = w.s("outbound|6379||redis.static?db=1"),
-        pw = w.s("secret"),
-        hk = w.s("x-cluster"),
-        ev_call = w.s("call"),
-        ev_resp = w.s("redis"),
-    );
-    w.module("0_2_100", &body)
-}
-
 fn redis_config(up: &Upstream, redis_addr: &str) -> String {
     one_cluster_config(
         &format!("\"{}\"", up.addr),
@@ -359,14 +309,6 @@ fn redis_config(up: &Upstream, redis_addr: &str) -> String {
 }
 
 const CLUSTER: &str = "outbound|6379||redis.static";
-
-fn resp(args: &[&str]) -> String {
-    let mut s = format!("*{}\r\n", args.len());
-    for a in args {
-        s.push_str(&format!("${}\r\n{a}\r\n", a.len()));
-    }
-    s
-}
 
 /// A fake Redis that records the commands it receives and answers PING/AUTH/SELECT/others.
 async fn fake_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>)

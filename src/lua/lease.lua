@@ -14,12 +14,16 @@ local maxc = tonumber(ARGV[1]) or 0
 -- +1 for host; returns the host's count after it.
 local function take(h) return redis.call('HINCRBY', inflight, h, 1) end
 local function untake(h) redis.call('HINCRBY', inflight, h, -1) end
--- Records the admitted pick for release.lua (exactly once) and reap.lua (if the owner dies first).
+-- Records the pick for release.lua (exactly once) and reap.lua (if the owner dies first), before
+-- its +1. The owner's hash is the one key a pick may write without having read it first, and on a
+-- Redis Cluster slot being migrated touching a key the old master no longer holds fails the call
+-- there: done first, such a failure happens before any count changes.
 -- False when a tombstone is there: the plugin gave up on this pick before it ran (a stalled Redis
--- runs it late); the +1 is undone and the caller does nothing more.
+-- runs it late); the caller does nothing more.
 local function admit(h)
   if redis.call('HSETNX', mine, rec, h) == 1 then return true end
   redis.call('HDEL', mine, rec)
-  untake(h)
   return false
 end
+-- The recorded pick is not admitted after all (maxRequestCount): drop its record.
+local function unadmit() redis.call('HDEL', mine, rec) end

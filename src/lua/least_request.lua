@@ -15,10 +15,11 @@ for i = 1, n do
   end
   if bestc == nil or c < bestc then best, bestc = ARGV[5 + i], c end
 end
+if not admit(best) then return {'', 0, 0} end
 local after = take(best)
 if maxc > 0 and after > maxc then
   untake(best)
+  unadmit()
   return {best, after, 0}
 end
-if not admit(best) then return {'', 0, 0} end
 return {best, after, 1}

@@ -52,19 +52,23 @@ if target ~= nil then
 end
 local function diverted() if target ~= nil and chosen ~= target then return 1 end return 0 end
 
+if not admit(chosen) then return {'', 0, 0, 0, 0} end
 local after = take(chosen)
 if maxc > 0 and after > maxc then
   untake(chosen)
-  if chosen == least then return {chosen, after, 0, matched, diverted()} end
+  if chosen == least then
+    unadmit()
+    return {chosen, after, 0, matched, diverted()}
+  end
   chosen = least
   after = take(chosen)
   if after > maxc then
     untake(chosen)
+    unadmit()
     return {chosen, after, 0, matched, diverted()}
   end
+  redis.call('HSET', mine, rec, chosen)
 end
-
-if not admit(chosen) then return {'', 0, 0, 0, 0} end
 
 -- Matched keys still name a healthy host that holds that prefix: refresh them. The rest of the
 -- chain (new blocks, and keys that named a gone/unhealthy host) now belongs to the chosen host.

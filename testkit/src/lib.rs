@@ -3,6 +3,8 @@
 //! - [`redis`]: a real Redis server, through testcontainers when a Docker engine is reachable
 //!   (image `ai-lb-redis:local`, built by `testkit/redis-image.sh`), otherwise a local
 //!   `redis-server` process; plus a small RESP client for assertions.
+//! - [`redis_cluster`]: a real 3-master Redis Cluster of local `redis-server` processes, with slot
+//!   moves and failovers.
 //! - [`gateway`]: writes a gateway YAML config, spawns `target/release/gateway`, parses its
 //!   `LISTENING`/`ADMIN`/`READY` lines and wraps the admin API.
 //! - [`pod`]: small recording upstream "inference pods" (chat completions, `/metrics`, `/health`)
@@ -17,9 +19,11 @@ pub mod http;
 pub mod paths;
 pub mod pod;
 pub mod redis;
+pub mod redis_cluster;
 pub mod samples;
 
 pub use gateway::{Gateway, GatewayConfig};
 pub use http::{HttpRequest, HttpResponse};
 pub use pod::{Pod, Recorded};
 pub use redis::{RedisClient, RedisFixture, RedisValue};
+pub use redis_cluster::RedisClusterFixture;

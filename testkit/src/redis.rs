@@ -253,10 +253,7 @@ impl RedisFixture {
 
     /// [`RedisFixture::start_local`], optionally with `requirepass`.
     pub async fn start_local_with(password: Option<&str>) -> Result<RedisFixture> {
-        let bin = std::env::var("AI_LB_REDIS_SERVER")
-            .ok()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| "redis-server".to_string());
+        let bin = redis_server_bin();
         let mut last_err = None;
         for _ in 0..3 {
             let port = free_port()?;
@@ -285,26 +282,11 @@ impl RedisFixture {
         let Backend::Local { child, dir, bin } = &mut self.backend else {
             bail!("not a local Redis");
         };
-        let log = std::fs::File::create(dir.path().join("redis.log"))?;
-        let mut cmd = Command::new(bin.as_str());
+        let mut extra = Vec::new();
         if let Some(pw) = &self.password {
-            cmd.args(["--requirepass", pw]);
+            extra.extend(["--requirepass".to_string(), pw.clone()]);
         }
-        let c = cmd
-            .args(["--port", &port.to_string()])
-            .args(["--bind", "127.0.0.1"])
-            .args(["--save", ""])
-            .args(["--appendonly", "no"])
-            .args(["--protected-mode", "no"])
-            .arg("--dir")
-            .arg(dir.path())
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| {
-                format!("spawn {bin} (install Debian's redis-server, or set AI_LB_REDIS_SERVER)")
-            })?;
+        let c = spawn_redis_server(bin, port, dir.path(), &extra)?;
         *child = Some(c);
         self.running = true;
         Ok(())
@@ -441,6 +423,41 @@ impl RedisFixture {
     pub fn is_running(&self) -> bool {
         self.running
     }
+}
+
+/// The `redis-server` binary: `$AI_LB_REDIS_SERVER`, else `redis-server` from `PATH`.
+pub(crate) fn redis_server_bin() -> String {
+    std::env::var("AI_LB_REDIS_SERVER")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "redis-server".to_string())
+}
+
+/// Spawns `bin` on `127.0.0.1:port` without persistence, working in `dir` and logging to
+/// `dir/redis.log`, with `extra` arguments first.
+pub(crate) fn spawn_redis_server(
+    bin: &str,
+    port: u16,
+    dir: &std::path::Path,
+    extra: &[String],
+) -> Result<Child> {
+    let log = std::fs::File::create(dir.join("redis.log"))?;
+    Command::new(bin)
+        .args(extra)
+        .args(["--port", &port.to_string()])
+        .args(["--bind", "127.0.0.1"])
+        .args(["--save", ""])
+        .args(["--appendonly", "no"])
+        .args(["--protected-mode", "no"])
+        .arg("--dir")
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| {
+            format!("spawn {bin} (install Debian's redis-server, or set AI_LB_REDIS_SERVER)")
+        })
 }
 
 impl Drop for RedisFixture {

@@ -12,7 +12,7 @@
 use super::{
     copy_out, marshal_pairs, read_bytes, read_string, status, write_u32, HostState, Registrar,
 };
-use crate::redis::{RedisClient, RedisConfig};
+use crate::redis::{RedisClient, RedisConfig, RedisTarget};
 use bytes::Bytes;
 use wasmtime::Caller;
 
@@ -57,7 +57,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             let st = c.data_mut();
             let name = full.split('?').next().unwrap_or("").to_string();
             let Some(cluster) = st.g.clusters.get(&name) else { return status::BAD_ARGUMENT };
-            let Some(ep) = cluster.endpoints().first().cloned() else {
+            let Some(target) = RedisTarget::of(&cluster) else {
                 return status::INTERNAL_FAILURE;
             };
             let token = st.next_redis_token;
@@ -67,7 +67,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             let client = st.redis_clients.entry(name).or_insert_with(|| {
                 RedisClient::new(RedisConfig::parse(&full, String::new(), String::new(), 0, ct))
             });
-            if !client.send(ep.addr, token, Bytes::from(query), events, gen) {
+            if !client.send(target, token, Bytes::from(query), events, gen) {
                 return status::INTERNAL_FAILURE;
             }
             st.g.redis_outstanding.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

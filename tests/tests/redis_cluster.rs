@@ -1,0 +1,233 @@
+//! The compiled plugin on a real Redis Cluster (3 masters, local `redis-server` processes), the
+//! gateway's Redis cluster declared `type: REDIS_CLUSTER`.
+//!
+//! What a user notices: least-request spreading, in-flight counts and prefix hits work as on one
+//! Redis; the slot holding the plugin's keys moves to another master under load, and a master
+//! fails over to its replica under load, with no failed request and counts exact afterwards.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use e2e::*;
+use serde_json::json;
+use testkit::http::HttpRequest;
+use testkit::redis_cluster::{keyslot, RedisClusterFixture};
+
+const DECISION: &str = "x-ai-lb-decision";
+
+fn config(route: &str, pods: &[Pod], rc: &RedisClusterFixture, policy: &str) -> GatewayConfig {
+    let mut lb_config = redis_lb_config();
+    lb_config["decisionHeader"] = json!(DECISION);
+    GatewayConfig::new()
+        .route(route, "/", LLM_CLUSTER)
+        .cluster(LLM_CLUSTER, &hosts(pods))
+        .cluster_json(json!({
+            "name": REDIS_CLUSTER,
+            "type": "REDIS_CLUSTER",
+            "endpoints": rc.endpoints(),
+        }))
+        .plugin(json!({"lb_policy": policy, "lb_config": lb_config}))
+}
+
+/// The slot of every key the plugin keeps for `route` (one hash tag per route and cluster).
+fn plugin_slot(route: &str) -> u16 {
+    keyslot(&format!("{{{route}|{LLM_CLUSTER}}}"))
+}
+
+/// The in-flight counters on the cluster's masters (per-owner records left out).
+async fn counters(rc: &RedisClusterFixture) -> Vec<(String, String, i64)> {
+    let all = rc.all_hash_counters().await.unwrap();
+    all.into_iter().filter(|(k, _, _)| k.ends_with(":inflight")).collect()
+}
+
+async fn wait_counters_zero(rc: &RedisClusterFixture) {
+    let mut last = Vec::new();
+    for _ in 0..100 {
+        last = counters(rc).await;
+        if !last.is_empty() && last.iter().all(|(_, _, v)| *v == 0) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("in-flight counters not back to 0 within 5 s: {last:?}");
+}
+
+fn chat(text: &str) -> HttpRequest {
+    HttpRequest::post_json(
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": text}]}),
+    )
+}
+
+/// Sequential requests from `clients` tasks until `stop`; returns (status, decision) of each.
+fn load(
+    gw: &Gateway,
+    clients: usize,
+    stop: Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<(u16, String)>>> {
+    (0..clients)
+        .map(|c| {
+            let (addr, stop) = (gw.addr(), stop.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let r = testkit::http::send(
+                        addr,
+                        chat(&format!("client {c} request {i}")),
+                        REQUEST_TIMEOUT,
+                    )
+                    .await;
+                    seen.push(match r {
+                        Ok(r) => (r.status, r.header(DECISION).unwrap_or_default().to_string()),
+                        Err(e) => (0, format!("{e:#}")),
+                    });
+                }
+                seen
+            })
+        })
+        .collect()
+}
+
+async fn finish(handles: Vec<tokio::task::JoinHandle<Vec<(u16, String)>>>) -> Vec<(u16, String)> {
+    let mut all = Vec::new();
+    for h in handles {
+        all.extend(h.await.unwrap());
+    }
+    all
+}
+
+/// How many of `seen` were decided with Redis (not a fallback).
+fn by_redis(seen: &[(u16, String)]) -> usize {
+    seen.iter().filter(|(_, d)| !d.starts_with("fallback")).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_request_counts_and_a_slot_move_under_load() {
+    let rc = RedisClusterFixture::start(3, 0).await.unwrap();
+    let pods = start_pods("rcl", 3).await.unwrap();
+    let route = "route-rc-glr";
+    let gw = Gateway::start(&config(route, &pods, &rc, "global_least_request")).await.unwrap();
+
+    // Held requests spread evenly, counted on the master of the plugin's slot.
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let mut pending = Vec::new();
+    for i in 0..6 {
+        pending.push(spawn_request(gw.addr(), chat(&format!("held {i}")), Duration::from_secs(20)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eventually(Duration::from_secs(10), "6 requests at the pods", || async {
+        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 6)
+    })
+    .await
+    .unwrap();
+    assert_eq!(pods.iter().map(Pod::in_flight).collect::<Vec<_>>(), vec![2, 2, 2]);
+    let owner = rc.slot_owner(plugin_slot(route)).await.unwrap();
+    let on_owner = rc.client(owner).await.unwrap().all_hash_counters().await.unwrap();
+    let held: i64 =
+        on_owner.iter().filter(|(k, _, _)| k.ends_with(":inflight")).map(|(_, _, v)| v).sum();
+    assert_eq!(held, 6, "the counts live on the slot's master {owner}: {on_owner:?}");
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    for h in pending {
+        let r = h.await.unwrap().unwrap();
+        assert_eq!((r.status, r.header(DECISION)), (200, Some("least_request_routed")));
+    }
+    wait_counters_zero(&rc).await;
+
+    // The slot half-moved (IMPORTING/MIGRATING set, its keys still on the old master): a pick that
+    // would create a key there (this VM's record hash, gone since its last release) fails on that
+    // master before any count changes; the request is decided without Redis and nothing leaks.
+    let masters = rc.master_ports().await.unwrap();
+    let mut others = masters.iter().copied().filter(|&m| m != owner);
+    let (first_to, to) = (others.next().unwrap(), others.next().unwrap());
+    rc.start_slot_move(plugin_slot(route), first_to).await.unwrap();
+    let mut decisions = Vec::new();
+    for i in 0..4 {
+        let r = gw.send(chat(&format!("half-moved {i}")), REQUEST_TIMEOUT).await.unwrap();
+        assert_eq!(r.status, 200);
+        decisions.push(r.header(DECISION).unwrap_or_default().to_string());
+    }
+    eprintln!("half-moved slot: {decisions:?}");
+    wait_counters_zero(&rc).await;
+    rc.finish_slot_move(plugin_slot(route), first_to).await.unwrap();
+    let owner = first_to;
+
+    // Under load, the plugin's slot moves to the third master.
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles = load(&gw, 2, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    rc.move_slot(plugin_slot(route), to).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before_stop = gw.stats().await.unwrap();
+    stop.store(true, Ordering::Relaxed);
+    let seen = finish(handles).await;
+
+    let failed: Vec<_> = seen.iter().filter(|(s, _)| *s != 200).collect();
+    assert!(failed.is_empty(), "failed requests during the slot move: {failed:?}");
+    assert!(seen.len() >= 20, "too little load to mean anything: {}", seen.len());
+    let fallbacks = seen.len() - by_redis(&seen);
+    eprintln!("slot move: {} requests, {fallbacks} decided without Redis", seen.len());
+    // Only picks in the few milliseconds between MIGRATING and MIGRATE fall back (see above).
+    assert!(fallbacks * 50 <= seen.len(), "{fallbacks} of {} without Redis", seen.len());
+    // After the move the keys are on the new master and requests still use them.
+    let keys_there = rc.client(to).await.unwrap().keys(&format!("*{route}*")).await.unwrap();
+    assert!(keys_there.iter().any(|k| k.ends_with(":inflight")), "{keys_there:?}");
+    let keys_left = rc.client(owner).await.unwrap().keys(&format!("*{route}*")).await.unwrap();
+    assert!(keys_left.is_empty(), "keys left on the old master: {keys_left:?}");
+    let r = gw.send(chat("after the move"), REQUEST_TIMEOUT).await.unwrap();
+    assert_eq!((r.status, r.header(DECISION)), (200, Some("least_request_routed")));
+    wait_counters_zero(&rc).await;
+    assert_eq!(stat(&before_stop, "gateway_vm_traps_total"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_hits_and_a_failover_under_load() {
+    let rc = RedisClusterFixture::start(3, 1).await.unwrap();
+    let pods = start_pods("rcp", 3).await.unwrap();
+    let route = "route-rc-pfx";
+    let gw = Gateway::start(&config(route, &pods, &rc, "prefix_cache")).await.unwrap();
+
+    // A conversation stays on its pod: later turns are prefix hits found on the cluster.
+    let mut conv = Conversation::new("cluster failover");
+    let first = conv.turn(&gw, "first question").await.unwrap();
+    for i in 0..3 {
+        assert_eq!(conv.turn(&gw, &format!("follow-up {i}")).await.unwrap(), first);
+    }
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 3, "{stats}");
+    let owner = rc.slot_owner(plugin_slot(route)).await.unwrap();
+    let pfx = rc.client(owner).await.unwrap().keys(&format!("*{route}*:pfx:*")).await.unwrap();
+    assert!(pfx.len() >= 4, "prefix keys on the slot's master {owner}: {pfx:?}");
+
+    // Under load, that master's replica takes over (CLUSTER FAILOVER). The new master never ran
+    // the plugin's scripts (NOSCRIPT, then EVAL) and the old one now answers MOVED.
+    let stop = Arc::new(AtomicBool::new(false));
+    let handles = load(&gw, 2, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let new_master = rc.failover(owner).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    let seen = finish(handles).await;
+    let failed: Vec<_> = seen.iter().filter(|(s, _)| *s != 200).collect();
+    assert!(failed.is_empty(), "failed requests during the failover: {failed:?}");
+    let fallbacks = seen.len() - by_redis(&seen);
+    eprintln!("failover: {} requests, {fallbacks} decided without Redis", seen.len());
+    assert_eq!(rc.slot_owner(plugin_slot(route)).await.unwrap(), new_master);
+
+    // The conversation still finds its prefix, now on the new master; counts converge to 0.
+    assert_eq!(conv.turn(&gw, "after the failover").await.unwrap(), first);
+    let stats = gw.stats().await.unwrap();
+    assert!(stat(&stats, "ai_lb_prefix_hit") >= 4, "{stats}");
+    wait_counters_zero(&rc).await;
+    let on_new =
+        rc.client(new_master).await.unwrap().keys(&format!("*{route}*:inflight")).await.unwrap();
+    assert_eq!(on_new.len(), 1, "the in-flight hash is on the new master: {on_new:?}");
+    assert_eq!(stat(&stats, "gateway_vm_traps_total"), 0);
+}
