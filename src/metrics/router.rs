@@ -225,17 +225,11 @@ impl MetricsRouter {
         Some(fin)
     }
 
-    /// An HTTP-call reply; false if it is not one of this router's scrapes.
-    pub fn on_http_reply(
-        &mut self,
-        host: &mut dyn Host,
-        token: u32,
-        reply: &HttpReply,
-        now_ms: u64,
-    ) -> bool {
-        match self.scraper.as_mut() {
-            Some(scraper) => scraper.on_reply(host, token, reply, now_ms),
-            None => false,
+    /// An HTTP-call reply; the scraper ignores tokens that are not its scrapes.
+    pub fn on_http_reply(&mut self, host: &mut dyn Host, token: u32, reply: &HttpReply) {
+        if let Some(scraper) = self.scraper.as_mut() {
+            let now_ms = host.now_nanos() / 1_000_000;
+            scraper.on_reply(host, token, reply, now_ms);
         }
     }
 

@@ -137,8 +137,7 @@ impl Policy for EndpointMetrics {
         token: u32,
         reply: &HttpReply,
     ) -> Decision {
-        let now = now_ms(host);
-        self.router.on_http_reply(host, token, reply, now);
+        self.router.on_http_reply(host, token, reply);
         Decision::Passthrough
     }
 

@@ -50,6 +50,19 @@ fn host_with(pods: &[(&str, bool, Option<String>)]) -> FakeHost {
     h
 }
 
+/// Pods 10.0.0.1 and 10.0.0.2, both healthy, with these metrics from the health check.
+fn two_healthy_pods(first: String, second: String) -> FakeHost {
+    host_with(&[("10.0.0.1:8000", true, Some(first)), ("10.0.0.2:8000", true, Some(second))])
+}
+
+/// The scrapes the policy sent: token and the pod each was for.
+fn scrape_calls(h: &FakeHost) -> Vec<(u32, String)> {
+    h.http_calls
+        .iter()
+        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
+        .collect()
+}
+
 fn stream() -> Stream {
     Stream { cluster: CLUSTER.to_string(), ..Default::default() }
 }
@@ -79,10 +92,7 @@ fn routes_to_the_least_loaded_healthy_pod_from_host_metrics() {
 
 #[test]
 fn a_new_health_check_body_replaces_the_cached_parse() {
-    let mut h = host_with(&[
-        ("10.0.0.1:8000", true, Some(vllm(20, 30, 0.9, None))),
-        ("10.0.0.2:8000", true, Some(vllm(4, 0, 0.2, None))),
-    ]);
+    let mut h = two_healthy_pods(vllm(20, 30, 0.9, None), vllm(4, 0, 0.2, None));
     let mut p = EndpointMetrics::new(config("{}"));
     assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
     // The next health check finds the load reversed.
@@ -96,10 +106,7 @@ fn a_new_health_check_body_replaces_the_cached_parse() {
 
 #[test]
 fn a_burst_between_samples_is_spread_by_pending_requests() {
-    let mut h = host_with(&[
-        ("10.0.0.1:8000", true, Some(vllm(2, 3, 0.3, None))),
-        ("10.0.0.2:8000", true, Some(vllm(2, 3, 0.3, None))),
-    ]);
+    let mut h = two_healthy_pods(vllm(2, 3, 0.3, None), vllm(2, 3, 0.3, None));
     let mut p = EndpointMetrics::new(config("{}"));
     let mut count = std::collections::HashMap::new();
     for _ in 0..40 {
@@ -136,11 +143,7 @@ fn no_metrics_passes_through_then_scrapes_and_routes_on_shared_snapshots() {
     // A second tick while the calls are in flight sends nothing more.
     p.on_tick(&mut h);
     assert_eq!(h.http_calls.len(), 2);
-    let calls: Vec<(u32, String)> = h
-        .http_calls
-        .iter()
-        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
-        .collect();
+    let calls = scrape_calls(&h);
     for (token, pod) in &calls {
         let body =
             if pod == "10.0.0.1:8000" { vllm(30, 12, 0.95, None) } else { vllm(1, 0, 0.1, None) };
@@ -175,11 +178,7 @@ fn a_failed_scrape_makes_the_pod_unknown_at_once() {
     let mut p = EndpointMetrics::new(config(r#"{"scrapeCluster":"pods-original-dst"}"#));
     route(&mut p, &mut h);
     p.on_tick(&mut h);
-    let calls: Vec<(u32, String)> = h
-        .http_calls
-        .iter()
-        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
-        .collect();
+    let calls = scrape_calls(&h);
     for (token, pod) in &calls {
         let reply =
             HttpReply { status: 200, headers: vec![], body: vllm(0, 0, 0.0, None).into_bytes() };
@@ -211,10 +210,10 @@ fn a_failed_scrape_makes_the_pod_unknown_at_once() {
 
 #[test]
 fn lora_deployments_read_the_model_from_the_body() {
-    let mut h = host_with(&[
-        ("10.0.0.1:8000", true, Some(vllm(3, 1, 0.3, Some(("sql-lora", 1))))),
-        ("10.0.0.2:8000", true, Some(vllm(1, 0, 0.1, Some(("tweet-summary", 1))))),
-    ]);
+    let mut h = two_healthy_pods(
+        vllm(3, 1, 0.3, Some(("sql-lora", 1))),
+        vllm(1, 0, 0.1, Some(("tweet-summary", 1))),
+    );
     let mut p = EndpointMetrics::new(config(r#"{"metric_policy":"default"}"#));
     let mut s = stream();
     assert_eq!(p.on_request_headers(&mut h, &mut s), Decision::NeedBody);
@@ -259,10 +258,7 @@ fn least_and_most_follow_target_metric() {
 
 #[test]
 fn rate_limit_caps_the_share_of_the_best_pod() {
-    let mut h = host_with(&[
-        ("10.0.0.1:8000", true, Some(vllm(0, 0, 0.0, None))),
-        ("10.0.0.2:8000", true, Some(vllm(0, 40, 0.9, None))),
-    ]);
+    let mut h = two_healthy_pods(vllm(0, 0, 0.0, None), vllm(0, 40, 0.9, None));
     let mut p = EndpointMetrics::new(config(r#"{"rate_limit":0.6}"#));
     let mut best = 0;
     for _ in 0..100 {
@@ -306,11 +302,7 @@ fn through_the_dispatcher_scrape_on_tick_then_pin_requests() {
     f.on_delete(&mut h, 10);
     f.on_tick(&mut h);
     assert_eq!(h.http_calls.len(), 2);
-    let calls: Vec<(u32, String)> = h
-        .http_calls
-        .iter()
-        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
-        .collect();
+    let calls = scrape_calls(&h);
     for (token, pod) in calls {
         let body =
             if pod == "10.0.0.2:8000" { vllm(0, 0, 0.05, None) } else { vllm(64, 70, 0.99, None) };

@@ -485,8 +485,7 @@ impl Picker {
 
     /// The reply to an HTTP call (a metrics scrape).
     pub fn on_http_reply(&mut self, host: &mut dyn Host, token: u32, reply: &HttpReply) {
-        let now_ms = host.now_nanos() / 1_000_000;
-        self.metrics.on_http_reply(host, token, reply, now_ms);
+        self.metrics.on_http_reply(host, token, reply);
     }
 
     /// Tick period the picker needs: heartbeats every third of the lease, and slow picks noticed
