@@ -33,6 +33,9 @@ pub struct Stats {
     pub local_replies_total: AtomicU64,
     /// Plugin VM traps.
     pub vm_traps_total: AtomicU64,
+    /// Largest linear memory of any plugin VM, in bytes. A wasm memory never shrinks, so this is
+    /// the peak any one VM needed.
+    pub vm_memory_bytes_max: AtomicU64,
     metrics: Mutex<Vec<Metric>>,
 }
 
@@ -100,6 +103,11 @@ impl Stats {
         out.push_str(&format!(
             "gateway_vm_traps_total {}\n",
             self.vm_traps_total.load(Ordering::Relaxed)
+        ));
+        out.push_str("# TYPE gateway_vm_memory_bytes_max gauge\n");
+        out.push_str(&format!(
+            "gateway_vm_memory_bytes_max {}\n",
+            self.vm_memory_bytes_max.load(Ordering::Relaxed)
         ));
         out.push_str("# TYPE gateway_upstream_requests_total counter\n");
         for (c, h, t, _) in upstreams {

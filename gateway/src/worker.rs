@@ -143,6 +143,8 @@ impl PluginRuntime {
 pub struct Vm {
     store: Store<HostState>,
     funcs: HashMap<String, Func>,
+    /// The module's exported linear memory, for the memory gauge.
+    memory: Option<wasmtime::Memory>,
     /// Root context id.
     pub root_id: u32,
     /// ABI marker.
@@ -189,6 +191,10 @@ impl Vm {
             st.actions.clear();
         }
         let r = f.call(&mut self.store, &params, &mut results);
+        if let Some(m) = self.memory {
+            let bytes = m.data_size(&self.store) as u64;
+            self.store.data().g.stats.vm_memory_bytes_max.fetch_max(bytes, Ordering::Relaxed);
+        }
         let st = self.store.data_mut();
         let local = st.local_reply_in_call;
         let actions = std::mem::take(&mut st.actions);
@@ -336,7 +342,8 @@ impl Worker {
                 funcs.insert(e.name().to_string(), f);
             }
         }
-        let mut vm = Vm { store, funcs, root_id, abi: p.abi };
+        let memory = instance.get_memory(&mut store, "memory");
+        let mut vm = Vm { store, funcs, memory, root_id, abi: p.abi };
         // Reactor start: `_initialize`, or `_start` (a proc_exit(0) from it is fine).
         if vm.funcs.contains_key("_initialize") {
             vm.call(root_id, "_initialize", &[])
