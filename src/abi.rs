@@ -12,7 +12,8 @@
 
 use crate::filter::Filter;
 use crate::host::{
-    Counter, Host, HostError, HttpReply, LogLevel, RedisInit, RedisReply, UpstreamHost,
+    Counter, Host, HostError, HttpCallRequest, HttpReply, LogLevel, RedisInit, RedisReply,
+    UpstreamHost,
 };
 use crate::types::{BufferType, DataAction, HeaderAction, MapType, MetricType, StreamType};
 use std::cell::RefCell;
@@ -310,13 +311,8 @@ impl Host for WasmHost {
         })?;
         Ok(token)
     }
-    fn http_call(
-        &mut self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: Option<&[u8]>,
-        timeout_ms: u32,
-    ) -> Result<u32, HostError> {
+    fn http_call(&mut self, call: &HttpCallRequest<'_>) -> Result<u32, HostError> {
+        let HttpCallRequest { cluster, headers, body, timeout_ms } = *call;
         let h = crate::pairs::serialize(headers);
         let t = crate::pairs::serialize::<&str, &str>(&[]);
         let b = body.unwrap_or(&[]);

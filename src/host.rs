@@ -123,6 +123,19 @@ pub struct RedisInit {
     pub timeout_ms: u32,
 }
 
+/// The arguments of `proxy_http_call`.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpCallRequest<'a> {
+    /// The Envoy cluster called.
+    pub cluster: &'a str,
+    /// Request headers; must contain `:method`, `:path` and `:authority`.
+    pub headers: &'a [(&'a str, &'a str)],
+    /// Request body.
+    pub body: Option<&'a [u8]>,
+    /// The call's timeout.
+    pub timeout_ms: u32,
+}
+
 /// What the policies may ask of the gateway. All methods are infallible from the caller's point of
 /// view except where a `Result` says otherwise; implementations never panic.
 pub trait Host {
@@ -172,14 +185,8 @@ pub trait Host {
     fn redis_init(&mut self, init: &RedisInit) -> Result<(), HostError>;
     /// Sends one complete RESP command; the reply arrives later with the returned token.
     fn redis_call(&mut self, cluster: &str, query: &[u8]) -> Result<u32, HostError>;
-    /// Dispatches an HTTP call to `cluster`; headers must contain `:method`, `:path`, `:authority`.
-    fn http_call(
-        &mut self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: Option<&[u8]>,
-        timeout_ms: u32,
-    ) -> Result<u32, HostError>;
+    /// Dispatches an HTTP call; the reply arrives later with the returned token.
+    fn http_call(&mut self, call: &HttpCallRequest<'_>) -> Result<u32, HostError>;
 
     /// Shared data (shared across worker VMs): value and CAS token; `(None, 0)` if missing.
     fn get_shared_data(&self, key: &str) -> (Option<Vec<u8>>, u32);

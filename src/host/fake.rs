@@ -2,7 +2,7 @@
 //! `fake-host` feature). It records every side effect so tests can assert what a user would see:
 //! where the request went, which Redis commands were sent, local replies, resumes.
 
-use super::{Counter, Host, HostError, LogLevel, UpstreamHost};
+use super::{Counter, Host, HostError, HttpCallRequest, LogLevel, UpstreamHost};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -221,13 +221,8 @@ impl Host for FakeHost {
         });
         Ok(self.next_token)
     }
-    fn http_call(
-        &mut self,
-        cluster: &str,
-        headers: &[(&str, &str)],
-        body: Option<&[u8]>,
-        _timeout_ms: u32,
-    ) -> Result<u32, HostError> {
+    fn http_call(&mut self, call: &HttpCallRequest<'_>) -> Result<u32, HostError> {
+        let HttpCallRequest { cluster, headers, body, .. } = *call;
         if let Some(e) = self.http_call_error {
             return Err(e);
         }

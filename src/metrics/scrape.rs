@@ -18,7 +18,7 @@
 //! workers may both scrape a pod in its very first round; afterwards the CAS makes it exclusive.
 
 use super::{prometheus, Snapshot};
-use crate::host::{Host, HttpReply, LogLevel};
+use crate::host::{Host, HttpCallRequest, HttpReply, LogLevel};
 use std::collections::HashMap;
 
 /// Prefix of every shared-data key this module writes.
@@ -168,7 +168,13 @@ impl Scraper {
                 ("x-envoy-original-dst-host", pod.as_str()),
                 ("accept", "text/plain"),
             ];
-            match host.http_call(&self.via, &headers, None, self.timeout_ms) {
+            let call = HttpCallRequest {
+                cluster: &self.via,
+                headers: &headers,
+                body: None,
+                timeout_ms: self.timeout_ms,
+            };
+            match host.http_call(&call) {
                 Ok(token) => {
                     self.in_flight.insert(token, (cluster, pod, now_ms));
                 }
