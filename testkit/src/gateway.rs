@@ -39,6 +39,7 @@ pub struct GatewayConfig {
     workers: usize,
     log_level: String,
     drain_timeout_ms: Option<u64>,
+    traps_expected: bool,
 }
 
 impl Default for GatewayConfig {
@@ -59,7 +60,15 @@ impl GatewayConfig {
             workers: 2,
             log_level: "info".into(),
             drain_timeout_ms: None,
+            traps_expected: false,
         }
+    }
+
+    /// The test makes the plugin trap on purpose: the gateway's stop does not check that
+    /// `gateway_vm_traps_total` is 0 (every other gateway fails its test when a VM trapped).
+    pub fn expect_traps(mut self) -> GatewayConfig {
+        self.traps_expected = true;
+        self
     }
 
     /// `drain_timeout_ms`: how long in-flight streams may take to finish after SIGTERM.
@@ -114,9 +123,18 @@ impl GatewayConfig {
     }
 
     /// Loads the plugin (`$AI_LB_WASM` or the wasm-release build) with this configuration value.
-    pub fn plugin(mut self, configuration: Value) -> GatewayConfig {
+    pub fn plugin(self, configuration: Value) -> GatewayConfig {
+        self.plugin_module(&plugin_wasm(), configuration)
+    }
+
+    /// Loads another plugin module (`.wasm` or `.wat`) with this configuration value.
+    pub fn plugin_module(
+        mut self,
+        module: &std::path::Path,
+        configuration: Value,
+    ) -> GatewayConfig {
         self.plugin = Some(json!({
-            "wasm": plugin_wasm().to_string_lossy(),
+            "wasm": module.to_string_lossy(),
             "name": "ai-load-balancer",
             "root_id": "",
             "vm_id": "",
@@ -162,9 +180,13 @@ pub fn redis_lb_config() -> Value {
     json!({"serviceFQDN": "redis.static", "servicePort": 6379})
 }
 
-/// A running gateway process (killed on drop).
+/// A running gateway process (killed on drop). When it is dropped, it checks that no plugin VM
+/// trapped during the test (`gateway_vm_traps_total` is 0) and panics otherwise, so a trap in any
+/// callback (tick, Redis or HTTP reply, on_log) fails the test that caused it, even when the
+/// request it was under fell back to a normal answer. [`GatewayConfig::expect_traps`] opts out.
 pub struct Gateway {
     child: Child,
+    traps_expected: bool,
     listeners: HashMap<String, SocketAddr>,
     admin: Option<SocketAddr>,
     log: Arc<Mutex<String>>,
@@ -196,11 +218,12 @@ impl Gateway {
                 bin.display()
             );
         }
-        if cfg.plugin.is_some() && !plugin_wasm().exists() {
+        let module = cfg.plugin.as_ref().and_then(|p| p["wasm"].as_str()).map(PathBuf::from);
+        if module.as_ref().is_some_and(|m| !m.exists()) {
             bail!(
                 "plugin {} not found: build it with `cargo build --target wasm32-wasip1 --profile \
                  wasm-release -p ai-load-balancer` (or set AI_LB_WASM)",
-                plugin_wasm().display()
+                module.unwrap_or_default().display()
             );
         }
         let dir = TempDir::new("ai-lb-gateway")?;
@@ -236,8 +259,15 @@ impl Gateway {
             std::thread::spawn(move || drain_lines(stderr, &log));
         }
 
-        let mut gw =
-            Gateway { child, listeners: HashMap::new(), admin: None, log, config_path, _dir: dir };
+        let mut gw = Gateway {
+            child,
+            traps_expected: cfg.traps_expected,
+            listeners: HashMap::new(),
+            admin: None,
+            log,
+            config_path,
+            _dir: dir,
+        };
         let ready = async {
             while let Some(line) = rx.recv().await {
                 let mut parts = line.split_whitespace();
@@ -414,10 +444,75 @@ impl Gateway {
     }
 }
 
+/// The line the gateway logs for every VM trap (`worker.rs`), next to counting it in
+/// `gateway_vm_traps_total`.
+const TRAP_LOG_LINE: &str = "plugin trapped in ";
+
+impl Gateway {
+    /// How many times a plugin VM trapped in this process: `gateway_vm_traps_total` from the admin
+    /// API while the process runs; once it has exited (SIGTERM, SIGKILL), the trap lines it logged.
+    pub fn traps(&mut self) -> Result<u64> {
+        if self.is_running() {
+            if let Some(admin) = self.admin {
+                let stats = blocking_get(admin, "/stats")?;
+                let traps = prom_sum(&stats, "gateway_vm_traps_total", &[])
+                    .ok_or_else(|| anyhow!("no gateway_vm_traps_total in /stats:\n{stats}"))?;
+                return Ok(traps as u64);
+            }
+        }
+        Ok(self.logs().matches(TRAP_LOG_LINE).count() as u64)
+    }
+
+    /// Fails when a plugin VM trapped (unless the test expects traps).
+    pub fn check_no_traps(&mut self) -> Result<()> {
+        if self.traps_expected {
+            return Ok(());
+        }
+        let traps = self.traps()?;
+        if traps != 0 {
+            let logs = self.logs();
+            let trap_lines: Vec<&str> =
+                logs.lines().filter(|l| l.contains(TRAP_LOG_LINE)).take(5).collect();
+            bail!(
+                "the plugin VM trapped {traps} time(s) during this test (gateway_vm_traps_total); \
+                 first trap lines:\n{}",
+                trap_lines.join("\n")
+            );
+        }
+        Ok(())
+    }
+}
+
+/// A plain HTTP/1.0 GET with a short timeout, usable where no async runtime can be awaited (drop).
+fn blocking_get(addr: SocketAddr, path: &str) -> Result<String> {
+    use std::io::Write as _;
+    let timeout = Duration::from_secs(5);
+    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout)
+        .with_context(|| format!("connect to admin {addr}"))?;
+    s.set_read_timeout(Some(timeout))?;
+    s.set_write_timeout(Some(timeout))?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).with_context(|| format!("read admin {path}"))?;
+    let (head, body) = out.split_once("\r\n\r\n").unwrap_or((out.as_str(), ""));
+    if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+        bail!("admin GET {path}: {head}");
+    }
+    Ok(body.to_string())
+}
+
 impl Drop for Gateway {
     fn drop(&mut self) {
+        // Checked before the kill, while the admin API still answers.
+        let traps = if std::thread::panicking() { Ok(()) } else { self.check_no_traps() };
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Err(e) = traps {
+            let logs = self.logs();
+            let start = logs.len().saturating_sub(16 * 1024);
+            let start = (start..logs.len()).find(|&i| logs.is_char_boundary(i)).unwrap_or(0);
+            panic!("{e:#}\n--- gateway output (tail) ---\n{}", &logs[start..]);
+        }
         if std::thread::panicking() {
             let logs = self.logs();
             let tail: String = {

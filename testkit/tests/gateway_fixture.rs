@@ -72,3 +72,59 @@ async fn bad_config_fails_fast_with_the_gateway_message() {
     assert!(err.contains("no-such-cluster"), "{err}");
     assert!(started.elapsed() < Duration::from_secs(30));
 }
+
+/// A plugin that traps in every request headers callback.
+const TRAPPING_PLUGIN: &str = r#"(module
+  (memory (export "memory") 1)
+  (func (export "proxy_abi_version_0_2_1"))
+  (func (export "proxy_on_memory_allocate") (param i32) (result i32) (i32.const 1024))
+  (func (export "proxy_on_context_create") (param i32 i32))
+  (func (export "proxy_on_vm_start") (param i32 i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_configure") (param i32 i32) (result i32) (i32.const 1))
+  (func (export "proxy_on_request_headers") (param i32 i32 i32) (result i32) unreachable))
+"#;
+
+async fn trapping_gateway(pod: &Pod, dir: &testkit::paths::TempDir, expect: bool) -> Gateway {
+    let module = dir.path().join("trap.wat");
+    std::fs::write(&module, TRAPPING_PLUGIN).unwrap();
+    let cfg = GatewayConfig::new()
+        .route("r", "/", LLM_CLUSTER)
+        .cluster(LLM_CLUSTER, &[pod.host()])
+        .plugin_module(&module, json!({}))
+        .workers(1);
+    let cfg = if expect { cfg.expect_traps() } else { cfg };
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let r = gw.send(HttpRequest::get("/v1/models"), Duration::from_secs(5)).await.unwrap();
+    assert_eq!(r.status, 503, "fail-closed after the trap: {}", r.text());
+    gw
+}
+
+/// The harness's zero-trap check: a gateway whose plugin trapped fails the test when it is dropped
+/// (from the admin stats while it runs, from its trap log lines once it has exited), unless the
+/// test said it expects traps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trap_fails_the_test_unless_expected() {
+    let pod = Pod::start("trap-pod").await.unwrap();
+    let dir = testkit::paths::TempDir::new("trap-plugin").unwrap();
+
+    let mut gw = trapping_gateway(&pod, &dir, false).await;
+    assert_eq!(gw.traps().unwrap(), 1);
+    let err = gw.check_no_traps().unwrap_err().to_string();
+    assert!(err.contains("trapped 1 time(s)"), "{err}");
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(gw)));
+    let msg = dropped.expect_err("dropping a gateway whose plugin trapped must panic");
+    let msg = msg.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("proxy_on_request_headers"), "{msg}");
+
+    // After the process exited, the trap lines it logged count.
+    let mut gw = trapping_gateway(&pod, &dir, false).await;
+    gw.terminate().unwrap();
+    assert!(gw.wait_exit(Duration::from_secs(10)).await.is_some());
+    assert_eq!(gw.traps().unwrap(), 1);
+    let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(gw)));
+    assert!(dropped.is_err(), "an exited gateway whose plugin trapped must fail too");
+
+    // Opted out: the same trap passes.
+    let gw = trapping_gateway(&pod, &dir, true).await;
+    drop(gw);
+}
