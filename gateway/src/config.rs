@@ -44,6 +44,60 @@ pub struct ListenerConfig {
     /// it per stream with the `set_decoder_buffer_limit` / `set_encoder_buffer_limit` properties.
     #[serde(default = "default_connection_buffer_limit")]
     pub per_connection_buffer_limit_bytes: u32,
+    /// Envoy's HCM `common_http_protocol_options.idle_timeout`: a downstream connection with no
+    /// stream in flight for this long is closed. Default 180 s, Higress's
+    /// `downstream.idleTimeout` (Envoy's own default is 1 h); 0 disables.
+    #[serde(default = "default_idle_timeout")]
+    pub idle_timeout_ms: u64,
+    /// Envoy's HCM `stream_idle_timeout`: a stream with no activity (request data received,
+    /// response data sent) for this long ends: 408 "stream timeout" when no response started,
+    /// else a reset. This is what bounds a request the plugin holds and never resumes: the
+    /// route timeout only starts once the router has the whole request. Default 5 min (Envoy's;
+    /// Higress does not change it); 0 disables.
+    #[serde(default = "default_stream_idle_timeout")]
+    pub stream_idle_timeout_ms: u64,
+    /// Envoy's HCM `request_headers_timeout`: the whole request header must arrive within this
+    /// long. Default 0 (off, Envoy's and Higress's default); with 0, partial headers are bounded
+    /// by `stream_idle_timeout_ms` as in Envoy, where a stream exists from the first byte.
+    #[serde(default)]
+    pub request_headers_timeout_ms: u64,
+}
+
+/// Higress's helm default `downstream.idleTimeout` (180 s).
+pub const HIGRESS_DOWNSTREAM_IDLE_TIMEOUT_MS: u64 = 180_000;
+
+fn default_idle_timeout() -> u64 {
+    HIGRESS_DOWNSTREAM_IDLE_TIMEOUT_MS
+}
+
+/// Envoy's default HCM `stream_idle_timeout` (5 min).
+pub const ENVOY_STREAM_IDLE_TIMEOUT_MS: u64 = 300_000;
+
+fn default_stream_idle_timeout() -> u64 {
+    ENVOY_STREAM_IDLE_TIMEOUT_MS
+}
+
+impl ListenerConfig {
+    /// The timers of this listener's connections and streams.
+    pub fn timers(&self) -> ListenerTimers {
+        let ms = |v: u64| (v > 0).then(|| std::time::Duration::from_millis(v));
+        ListenerTimers {
+            idle: ms(self.idle_timeout_ms),
+            stream_idle: ms(self.stream_idle_timeout_ms),
+            headers: ms(self.request_headers_timeout_ms).or(ms(self.stream_idle_timeout_ms)),
+        }
+    }
+}
+
+/// A listener's timers (`None`: off).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ListenerTimers {
+    /// Connection idle timeout (no stream in flight).
+    pub idle: Option<std::time::Duration>,
+    /// Stream idle timeout.
+    pub stream_idle: Option<std::time::Duration>,
+    /// How long the request header may take to arrive (hyper's `header_read_timeout`).
+    pub headers: Option<std::time::Duration>,
 }
 
 /// Higress's helm default `downstream.connectionBufferLimits`.
@@ -85,13 +139,12 @@ pub struct RouteConfig {
     /// Take the cluster name from this request header instead (Envoy `cluster_header`).
     #[serde(default)]
     pub cluster_header: Option<String>,
-    /// Upstream timeout in milliseconds (until the response headers arrive); 0 disables.
-    #[serde(default = "default_route_timeout")]
+    /// Envoy's route `timeout`: counted from the moment the router has the whole request (so
+    /// not while the plugin holds it) until the response has ended: 504 "upstream request
+    /// timeout" before the response headers, a reset after. Default 0 (off), Higress's
+    /// `downstream.routeTimeout` (Envoy's own default is 15 s).
+    #[serde(default)]
     pub timeout_ms: u64,
-}
-
-fn default_route_timeout() -> u64 {
-    15_000
 }
 
 /// Load-balancing policy of a cluster.
@@ -133,6 +186,11 @@ pub struct ClusterConfig {
     /// `REDIS_CLUSTER` only: Envoy's `RedisClusterConfig` (slot map refresh).
     #[serde(default)]
     pub redis_cluster: RedisClusterConfig,
+    /// Envoy's `common_lb_config.ignore_new_hosts_until_first_hc`: an endpoint added at run time
+    /// to a health-checked cluster is left out of load balancing entirely (not even counted for
+    /// the panic threshold) until its first check. Default false: it counts, as Unhealthy.
+    #[serde(default)]
+    pub ignore_new_hosts_until_first_hc: bool,
 }
 
 /// Envoy's cluster discovery types the host knows.

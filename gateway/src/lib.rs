@@ -95,7 +95,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let sock = std::net::TcpListener::bind(&l.address)
             .map_err(|e| anyhow::anyhow!("listener {}: bind {}: {e}", l.name, l.address))?;
         sock.set_nonblocking(true)?;
-        listeners.push((l.name.clone(), sock, l.per_connection_buffer_limit_bytes as usize));
+        listeners.push((
+            l.name.clone(),
+            sock,
+            (l.per_connection_buffer_limit_bytes as usize, l.timers()),
+        ));
     }
 
     let n = args.workers.max(1);
@@ -112,9 +116,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let g = g.clone();
         let plugin = plugin.clone();
         let events_tx = senders[idx].clone();
-        let socks: Vec<(std::net::TcpListener, usize)> = listeners
+        let socks: Vec<(std::net::TcpListener, (usize, config::ListenerTimers))> = listeners
             .iter()
-            .filter_map(|(_, s, limit)| s.try_clone().ok().map(|s| (s, *limit)))
+            .filter_map(|(_, s, opts)| s.try_clone().ok().map(|s| (s, *opts)))
             .collect();
         let ready_tx = ready_tx.clone();
         std::thread::Builder::new().name(format!("worker-{idx}")).spawn(move || {
@@ -134,7 +138,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                         return;
                     }
                 };
-                for (s, buffer_limit) in socks {
+                for (s, (buffer_limit, timers)) in socks {
                     let l = match tokio::net::TcpListener::from_std(s) {
                         Ok(l) => l,
                         Err(e) => {
@@ -161,6 +165,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                                         peer,
                                         local_addr,
                                         buffer_limit,
+                                        timers,
                                     ));
                                 }
                                 Err(e) => {
@@ -228,6 +233,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                                 }
                             });
                             let _ = hyper::server::conn::http1::Builder::new()
+                                .timer(hyper_util::rt::TokioTimer::new())
                                 .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
                                 .await;
                         });

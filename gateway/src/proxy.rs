@@ -12,7 +12,7 @@
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
 use crate::body::{BodyError, GwBody};
 use crate::cluster::Endpoint;
-use crate::config::FailurePolicy;
+use crate::config::{FailurePolicy, ListenerTimers};
 use crate::worker::{Global, Shutdown, Worker};
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -40,6 +40,43 @@ const HOP_BY_HOP: &[&str] = &[
     "trailer",
 ];
 
+/// The streams in flight on one downstream connection, for its idle timeout.
+#[derive(Default)]
+struct ConnStreams {
+    active: std::cell::Cell<usize>,
+    /// When the last stream ended (or the connection opened).
+    idle_since: std::cell::Cell<Option<tokio::time::Instant>>,
+    changed: tokio::sync::Notify,
+}
+
+/// One stream in flight on a connection (ends when dropped, after the plugin's on_delete).
+struct ConnStream(Rc<ConnStreams>);
+
+impl ConnStreams {
+    fn enter(self: &Rc<Self>) -> ConnStream {
+        self.active.set(self.active.get() + 1);
+        self.changed.notify_one();
+        ConnStream(self.clone())
+    }
+
+    /// When the connection's idle timeout fires (None while a stream is in flight).
+    fn idle_deadline(&self, timeout: Option<Duration>) -> Option<tokio::time::Instant> {
+        let since = self.idle_since.get()?;
+        (self.active.get() == 0).then_some(since + timeout?)
+    }
+}
+
+impl Drop for ConnStream {
+    fn drop(&mut self) {
+        let n = self.0.active.get().saturating_sub(1);
+        self.0.active.set(n);
+        if n == 0 {
+            self.0.idle_since.set(Some(tokio::time::Instant::now()));
+        }
+        self.0.changed.notify_one();
+    }
+}
+
 /// Serve one downstream connection on this worker.
 pub async fn serve_connection(
     w: Rc<Worker>,
@@ -47,25 +84,42 @@ pub async fn serve_connection(
     peer: SocketAddr,
     local: SocketAddr,
     buffer_limit: usize,
+    timers: ListenerTimers,
 ) {
     let _ = stream.set_nodelay(true);
     let conn_id = w.next_connection_id();
     let shutdown = w.g.shutdown.clone();
+    let streams = Rc::new(ConnStreams::default());
+    streams.idle_since.set(Some(tokio::time::Instant::now()));
+    let conn_streams = streams.clone();
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let w = w.clone();
+        let in_flight = conn_streams.enter();
         async move {
             Ok::<_, std::convert::Infallible>(
-                handle(w, req, peer, local, conn_id, buffer_limit).await,
+                handle(w, req, peer, local, conn_id, buffer_limit, timers, in_flight).await,
             )
         }
     });
     let io = hyper_util::rt::TokioIo::new(stream);
-    let conn =
-        hyper::server::conn::http1::Builder::new().keep_alive(true).serve_connection(io, svc);
+    // Hyper's header-read timeout only runs with a timer; without one it is silently off.
+    let conn = hyper::server::conn::http1::Builder::new()
+        .keep_alive(true)
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(timers.headers)
+        .serve_connection(io, svc);
     tokio::pin!(conn);
     let mut stop = shutdown.subscribe();
     loop {
+        let idle_at = streams.idle_deadline(timers.idle);
         tokio::select! {
+            // Envoy's connection idle timeout: no stream for `idle_timeout_ms`; an HTTP/1
+            // connection is closed at once.
+            _ = async { match idle_at { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
+                tracing::debug!("downstream connection idle timeout");
+                return;
+            }
+            _ = streams.changed.notified() => {}
             r = conn.as_mut() => {
                 if let Err(e) = r {
                     tracing::debug!("downstream connection error: {e}");
@@ -94,6 +148,7 @@ pub async fn serve_connection(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn handle(
     w: Rc<Worker>,
     req: Request<Incoming>,
@@ -101,11 +156,15 @@ async fn handle(
     local: SocketAddr,
     conn_id: u64,
     buffer_limit: usize,
+    timers: ListenerTimers,
+    in_flight: ConnStream,
 ) -> Response<GwBody> {
     let (tx, rx) = oneshot::channel();
     tokio::task::spawn_local(async move {
-        let d = Drive::new(w, &req, peer, local, conn_id, buffer_limit, tx);
+        let mut d = Drive::new(w, &req, peer, local, conn_id, buffer_limit, tx);
+        d.idle = StreamIdle::new(timers.stream_idle);
         d.run(req).await;
+        drop(in_flight);
     });
     match rx.await {
         Ok(r) => r,
@@ -151,6 +210,51 @@ impl Drop for Upstream {
     }
 }
 
+/// Envoy's stream idle timer: re-armed by stream activity (request data received, response
+/// headers or data sent); when it fires the stream gets 408 "stream timeout" if no response has
+/// started, else a reset.
+struct StreamIdle {
+    timeout: Option<Duration>,
+    deadline: tokio::time::Instant,
+}
+
+impl StreamIdle {
+    fn new(timeout: Option<Duration>) -> StreamIdle {
+        let mut t = StreamIdle { timeout, deadline: tokio::time::Instant::now() };
+        t.touch();
+        t
+    }
+
+    fn touch(&mut self) {
+        if let Some(t) = self.timeout {
+            self.deadline = tokio::time::Instant::now() + t;
+        }
+    }
+
+    /// Resolves when the timer fires (never when it is off). Holds no borrow of the stream.
+    fn expired(&self) -> impl Future<Output = ()> {
+        deadline_passed(self.timeout.map(|_| self.deadline))
+    }
+}
+
+/// Resolves at `at`, or never.
+async fn deadline_passed(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Envoy's local reply when the stream idle timer fires before a response started.
+fn stream_timeout() -> LocalReply {
+    local(408, "stream_idle_timeout", "stream timeout")
+}
+
+/// Envoy's local reply when the route timeout fires before the response headers.
+fn route_timeout() -> LocalReply {
+    local(504, "upstream_response_timeout", "upstream request timeout")
+}
+
 /// Decrements the endpoint's active count when the upstream request ends.
 struct ActiveGuard(Arc<Endpoint>);
 impl Drop for ActiveGuard {
@@ -178,6 +282,9 @@ struct Drive {
     endpoint: Option<Arc<Endpoint>>,
     active: Option<ActiveGuard>,
     timeout: Duration,
+    /// The route timeout's deadline: set when the router has the whole request.
+    route_deadline: Option<tokio::time::Instant>,
+    idle: StreamIdle,
     trapped: bool,
     /// The last data callback answered StopIterationAndWatermark: past the buffer limit Envoy
     /// applies flow control (stops reading) instead of a 413/500 local reply.
@@ -327,6 +434,8 @@ impl Drive {
             endpoint: None,
             active: None,
             timeout: Duration::ZERO,
+            route_deadline: None,
+            idle: StreamIdle::new(None),
             trapped: false,
             data_watermark: false,
             _live: live,
@@ -397,7 +506,7 @@ impl Drive {
             ReqOutcome::Upstream(Err(e)) => {
                 let lr = match e {
                     UpError::Connect => local(503, "upstream_reset_before_response_started{connection_failure}", "upstream connect error or disconnect/reset before headers. reset reason: connection failure"),
-                    UpError::Timeout => local(504, "upstream_response_timeout", "upstream request timeout"),
+                    UpError::Timeout => route_timeout(),
                     UpError::Other => local(502, "upstream_reset_before_response_started{protocol_error}", "upstream connect error or disconnect/reset before headers. reset reason: protocol error"),
                 };
                 self.upstream = None;
@@ -548,6 +657,11 @@ impl Drive {
                     }
                     if body_done {
                         up.body_tx = None;
+                        // The router has the whole request: Envoy's route timeout starts.
+                        let route_deadline = (!self.timeout.is_zero())
+                            .then(|| tokio::time::Instant::now() + self.timeout);
+                        self.route_deadline = route_deadline;
+                        let idle = self.idle.expired();
                         let r = match up.result.take() {
                             Some(r) => r,
                             None => match up.fut.take() {
@@ -557,6 +671,8 @@ impl Drive {
                                         Some(rt) => tokio::select! {
                                             r = f => r,
                                             _ = rt.closed() => return ReqOutcome::Aborted,
+                                            _ = deadline_passed(route_deadline) => Err(UpError::Timeout),
+                                            _ = idle => return ReqOutcome::Local(stream_timeout()),
                                         },
                                         None => f.await,
                                     }
@@ -577,9 +693,14 @@ impl Drive {
                     None
                 }
             });
+            let idle = self.idle.expired();
             let resp_tx = self.resp_tx.as_mut();
             tokio::select! {
+                // Nothing happened on the stream for stream_idle_timeout_ms (e.g. the plugin
+                // holds the request and never resumes it).
+                _ = idle => return ReqOutcome::Local(stream_timeout()),
                 f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() && !flow_controlled => {
+                    self.idle.touch();
                     match f {
                         None => {
                             body = None;
@@ -742,18 +863,15 @@ impl Drive {
         };
         let req = b.body(gw_body).map_err(|_| local(400, "invalid_request", "bad request"))?;
         let client = self.w.client.clone();
-        let timeout = self.timeout;
+        // No timeout here: the route timeout runs from the end of the request (`route_deadline`).
         let fut = async move {
-            let call = client.request(req);
-            let r = if timeout.is_zero() {
-                call.await
-            } else {
-                match tokio::time::timeout(timeout, call).await {
-                    Ok(r) => r,
-                    Err(_) => return Err(UpError::Timeout),
+            client.request(req).await.map_err(|e| {
+                if e.is_connect() {
+                    UpError::Connect
+                } else {
+                    UpError::Other
                 }
-            };
-            r.map_err(|e| if e.is_connect() { UpError::Connect } else { UpError::Other })
+            })
         };
         self.upstream = Some(Upstream { body_tx, fut: Some(Box::pin(fut)), result: None });
         Ok(())
@@ -809,6 +927,7 @@ impl Drive {
     async fn response_phase(&mut self, resp: Response<Incoming>) {
         use hyper::body::Body;
         let (parts, body) = resp.into_parts();
+        self.idle.touch();
         {
             let mut s = self.lock();
             let mut h: HeaderMap =
@@ -899,6 +1018,7 @@ impl Drive {
                     if !ok {
                         return; // client went away
                     }
+                    self.idle.touch();
                 }
                 if body_done {
                     self.down = None;
@@ -907,9 +1027,14 @@ impl Drive {
             }
             let notify = self.notify.clone();
             let down = self.down.clone();
+            let idle = self.idle.expired();
+            let route_deadline = self.route_deadline;
             let resp_tx = self.resp_tx.as_mut();
             tokio::select! {
+                _ = idle => return self.timed_out(stream_timeout()).await,
+                _ = deadline_passed(route_deadline) => return self.timed_out(route_timeout()).await,
                 f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() => {
+                    self.idle.touch();
                     match f {
                         None => {
                             body = None;
@@ -963,6 +1088,16 @@ impl Drive {
                     return;
                 }
             }
+        }
+    }
+
+    /// A stream timer fired during the response: the local reply if no response started, else a
+    /// reset (Envoy).
+    async fn timed_out(&mut self, lr: LocalReply) {
+        if self.resp_tx.is_some() {
+            self.local_reply(lr).await
+        } else {
+            self.abort_downstream().await
         }
     }
 
