@@ -98,7 +98,15 @@ pub async fn handle(g: Arc<Global>, req: Request<Incoming>) -> Response<GwBody> 
             match what {
                 "endpoints" => match serde_json::from_slice::<Vec<String>>(&body) {
                     Ok(list) => match cluster.set_endpoints(&list) {
-                        Ok(()) => resp(StatusCode::OK, "text/plain", "OK\n".into()),
+                        Ok(added) => {
+                            if !added.is_empty() && cluster.health_check.is_some() {
+                                let cluster = cluster.clone();
+                                tokio::spawn(async move {
+                                    crate::cluster::check_endpoints(&cluster, added).await
+                                });
+                            }
+                            resp(StatusCode::OK, "text/plain", "OK\n".into())
+                        }
                         Err(e) => resp(StatusCode::BAD_REQUEST, "text/plain", format!("{e}\n")),
                     },
                     Err(e) => resp(

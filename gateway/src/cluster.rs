@@ -6,7 +6,7 @@
 use crate::config::{ClusterConfig, ClusterType, HealthCheckConfig, LbPolicy, RedisClusterConfig};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -57,20 +57,43 @@ pub struct Endpoint {
     /// Requests sent to this endpoint.
     pub total: AtomicU64,
     hc_successes: Mutex<(u32, u32)>,
+    /// Not health-checked yet (Envoy: a session's `first_check_`): one success makes it Healthy.
+    first_hc_pending: AtomicBool,
+    /// Envoy's PENDING_ACTIVE_HC under `ignore_new_hosts_until_first_hc`: left out of load
+    /// balancing until the first check.
+    excluded: AtomicBool,
 }
 
 impl Endpoint {
+    /// An endpoint of a cluster without health check: Healthy.
     fn new(address: &str) -> Option<Arc<Endpoint>> {
+        Self::with_state(address, Health::Healthy, false)
+    }
+
+    /// An endpoint of a health-checked cluster. Envoy marks it FAILED_ACTIVE_HC (Unhealthy) until
+    /// its first check passes, whether it was configured or added at run time.
+    fn new_checked(address: &str, excluded: bool) -> Option<Arc<Endpoint>> {
+        Self::with_state(address, Health::Unhealthy, excluded)
+    }
+
+    fn with_state(address: &str, health: Health, excluded: bool) -> Option<Arc<Endpoint>> {
         let addr: SocketAddr = address.parse().ok()?;
         Some(Arc::new(Endpoint {
             address: address.to_string(),
             addr,
-            health: Mutex::new(Health::Healthy),
+            health: Mutex::new(health),
             metrics: Mutex::new(String::new()),
             active: AtomicI64::new(0),
             total: AtomicU64::new(0),
             hc_successes: Mutex::new((0, 0)),
+            first_hc_pending: AtomicBool::new(health == Health::Unhealthy),
+            excluded: AtomicBool::new(excluded),
         }))
+    }
+
+    /// Left out of load balancing until its first health check.
+    pub fn excluded(&self) -> bool {
+        self.excluded.load(Ordering::Relaxed)
     }
     /// Current health.
     pub fn health(&self) -> Health {
@@ -107,6 +130,8 @@ pub struct Cluster {
     pub use_http_header: bool,
     /// REDIS_CLUSTER: slot map refresh settings.
     pub redis_cluster: RedisClusterConfig,
+    /// Envoy's `ignore_new_hosts_until_first_hc`.
+    pub ignore_new_hosts_until_first_hc: bool,
     rr: AtomicUsize,
 }
 
@@ -121,27 +146,39 @@ impl Cluster {
         self.endpoints().into_iter().find(|e| e.address == address)
     }
 
-    /// Replace the endpoint set, keeping state of endpoints that stay; new ones start Healthy.
-    pub fn set_endpoints(&self, addrs: &[String]) -> Result<(), String> {
+    /// Replace the endpoint set, keeping the state of endpoints that stay. New ones start Healthy
+    /// without a health check; with one they start Unhealthy pending their first check, as in
+    /// Envoy's `updateDynamicHostList` (and excluded from load balancing under
+    /// `ignore_new_hosts_until_first_hc`). Returns the new endpoints, to be checked at once.
+    pub fn set_endpoints(&self, addrs: &[String]) -> Result<Vec<Arc<Endpoint>>, String> {
         let old = self.endpoints();
-        let mut new = Vec::new();
+        let mut all = Vec::new();
+        let mut added = Vec::new();
         for a in addrs {
             if let Some(e) = old.iter().find(|e| &e.address == a) {
-                new.push(e.clone());
-            } else {
-                new.push(Endpoint::new(a).ok_or_else(|| format!("bad endpoint {a}"))?);
+                all.push(e.clone());
+                continue;
             }
+            let e = if self.health_check.is_some() {
+                Endpoint::new_checked(a, self.ignore_new_hosts_until_first_hc)
+            } else {
+                Endpoint::new(a)
+            };
+            let e = e.ok_or_else(|| format!("bad endpoint {a}"))?;
+            added.push(e.clone());
+            all.push(e);
         }
         if let Ok(mut g) = self.endpoints.write() {
-            *g = new;
+            *g = all;
         }
-        Ok(())
+        Ok(added)
     }
 
     /// The cluster's load balancer. Like Envoy: healthy hosts first, degraded hosts when no healthy
     /// host is left, and panic mode (all hosts) below 50% healthy.
     pub fn pick(&self) -> Option<Arc<Endpoint>> {
-        let all = self.endpoints();
+        let mut all = self.endpoints();
+        all.retain(|e| !e.excluded());
         if all.is_empty() {
             return None;
         }
@@ -229,7 +266,14 @@ impl Clusters {
         for cfg in cfgs {
             let mut eps = Vec::new();
             for e in &cfg.endpoints {
-                eps.push(Endpoint::new(e).ok_or_else(|| anyhow::anyhow!("bad endpoint {e}"))?);
+                // Envoy's static clusters mark every host FAILED_ACTIVE_HC when a health checker
+                // is configured; the warming round before READY checks them.
+                let ep = if cfg.health_check.is_some() {
+                    Endpoint::new_checked(e, false)
+                } else {
+                    Endpoint::new(e)
+                };
+                eps.push(ep.ok_or_else(|| anyhow::anyhow!("bad endpoint {e}"))?);
             }
             c.order.push(cfg.name.clone());
             c.map.insert(
@@ -243,6 +287,7 @@ impl Clusters {
                     cluster_type: cfg.cluster_type,
                     use_http_header: cfg.original_dst_lb_config.use_http_header,
                     redis_cluster: cfg.redis_cluster,
+                    ignore_new_hosts_until_first_hc: cfg.ignore_new_hosts_until_first_hc,
                     rr: AtomicUsize::new(0),
                 }),
             );
@@ -295,8 +340,13 @@ async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<bytes:
 
 /// Run one health-check round over a cluster's endpoints.
 pub async fn health_check_round(cluster: &Cluster) {
+    check_endpoints(cluster, cluster.endpoints()).await
+}
+
+/// Health-check `eps` of `cluster` once (a round, or endpoints just added: Envoy starts a new
+/// host's session, and so its first check, at once).
+pub async fn check_endpoints(cluster: &Cluster, eps: Vec<Arc<Endpoint>>) {
     let Some(hc) = &cluster.health_check else { return };
-    let eps = cluster.endpoints();
     let mut tasks = Vec::new();
     for e in eps {
         let path = hc.path.clone();
@@ -312,6 +362,10 @@ pub async fn health_check_round(cluster: &Cluster) {
             Ok(c) => c,
             Err(_) => continue,
         };
+        // Envoy: the first check of a host decides alone (one success is enough to leave
+        // FAILED_ACTIVE_HC), and ends its PENDING_ACTIVE_HC either way.
+        let first = e.first_hc_pending.swap(false, Ordering::Relaxed);
+        e.excluded.store(false, Ordering::Relaxed);
         match r {
             Ok(body) => {
                 counts.0 += 1;
@@ -322,7 +376,7 @@ pub async fn health_check_round(cluster: &Cluster) {
                         *m = String::from_utf8_lossy(keep).into_owned();
                     }
                 }
-                if counts.0 >= hc.healthy_threshold && e.health() == Health::Unhealthy {
+                if (first || counts.0 >= hc.healthy_threshold) && e.health() == Health::Unhealthy {
                     e.set_health(Health::Healthy);
                 }
             }
@@ -353,5 +407,57 @@ pub fn spawn_health_checks(clusters: &Clusters) {
                 health_check_round(&c).await;
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cluster(ignore_new_hosts: bool) -> Arc<Cluster> {
+        let cfg: ClusterConfig = serde_json::from_value(serde_json::json!({
+            "name": "pods",
+            "endpoints": ["127.0.0.1:1"],
+            "health_check": {"path": "/metrics", "interval_ms": 60000},
+            "ignore_new_hosts_until_first_hc": ignore_new_hosts,
+        }))
+        .unwrap();
+        let c = Clusters::new(&[cfg]).unwrap().get("pods").unwrap();
+        c.find("127.0.0.1:1").unwrap().set_health(Health::Healthy);
+        c
+    }
+
+    /// Where 30 picks go after two endpoints were added and before their first check.
+    fn picks_before_first_check(ignore_new_hosts: bool) -> Vec<String> {
+        let c = cluster(ignore_new_hosts);
+        let added = c
+            .set_endpoints(&["127.0.0.1:1".into(), "127.0.0.1:2".into(), "127.0.0.1:3".into()])
+            .unwrap();
+        assert_eq!(added.len(), 2);
+        assert!(added.iter().all(|e| e.health() == Health::Unhealthy));
+        (0..30).filter_map(|_| c.pick()).map(|e| e.address.clone()).collect()
+    }
+
+    /// Envoy's default: new hosts count as Unhealthy, so one healthy host of three puts the
+    /// cluster in panic (every host takes traffic). With `ignore_new_hosts_until_first_hc` they
+    /// are left out until checked: the one healthy host takes everything.
+    #[test]
+    fn new_hosts_count_for_panic_unless_ignored_until_first_check() {
+        let counted = picks_before_first_check(false);
+        assert!(counted.iter().any(|a| a == "127.0.0.1:2"), "{counted:?}");
+        let ignored = picks_before_first_check(true);
+        assert!(ignored.iter().all(|a| a == "127.0.0.1:1"), "{ignored:?}");
+        assert_eq!(ignored.len(), 30);
+    }
+
+    #[test]
+    fn endpoints_of_a_cluster_without_health_check_start_healthy() {
+        let cfg: ClusterConfig =
+            serde_json::from_value(serde_json::json!({"name": "c", "endpoints": ["127.0.0.1:1"]}))
+                .unwrap();
+        let c = Clusters::new(&[cfg]).unwrap().get("c").unwrap();
+        let added = c.set_endpoints(&["127.0.0.1:1".into(), "127.0.0.1:2".into()]).unwrap();
+        assert_eq!(added[0].health(), Health::Healthy);
+        assert_eq!(c.find("127.0.0.1:1").unwrap().health(), Health::Healthy);
     }
 }
