@@ -33,6 +33,11 @@ pub struct Stats {
     pub local_replies_total: AtomicU64,
     /// Plugin VM traps.
     pub vm_traps_total: AtomicU64,
+    /// Calls into a plugin VM (every callback: stream, root, tick, Redis/HTTP replies).
+    pub vm_calls_total: AtomicU64,
+    /// Wall time spent inside those calls (hostcalls included), in nanoseconds: the plugin's
+    /// own CPU on the worker thread, which blocks while it runs.
+    pub vm_call_nanos_total: AtomicU64,
     /// Largest linear memory of any plugin VM, in bytes. A wasm memory never shrinks, so this is
     /// the peak any one VM needed.
     pub vm_memory_bytes_max: AtomicU64,
@@ -103,6 +108,16 @@ impl Stats {
         out.push_str(&format!(
             "gateway_vm_traps_total {}\n",
             self.vm_traps_total.load(Ordering::Relaxed)
+        ));
+        out.push_str("# TYPE gateway_vm_calls_total counter\n");
+        out.push_str(&format!(
+            "gateway_vm_calls_total {}\n",
+            self.vm_calls_total.load(Ordering::Relaxed)
+        ));
+        out.push_str("# TYPE gateway_vm_call_seconds_total counter\n");
+        out.push_str(&format!(
+            "gateway_vm_call_seconds_total {:.9}\n",
+            self.vm_call_nanos_total.load(Ordering::Relaxed) as f64 / 1e9
         ));
         out.push_str("# TYPE gateway_vm_memory_bytes_max gauge\n");
         out.push_str(&format!(

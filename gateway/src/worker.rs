@@ -423,11 +423,15 @@ impl Worker {
         name: &str,
         args: &[i32],
     ) -> Result<(Option<i32>, bool), Trapped> {
+        let started = std::time::Instant::now();
         let r = {
             let mut vm = self.vm.borrow_mut();
             let Some(vm) = vm.as_mut() else { return Ok((None, false)) };
             vm.call(ctx, name, args)
         };
+        let stats = &self.g.stats;
+        stats.vm_calls_total.fetch_add(1, Ordering::Relaxed);
+        stats.vm_call_nanos_total.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         match r {
             Ok(x) => Ok(x),
             Err(e) => {
