@@ -236,6 +236,22 @@ async fn override_host_is_honoured_and_non_strict() {
         seen.insert(r.header("x-gateway-upstream-host").unwrap());
     }
     assert_eq!(seen.len(), 2, "unknown override host falls back to round robin: {seen:?}");
+    // Degraded host: still taken (Envoy's default `override_host_status` is UNKNOWN, HEALTHY,
+    // DEGRADED), although the LB itself would avoid it while a healthy host is left.
+    let r = request(
+        "POST",
+        &gw.admin_url("/clusters/pods/health"),
+        &[],
+        &format!("{{\"{target}\": \"Degraded\"}}"),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    for _ in 0..4 {
+        let r = get(&gw.url("/o"), &[("x-target", &target)]).await;
+        assert_eq!(r.header("x-gateway-upstream-host"), Some(target.clone()));
+        let r = get(&gw.url("/o"), &[]).await;
+        assert_eq!(r.header("x-gateway-upstream-host"), Some(u1.addr.to_string()));
+    }
     // Unhealthy host: normal balancing over the healthy ones.
     let r = request(
         "POST",
@@ -832,8 +848,7 @@ async fn watermark_buffering_over_the_limit_slows_the_client_instead_of_413() {
     )
     .await;
     assert_eq!(r.status, 200, "{}", r.text());
-    let ev = gw.events();
-    assert!(ev.iter().any(|e| e == "continued 0"), "{ev:?}");
+    gw.wait_events(|e| e.iter().any(|e| e == "continued 0"), "the tick's continue").await;
     let got = up.requests();
     assert_eq!(got.len(), 1);
     assert_eq!(&got[0].body[..], b"aaaaabbbbbcccccddddd", "the whole body arrives");
@@ -1338,4 +1353,390 @@ async fn abi_markers_are_function_exports_of_a_known_version() {
     let both = Wat::new().module("0_3_0", "  (func (export \"proxy_abi_version_0_2_1\"))\n");
     let gw = Gateway::try_start(&cfg, Some(&both), 1).expect("the known marker counts");
     assert_eq!(get(&gw.url("/t"), &[]).await.status, 200);
+}
+
+// ------------------------------------------------------------------ timers
+
+/// One route to `up` with the given listener and route settings (YAML flow-map entries).
+fn timer_config(up: &Upstream, listener: &str, route: &str, plugin: bool) -> String {
+    let plugin = if plugin {
+        "plugin:\n  wasm: {PLUGIN}\n  name: test-plugin\n  root_id: test-root\n"
+    } else {
+        ""
+    };
+    format!(
+        "listeners: [{{name: main, address: 127.0.0.1:0{listener}}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n  - {{name: r, match: {{prefix: /}}, cluster: pods{route}}}\nclusters:\n  - name: pods\n    endpoints: [\"{}\"]\n{plugin}",
+        up.addr
+    )
+}
+
+/// A plugin that holds every request (StopIteration in request headers) and never resumes it;
+/// it logs its on_log and on_done.
+fn never_resume_plugin() -> String {
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (i32.const 1))
+  (func (export "proxy_on_log") (param $ctx i32)
+    (call $ev_start {ev_log}) (call $ev_num (local.get $ctx)) (call $ev_end))
+  (func (export "proxy_on_done") (param $ctx i32) (result i32)
+    (call $ev_start {ev_done}) (call $ev_num (local.get $ctx)) (call $ev_end)
+    (i32.const 1))
+"#,
+        ev_log = w.s("log"),
+        ev_done = w.s("done"),
+    );
+    w.module("0_2_100", &body)
+}
+
+/// Envoy's `stream_idle_timeout`: a request the plugin holds and never resumes gets 408
+/// "stream timeout" once nothing happened on the stream for that long, and the plugin's on_log
+/// and on_done run. (The route timeout does not cover it: it starts once the router has the
+/// whole request.) The host used to hold such a request until the client gave up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_plugin_never_resumes_gets_408_after_the_stream_idle_timeout() {
+    let up = Upstream::start().await;
+    let cfg = timer_config(&up, ", stream_idle_timeout_ms: 500", ", timeout_ms: 200", true);
+    let gw = Gateway::start(&cfg, Some(&never_resume_plugin()), 1);
+    let started = Instant::now();
+    let r = get(&gw.url("/held"), &[]).await;
+    assert_eq!((r.status, r.text().as_str()), (408, "stream timeout"));
+    assert!(started.elapsed() >= Duration::from_millis(450), "{:?}", started.elapsed());
+    gw.wait_events(|e| idx(e, "log").is_some() && idx(e, "done").is_some(), "on_log and on_done")
+        .await;
+    assert_eq!(up.count("/held"), 0, "the held request never reached the upstream");
+}
+
+/// Envoy's route timeout starts when the router has the whole request: a slow upload longer
+/// than the timeout still succeeds (the host used to count from the first upstream poll and
+/// answer 504 mid-upload).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_route_timeout_does_not_count_the_upload() {
+    let up = Upstream::start().await;
+    let cfg = timer_config(&up, "", ", timeout_ms: 800", false);
+    let gw = Gateway::start(&cfg, None, 1);
+    let r = post_chunks(&gw.url("/upload"), &[], &["a", "b", "c", "d"], Duration::from_millis(400))
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        up.requests().last().map(|q| q.body.clone()),
+        Some(bytes::Bytes::from_static(b"abcd"))
+    );
+}
+
+/// Envoy's route timeout covers the response to its end: a response still streaming when it
+/// fires is reset, and the upstream request is cancelled. The host used to stop counting at
+/// the response headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_route_timeout_resets_a_response_still_streaming() {
+    use http_body_util::BodyExt;
+    let up = Upstream::start().await;
+    let cfg = timer_config(&up, "", ", timeout_ms: 1000", false);
+    let gw = Gateway::start(&cfg, None, 1);
+    let req = hyper::Request::get(gw.url("/sse-forever"))
+        .body(gateway::body::GwBody::full(bytes::Bytes::new()))
+        .unwrap();
+    let started = Instant::now();
+    let resp = client().request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = tokio::time::timeout(Duration::from_secs(10), resp.into_body().collect()).await;
+    let body = body.expect("the route timeout must end the stream");
+    assert!(body.is_err(), "a reset, not a clean end");
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(8), "{took:?}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !*up.sse_closed.lock().unwrap() {
+        assert!(Instant::now() < deadline, "the upstream stream was never cancelled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Reads from a raw connection until the peer closes it (Ok(elapsed)) or `within` passes.
+async fn closed_within(
+    s: &mut tokio::net::TcpStream,
+    within: Duration,
+) -> Result<Duration, String> {
+    use tokio::io::AsyncReadExt;
+    let started = Instant::now();
+    let mut buf = vec![0u8; 4096];
+    loop {
+        match tokio::time::timeout_at((started + within).into(), s.read(&mut buf)).await {
+            Err(_) => return Err(format!("still open after {within:?}")),
+            Ok(Ok(0)) | Ok(Err(_)) => return Ok(started.elapsed()),
+            Ok(Ok(_)) => {}
+        }
+    }
+}
+
+/// Higress's `downstream.idleTimeout` (Envoy's connection `idle_timeout`): a keep-alive
+/// connection with no request in flight is closed after it. The host used to keep it forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keep_alive_connection_is_closed_after_the_idle_timeout() {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::start().await;
+    let cfg = timer_config(&up, ", idle_timeout_ms: 400", "", false);
+    let gw = Gateway::start(&cfg, None, 1);
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    // The request takes 500 ms upstream, longer than the idle timeout: a stream in flight
+    // keeps the connection open; the answer arrives, then the idle connection closes.
+    let took = closed_within(&mut s, Duration::from_secs(10)).await.unwrap();
+    assert!(took >= Duration::from_millis(850), "closed while the request was in flight: {took:?}");
+    assert_eq!(up.count("/slow"), 1);
+}
+
+/// Partial request headers are bounded: by `request_headers_timeout_ms` when set, else by the
+/// stream idle timeout (Envoy has a stream from the first byte). Hyper's header-read timeout
+/// needs a timer; the host used to create none, so a stalled header kept its socket forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_request_header_is_cut() {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::start().await;
+    for listener in [", request_headers_timeout_ms: 300", ", stream_idle_timeout_ms: 300"] {
+        let cfg = timer_config(&up, &format!("{listener}, idle_timeout_ms: 0"), "", false);
+        let gw = Gateway::start(&cfg, None, 1);
+        let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nx-partial: ").await.unwrap();
+        let took = closed_within(&mut s, Duration::from_secs(10)).await.unwrap();
+        assert!(took >= Duration::from_millis(250), "{listener}: {took:?}");
+    }
+    assert_eq!(up.count("/"), 0);
+}
+
+// ------------------------------------------------------------------ first health check
+
+/// The `health_status` of `addr` in the admin `/clusters` document.
+async fn health_of(gw: &Gateway, addr: &str) -> Option<String> {
+    let doc: serde_json::Value =
+        serde_json::from_slice(&get(&gw.admin_url("/clusters"), &[]).await.body).ok()?;
+    doc.as_array()?
+        .iter()
+        .flat_map(|c| c["endpoints"].as_array().cloned().unwrap_or_default())
+        .find_map(|e| {
+            (e["address"] == addr).then(|| e["health_status"].as_str().unwrap_or("").to_string())
+        })
+}
+
+/// Envoy (`updateDynamicHostList`): an endpoint added at run time to a health-checked cluster
+/// starts FAILED_ACTIVE_HC (Unhealthy) and its first check runs at once; that first check decides
+/// alone (one success is enough whatever `healthy_threshold` says). The host used to start such
+/// an endpoint Healthy, so a dead pod took traffic until enough checks had failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_added_at_run_time_is_unhealthy_until_its_first_health_check() {
+    let (a, b) = (Upstream::start().await, Upstream::start().await);
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let cfg = format!(
+        "listeners: [{{name: main, address: 127.0.0.1:0}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n  - {{name: r, match: {{prefix: /}}, cluster: pods}}\nclusters:\n  - name: pods\n    endpoints: [\"{}\"]\n    health_check: {{path: /metrics, interval_ms: 60000, timeout_ms: 1000, unhealthy_threshold: 3, healthy_threshold: 3}}\n",
+        a.addr
+    );
+    let gw = Gateway::start(&cfg, None, 1);
+    assert_eq!(health_of(&gw, &a.addr.to_string()).await.as_deref(), Some("Healthy"));
+    let set = |list: String| {
+        let url = gw.admin_url("/clusters/pods/endpoints");
+        async move { request("POST", &url, &[], &list).await.status }
+    };
+    assert_eq!(set(format!("[\"{}\", \"{dead}\"]", a.addr)).await, 200);
+    assert_eq!(health_of(&gw, &dead.to_string()).await.as_deref(), Some("Unhealthy"));
+    for _ in 0..6 {
+        let r = get(&gw.url("/p"), &[]).await;
+        assert_eq!(
+            (r.status, r.header("x-gateway-upstream-host")),
+            (200, Some(a.addr.to_string()))
+        );
+    }
+    // A live endpoint: Healthy after its first check, long before the 60 s interval.
+    assert_eq!(set(format!("[\"{}\", \"{dead}\", \"{}\"]", a.addr, b.addr)).await, 200);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while health_of(&gw, &b.addr.to_string()).await.as_deref() != Some("Healthy") {
+        assert!(Instant::now() < deadline, "the new endpoint was not checked at once");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(health_of(&gw, &dead.to_string()).await.as_deref(), Some("Unhealthy"));
+    for _ in 0..6 {
+        assert_eq!(get(&gw.url("/p"), &[]).await.status, 200);
+    }
+    assert_eq!(b.count("/p"), 3, "round robin over the two healthy endpoints");
+}
+
+// ------------------------------------------------------------------ override host timing
+
+/// A plugin that overrides the upstream host with `x-target`: from the Redis reply (root
+/// context, after `set_effective_context`) while the headers are held, or, with `x-late`, from
+/// the body callback after the headers were let through.
+fn override_from_redis_plugin() -> String {
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (global $stream (mut i32) (i32.const 0))
+  (global $tp (mut i32) (i32.const 0))
+  (global $tl (mut i32) (i32.const 0))
+  (global $late (mut i32) (i32.const 0))
+  (func (export "proxy_on_configure") (param $root i32) (param $size i32) (result i32)
+    (drop (call $proxy_redis_init {cluster} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000)))
+    (i32.const 1))
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (global.set $stream (local.get $ctx))
+    (drop (call $proxy_get_header_map_value (i32.const 0) {tk} (i32.const 256) (i32.const 260)))
+    (global.set $tp (i32.load (i32.const 256))) (global.set $tl (i32.load (i32.const 260)))
+    (global.set $late (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {lk} (i32.const 256) (i32.const 260))))
+    (if (global.get $late) (then (return (i32.const 0))))
+    (call $ev_start {ev_call}) (call $ev_num (call $proxy_redis_call {cluster} {ping} (i32.const 264))) (call $ev_end)
+    (i32.const 1))
+  (func (export "proxy_on_request_body") (param $ctx i32) (param $size i32) (param $eos i32) (result i32)
+    (if (global.get $late)
+      (then (call $ev_start {ev_late}) (call $ev_num (call $proxy_set_upstream_override_host (global.get $tp) (global.get $tl))) (call $ev_end)))
+    (i32.const 0))
+  (func (export "proxy_on_redis_call_response") (param $root i32) (param $token i32) (param $status i32) (param $size i32)
+    (call $ev_start {ev_switch}) (call $ev_num (call $proxy_set_effective_context (global.get $stream))) (call $ev_num (local.get $status)) (call $ev_end)
+    (call $ev_start {ev_override}) (call $ev_num (call $proxy_set_upstream_override_host (global.get $tp) (global.get $tl))) (call $ev_end)
+    (drop (call $proxy_continue_stream (i32.const 0))))
+"#,
+        cluster = w.s("outbound|6379||redis.static"),
+        tk = w.s("x-target"),
+        lk = w.s("x-late"),
+        ping = w.s(&resp(&["PING"])),
+        ev_call = w.s("call"),
+        ev_late = w.s("late"),
+        ev_override = w.s("override"),
+        ev_switch = w.s("switch"),
+    );
+    w.module("0_2_100", &body)
+}
+
+/// The override host can be set from a root callback (the Redis reply) for the stream made
+/// effective there, and it is honoured; set after the headers left (the router has picked), it
+/// changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn override_from_a_redis_reply_is_honoured_and_after_the_headers_ignored() {
+    let (u1, u2) = (Upstream::start().await, Upstream::start().await);
+    let (redis, _) = fake_redis().await;
+    let eps = format!("\"{}\", \"{}\"", u1.addr, u2.addr);
+    let cfg = one_cluster_config(
+        &eps,
+        true,
+        &format!("  - name: outbound|6379||redis.static\n    endpoints: [\"{redis}\"]\n"),
+    );
+    let gw = Gateway::start(&cfg, Some(&override_from_redis_plugin()), 1);
+    let target = u2.addr.to_string();
+    for _ in 0..4 {
+        let r = get(&gw.url("/from-redis"), &[("x-target", &target)]).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-gateway-upstream-host"), Some(target.clone()));
+    }
+    let ev = gw
+        .wait_events(|e| e.iter().filter(|e| *e == "override 0").count() == 4, "4 overrides")
+        .await;
+    assert_eq!(ev.iter().filter(|e| *e == "call 0").count(), 4, "{ev:?}");
+    // Too late: round robin decides (both upstreams get requests).
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..4 {
+        let r =
+            request("POST", &gw.url("/late"), &[("x-target", &target), ("x-late", "1")], "body")
+                .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        seen.insert(r.header("x-gateway-upstream-host").unwrap());
+    }
+    assert_eq!(seen.len(), 2, "an override set after the headers left was honoured: {seen:?}");
+    gw.wait_events(|e| e.iter().filter(|e| e.starts_with("late")).count() == 4, "4 late").await;
+}
+
+/// A Redis reply for a stream the client has left: the reply still reaches the root context,
+/// and switching to the deleted stream with `proxy_set_effective_context` is BadArgument (2), as
+/// in Envoy. (Redis here is a socket that never answers; the op timeout ends the call.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_for_a_deleted_stream_cannot_switch_to_it() {
+    let up = Upstream::start().await;
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let redis = silent.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            held.push(s);
+        }
+    });
+    let cfg = one_cluster_config(
+        &format!("\"{}\"", up.addr),
+        true,
+        &format!("  - name: outbound|6379||redis.static\n    endpoints: [\"{redis}\"]\n"),
+    );
+    let gw = Gateway::start(&cfg, Some(&override_from_redis_plugin()), 1);
+    let gone = tokio::time::timeout(Duration::from_millis(300), get(&gw.url("/gone"), &[])).await;
+    assert!(gone.is_err(), "the request is held until Redis answers");
+    // The op timeout (1000 ms in redis_init) answers NetworkError to the root after the stream
+    // was deleted.
+    let ev = gw.wait_events(|e| idx(e, "switch").is_some(), "the Redis callback").await;
+    assert!(ev.contains(&"switch 2 1".to_string()), "BadArgument, NetworkError: {ev:?}");
+    assert_eq!(up.count("/gone"), 0);
+}
+
+/// A Redis cluster without endpoints: `proxy_redis_call` answers InternalFailure (10) at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_call_to_a_cluster_without_endpoints_is_internal_failure() {
+    let up = Upstream::start().await;
+    let cfg = one_cluster_config(
+        &format!("\"{}\"", up.addr),
+        true,
+        "  - name: outbound|6379||redis.static\n    endpoints: []\n",
+    );
+    let gw = Gateway::start(&cfg, Some(&redis_plugin()), 1);
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
+    assert_eq!(r.status, 600, "InternalFailure (10) surfaced by the plugin");
+    gw.wait_events(|e| e.iter().any(|e| e == "call 10 0"), "the call's InternalFailure").await;
+}
+
+/// Batching (`buffer_flush_timeout`, `max_buffer_size_before_flush` in the cluster string given
+/// to `proxy_redis_init`): commands wait until the buffer is full or the flush timeout passes;
+/// several calls in flight are sent together and each reply reaches its own token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_batching_flushes_on_timeout_with_several_calls_in_flight() {
+    let up = Upstream::start().await;
+    let (addr, seen) = fake_redis().await;
+    // Flush timeout 500 ms, under the 1000 ms op timeout (which runs from the call, as in Envoy).
+    let plugin = redis_plugin_with(
+        "outbound|6379||redis.static?db=1&buffer_flush_timeout=500&max_buffer_size_before_flush=100000",
+    );
+    let gw = Gateway::start(&redis_config(&up, &addr.to_string()), Some(&plugin), 1);
+    let started = Instant::now();
+    let calls = (0..3).map(|i| {
+        let url = gw.url("/r");
+        async move {
+            tokio::time::sleep(Duration::from_millis(150 * i)).await;
+            let key = format!("k{i}");
+            let r = request("POST", &url, &[("x-cluster", CLUSTER)], &resp(&["GET", key.as_str()]))
+                .await;
+            (r, started.elapsed())
+        }
+    });
+    let done = futures_join_all(calls).await;
+    let times: Vec<Duration> = done.iter().map(|(_, t)| *t).collect();
+    for (r, t) in &done {
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(*t >= Duration::from_millis(450), "flushed before the timeout: {times:?}");
+    }
+    let spread = times.iter().max().unwrap().saturating_sub(*times.iter().min().unwrap());
+    // One flush 500 ms after the first call: the three answers arrive together (a timer per
+    // command would spread them 150 ms apart, like the calls).
+    assert!(spread < Duration::from_millis(250), "not sent as one batch: {times:?}");
+    let gets: Vec<Vec<String>> =
+        seen.lock().unwrap().iter().filter(|c| c[0] == "GET").cloned().collect();
+    assert_eq!(gets.len(), 3, "{gets:?}");
+    let ev = gw.wait_events(|e| idx(e, "redis 15 ").is_some(), "the third reply").await;
+    for token in [7, 11, 15] {
+        assert!(ev.iter().any(|e| e.starts_with(&format!("redis {token} 0 "))), "{ev:?}");
+    }
+}
+
+/// Runs futures concurrently; their outputs in order.
+async fn futures_join_all<F: std::future::Future>(fs: impl Iterator<Item = F>) -> Vec<F::Output>
+where
+    F: Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = fs.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
 }

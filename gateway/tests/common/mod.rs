@@ -468,6 +468,11 @@ pub fn one_cluster_config(up: &str, plugin: bool, extra_clusters: &str) -> Strin
 
 /// Plugin for the Redis tests: POST body = raw RESP query, header x-cluster = cluster string.
 pub fn redis_plugin() -> String {
+    redis_plugin_with("outbound|6379||redis.static?db=1")
+}
+
+/// [`redis_plugin`] with another cluster string for `proxy_redis_init`.
+pub fn redis_plugin_with(init_cluster: &str) -> String {
     let mut w = Wat::new();
     let body = format!(
         r#"
@@ -485,6 +490,9 @@ pub fn redis_plugin() -> String {
     (drop (call $proxy_get_header_map_value (i32.const 0) {hk} (i32.const 520) (i32.const 524)))
     (local.set $r (call $proxy_redis_call (i32.load (i32.const 520)) (i32.load (i32.const 524)) (i32.load (i32.const 512)) (i32.load (i32.const 516)) (i32.const 264)))
     (call $ev_start {ev_call}) (call $ev_num (local.get $r)) (call $ev_num (i32.load (i32.const 264))) (call $ev_end)
+    ;; The stream of each token (tokens are small here), so concurrent calls answer their own.
+    (if (i32.eqz (local.get $r))
+      (then (i32.store (i32.add (i32.const 4096) (i32.mul (i32.load (i32.const 264)) (i32.const 4))) (local.get $ctx))))
     (if (local.get $r)
       (then (drop (call $proxy_send_local_response (i32.add (i32.const 590) (local.get $r)) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const -1)))))
     (i32.const 1))
@@ -492,11 +500,11 @@ pub fn redis_plugin() -> String {
     (call $ev_start {ev_resp}) (call $ev_num (local.get $token)) (call $ev_num (local.get $status)) (call $ev_num (local.get $size)) (call $ev_end)
     (i32.store (i32.const 256) (i32.const 0)) (i32.store (i32.const 260) (i32.const 0))
     (drop (call $proxy_get_buffer_bytes (i32.const 9) (i32.const 0) (local.get $size) (i32.const 256) (i32.const 260)))
-    (drop (call $proxy_set_effective_context (global.get $stream)))
+    (drop (call $proxy_set_effective_context (i32.load (i32.add (i32.const 4096) (i32.mul (local.get $token) (i32.const 4))))))
     (drop (call $proxy_send_local_response (i32.add (i32.const 200) (i32.mul (local.get $status) (i32.const 303))) (i32.const 0) (i32.const 0) (i32.load (i32.const 256)) (i32.load (i32.const 260)) (i32.const 0) (i32.const 0) (i32.const -1))))
 "#,
         ev_init = w.s("init"),
-        cl_init = w.s("outbound|6379||redis.static?db=1"),
+        cl_init = w.s(init_cluster),
         pw = w.s("secret"),
         hk = w.s("x-cluster"),
         ev_call = w.s("call"),
