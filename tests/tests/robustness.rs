@@ -323,3 +323,64 @@ async fn odd_requests_served_with_global_least_request() {
 async fn odd_requests_served_with_endpoint_metrics() {
     odd_requests_all_served("endpoint_metrics", json!({"scrapeIntervalMs": 200}), "odd-em").await;
 }
+
+/// Calls of EVAL and EVALSHA so far (Redis `INFO commandstats`).
+async fn script_calls(redis: &RedisFixture) -> i64 {
+    let info = redis.client().await.unwrap().cmd(&["INFO", "commandstats"]).await.unwrap();
+    let info = info.as_string().unwrap_or_default();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_eval:") || l.starts_with("cmdstat_evalsha:"))
+        .filter_map(|l| l.split("calls=").nth(1)?.split(',').next()?.parse::<i64>().ok())
+        .sum()
+}
+
+/// The client goes away while the plugin holds its request waiting for the pick's Redis reply.
+/// Redis runs the pick afterwards (it was frozen, then thawed within the op timeout), so the
+/// count goes up for a request that no longer exists: it must come back to 0, and the request
+/// never reaches a pod.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_gone_while_the_pick_is_in_redis_leaves_no_count() {
+    use testkit::http::{send_and_abort, AbortAt};
+    let mut redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("gone-in-redis", 2).await.unwrap();
+    let cfg = redis_policy_config(
+        "route-gone",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"timeout": 3000}),
+    );
+    let gw = Gateway::start(&cfg).await.unwrap();
+    assert_eq!(chat_once(&gw, "warm up").await.unwrap().status, 200);
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+    let served_before: usize = pods.iter().map(Pod::inference_count).sum();
+    let calls_before = script_calls(&redis).await;
+
+    redis.freeze().await.unwrap();
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "gone"}]});
+    let seen = send_and_abort(
+        gw.addr(),
+        HttpRequest::post_json("/v1/chat/completions", &body),
+        // Before the plugin's own pick deadline (it then falls back to normal balancing).
+        AbortAt::After(Duration::from_millis(100)),
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(seen.status, None, "the request was still held when the client left");
+    // The stream has ended (on_log/on_done ran) before Redis answers.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.unfreeze().await.unwrap();
+
+    eventually(Duration::from_secs(5), "the pick ran in Redis after the client left", || async {
+        Ok(script_calls(&redis).await > calls_before)
+    })
+    .await
+    .unwrap();
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+    let served_after: usize = pods.iter().map(Pod::inference_count).sum();
+    assert_eq!(served_after, served_before, "the abandoned request reached a pod");
+    // The gateway still balances through Redis.
+    assert_eq!(chat_once(&gw, "after").await.unwrap().status, 200);
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
