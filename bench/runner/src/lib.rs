@@ -5,6 +5,7 @@
 pub mod aiperf;
 pub mod chart;
 pub mod model;
+pub mod overhead;
 pub mod procs;
 pub mod redis_cost;
 pub mod scenario;

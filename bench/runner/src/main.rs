@@ -71,6 +71,11 @@ fn root(cli: &Cli) -> PathBuf {
 }
 
 async fn run(paths: Paths, name: String, only: Vec<String>, reps: Option<usize>) -> Result<()> {
+    if name == "overhead" {
+        // Its own measurement (sequential keep-alive requests per row), not a workload scenario.
+        let reps = reps.unwrap_or(3).max(1);
+        return bench::overhead::run(&paths.root.join("bench/results"), reps, 2000).await;
+    }
     let mut sc = load_scenario(&paths, &name)?;
     if !only.is_empty() {
         sc.policies.retain(|p| only.contains(p));

@@ -1,0 +1,360 @@
+//! `bench run overhead`: what the gateway host and the plugin add to one request, in one run.
+//!
+//! Rows, each measured as `requests` sequential requests on one keep-alive connection (after a
+//! warm-up), repeated `reps` times in interleaved order, medians over the repetitions:
+//! - `direct`: the client straight to a pod (the floor);
+//! - `plain proxy`: through a gateway without plugin (1 worker, round robin over 2 pods);
+//! - one row per policy: the same gateway with the compiled plugin (`global_least_request` and
+//!   `prefix_cache` make one Redis call before the request leaves, `endpoint_metrics` none: it
+//!   reads the metrics the host's health check keeps);
+//! - `redis round trip`: a bare `PING` on one connection to the same `redis-server`.
+//!
+//! For the policy rows, `plugin CPU` is the time spent inside the plugin VM per request
+//! (`gateway_vm_call_seconds_total` delta / requests: every callback, hostcalls included) and
+//! `redis cmds` the commands Redis processed per request. The target of issue #8: with one Redis
+//! call, gateway-added p50 at most plain proxy + Redis round trip + 0.2 ms (the `budget` column).
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::json;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+use testkit::gateway::{redis_lb_config, LLM_CLUSTER};
+use testkit::{Gateway, GatewayConfig, Pod, RedisFixture};
+
+use crate::stats::interleaved;
+
+/// The plugin policies measured.
+const POLICIES: [&str; 3] = ["global_least_request", "prefix_cache", "endpoint_metrics"];
+/// Unmeasured requests before each row.
+const WARMUP: usize = 50;
+
+/// One row of one repetition.
+#[derive(Debug, Clone, Serialize)]
+pub struct Sample {
+    /// Row name.
+    pub row: String,
+    /// Repetition.
+    pub rep: usize,
+    /// Median latency (ms).
+    pub p50_ms: f64,
+    /// 99th percentile latency (ms).
+    pub p99_ms: f64,
+    /// Plugin VM time per request (ms), policy rows only.
+    pub plugin_cpu_ms: Option<f64>,
+    /// Redis commands per request, policy rows only.
+    pub redis_cmds: Option<f64>,
+}
+
+/// A row's medians over the repetitions.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// Row name.
+    pub row: String,
+    /// Median of the repetitions' p50 (ms).
+    pub p50_ms: f64,
+    /// Median of the repetitions' p99 (ms).
+    pub p99_ms: f64,
+    /// Median plugin VM time per request (ms).
+    pub plugin_cpu_ms: Option<f64>,
+    /// Median Redis commands per request.
+    pub redis_cmds: Option<f64>,
+}
+
+/// What a row measures.
+enum Target {
+    Http(SocketAddr, Option<usize>),
+    Redis(SocketAddr),
+}
+
+/// Runs the scenario and prints the table; writes `bench/results/overhead.json`.
+pub async fn run(results_dir: &std::path::Path, reps: usize, requests: usize) -> Result<()> {
+    if requests < 1000 {
+        bail!("overhead needs at least 1000 requests per row (got {requests})");
+    }
+    let redis = RedisFixture::start().await?;
+    let pods = vec![Pod::start("overhead-0").await?, Pod::start("overhead-1").await?];
+    for p in &pods {
+        p.set_metrics(testkit::samples::vllm_v1(0, 0, 0.1));
+    }
+    let hosts: Vec<String> = pods.iter().map(Pod::host).collect();
+    let base = |route: &str| {
+        GatewayConfig::new()
+            .route(route, "/", LLM_CLUSTER)
+            .cluster(LLM_CLUSTER, &hosts)
+            .redis(&redis.endpoint())
+            .workers(1)
+            .log_level("warn")
+    };
+    let mut gateways = vec![("plain proxy".to_string(), Gateway::start(&base("plain")).await?)];
+    for policy in POLICIES {
+        let cfg = if policy == "endpoint_metrics" {
+            base(policy)
+                .plugin(json!({"lb_policy": policy, "lb_config": {}}))
+                .metrics_health_check(LLM_CLUSTER, 200)
+        } else {
+            base(policy).plugin(json!({"lb_policy": policy, "lb_config": redis_lb_config()}))
+        };
+        gateways.push((policy.to_string(), Gateway::start(&cfg).await?));
+    }
+    let mut rows: Vec<(String, Target)> =
+        vec![("direct".into(), Target::Http(pods[0].addr(), None))];
+    for (i, (name, gw)) in gateways.iter().enumerate() {
+        rows.push((name.clone(), Target::Http(gw.addr(), Some(i))));
+    }
+    rows.push(("redis round trip".into(), Target::Redis(redis.addr())));
+
+    let mut samples = Vec::new();
+    for (rep, k) in interleaved(rows.len(), reps) {
+        let (name, target) = &rows[k];
+        let sample = match target {
+            Target::Redis(addr) => {
+                let addr = *addr;
+                let lat =
+                    tokio::task::spawn_blocking(move || redis_pings(addr, requests)).await??;
+                sample(name, rep, lat, None, None)
+            }
+            Target::Http(addr, gw) => {
+                let gw = gw.map(|i| &gateways[i].1);
+                let before = match gw {
+                    Some(g) => Some(counters(g, &redis).await?),
+                    None => None,
+                };
+                let addr = *addr;
+                let lat =
+                    tokio::task::spawn_blocking(move || http_requests(addr, requests)).await??;
+                // Late callbacks (the release's Redis reply) land within a few ms.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let (cpu, cmds) = match (gw, before) {
+                    (Some(g), Some((s0, c0))) if name != "plain proxy" => {
+                        let (s1, c1) = counters(g, &redis).await?;
+                        let n = (requests + WARMUP) as f64;
+                        (Some((s1 - s0) * 1e3 / n), Some((c1 - c0) / n))
+                    }
+                    _ => (None, None),
+                };
+                sample(name, rep, lat, cpu, cmds)
+            }
+        };
+        eprintln!(
+            "{:<22} #{}: p50 {:.3} ms  p99 {:.3} ms{}",
+            sample.row,
+            rep + 1,
+            sample.p50_ms,
+            sample.p99_ms,
+            sample.plugin_cpu_ms.map(|c| format!("  plugin {c:.3} ms")).unwrap_or_default()
+        );
+        samples.push(sample);
+    }
+    for (_, mut gw) in gateways {
+        gw.check_no_traps()?;
+        gw.kill();
+    }
+    let table = summarize(&rows.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), &samples);
+    println!("{}", markdown(&table, reps, requests));
+    std::fs::create_dir_all(results_dir)?;
+    let path = results_dir.join("overhead.json");
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(
+            &json!({"reps": reps, "requests": requests, "rows": table, "samples": samples}),
+        )?,
+    )?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+/// (`gateway_vm_call_seconds_total`, Redis `total_commands_processed`).
+async fn counters(gw: &Gateway, redis: &RedisFixture) -> Result<(f64, f64)> {
+    let vm = gw.stat("gateway_vm_call_seconds_total", &[]).await?.unwrap_or(0.0);
+    let info = redis.client().await?.cmd(&["INFO", "stats"]).await?;
+    let info = info.as_string().unwrap_or_default();
+    let cmds = info
+        .lines()
+        .find_map(|l| l.strip_prefix("total_commands_processed:"))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .context("no total_commands_processed in INFO stats")?;
+    // The INFO call itself counts one command.
+    Ok((vm, cmds - 1.0))
+}
+
+fn sample(
+    row: &str,
+    rep: usize,
+    mut lat: Vec<Duration>,
+    plugin_cpu_ms: Option<f64>,
+    redis_cmds: Option<f64>,
+) -> Sample {
+    lat.sort();
+    let at = |q: f64| {
+        let i = ((lat.len() as f64 - 1.0) * q).round() as usize;
+        lat.get(i).map(|d| d.as_secs_f64() * 1e3).unwrap_or(f64::NAN)
+    };
+    Sample {
+        row: row.to_string(),
+        rep,
+        p50_ms: at(0.5),
+        p99_ms: at(0.99),
+        plugin_cpu_ms,
+        redis_cmds,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    v.retain(|x| x.is_finite());
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(v[n / 2]),
+        _ => Some((v[n / 2 - 1] + v[n / 2]) / 2.0),
+    }
+}
+
+fn summarize(order: &[String], samples: &[Sample]) -> Vec<Row> {
+    order
+        .iter()
+        .map(|name| {
+            let of = |f: &dyn Fn(&Sample) -> Option<f64>| {
+                median(samples.iter().filter(|s| &s.row == name).filter_map(f).collect())
+            };
+            Row {
+                row: name.clone(),
+                p50_ms: of(&|s| Some(s.p50_ms)).unwrap_or(f64::NAN),
+                p99_ms: of(&|s| Some(s.p99_ms)).unwrap_or(f64::NAN),
+                plugin_cpu_ms: of(&|s| s.plugin_cpu_ms),
+                redis_cmds: of(&|s| s.redis_cmds),
+            }
+        })
+        .collect()
+}
+
+/// The README table: each row's p50/p99, the gateway-added p50 (over `direct`), and for the
+/// policies the budget plain proxy + Redis round trip + 0.2 ms.
+fn markdown(rows: &[Row], reps: usize, requests: usize) -> String {
+    let p50 = |n: &str| rows.iter().find(|r| r.row == n).map(|r| r.p50_ms).unwrap_or(f64::NAN);
+    let (direct, plain, rtt) = (p50("direct"), p50("plain proxy"), p50("redis round trip"));
+    let mut out = format!(
+        "{requests} sequential keep-alive requests per row, {reps} interleaved repetitions, medians\n\n\
+         | row | p50 ms | p99 ms | added p50 ms | plugin CPU ms/req | Redis cmds/req | budget p50 ms |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for r in rows {
+        let added = if r.row == "direct" || r.row == "redis round trip" {
+            "".to_string()
+        } else {
+            format!("{:.3}", r.p50_ms - direct)
+        };
+        let budget = match r.redis_cmds {
+            Some(c) if c > 0.5 => format!("{:.3}", plain + rtt + 0.2),
+            _ => String::new(),
+        };
+        out.push_str(&format!(
+            "| {} | {:.3} | {:.3} | {added} | {} | {} | {budget} |\n",
+            r.row,
+            r.p50_ms,
+            r.p99_ms,
+            r.plugin_cpu_ms.map(|c| format!("{c:.3}")).unwrap_or_default(),
+            r.redis_cmds.map(|c| format!("{c:.2}")).unwrap_or_default(),
+        ));
+    }
+    out
+}
+
+/// `n` sequential chat requests on one keep-alive connection (after a warm-up); their latencies.
+fn http_requests(addr: SocketAddr, n: usize) -> Result<Vec<Duration>> {
+    let stream = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut w = stream.try_clone()?;
+    let mut r = BufReader::new(stream);
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..WARMUP + n {
+        let body = json!({
+            "model": testkit::samples::MODEL,
+            "messages": [{"role": "user", "content": format!("overhead request {i}: say hi")}],
+            "max_tokens": 8
+        })
+        .to_string();
+        let req = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let started = Instant::now();
+        w.write_all(req.as_bytes())?;
+        let status = read_response(&mut r)?;
+        let took = started.elapsed();
+        if status != 200 {
+            bail!("request {i} to {addr}: status {status}");
+        }
+        if i >= WARMUP {
+            lat.push(took);
+        }
+    }
+    Ok(lat)
+}
+
+/// Reads one HTTP/1.1 response (Content-Length or chunked); its status.
+fn read_response(r: &mut impl BufRead) -> Result<u16> {
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .with_context(|| format!("bad status line {line:?}"))?;
+    let (mut len, mut chunked) = (0usize, false);
+    loop {
+        line.clear();
+        r.read_line(&mut line)?;
+        let l = line.trim_end();
+        if l.is_empty() {
+            break;
+        }
+        let lower = l.to_ascii_lowercase();
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            len = v.trim().parse()?;
+        } else if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
+            chunked = true;
+        }
+    }
+    if !chunked {
+        std::io::copy(&mut r.take(len as u64), &mut std::io::sink())?;
+        return Ok(status);
+    }
+    loop {
+        line.clear();
+        r.read_line(&mut line)?;
+        let size = usize::from_str_radix(line.trim().split(';').next().unwrap_or("0"), 16)?;
+        std::io::copy(&mut r.take(size as u64 + 2), &mut std::io::sink())?;
+        if size == 0 {
+            return Ok(status);
+        }
+    }
+}
+
+/// `n` sequential `PING`s on one connection (after a warm-up); their round trips.
+fn redis_pings(addr: SocketAddr, n: usize) -> Result<Vec<Duration>> {
+    let stream = TcpStream::connect(addr)?;
+    stream.set_nodelay(true)?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut w = stream.try_clone()?;
+    let mut r = BufReader::new(stream);
+    let mut lat = Vec::with_capacity(n);
+    let mut line = String::new();
+    for i in 0..WARMUP + n {
+        let started = Instant::now();
+        w.write_all(b"*1\r\n$4\r\nPING\r\n")?;
+        line.clear();
+        r.read_line(&mut line)?;
+        let took = started.elapsed();
+        if line.trim_end() != "+PONG" {
+            bail!("PING answered {line:?}");
+        }
+        if i >= WARMUP {
+            lat.push(took);
+        }
+    }
+    Ok(lat)
+}
