@@ -1728,9 +1728,9 @@ async fn redis_batching_flushes_on_timeout_with_several_calls_in_flight() {
 }
 
 /// Runs futures concurrently; their outputs in order.
-async fn futures_join_all<F: std::future::Future>(fs: impl Iterator<Item = F>) -> Vec<F::Output>
+async fn futures_join_all<F>(fs: impl Iterator<Item = F>) -> Vec<F::Output>
 where
-    F: Send + 'static,
+    F: std::future::Future + Send + 'static,
     F::Output: Send + 'static,
 {
     let handles: Vec<_> = fs.map(tokio::spawn).collect();
