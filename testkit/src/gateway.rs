@@ -405,7 +405,8 @@ impl Gateway {
         self.admin_call(HttpRequest::get("/clusters")).await?.json()
     }
 
-    /// Replaces a cluster's endpoints at run time (new endpoints start Healthy).
+    /// Replaces a cluster's endpoints at run time. New endpoints start Healthy, or on a
+    /// health-checked cluster Unhealthy until their first check (which runs at once), as in Envoy.
     pub async fn set_endpoints(&self, cluster: &str, endpoints: &[String]) -> Result<()> {
         let path = format!("/clusters/{}/endpoints", url_encode(cluster));
         self.admin_call(HttpRequest::post_json(&path, &json!(endpoints))).await?;
