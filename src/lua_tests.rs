@@ -252,7 +252,7 @@ fn least_request_rejects_above_max_and_undoes_the_increment() {
     let f = r.run(&s, &PickCall { max_inflight: 2, ..lr(&["a", "b"]) });
     assert_eq!(pick(&f), ("a".to_string(), 3, 0, 0));
     assert_eq!(r.count("a"), Some(2), "undone");
-    assert_eq!(r.hget("own:vm1", &format!("r:{}", r.last_req)), None, "no record");
+    assert_eq!(r.hget("own:vm1", &r.last_req.clone()), None, "no record");
     let f = r.run(&s, &PickCall { max_inflight: 3, ..lr(&["a", "b"]) });
     assert_eq!(pick(&f).2, 1);
     assert_eq!(r.count("a"), Some(3));
@@ -379,12 +379,12 @@ fn release_undoes_the_pick_exactly_once() {
     let f = r.run(&s, &lr(&["a"]));
     assert_eq!(pick(&f).0, "a");
     let req = r.last_req.clone();
-    assert_eq!(r.hget("own:vm1", &format!("r:{req}")).as_deref(), Some("a"), "pick record");
-    assert_eq!(r.release("vm1", &req, Some("a")), Frame::BulkString(b"a".to_vec()));
+    assert_eq!(r.hget("own:vm1", &req).as_deref(), Some("a"), "pick record");
+    assert_eq!(r.release("vm1", &req, Some("a")), Frame::Integer(1));
     assert_eq!(r.count("a"), Some(0));
-    assert_eq!(r.hget("own:vm1", &format!("r:{req}")), None, "record deleted");
+    assert_eq!(r.hget("own:vm1", &req), None, "record deleted");
     assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "nothing left in the hash");
-    assert_eq!(r.release("vm1", &req, Some("a")), Frame::BulkString(Vec::new()), "second: no-op");
+    assert_eq!(r.release("vm1", &req, Some("a")), Frame::Integer(0), "second: no-op");
     assert_eq!(r.count("a"), Some(0));
 }
 
@@ -394,19 +394,19 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
     let late = pc(&["k1"], 0, 600, 0.0, &["a"]);
-    assert_eq!(r.release("vm1", &late.request_id, None), Frame::BulkString(Vec::new()));
-    assert_eq!(r.release("vm1", &late.request_id, None), Frame::BulkString(Vec::new()), "resent");
-    assert_eq!(r.hget("own:vm1", &format!("r:{}", late.request_id)).as_deref(), Some(""));
+    assert_eq!(r.release("vm1", &late.request_id, None), Frame::Integer(0));
+    assert_eq!(r.release("vm1", &late.request_id, None), Frame::Integer(0), "resent");
+    assert_eq!(r.hget("own:vm1", &late.request_id).as_deref(), Some(""));
     let f = r.run(&s, &late);
     assert!(parse_pick(&f).is_none(), "no pick: {f:?}");
     assert_eq!(r.count("a"), None, "never counted: the tombstone is found before the +1");
     assert_eq!(r.get("pfx:k1"), None, "nothing written");
-    assert_eq!(r.hget("own:vm1", &format!("r:{}", late.request_id)), None, "tombstone consumed");
+    assert_eq!(r.hget("own:vm1", &late.request_id), None, "tombstone consumed");
     // Cancel after the pick ran (same connection order): undone.
     let ran = pc(&["k1"], 0, 600, 0.0, &["a"]);
     let f = r.run(&s, &ran);
     assert_eq!(pick(&f).0, "a");
-    assert_eq!(r.release("vm1", &ran.request_id, None), Frame::BulkString(b"a".to_vec()));
+    assert_eq!(r.release("vm1", &ran.request_id, None), Frame::Integer(1));
     assert_eq!(r.count("a"), Some(0));
 }
 
@@ -431,7 +431,7 @@ fn a_dead_owners_counts_are_subtracted_once_its_lease_runs_out() {
     assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "the dead owner's hash is gone");
     assert_eq!(r.cmd(&["ZSCORE", "owners", "vm1"]), Frame::Null);
     // vm1's release, should it still arrive, changes nothing.
-    assert_eq!(r.release("vm1", &first.request_id, Some("a")), Frame::BulkString(Vec::new()));
+    assert_eq!(r.release("vm1", &first.request_id, Some("a")), Frame::Integer(0));
     assert_eq!(r.count("a"), Some(1));
 }
 
@@ -472,4 +472,31 @@ fn a_live_owners_heartbeat_reaps_a_dead_one_without_any_pick() {
     assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
     assert_eq!(r.count("a"), Some(0), "the dead owner's +1 is gone");
     assert_eq!(r.cmd(&["ZSCORE", "owners", "dead"]), Frame::Null);
+}
+
+#[test]
+fn a_pick_without_a_lease_does_not_register_its_owner_and_one_with_a_lease_does() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    assert_eq!(pick(&r.run(&s, &as_owner("vm1", 0, &["a"]))).0, "a");
+    assert_eq!(r.cmd(&["ZSCORE", "owners", "vm1"]), Frame::Null, "lease 0: no registration");
+    assert_eq!(r.hget("own:vm1", &r.last_req.clone()).as_deref(), Some("a"), "but a record");
+    assert_eq!(pick(&r.run(&s, &as_owner("vm1", 10_000, &["a"]))).0, "a");
+    assert!(matches!(r.cmd(&["ZSCORE", "owners", "vm1"]), Frame::BulkString(_)), "registered");
+}
+
+#[test]
+fn least_request_hosts_go_as_a_shared_prefix_and_suffix_plus_each_hosts_own_part() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let hosts = ["10.0.0.1:8000", "10.0.0.12:8000", "10.0.1.3:8000"];
+    let call = lr(&hosts);
+    let (_, args) = call.keys_args();
+    assert_eq!(args[4..], ["10.0.", ":8000", "0.1", "0.12", "1.3"]);
+    r.cmd(&["HSET", "inflight", "10.0.0.1:8000", "3", "10.0.1.3:8000", "2"]);
+    assert_eq!(pick(&r.run(&s, &call)), ("10.0.0.12:8000".to_string(), 1, 1, 0));
+    assert_eq!(pick(&r.run(&s, &lr(&["x:1", "y:2"]))).0, "x:1", "nothing shared");
+    let (_, args) = lr(&["only:1"]).keys_args();
+    assert_eq!(args[4..], ["only:1", "", ""], "one host: all prefix");
+    assert_eq!(pick(&r.run(&s, &lr(&["only:1"]))).0, "only:1");
 }

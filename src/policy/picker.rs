@@ -2,18 +2,25 @@
 //! request picks a host and adds `+1` to its in-flight count; the `-1` goes out when the stream
 //! ends, exactly once, whatever the outcome.
 //!
-//! Counts that cannot leak. Each plugin VM is an *owner* with a lease in Redis (renewed by every
-//! pick and by a heartbeat every third of `leaseMs` while it uses that route+cluster). Its `+1`s are
-//! recorded in its own hash; a pick that finds an owner whose lease ran out subtracts that owner's
-//! shares and deletes its hash (so does every live VM's heartbeat). So the counts of a gateway that was SIGKILLed, ran out of memory or
-//! got cut off return to the truth within one lease, with no help from it, and no key correctness
-//! depends on has a TTL that eviction could remove.
+//! Counts that cannot leak. Each plugin VM is an *owner* with a lease in Redis: a sorted set of
+//! owner -> expiry (Redis's clock), renewed by a heartbeat every third of `leaseMs` while the VM
+//! uses that route+cluster. Its `+1`s are recorded in its own hash (request id -> host); every
+//! live VM's heartbeat subtracts the records of owners whose lease ran out and deletes their hash.
+//! So the counts of a gateway that was SIGKILLed, ran out of memory or got cut off return to the
+//! truth within one lease plus one heartbeat period, with no help from it, and no key correctness
+//! depends on has a TTL that eviction could remove. A pick registers its owner only when the VM
+//! cannot be sure its lease is live (see `Group::live_until_ns`), and the usual pick saves that
+//! Redis call. A record written under an owner the reaper no longer sees needs a pick that Redis
+//! runs more than half a lease after it was sent; the plugin has given up on such a pick long
+//! before (`breakerSlowMs`, the Redis `timeout`) and its cancel, sent on the same connection, runs
+//! right after it and undoes it; the VM's next heartbeat registers the owner again anyway.
 //!
-//! Exactly-once release: each pick carries a random request id. An admitted pick writes the chosen
-//! host under that id in the owner's hash; `release.lua` decrements from that record and deletes
-//! it. When the plugin gives up on a pick (Redis timeout, a pick slower than `breakerSlowMs`, client
-//! gone while waiting), it sends the same release marked "abandoned": if the pick already ran it is
-//! undone, and if it has not run yet (a frozen Redis runs it later) a tombstone makes it a no-op.
+//! Exactly-once release: each pick carries a request id (a counter, unique per owner). An
+//! admitted pick writes the chosen host under that id in the owner's hash; `release.lua` deletes
+//! the record and decrements only if it was there. When the plugin gives up on a pick (Redis
+//! timeout, a pick slower than `breakerSlowMs`, client gone while waiting), it sends the same
+//! release without a host, "abandoned": if the pick already ran it is undone, and if it has not run
+//! yet (a frozen Redis runs it later) a tombstone makes it a no-op.
 //!
 //! A stalled Redis: [`Breaker`] opens after consecutive failed or slow calls; while it is open,
 //! requests are decided at once without Redis and releases wait in a bounded queue.
@@ -110,6 +117,12 @@ struct Group {
     last_pick_ns: u64,
     /// Every host of the cluster (healthy or not) at the last pick: the cleanup keeps these.
     hosts: Vec<String>,
+    /// Until when (host clock, ns) this VM's lease here is surely live: a heartbeat or registering
+    /// pick sent at `t` and answered makes it `t + leaseMs / 2` (Redis sets the expiry at `t' + leaseMs`
+    /// with `t' >= t`; the half lease covers a pick that Redis runs late). Before that, picks do not
+    /// register the owner (one Redis call less each); after it, or when Redis may have lost its data
+    /// (NOSCRIPT), they do. 0 = not registered.
+    live_until_ns: u64,
 }
 
 /// The keys of one route+cluster's shared state, for one owner.
@@ -163,11 +176,11 @@ pub struct PickCall {
     pub keys: StateKeys,
     /// `maxRequestCount` (0 = no limit).
     pub max_inflight: u64,
-    /// `leaseMs`.
+    /// `leaseMs` when the pick registers the owner (its lease may have run out), else 0.
     pub lease_ms: u32,
     /// This VM's owner id.
     pub owner_id: String,
-    /// This request's id (its pick record).
+    /// This request's id (its pick record), unique per owner.
     pub request_id: String,
     /// Healthy hosts, shuffled (the script takes the first minimum).
     pub healthy: Vec<String>,
@@ -185,18 +198,54 @@ impl PickCall {
             self.owner_id.clone(),
             self.request_id.clone(),
         ];
-        if let PickKind::Prefix { chain, ttl_s, hit_load_factor } = &self.kind {
-            args.reserve(3 + chain.len());
-            args.push(ttl_s.to_string());
-            args.push(format!("{hit_load_factor}"));
-            args.push(chain.len().to_string());
-            args.extend(chain.iter().cloned());
+        match &self.kind {
+            PickKind::Prefix { chain, ttl_s, hit_load_factor } => {
+                args.reserve(4 + chain.len() + self.healthy.len());
+                args.push(ttl_s.to_string());
+                args.push(format!("{hit_load_factor}"));
+                args.push(chain.len().to_string());
+                args.extend(chain.iter().cloned());
+                args.push(self.healthy.len().to_string());
+                args.extend(self.healthy.iter().cloned());
+            }
+            PickKind::LeastRequest => {
+                // What every host starts and ends with goes once (pod addresses share most of
+                // theirs: `10.0.0.` and `:8000`), then each host's own part.
+                let (pre, suf) = common_affixes(&self.healthy);
+                args.reserve(2 + self.healthy.len());
+                args.push(self.healthy.first().and_then(|h| h.get(..pre)).unwrap_or("").into());
+                args.push(
+                    self.healthy.first().and_then(|h| h.get(h.len() - suf..)).unwrap_or("").into(),
+                );
+                for h in &self.healthy {
+                    args.push(h.get(pre..h.len() - suf).unwrap_or(h).into());
+                }
+            }
         }
-        args.reserve(1 + self.healthy.len());
-        args.push(self.healthy.len().to_string());
-        args.extend(self.healthy.iter().cloned());
         (keys, args)
     }
+}
+
+/// Lengths in bytes of the longest prefix and, after it, the longest suffix that all of `hosts`
+/// share, both on character boundaries (so every host is `prefix + own part + suffix`).
+pub fn common_affixes(hosts: &[String]) -> (usize, usize) {
+    let Some(first) = hosts.first() else { return (0, 0) };
+    let mut pre = first.len();
+    for h in hosts {
+        pre = pre.min(first.bytes().zip(h.bytes()).take_while(|(a, b)| a == b).count());
+    }
+    while !first.is_char_boundary(pre) {
+        pre -= 1;
+    }
+    let shortest = hosts.iter().map(String::len).min().unwrap_or(0);
+    let mut suf = shortest - pre;
+    for h in hosts {
+        suf = suf.min(first.bytes().rev().zip(h.bytes().rev()).take_while(|(a, b)| a == b).count());
+    }
+    while !first.is_char_boundary(first.len() - suf) {
+        suf -= 1;
+    }
+    (pre, suf)
 }
 
 /// One `release.lua` call, typed: [`ReleaseCall::keys_args`] is the one place that writes KEYS
@@ -216,11 +265,9 @@ pub struct ReleaseCall {
 impl ReleaseCall {
     /// KEYS and ARGV of the script call.
     pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
-        let (abandoned, host) = match &self.admitted_to {
-            Some(h) => ("0", h.clone()),
-            None => ("1", String::new()),
-        };
-        let args = vec![self.owner_id.clone(), self.request_id.clone(), abandoned.into(), host];
+        let mut args = vec![self.owner_id.clone(), self.request_id.clone()];
+        // No host: the cancel of an abandoned pick.
+        args.extend(self.admitted_to.iter().cloned());
         (vec![self.inflight_key.clone()], args)
     }
 }
@@ -386,6 +433,8 @@ pub(crate) struct PickState {
     pending: Option<(u32, u64)>,
     /// EVAL fallback already tried.
     used_eval: bool,
+    /// The pick registers the owner (sent with a lease).
+    registers: bool,
     /// The host that got the `+1` (released exactly once at stream end).
     picked: Option<String>,
     /// The prediction to check against the engine's cache report (`prefix_cache`).
@@ -406,7 +455,7 @@ struct Release {
 #[derive(Debug)]
 enum RootCall {
     Release(Release),
-    Heartbeat { owners_key: String, use_eval: bool },
+    Heartbeat { owners_key: String, use_eval: bool, sent_ns: u64 },
     Probe,
 }
 
@@ -421,6 +470,8 @@ pub(crate) struct Picker {
     name: &'static str,
     /// This VM's owner id (random, made on first use).
     owner: Option<String>,
+    /// Request ids are this counter (unique per owner, short on the wire).
+    next_request: u64,
     breaker: Breaker,
     /// Route+clusters used, by owners key: their leases are renewed by heartbeats.
     groups: HashMap<String, Group>,
@@ -451,6 +502,7 @@ impl Picker {
             heartbeat: Script::new(redis::HEARTBEAT_LUA),
             name,
             owner: None,
+            next_request: 0,
             groups: HashMap::new(),
             last_heartbeat_ns: 0,
             root_calls: HashMap::new(),
@@ -505,7 +557,8 @@ impl Picker {
         if let Some(o) = &self.owner {
             return o.clone();
         }
-        let o = format!("{:016x}", host.random_u64());
+        // 48 random bits: two VMs of one route colliding is about n^2 / 2^49 (2e-9 for 1000 VMs).
+        let o = format!("{:012x}", host.random_u64() >> 16);
         self.owner = Some(o.clone());
         o
     }
@@ -525,22 +578,27 @@ impl Picker {
         in_cluster.extend(others);
         shuffle(host, &mut healthy);
         let owner_id = self.owner_id(host);
-        let call = PickCall {
-            keys: StateKeys::new(&stream.route, &stream.cluster, &owner_id),
-            max_inflight: self.config.max_request_count,
-            lease_ms: self.config.state.lease_ms,
-            owner_id,
-            request_id: format!("{:016x}", host.random_u64()),
-            healthy,
-            kind,
-        };
-        let group = self.groups.entry(call.keys.owners.clone()).or_insert_with(|| Group {
-            inflight_key: call.keys.inflight.clone(),
+        self.next_request += 1;
+        let keys = StateKeys::new(&stream.route, &stream.cluster, &owner_id);
+        let now = host.now_nanos();
+        let group = self.groups.entry(keys.owners.clone()).or_insert_with(|| Group {
+            inflight_key: keys.inflight.clone(),
             held: 0,
             last_pick_ns: 0,
             hosts: Vec::new(),
+            live_until_ns: 0,
         });
         group.hosts = in_cluster;
+        let registers = now >= group.live_until_ns;
+        let call = PickCall {
+            keys,
+            max_inflight: self.config.max_request_count,
+            lease_ms: if registers { self.config.state.lease_ms } else { 0 },
+            owner_id,
+            request_id: format!("{:x}", self.next_request),
+            healthy,
+            kind,
+        };
         let (call_keys, call_args) = call.keys_args();
         let query = self.script.command(&call_keys, &call_args, false);
         match self.redis.call(host, &query) {
@@ -553,8 +611,9 @@ impl Picker {
                         request_id: call.request_id,
                         call_keys,
                         call_args,
-                        pending: Some((token, host.now_nanos())),
+                        pending: Some((token, now)),
                         used_eval: false,
+                        registers,
                         picked: None,
                         cache_check: None,
                     },
@@ -582,11 +641,13 @@ impl Picker {
         }
         // A stream that ended while its pick was in flight already sent the cancel (on_done).
         let Some(stream) = stream else { return ReplyOutcome::NotForRequest };
-        match self.picks.get_mut(&stream.id) {
-            Some(state) if state.pending.map(|(t, _)| t) == Some(token) => state.pending = None,
+        let sent_ns = match self.picks.get_mut(&stream.id) {
+            Some(state) if state.pending.map(|(t, _)| t) == Some(token) => {
+                state.pending.take().map(|(_, sent)| sent)
+            }
             // The late reply of an abandoned pick.
             _ => return ReplyOutcome::NotForRequest,
-        }
+        };
         let frame = match reply {
             RedisReply::NetworkError => {
                 self.redis_failed(host);
@@ -600,8 +661,17 @@ impl Picker {
         self.redis_answered(host);
         if redis::is_noscript(&frame) {
             // The script is not cached on this Redis (restart, failover, new shard): send it once.
+            // A Redis that lost its scripts may have lost the owners too: register again.
+            let lease = self.config.state.lease_ms.to_string();
             let resend = self.picks.get_mut(&stream.id).filter(|s| !s.used_eval).map(|s| {
                 s.used_eval = true;
+                s.registers = true;
+                if let Some(arg) = s.call_args.get_mut(1) {
+                    *arg = lease;
+                }
+                if let Some(g) = self.groups.get_mut(&s.keys.owners) {
+                    g.live_until_ns = 0;
+                }
                 self.script.command(&s.call_keys, &s.call_args, true)
             });
             if let Some(query) = resend {
@@ -626,9 +696,15 @@ impl Picker {
             return self.fallback(host, stream, Fallback::BadReply("unexpected reply".into()));
         };
         let now = host.now_nanos();
+        let half_lease_ns = u64::from(self.config.state.lease_ms / 2) * 1_000_000;
         if let Some(state) = self.picks.get_mut(&stream.id) {
             if let Some(group) = self.groups.get_mut(&state.keys.owners) {
                 group.last_pick_ns = now;
+                if state.registers {
+                    // `sent`: when the pick (or its EVAL resend) went out.
+                    let sent = sent_ns.unwrap_or(0);
+                    group.live_until_ns = group.live_until_ns.max(sent + half_lease_ns);
+                }
                 if pick.admitted {
                     group.held += 1;
                 }
@@ -905,7 +981,8 @@ impl Picker {
         let (keys, args) = call.keys_args();
         let q = self.heartbeat.command(&keys, &args, use_eval);
         if let Ok(t) = self.redis.call(host, &q) {
-            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval });
+            let sent_ns = host.now_nanos();
+            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval, sent_ns });
         }
     }
 
@@ -954,9 +1031,14 @@ impl Picker {
                     self.release_failed(host, rel);
                 }
             }
-            RootCall::Heartbeat { owners_key, use_eval } => {
+            RootCall::Heartbeat { owners_key, use_eval, sent_ns } => {
                 if noscript && !use_eval {
                     self.send_heartbeat(host, owners_key, true);
+                } else if ran {
+                    let half_lease_ns = u64::from(self.config.state.lease_ms / 2) * 1_000_000;
+                    if let Some(g) = self.groups.get_mut(&owners_key) {
+                        g.live_until_ns = g.live_until_ns.max(sent_ns + half_lease_ns);
+                    }
                 }
             }
             RootCall::Probe => {}
