@@ -3,14 +3,17 @@
 -- in its owner's hash, and an owner whose lease runs out has its picks subtracted (reap.lua), so a
 -- gateway that dies cannot leave its +1s behind. Nothing here has a TTL that eviction could remove.
 -- KEYS[1]  in-flight hash of this route+cluster: host -> in-flight requests over the live owners
--- ARGV[1]  max in-flight (0 = no limit)
--- ARGV[2]  lease (ms) to register the owner with, or 0: the plugin sends a lease only when it cannot
---          be sure its lease is live (first pick, no heartbeat answered for a while, Redis restarted)
+-- ARGV[1]  max in-flight (0 = no limit)   ARGV[2] lease (ms)
 -- ARGV[3]  owner id   ARGV[4] request id (unique per owner)
 local mine = base .. 'own:' .. ARGV[3]
 local rec = ARGV[4]
-local lease = tonumber(ARGV[2]) or 0
-if lease > 0 then redis.call('ZADD', owners, now_ms() + lease, ARGV[3]) end
+-- Register the owner when it is not (its first pick; its heartbeats renew the lease). Checked on
+-- every pick, not only when the plugin thinks it needs to: a pick that Redis runs late (frozen, or
+-- read from the socket of a gateway that died meanwhile) after the reaper removed its owner must
+-- bring the owner back, or its record would sit under an owner no reaper sees.
+if not redis.call('ZSCORE', owners, ARGV[3]) then
+  redis.call('ZADD', owners, now_ms() + (tonumber(ARGV[2]) or 10000), ARGV[3])
+end
 local maxc = tonumber(ARGV[1]) or 0
 -- +1 for host; returns the host's count after it.
 local function take(h) return redis.call('HINCRBY', inflight, h, 1) end

@@ -62,7 +62,7 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     let (keys, args) = keys_args(&cmd);
     assert_eq!(keys, vec![inflight_key("r1", CLUSTER)], "the scripts derive the other keys");
     assert_eq!(args[0], "10", "maxRequestCount");
-    assert_eq!(args[1], "10000", "leaseMs: the first pick registers the owner");
+    assert_eq!(args[1], "10000", "leaseMs");
     assert_eq!(args[2].len(), 12, "owner id");
     assert_eq!(args[3], "1", "request id: a counter");
     assert_eq!(args[4..6], ["10.0.0.", ":8000"], "what the healthy hosts share");
@@ -500,40 +500,4 @@ fn routed_requests_are_counted_and_the_decision_header_is_off_by_default() {
     assert_eq!(host.counters.get("ai_lb_least_request_routed"), Some(&1));
     f.on_response_headers(&mut host, 7);
     assert!(host.response_headers_set.is_empty());
-}
-
-#[test]
-fn only_picks_that_cannot_count_on_a_live_lease_register_the_owner() {
-    let (mut f, mut host) = setup(&cfg(""));
-    let lease_arg = |host: &crate::host::fake::FakeHost| {
-        keys_args(&command(host, host.redis_calls.len() - 1)).1[1].clone()
-    };
-    let ok = || RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None));
-    request_with_reply(&mut f, &mut host, 7, ok());
-    assert_eq!(host.redis_calls.len(), 1);
-    assert_eq!(lease_arg(&host), "10000", "first pick: registers");
-    request_with_reply(&mut f, &mut host, 8, ok());
-    assert_eq!(lease_arg(&host), "0", "the first pick's answer made the lease sure for 5 s");
-    // No heartbeat answered for half a lease: the lease may have run out, so picks register.
-    host.now += 5_001 * MS;
-    request_with_reply(&mut f, &mut host, 9, ok());
-    assert_eq!(lease_arg(&host), "10000");
-    // An answered heartbeat makes it sure again.
-    host.now += 3_334 * MS;
-    f.on_tick(&mut host);
-    let hb = host.last_redis_token().unwrap();
-    let sha = crate::redis::sha1_hex_lower(crate::redis::HEARTBEAT_LUA.as_bytes());
-    assert_eq!(command(&host, host.redis_calls.len() - 1)[1], sha);
-    f.on_redis_reply(&mut host, hb, &RedisReply::Ok(b":1\r\n".to_vec()), false);
-    host.now += 4_000 * MS;
-    request_with_reply(&mut f, &mut host, 10, ok());
-    assert_eq!(lease_arg(&host), "0");
-    // NOSCRIPT: Redis restarted and may have lost the owners; the EVAL resend registers.
-    f.on_request_headers(&mut host, 11, true);
-    let t = host.last_redis_token().unwrap();
-    assert_eq!(lease_arg(&host), "0");
-    let noscript = b"-NOSCRIPT No matching script. Please use EVAL.\r\n".to_vec();
-    deliver(&mut f, &mut host, t, RedisReply::Ok(noscript));
-    assert_eq!(command(&host, host.redis_calls.len() - 1)[0], "EVAL");
-    assert_eq!(lease_arg(&host), "10000");
 }

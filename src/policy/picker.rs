@@ -8,12 +8,10 @@
 //! live VM's heartbeat subtracts the records of owners whose lease ran out and deletes their hash.
 //! So the counts of a gateway that was SIGKILLed, ran out of memory or got cut off return to the
 //! truth within one lease plus one heartbeat period, with no help from it, and no key correctness
-//! depends on has a TTL that eviction could remove. A pick registers its owner only when the VM
-//! cannot be sure its lease is live (see `Group::live_until_ns`), and the usual pick saves that
-//! Redis call. A record written under an owner the reaper no longer sees needs a pick that Redis
-//! runs more than half a lease after it was sent; the plugin has given up on such a pick long
-//! before (`breakerSlowMs`, the Redis `timeout`) and its cancel, sent on the same connection, runs
-//! right after it and undoes it; the VM's next heartbeat registers the owner again anyway.
+//! depends on has a TTL that eviction could remove. Every pick registers its owner if it is not
+//! registered (a read, and a write only then): a pick that Redis runs late, after the reaper removed
+//! its owner (a frozen Redis reading the socket of a gateway that died meanwhile), brings the owner
+//! back, so its record is reaped one lease later instead of staying forever.
 //!
 //! Exactly-once release: each pick carries a request id (a counter, unique per owner). An
 //! admitted pick writes the chosen host under that id in the owner's hash; `release.lua` deletes
@@ -117,12 +115,6 @@ struct Group {
     last_pick_ns: u64,
     /// Every host of the cluster (healthy or not) at the last pick: the cleanup keeps these.
     hosts: Vec<String>,
-    /// Until when (host clock, ns) this VM's lease here is surely live: a heartbeat or registering
-    /// pick sent at `t` and answered makes it `t + leaseMs / 2` (Redis sets the expiry at `t' + leaseMs`
-    /// with `t' >= t`; the half lease covers a pick that Redis runs late). Before that, picks do not
-    /// register the owner (one Redis call less each); after it, or when Redis may have lost its data
-    /// (NOSCRIPT), they do. 0 = not registered.
-    live_until_ns: u64,
 }
 
 /// The keys of one route+cluster's shared state, for one owner.
@@ -176,7 +168,7 @@ pub struct PickCall {
     pub keys: StateKeys,
     /// `maxRequestCount` (0 = no limit).
     pub max_inflight: u64,
-    /// `leaseMs` when the pick registers the owner (its lease may have run out), else 0.
+    /// `leaseMs` (the lease a pick registers its owner with when it is not registered).
     pub lease_ms: u32,
     /// This VM's owner id.
     pub owner_id: String,
@@ -433,8 +425,6 @@ pub(crate) struct PickState {
     pending: Option<(u32, u64)>,
     /// EVAL fallback already tried.
     used_eval: bool,
-    /// The pick registers the owner (sent with a lease).
-    registers: bool,
     /// The host that got the `+1` (released exactly once at stream end).
     picked: Option<String>,
     /// The prediction to check against the engine's cache report (`prefix_cache`).
@@ -455,7 +445,7 @@ struct Release {
 #[derive(Debug)]
 enum RootCall {
     Release(Release),
-    Heartbeat { owners_key: String, use_eval: bool, sent_ns: u64 },
+    Heartbeat { owners_key: String, use_eval: bool },
     Probe,
 }
 
@@ -586,14 +576,12 @@ impl Picker {
             held: 0,
             last_pick_ns: 0,
             hosts: Vec::new(),
-            live_until_ns: 0,
         });
         group.hosts = in_cluster;
-        let registers = now >= group.live_until_ns;
         let call = PickCall {
             keys,
             max_inflight: self.config.max_request_count,
-            lease_ms: if registers { self.config.state.lease_ms } else { 0 },
+            lease_ms: self.config.state.lease_ms,
             owner_id,
             request_id: format!("{:x}", self.next_request),
             healthy,
@@ -613,7 +601,6 @@ impl Picker {
                         call_args,
                         pending: Some((token, now)),
                         used_eval: false,
-                        registers,
                         picked: None,
                         cache_check: None,
                     },
@@ -641,13 +628,11 @@ impl Picker {
         }
         // A stream that ended while its pick was in flight already sent the cancel (on_done).
         let Some(stream) = stream else { return ReplyOutcome::NotForRequest };
-        let sent_ns = match self.picks.get_mut(&stream.id) {
-            Some(state) if state.pending.map(|(t, _)| t) == Some(token) => {
-                state.pending.take().map(|(_, sent)| sent)
-            }
+        match self.picks.get_mut(&stream.id) {
+            Some(state) if state.pending.map(|(t, _)| t) == Some(token) => state.pending = None,
             // The late reply of an abandoned pick.
             _ => return ReplyOutcome::NotForRequest,
-        };
+        }
         let frame = match reply {
             RedisReply::NetworkError => {
                 self.redis_failed(host);
@@ -661,17 +646,8 @@ impl Picker {
         self.redis_answered(host);
         if redis::is_noscript(&frame) {
             // The script is not cached on this Redis (restart, failover, new shard): send it once.
-            // A Redis that lost its scripts may have lost the owners too: register again.
-            let lease = self.config.state.lease_ms.to_string();
             let resend = self.picks.get_mut(&stream.id).filter(|s| !s.used_eval).map(|s| {
                 s.used_eval = true;
-                s.registers = true;
-                if let Some(arg) = s.call_args.get_mut(1) {
-                    *arg = lease;
-                }
-                if let Some(g) = self.groups.get_mut(&s.keys.owners) {
-                    g.live_until_ns = 0;
-                }
                 self.script.command(&s.call_keys, &s.call_args, true)
             });
             if let Some(query) = resend {
@@ -696,15 +672,9 @@ impl Picker {
             return self.fallback(host, stream, Fallback::BadReply("unexpected reply".into()));
         };
         let now = host.now_nanos();
-        let half_lease_ns = u64::from(self.config.state.lease_ms / 2) * 1_000_000;
         if let Some(state) = self.picks.get_mut(&stream.id) {
             if let Some(group) = self.groups.get_mut(&state.keys.owners) {
                 group.last_pick_ns = now;
-                if state.registers {
-                    // `sent`: when the pick (or its EVAL resend) went out.
-                    let sent = sent_ns.unwrap_or(0);
-                    group.live_until_ns = group.live_until_ns.max(sent + half_lease_ns);
-                }
                 if pick.admitted {
                     group.held += 1;
                 }
@@ -981,8 +951,7 @@ impl Picker {
         let (keys, args) = call.keys_args();
         let q = self.heartbeat.command(&keys, &args, use_eval);
         if let Ok(t) = self.redis.call(host, &q) {
-            let sent_ns = host.now_nanos();
-            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval, sent_ns });
+            self.root_calls.insert(t, RootCall::Heartbeat { owners_key, use_eval });
         }
     }
 
@@ -1031,14 +1000,9 @@ impl Picker {
                     self.release_failed(host, rel);
                 }
             }
-            RootCall::Heartbeat { owners_key, use_eval, sent_ns } => {
+            RootCall::Heartbeat { owners_key, use_eval } => {
                 if noscript && !use_eval {
                     self.send_heartbeat(host, owners_key, true);
-                } else if ran {
-                    let half_lease_ns = u64::from(self.config.state.lease_ms / 2) * 1_000_000;
-                    if let Some(g) = self.groups.get_mut(&owners_key) {
-                        g.live_until_ns = g.live_until_ns.max(sent_ns + half_lease_ns);
-                    }
                 }
             }
             RootCall::Probe => {}

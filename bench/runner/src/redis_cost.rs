@@ -2,9 +2,8 @@
 //! `redis-server` with the plugin's own scripts and key layout (the `PickCall` the plugin sends),
 //! beside the machine's floor, a trivial `EVALSHA` that returns 1.
 //!
-//! Per routed request = one pick + its release (both `EVALSHA`), as the plugin sends them: request
-//! ids are a per-VM counter, and only a VM's first pick carries a lease (it registers the owner;
-//! from then on its heartbeats keep the lease). Not counted: each plugin VM's heartbeat, one small
+//! Per routed request = one pick + its release (both `EVALSHA`), as the plugin sends them (request
+//! ids are a per-VM counter). Not counted: each plugin VM's heartbeat, one small
 //! script per route every third of `leaseMs` whatever the traffic. The workload: 8 pods, 4 plugin
 //! VMs (owners), 5-block chats (prefix_cache) that are sent again with one more block (hits), 16
 //! requests in flight at a time (each release goes out 16 picks after its pick).
@@ -194,14 +193,13 @@ fn healthy(rng: &mut Rng) -> Vec<String> {
     healthy
 }
 
-/// The plugin's pick: `request` is the owner's request counter (1 = its first pick, which
-/// registers the owner).
+/// The plugin's pick: `request` is the owner's request counter.
 fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: Case) -> PickCall {
     let owner_id = format!("{:012x}", 0x5eed_0000 + owner);
     PickCall {
         keys: StateKeys::new(ROUTE, CLUSTER, &owner_id),
         max_inflight: 0,
-        lease_ms: if request == 1 { 10_000 } else { 0 },
+        lease_ms: 10_000,
         owner_id,
         request_id: format!("{request:x}"),
         healthy: healthy(rng),
