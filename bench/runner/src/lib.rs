@@ -3,6 +3,7 @@
 //! rates, balance and Redis cost as median with min–max over the repetitions.
 
 pub mod aiperf;
+pub mod chaos;
 pub mod chart;
 pub mod model;
 pub mod procs;

@@ -71,6 +71,10 @@ fn root(cli: &Cli) -> PathBuf {
 }
 
 async fn run(paths: Paths, name: String, only: Vec<String>, reps: Option<usize>) -> Result<()> {
+    if name == "chaos" {
+        // Faults, not a policy comparison: its own module.
+        return bench::chaos::run(&paths).await.map(|_| ());
+    }
     let mut sc = load_scenario(&paths, &name)?;
     if !only.is_empty() {
         sc.policies.retain(|p| only.contains(p));
