@@ -178,9 +178,12 @@ fn pick_call(rng: &mut Rng, owner: usize, chain: &[String], kind: Case) -> PickC
         request_id: format!("{:016x}", rng.next()),
         healthy,
         kind: match kind {
-            Case::PrefixCache => {
-                PickKind::Prefix { chain: chain.to_vec(), ttl_s: 1800, hit_load_factor: 0.0 }
-            }
+            Case::PrefixCache => PickKind::Prefix {
+                chain: chain.to_vec(),
+                ttl_s: 1800,
+                hit_load_factor: 0.0,
+                load: None,
+            },
             _ => PickKind::LeastRequest,
         },
     }
