@@ -14,7 +14,11 @@
 //! Each case runs `reps` times, interleaved, on a fresh Redis per repetition; medians are reported
 //! with min-max.
 
-use ai_load_balancer::policy::picker::{PickCall, PickKind, StateKeys};
+use ai_load_balancer::config::LoadAwareConfig;
+use ai_load_balancer::metrics::router::PodView;
+use ai_load_balancer::metrics::PodMetrics;
+use ai_load_balancer::policy::load::load_args;
+use ai_load_balancer::policy::picker::{LoadAware, PickCall, PickKind, StateKeys};
 use ai_load_balancer::redis::{
     decode_reply, encode_command, is_noscript, Frame, Script, LEAST_REQUEST_LUA, PREFIX_CACHE_LUA,
     RELEASE_LUA,
@@ -122,6 +126,8 @@ enum Case {
     Baseline,
     LeastRequest,
     PrefixCache,
+    /// `prefix_cache` with `loadAware`: each pod's overload flag and penalty (queue + KV) sent.
+    PrefixCacheLoadAware,
 }
 
 impl Case {
@@ -130,6 +136,7 @@ impl Case {
             Case::Baseline => "EVALSHA return 1 (floor)",
             Case::LeastRequest => "global_least_request",
             Case::PrefixCache => "prefix_cache",
+            Case::PrefixCacheLoadAware => "prefix_cache loadAware",
         }
     }
 }
@@ -184,6 +191,35 @@ fn pick_call(rng: &mut Rng, owner: usize, chain: &[String], kind: Case) -> PickC
                 hit_load_factor: 0.0,
                 load: None,
             },
+            Case::PrefixCacheLoadAware => {
+                // Pods with queues of 0-3 and KV use of 0-0.5, none overloaded by its metrics.
+                let config = LoadAwareConfig {
+                    queue_gap: 4.0,
+                    kv_gap: 0.2,
+                    inflight_gap: 4,
+                    ratio: 1.5,
+                    kv_weight: 8.0,
+                    max_holders: 2,
+                };
+                let pods: Vec<PodView> = (0..PODS)
+                    .map(|i| PodView {
+                        address: format!("10.0.0.{}:8000", i + 1),
+                        metrics: Some(PodMetrics {
+                            waiting: Some((i % 4) as f64),
+                            kv_cache_usage: Some((i % 6) as f64 / 10.0),
+                            ..PodMetrics::default()
+                        }),
+                        sampled_ms: None,
+                    })
+                    .collect();
+                let args = load_args(&config, &pods);
+                PickKind::Prefix {
+                    chain: chain.to_vec(),
+                    ttl_s: 1800,
+                    hit_load_factor: 0.0,
+                    load: Some(LoadAware { config, args }),
+                }
+            }
             _ => PickKind::LeastRequest,
         },
     }
@@ -194,7 +230,7 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
     let redis = Redis::start().await?;
     let addr = redis.addr.clone();
     let pick = Script::new(match case {
-        Case::PrefixCache => PREFIX_CACHE_LUA,
+        Case::PrefixCache | Case::PrefixCacheLoadAware => PREFIX_CACHE_LUA,
         _ => LEAST_REQUEST_LUA,
     });
     let release = Script::new(RELEASE_LUA);
@@ -273,7 +309,7 @@ fn range(v: &[f64]) -> (f64, f64) {
 
 /// Runs every case `reps` times (interleaved) with `n` requests each; returns one summary per case.
 pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
-    let cases = [Case::Baseline, Case::LeastRequest, Case::PrefixCache];
+    let cases = [Case::Baseline, Case::LeastRequest, Case::PrefixCache, Case::PrefixCacheLoadAware];
     let mut runs: Vec<Vec<Cost>> = vec![Vec::new(); cases.len()];
     for _ in 0..reps.max(1) {
         for (i, c) in cases.iter().enumerate() {
