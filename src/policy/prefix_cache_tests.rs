@@ -409,3 +409,49 @@ fn a_go_config_sends_no_load_arguments_even_with_metrics() {
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_prefix_holder_added"), None);
 }
+
+#[test]
+fn load_aware_with_scraped_metrics_uses_them_while_fresh_and_not_once_stale() {
+    use crate::host::HttpReply;
+    let (mut f, mut host) = setup(&cfg(
+        r#","loadAware":true,"scrapeCluster":"pods-original-dst","scrapeIntervalMs":500"#,
+    ));
+    let sha = crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_bytes());
+    let picks = |host: &FakeHost| -> Vec<usize> {
+        (0..host.redis_calls.len()).filter(|&i| command(host, i)[1] == sha).collect()
+    };
+    // Nothing scraped yet: today's call.
+    f.on_request_headers(&mut host, 10, true);
+    let p = picks(&host);
+    assert_eq!(load_args_of(&host, p[0]), None);
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&1));
+    f.on_tick(&mut host);
+    let calls: Vec<(u32, String)> = host
+        .http_calls
+        .iter()
+        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
+        .collect();
+    assert_eq!(calls.len(), 2, "the two healthy pods are scraped");
+    for (token, pod) in calls {
+        let body =
+            if pod == "10.0.0.1:8000" { vllm_metrics(8, 12, 0.5) } else { vllm_metrics(1, 0, 0.1) };
+        let reply = HttpReply { status: 200, headers: vec![], body: body.into_bytes() };
+        f.on_http_reply(&mut host, token, &reply, false);
+    }
+    // Fresh: the pods' loads go with the pick.
+    f.on_request_headers(&mut host, 11, true);
+    let p = picks(&host);
+    let (_, mut per_host) = load_args_of(&host, p[1]).expect("fresh scraped metrics");
+    per_host.sort();
+    assert_eq!(
+        per_host,
+        vec![("10.0.0.1:8000".to_string(), true, 16), ("10.0.0.2:8000".to_string(), false, 1)]
+    );
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&1));
+    // Past metricsStaleMs (5 s) with no new scrape: today's call again, and counted.
+    host.now += 6_000_000_000;
+    f.on_request_headers(&mut host, 12, true);
+    let p = picks(&host);
+    assert_eq!(load_args_of(&host, p[2]), None);
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&2));
+}
