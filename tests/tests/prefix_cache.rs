@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use e2e::*;
 use serde_json::json;
+use testkit::HttpRequest;
 
 const TTL_S: i64 = 120;
 
