@@ -32,22 +32,6 @@ if la then
   flags = ARGV[first + n + 3] or ''
 end
 
--- In-flight counts, and each host's load: in-flight, plus (loadAware) its queue and KV pressure.
-local counts = redis.call('HMGET', inflight, unpack(ARGV, first, first + n - 1))
-local c, score = {}, {}
-local least, leasts, minc = nil, nil, nil
-for i = 1, n do
-  local h = ARGV[first - 1 + i]
-  local ci = tonumber(counts[i]) or 0
-  if ci < 0 then redis.call('HSET', inflight, h, 0); ci = 0 end
-  c[i] = ci
-  local s = ci
-  if la then s = ci + (tonumber(ARGV[first + n + 3 + i]) or 0) end
-  score[i] = s
-  if leasts == nil or s < leasts then least, leasts = h, s end
-  if minc == nil or ci < minc then minc = ci end
-end
-
 -- A key's healthy holders, or nil.
 local function live(v)
   if idx[v] then return {v} end
@@ -58,10 +42,10 @@ local function live(v)
   return hs
 end
 
--- Longest present prefix of the chain, then the longest part of it with a healthy holder; its
--- least loaded holder is the target. Keys past that point name gone/unhealthy hosts: they are
--- re-homed below (same key, new host), so the chain stays aligned.
-local matched, target, vals = 0, nil, nil
+-- Longest present prefix of the chain, then the longest part of it with a healthy holder. Keys past
+-- that point name gone/unhealthy hosts: they are re-homed below (same key, new host), so the chain
+-- stays aligned.
+local matched, held, vals = 0, nil, nil
 if nk > 0 then
   vals = redis.call('MGET', unpack(chain))
   local present = 0
@@ -71,23 +55,38 @@ if nk > 0 then
   for i = present, 1, -1 do
     local hs = live(vals[i])
     if hs then
-      matched = i
-      for _, h in ipairs(hs) do
-        if target == nil or score[idx[h]] < score[idx[target]] then target = h end
-      end
+      matched, held = i, {}
+      for _, h in ipairs(hs) do held[h] = true end
       break
     end
+  end
+end
+
+-- Each host's load: in flight, plus (loadAware) its queue and KV pressure. The least loaded host
+-- (the miss path, and where a diverted hit goes), and the least loaded holder (the target).
+local counts = redis.call('HMGET', inflight, unpack(ARGV, first, first + n - 1))
+local least, leasts, minc = nil, nil, nil
+local target, targets, targetc, ti = nil, nil, 0, 0
+for i = 1, n do
+  local h = ARGV[first - 1 + i]
+  local c = tonumber(counts[i]) or 0
+  if c < 0 then redis.call('HSET', inflight, h, 0); c = 0 end
+  local s = c
+  if la then s = c + (tonumber(ARGV[first + n + 3 + i]) or 0) end
+  if leasts == nil or s < leasts then least, leasts = h, s end
+  if minc == nil or c < minc then minc = c end
+  if held and held[h] and (targets == nil or s < targets) then
+    target, targets, targetc, ti = h, s, c, i
   end
 end
 
 local chosen = least
 if target ~= nil then
   chosen = target
-  local t = idx[target]
   -- Load guard (ours): a hot prefix must not pile every request onto one pod.
-  if factor > 0 and c[t] > factor * (minc + 1) then chosen = least end
+  if factor > 0 and targetc > factor * (minc + 1) then chosen = least end
   -- loadAware: overloaded by its metrics, or by in-flight past both the gap and the ratio.
-  if la and (string.byte(flags, t) == 49 or (c[t] - minc > gap and c[t] > ratio * minc)) then
+  if la and (string.byte(flags, ti) == 49 or (targetc - minc > gap and targetc > ratio * minc)) then
     chosen = least
   end
 end
