@@ -208,6 +208,20 @@ pub struct LoadAwareConfig {
     pub max_holders: u32,
 }
 
+impl Default for LoadAwareConfig {
+    /// The documented defaults (`DEFAULT_OVERLOAD_*`, `DEFAULT_LOAD_KV_WEIGHT`, `DEFAULT_MAX_HOLDERS`).
+    fn default() -> Self {
+        LoadAwareConfig {
+            queue_gap: DEFAULT_OVERLOAD_QUEUE,
+            kv_gap: DEFAULT_OVERLOAD_KV_CACHE,
+            inflight_gap: DEFAULT_OVERLOAD_INFLIGHT,
+            ratio: DEFAULT_OVERLOAD_RATIO,
+            kv_weight: DEFAULT_LOAD_KV_WEIGHT,
+            max_holders: DEFAULT_MAX_HOLDERS,
+        }
+    }
+}
+
 /// `endpoint_metrics` `metric_policy`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MetricPolicy {

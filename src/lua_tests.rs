@@ -486,14 +486,7 @@ fn la_pick(
 ) -> crate::policy::picker::PickResult {
     use crate::metrics::router::PodView;
     use crate::metrics::PodMetrics;
-    let cfg = crate::config::LoadAwareConfig {
-        queue_gap: 4.0,
-        kv_gap: 0.2,
-        inflight_gap: 4,
-        ratio: 1.5,
-        kv_weight: 8.0,
-        max_holders: 2,
-    };
+    let cfg = crate::config::LoadAwareConfig::default();
     let views: Vec<PodView> = pods
         .iter()
         .map(|&(h, q, kv, _)| PodView {

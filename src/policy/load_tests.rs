@@ -4,14 +4,7 @@ use super::*;
 use crate::metrics::PodMetrics;
 
 fn cfg() -> LoadAwareConfig {
-    LoadAwareConfig {
-        queue_gap: 4.0,
-        kv_gap: 0.2,
-        inflight_gap: 4,
-        ratio: 1.5,
-        kv_weight: 8.0,
-        max_holders: 2,
-    }
+    LoadAwareConfig::default()
 }
 
 fn pod(address: &str, waiting: f64, kv: f64) -> PodView {

@@ -193,14 +193,7 @@ fn pick_call(rng: &mut Rng, owner: usize, chain: &[String], kind: Case) -> PickC
             },
             Case::PrefixCacheLoadAware => {
                 // Pods with queues of 0-3 and KV use of 0-0.5, none overloaded by its metrics.
-                let config = LoadAwareConfig {
-                    queue_gap: 4.0,
-                    kv_gap: 0.2,
-                    inflight_gap: 4,
-                    ratio: 1.5,
-                    kv_weight: 8.0,
-                    max_holders: 2,
-                };
+                let config = LoadAwareConfig::default();
                 let pods: Vec<PodView> = (0..PODS)
                     .map(|i| PodView {
                         address: format!("10.0.0.{}:8000", i + 1),
