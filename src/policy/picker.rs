@@ -30,8 +30,9 @@
 
 use super::breaker::{Admission, Breaker};
 use super::cache_check::CacheCheck;
+use super::load::{self as load_args, LoadArgs};
 use super::{healthy_hosts, Decision, Stream};
-use crate::config::GlobalLeastRequestConfig;
+use crate::config::{GlobalLeastRequestConfig, LoadAwareConfig};
 use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply, UpstreamHost};
 use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
@@ -155,7 +156,19 @@ pub enum PickKind {
         ttl_s: u64,
         /// `hitLoadFactor`.
         hit_load_factor: f64,
+        /// `loadAware`: `None` when off; [`Picker::start`] fills in the pods' loads, or sets
+        /// `None` when some pod has no fresh metrics (decided as with it off).
+        load: Option<LoadAware>,
     },
+}
+
+/// `loadAware` in a pick: its thresholds, then (filled in by [`Picker::start`]) the pods' loads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadAware {
+    /// The thresholds.
+    pub config: LoadAwareConfig,
+    /// The script's load arguments, once known.
+    pub args: Option<LoadArgs>,
 }
 
 /// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
@@ -191,7 +204,7 @@ impl PickCall {
             self.request_id.clone(),
         ];
         match &self.kind {
-            PickKind::Prefix { chain, ttl_s, hit_load_factor } => {
+            PickKind::Prefix { chain, ttl_s, hit_load_factor, load } => {
                 args.reserve(4 + chain.len() + self.healthy.len());
                 args.push(ttl_s.to_string());
                 args.push(format!("{hit_load_factor}"));
@@ -199,6 +212,9 @@ impl PickCall {
                 args.extend(chain.iter().cloned());
                 args.push(self.healthy.len().to_string());
                 args.extend(self.healthy.iter().cloned());
+                if let Some(load) = load.as_ref().and_then(|l| l.args.as_ref()) {
+                    load.args(&self.healthy, &mut args);
+                }
             }
             PickKind::LeastRequest => {
                 // What every host starts and ends with goes once (pod addresses share most of
@@ -315,9 +331,11 @@ pub struct PickResult {
     pub matched: i64,
     /// A prefix's pod was passed over for load (prefix_cache only).
     pub diverted: bool,
+    /// The diverted pod became a holder of the prefix (prefix_cache with `loadAware` only).
+    pub holder_added: bool,
 }
 
-/// Parses `{host, count, admitted[, matched, diverted]}`.
+/// Parses `{host, count, admitted[, matched, diverted[, holder added]]}`.
 pub fn parse_pick(frame: &Frame) -> Option<PickResult> {
     let Frame::Array(items) = frame else { return None };
     let mut it = items.iter();
@@ -334,10 +352,11 @@ pub fn parse_pick(frame: &Frame) -> Option<PickResult> {
     let admitted = int(it.next())? == 1;
     let matched = int(it.next()).unwrap_or(0);
     let diverted = int(it.next()) == Some(1);
+    let holder_added = int(it.next()) == Some(1);
     if host.is_empty() {
         return None;
     }
-    Some(PickResult { host, count, admitted, matched, diverted })
+    Some(PickResult { host, count, admitted, matched, diverted, holder_added })
 }
 
 /// Fisher–Yates shuffle with the host's randomness: the script takes the first minimum, so ties
@@ -555,13 +574,36 @@ impl Picker {
 
     /// Starts a pick for `stream`: `Pending`; `Passthrough` when there is no healthy host; decided
     /// without Redis when the breaker is open or the call could not be sent.
-    pub fn start(&mut self, host: &mut dyn Host, stream: &mut Stream, kind: PickKind) -> Decision {
-        let list = host.upstream_hosts();
+    pub fn start(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        mut kind: PickKind,
+    ) -> Decision {
+        let mut list = host.upstream_hosts();
         let Some((mut healthy, others)) = healthy_hosts(list.as_deref(), host, self.name) else {
             return Decision::Passthrough;
         };
         if self.breaker.admit(host.now_nanos()) == Admission::Refuse {
             return self.without_redis(host, stream, &Fallback::BreakerOpen, list);
+        }
+        if let PickKind::Prefix { load: load @ Some(_), .. } = &mut kind {
+            // The host list (with the health check's metrics bodies) is read once per request:
+            // taken here; a failed send below reads it again.
+            let now_ms = host.now_nanos() / 1_000_000;
+            let args = list
+                .take()
+                .and_then(|l| self.metrics.gather(host, &stream.cluster, l, now_ms))
+                .and_then(|pods| {
+                    load.as_ref().and_then(|l| load_args::load_args(&l.config, &pods))
+                });
+            match (args, load.as_mut()) {
+                (Some(args), Some(l)) => l.args = Some(args),
+                _ => {
+                    host.increment_counter(Counter::PrefixLoadUnknown, 1);
+                    *load = None;
+                }
+            }
         }
         let mut in_cluster = Vec::with_capacity(healthy.len() + others.len());
         in_cluster.extend(healthy.iter().cloned());

@@ -184,6 +184,12 @@ fn gateway_config(
     pods: &[String],
     redis: &str,
 ) -> Value {
+    // `prefix_cache_load_aware`: prefix_cache with `loadAware: true`, reading the pods' metrics
+    // that the health check stores (below).
+    let (policy, load_aware) = match policy {
+        "prefix_cache_load_aware" => ("prefix_cache", true),
+        p => (p, false),
+    };
     let health = sc.health_check.then(|| {
         json!({"path": "/health", "interval_ms": 200, "timeout_ms": 1000,
             "unhealthy_threshold": 3, "healthy_threshold": 1})
@@ -214,7 +220,7 @@ fn gateway_config(
     if let Some(h) = health {
         llm["health_check"] = h;
     }
-    if policy == "endpoint_metrics" {
+    if policy == "endpoint_metrics" || load_aware {
         // Like Higress: the health checker keeps each pod's /metrics body for the plugin.
         llm["health_check"] = json!({"path": "/metrics", "interval_ms": 200, "timeout_ms": 1000,
             "unhealthy_threshold": 3, "healthy_threshold": 1, "store_metrics": true});
@@ -230,6 +236,9 @@ fn gateway_config(
         if policy != "endpoint_metrics" {
             lb.insert("serviceFQDN".into(), json!("redis.static"));
             lb.insert("servicePort".into(), json!(6379));
+        }
+        if load_aware {
+            lb.insert("loadAware".into(), json!(true));
         }
         for (k, v) in &sc.lb_config {
             lb.insert(k.clone(), v.clone());
@@ -327,7 +336,7 @@ pub async fn run_policy(
         urls.push(format!("http://{addr}"));
         gws.push(p);
     }
-    if policy == "endpoint_metrics" {
+    if matches!(policy, "endpoint_metrics" | "prefix_cache_load_aware") {
         // Let the first health checks store metrics.
         tokio::time::sleep(Duration::from_millis(600)).await;
     }

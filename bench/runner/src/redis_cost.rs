@@ -21,7 +21,11 @@
 //! Each case runs `reps` times, interleaved, on a fresh Redis per repetition; medians are reported
 //! with min-max.
 
-use ai_load_balancer::policy::picker::{PickCall, PickKind, ReleaseCall, StateKeys};
+use ai_load_balancer::config::LoadAwareConfig;
+use ai_load_balancer::metrics::router::PodView;
+use ai_load_balancer::metrics::PodMetrics;
+use ai_load_balancer::policy::load::load_args;
+use ai_load_balancer::policy::picker::{LoadAware, PickCall, PickKind, ReleaseCall, StateKeys};
 use ai_load_balancer::redis::{
     decode_reply, encode_command, is_noscript, Frame, Script, LEAST_REQUEST_LUA, PREFIX_CACHE_LUA,
     RELEASE_LUA,
@@ -133,6 +137,8 @@ enum Case {
     Baseline,
     LeastRequest,
     PrefixCache,
+    /// `prefix_cache` with `loadAware`: each pod's overload flag and penalty (queue + KV) sent.
+    PrefixCacheLoadAware,
     GoLeastRequest,
     GoPrefixCache,
 }
@@ -143,6 +149,7 @@ impl Case {
             Case::Baseline => "EVALSHA return 1 (floor)",
             Case::LeastRequest => "global_least_request",
             Case::PrefixCache => "prefix_cache",
+            Case::PrefixCacheLoadAware => "prefix_cache loadAware",
             Case::GoLeastRequest => "Go plugin's global_least_request",
             Case::GoPrefixCache => "Go plugin's prefix_cache",
         }
@@ -204,8 +211,33 @@ fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: 
         request_id: format!("{request:x}"),
         healthy: healthy(rng),
         kind: match kind {
-            Case::PrefixCache => {
-                PickKind::Prefix { chain: chain.to_vec(), ttl_s: 1800, hit_load_factor: 0.0 }
+            Case::PrefixCache => PickKind::Prefix {
+                chain: chain.to_vec(),
+                ttl_s: 1800,
+                hit_load_factor: 0.0,
+                load: None,
+            },
+            Case::PrefixCacheLoadAware => {
+                // Pods with queues of 0-3 and KV use of 0-0.5, none overloaded by its metrics.
+                let config = LoadAwareConfig::default();
+                let pods: Vec<PodView> = (0..PODS)
+                    .map(|i| PodView {
+                        address: format!("10.0.0.{}:8000", i + 1),
+                        metrics: Some(PodMetrics {
+                            waiting: Some((i % 4) as f64),
+                            kv_cache_usage: Some((i % 6) as f64 / 10.0),
+                            ..PodMetrics::default()
+                        }),
+                        sampled_ms: None,
+                    })
+                    .collect();
+                let args = load_args(&config, &pods);
+                PickKind::Prefix {
+                    chain: chain.to_vec(),
+                    ttl_s: 1800,
+                    hit_load_factor: 0.0,
+                    load: Some(LoadAware { config, args }),
+                }
             }
             _ => PickKind::LeastRequest,
         },
@@ -223,7 +255,7 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
     let redis = Redis::start().await?;
     let addr = redis.addr.clone();
     let pick = Script::new(match case {
-        Case::PrefixCache => PREFIX_CACHE_LUA,
+        Case::PrefixCache | Case::PrefixCacheLoadAware => PREFIX_CACHE_LUA,
         _ => LEAST_REQUEST_LUA,
     });
     let go_source = match case {
@@ -365,6 +397,7 @@ pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
         Case::Baseline,
         Case::LeastRequest,
         Case::PrefixCache,
+        Case::PrefixCacheLoadAware,
         Case::GoLeastRequest,
         Case::GoPrefixCache,
     ];
