@@ -247,7 +247,7 @@ struct Iteration {
 /// How a direction's iteration ended.
 enum Flow {
     /// The request went upstream; its response (or failure).
-    Upstream(UpResult),
+    Upstream(Box<UpResult>),
     /// A local reply is to be sent (plugin, limits, failures).
     Local(LocalReply),
     /// The stream is reset (plugin `close_stream`, a broken body).
@@ -483,30 +483,34 @@ impl Drive {
     async fn run(mut self, req: Request<Incoming>) {
         let (_parts, body) = req.into_parts();
         let mut via_filter = true;
-        let flow = if self.w.fails_streams() {
-            Flow::Local(wasm_fail_stream())
-        } else if self.plugin()
-            && self
-                .call(
-                    "proxy_on_context_create",
-                    &[self.ctx as i32, self.w.root_id().unwrap_or(0) as i32],
-                )
-                .is_err()
-        {
+        let failed = self.w.fails_streams()
+            || (self.plugin()
+                && self
+                    .call(
+                        "proxy_on_context_create",
+                        &[self.ctx as i32, self.w.root_id().unwrap_or(0) as i32],
+                    )
+                    .is_err());
+        let flow = if failed {
             Flow::Local(wasm_fail_stream())
         } else {
             match self.iterate(Dir::Request, body).await {
-                Flow::Upstream(Ok(resp)) => {
-                    // From here on a local reply bypasses the filter (see `local_reply`).
-                    via_filter = false;
-                    let body = self.response_arrived(resp);
-                    self.iterate(Dir::Response, body).await
-                }
+                Flow::Upstream(r) => match *r {
+                    Ok(resp) => {
+                        // From here on a local reply bypasses the filter (see `local_reply`).
+                        via_filter = false;
+                        let body = self.response_arrived(resp);
+                        self.iterate(Dir::Response, body).await
+                    }
+                    Err(e) => Flow::Upstream(Box::new(Err(e))),
+                },
                 other => other,
             }
         };
         match flow {
-            Flow::Upstream(Err(e)) => {
+            // (The response direction never ends with an upstream response.)
+            Flow::Upstream(r) => {
+                let Err(e) = *r else { return self.finish() };
                 let lr = match e {
                     UpError::Connect => local(503, "upstream_reset_before_response_started{connection_failure}", "upstream connect error or disconnect/reset before headers. reset reason: connection failure"),
                     UpError::Timeout => local(504, "upstream_response_timeout", "upstream request timeout"),
@@ -522,7 +526,7 @@ impl Drive {
                 self.local_reply(lr, via_filter).await
             }
             Flow::Reset => self.abort_downstream().await,
-            Flow::Upstream(Ok(_)) | Flow::Over => {}
+            Flow::Over => {}
         }
         self.finish();
     }
@@ -711,7 +715,7 @@ impl Drive {
                     if let Some(u) = self.upstream.as_mut() {
                         u.fut = None;
                         match r {
-                            Err(e) => return Flow::Upstream(Err(e)),
+                            Err(e) => return Flow::Upstream(Box::new(Err(e))),
                             Ok(resp) => u.result = Some(Ok(resp)),
                         }
                     }
@@ -792,7 +796,7 @@ impl Drive {
                 None => return Some(Flow::Over),
             },
         };
-        Some(Flow::Upstream(r))
+        Some(Flow::Upstream(Box::new(r)))
     }
 
     /// Released response data to the client; the stream is over at the end of the body.
