@@ -3,7 +3,7 @@
 //! profile, repetitions and time scale it was made with. `bench tables --write` puts them into
 //! README.md between the two marker lines.
 
-use crate::{table, Report};
+use crate::{redis_table, table, Report};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -34,7 +34,7 @@ pub fn utc(unix: u64) -> String {
 pub fn section(rep: &Report) -> String {
     let sc = &rep.config;
     format!(
-        "`{}`: {}\n\n{} · commit `{}` · {} · profile `{}` · {} repetitions, interleaved · time scale {}\n\n{}",
+        "`{}`: {}\n\n{} · commit `{}` · {} · profile `{}` · {} repetitions, interleaved · time scale {}\n\n{}{}",
         rep.scenario,
         rep.description,
         utc(rep.stamp.unix_time),
@@ -43,7 +43,11 @@ pub fn section(rep: &Report) -> String {
         sc.pods.profile,
         sc.repetitions,
         rep.time_scale,
-        table(rep)
+        table(rep),
+        match redis_table(rep) {
+            r if r.is_empty() => r,
+            r => format!("\n{r}"),
+        }
     )
 }
 
