@@ -514,7 +514,7 @@ pub async fn run_jobs(
         ticker.abort();
         let r = r.with_context(|| format!("{}, repetition {}", job.label, rep + 1))?;
         base += per_run(job);
-        bar.println(format!(
+        let line = format!(
             "{} #{}: {} requests, {} errors, TTFT mean {:.0} ms, hit rate {:.1}%",
             job.label,
             rep + 1,
@@ -522,7 +522,13 @@ pub async fn run_jobs(
             r.errors,
             r.ttft_ms.mean,
             r.prefix_hit_rate * 100.0
-        ));
+        );
+        // Without a terminal the bar is hidden and prints nothing: the log still gets the line.
+        if bar.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            bar.println(line);
+        }
         results.push(r);
     }
     bar.finish_and_clear();

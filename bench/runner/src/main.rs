@@ -296,14 +296,14 @@ async fn router_overhead(
     let table = bench::routers::added_latency_table(&rows);
     std::fs::create_dir_all(&paths.results)?;
     let out = paths.results.join("router-overhead.json");
-    let json = serde_json::json!({
-        "stamp": Stamp::now(&paths.root),
-        "requests_per_rep": requests,
-        "reps": reps,
-        "sglang_router": bench::routers::SGLANG_ROUTER_VERSION,
-        "vllm_router": bench::routers::VLLM_ROUTER_VERSION,
-        "rows": rows,
-    });
+    let json = bench::routers::OverheadReport {
+        stamp: Stamp::now(&paths.root),
+        requests_per_rep: requests,
+        reps,
+        sglang_router: bench::routers::SGLANG_ROUTER_VERSION.into(),
+        vllm_router: bench::routers::VLLM_ROUTER_VERSION.into(),
+        rows,
+    };
     std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
     print!("{table}");
     println!("\nwrote {}", out.display());

@@ -183,6 +183,40 @@ pub struct AddedLatency {
     pub errors: usize,
 }
 
+/// bench/results/router-overhead.json.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct OverheadReport {
+    /// Date, commit and machine.
+    pub stamp: crate::Stamp,
+    /// Sequential requests per target and repetition.
+    pub requests_per_rep: usize,
+    /// Repetitions.
+    pub reps: usize,
+    /// sglang-router version.
+    pub sglang_router: String,
+    /// vllm-router version.
+    pub vllm_router: String,
+    /// One row per target, `direct` first.
+    pub rows: Vec<AddedLatency>,
+}
+
+impl OverheadReport {
+    /// Markdown for the README: stamp line, then the table.
+    pub fn section(&self) -> String {
+        format!(
+            "`router-overhead`: each router's own added latency, {} sequential streamed requests per target to one fast pod (sglang-router {}, vllm-router {})\n\n{} · commit `{}` · {} · {} repetitions, interleaved · real ms\n\n{}",
+            self.requests_per_rep,
+            self.sglang_router,
+            self.vllm_router,
+            crate::tables::utc(self.stamp.unix_time),
+            self.stamp.commit,
+            self.stamp.machine,
+            self.reps,
+            added_latency_table(&self.rows)
+        )
+    }
+}
+
 /// Targets of `bench router-overhead`: straight to the pod, then these policies.
 pub const OVERHEAD_TARGETS: &[&str] = &[
     "direct",

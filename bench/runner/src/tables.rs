@@ -51,6 +51,23 @@ pub fn section(rep: &Report) -> String {
     )
 }
 
+/// The Markdown of a load sweep: heading, stamp, table.
+pub fn sweep_section(rep: &crate::sweep::SweepReport) -> String {
+    let sc = &rep.config;
+    format!(
+        "`{}` (load sweep, `bench sweep`): {}\n\n{} · commit `{}` · {} · profile `{}` · {} repetitions per point, interleaved · time scale {}\n\n{}",
+        rep.scenario,
+        rep.description,
+        utc(rep.stamp.unix_time),
+        rep.stamp.commit,
+        rep.stamp.machine,
+        sc.pods.profile,
+        rep.points.first().map_or(0, |p| p.aggregate.repetitions),
+        sc.time_scale,
+        crate::sweep::table(rep)
+    )
+}
+
 /// Every report in `dir` (files that are not reports of this format are listed as skipped).
 pub fn render(dir: &Path) -> Result<(String, Vec<String>)> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
@@ -63,13 +80,18 @@ pub fn render(dir: &Path) -> Result<(String, Vec<String>)> {
     let mut skipped = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(&f)?;
-        match serde_json::from_str::<Report>(&text) {
-            Ok(rep) => {
-                out.push_str(&section(&rep));
-                out.push('\n');
-            }
-            Err(_) => skipped.push(f.display().to_string()),
+        // A scenario report, a sweep or the routers' overhead; anything else is skipped.
+        if let Ok(rep) = serde_json::from_str::<Report>(&text) {
+            out.push_str(&section(&rep));
+        } else if let Ok(sw) = serde_json::from_str::<crate::sweep::SweepReport>(&text) {
+            out.push_str(&sweep_section(&sw));
+        } else if let Ok(o) = serde_json::from_str::<crate::routers::OverheadReport>(&text) {
+            out.push_str(&o.section());
+        } else {
+            skipped.push(f.display().to_string());
+            continue;
         }
+        out.push('\n');
     }
     Ok((out, skipped))
 }
