@@ -179,11 +179,10 @@ impl Policy {
     pub fn client_header(&self) -> ClientHeader {
         match self.route {
             Route::Gateway(GatewayMode::SessionHash) => ClientHeader::SessionCluster,
-            Route::External { router: Router::Vllm, policy }
-                if matches!(policy, "consistent_hash" | "sticky_least_loaded") =>
-            {
-                ClientHeader::SessionId
-            }
+            Route::External {
+                router: Router::Vllm,
+                policy: "consistent_hash" | "sticky_least_loaded",
+            } => ClientHeader::SessionId,
             _ => ClientHeader::None,
         }
     }

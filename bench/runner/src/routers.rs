@@ -149,11 +149,12 @@ mod tests {
     fn added_latency_is_taken_against_the_direct_run_of_the_same_repetition() {
         let targets: Vec<String> = ["direct", "x"].iter().map(|s| s.to_string()).collect();
         // Repetition 1 is slower for both (a noisy machine): the excess stays 2 ms.
+        let s = |target, rep, p50, p90, errors| Sample { target, rep, p50, p90, errors };
         let got = [
-            (0, 0, 1.0, 2.0, 0),
-            (1, 0, 3.0, 5.0, 0),
-            (1, 1, 13.0, 15.0, 1),
-            (0, 1, 11.0, 12.0, 0),
+            s(0, 0, 1.0, 2.0, 0),
+            s(1, 0, 3.0, 5.0, 0),
+            s(1, 1, 13.0, 15.0, 1),
+            s(0, 1, 11.0, 12.0, 0),
         ];
         let rows = added_latency(&targets, &got);
         assert_eq!(rows[0].added_p50_ms.median, 0.0);
@@ -249,8 +250,7 @@ pub async fn measure_added_latency(
     let sc = overhead_scenario(requests)?;
     let redis = crate::procs::Redis::start().await?;
     let (pods_proc, pods) = crate::start_pods(paths, &sc).await?;
-    // (target, rep) -> (p50, p90, errors)
-    let mut got: Vec<(usize, usize, f64, f64, usize)> = Vec::new();
+    let mut got: Vec<Sample> = Vec::new();
     for (rep, k) in crate::stats::interleaved(targets.len(), reps.max(1)) {
         let name = &targets[k];
         let (proc, url) = if name == "direct" {
@@ -291,36 +291,48 @@ pub async fn measure_added_latency(
             d.p50,
             d.p90
         );
-        got.push((k, rep, d.p50, d.p90, errors));
+        got.push(Sample { target: k, rep, p50: d.p50, p90: d.p90, errors });
     }
     pods_proc.stop().await;
     Ok(added_latency(targets, &got))
 }
 
+/// One target's repetition in `bench router-overhead`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    /// Index into the targets.
+    pub target: usize,
+    /// Repetition.
+    pub rep: usize,
+    /// TTFT median, real ms.
+    pub p50: f64,
+    /// TTFT 90th percentile, real ms.
+    pub p90: f64,
+    /// Failed requests.
+    pub errors: usize,
+}
+
 /// Per target: its TTFT spread and its excess over `targets[0]` (direct) repetition by
-/// repetition. `got` holds (target index, repetition, p50, p90, errors).
-pub fn added_latency(
-    targets: &[String],
-    got: &[(usize, usize, f64, f64, usize)],
-) -> Vec<AddedLatency> {
+/// repetition.
+pub fn added_latency(targets: &[String], got: &[Sample]) -> Vec<AddedLatency> {
     use crate::stats::Spread;
-    let direct = |rep: usize| got.iter().find(|g| g.0 == 0 && g.1 == rep).map(|g| (g.2, g.3));
+    let direct = |rep: usize| got.iter().find(|g| g.target == 0 && g.rep == rep);
     targets
         .iter()
         .enumerate()
         .map(|(k, name)| {
-            let mine: Vec<_> = got.iter().filter(|g| g.0 == k).collect();
-            let added = |f: &dyn Fn(&(usize, usize, f64, f64, usize), (f64, f64)) -> f64| {
-                Spread::of(mine.iter().filter_map(|g| direct(g.1).map(|d| f(g, d))))
+            let mine: Vec<&Sample> = got.iter().filter(|g| g.target == k).collect();
+            let added = |f: fn(&Sample) -> f64| {
+                Spread::of(mine.iter().filter_map(|g| direct(g.rep).map(|d| f(g) - f(d))))
                     .unwrap_or_default()
             };
             AddedLatency {
                 target: name.clone(),
-                ttft_p50_ms: Spread::of(mine.iter().map(|g| g.2)).unwrap_or_default(),
-                ttft_p90_ms: Spread::of(mine.iter().map(|g| g.3)).unwrap_or_default(),
-                added_p50_ms: added(&|g, d| g.2 - d.0),
-                added_p90_ms: added(&|g, d| g.3 - d.1),
-                errors: mine.iter().map(|g| g.4).sum(),
+                ttft_p50_ms: Spread::of(mine.iter().map(|g| g.p50)).unwrap_or_default(),
+                ttft_p90_ms: Spread::of(mine.iter().map(|g| g.p90)).unwrap_or_default(),
+                added_p50_ms: added(|g| g.p50),
+                added_p90_ms: added(|g| g.p90),
+                errors: mine.iter().map(|g| g.errors).sum(),
             }
         })
         .collect()

@@ -148,6 +148,66 @@ mod tests {
     }
 
     #[test]
+    fn sweeps_and_router_overhead_render_with_their_stamp_and_redis_gets_its_own_table() {
+        let mut rep = report();
+        let runs: Vec<PolicyResult> = rep
+            .runs
+            .iter()
+            .map(|r| PolicyResult {
+                policy: "prefix_cache".into(),
+                offered_sessions_per_s: Some(2.0),
+                redis_commands_per_request: 2.5,
+                redis_cpu_usec_per_request: 90.0,
+                ..r.clone()
+            })
+            .collect();
+        rep.policies = aggregate(&runs);
+        let md = section(&rep);
+        assert!(
+            md.contains("| prefix_cache | 0.0 (0.0–0.0) | 2.50 (2.50–2.50) | 90.0 (90.0–90.0) |"),
+            "{md}"
+        );
+        let sweep = crate::sweep::SweepReport {
+            scenario: "s".into(),
+            description: "d".into(),
+            stamp: rep.stamp.clone(),
+            config: rep.config.clone(),
+            rates: vec![2.0],
+            points: crate::sweep::points(&runs, &[2.0]),
+            runs,
+        };
+        let md = sweep_section(&sweep);
+        assert!(md.contains("commit `abc123`") && md.contains("3 repetitions per point"), "{md}");
+        assert!(md.contains("| prefix_cache | 2 | 3 × 300 | 0 | 110 (100–120) |"), "{md}");
+        let o = crate::routers::OverheadReport {
+            stamp: rep.stamp.clone(),
+            requests_per_rep: 300,
+            reps: 3,
+            sglang_router: "0.3.2".into(),
+            vllm_router: "0.1.17".into(),
+            rows: crate::routers::added_latency(
+                &["direct".to_string(), "x".to_string()],
+                &[
+                    crate::routers::Sample { target: 0, rep: 0, p50: 2.0, p90: 3.0, errors: 0 },
+                    crate::routers::Sample { target: 1, rep: 0, p50: 44.0, p90: 47.0, errors: 0 },
+                ],
+            ),
+        };
+        let dir = std::env::temp_dir().join(format!("bench-tables-o-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("router-overhead.json"), serde_json::to_string(&o).expect("json"))
+            .expect("write");
+        let (md, skipped) = render(&dir).expect("render");
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(skipped.is_empty(), "{skipped:?}");
+        assert!(
+            md.contains("| x | 44.00 (44.00–44.00) | 47.00 (47.00–47.00) | 42.00 (42.00–42.00) |"),
+            "{md}"
+        );
+        assert!(md.contains("commit `abc123`"), "{md}");
+    }
+
+    #[test]
     fn dates_are_utc() {
         assert_eq!(utc(0), "1970-01-01 00:00 UTC");
         assert_eq!(utc(1_795_506_556), "2026-11-24 07:49 UTC");
@@ -167,6 +227,7 @@ mod tests {
         assert!(md.contains("| round_robin | 3 × 300 | 0 | 110 (100–120) |"), "{md}");
         assert!(md.contains("| 40.0 (40.0–40.0) |"), "{md}");
         assert_eq!(skipped.len(), 1, "the old-format file is skipped: {skipped:?}");
+        assert!(!md.contains("Redis per routed request"), "no Redis table without a Redis policy");
 
         let readme = format!("intro\n{BEGIN}\nstale\n{END}\nrest\n");
         let new = splice(&readme, &md).expect("splice");
