@@ -30,19 +30,24 @@ pub fn utc(unix: u64) -> String {
     format!("{y:04}-{m:02}-{d:02} {:02}:{:02} UTC", secs / 3600, secs % 3600 / 60)
 }
 
+/// `date · commit · machine · profile · repetitions · time scale`, the line under each heading.
+fn stamp_line(stamp: &crate::Stamp, profile: &str, reps: &str, time_scale: f64) -> String {
+    format!(
+        "{} · commit `{}` · {} · profile `{profile}` · {reps}, interleaved · time scale {time_scale}",
+        utc(stamp.unix_time),
+        stamp.commit,
+        stamp.machine,
+    )
+}
+
 /// The Markdown of one report: heading, stamp, table.
 pub fn section(rep: &Report) -> String {
-    let sc = &rep.config;
+    let reps = format!("{} repetitions", rep.config.repetitions);
     format!(
-        "`{}`: {}\n\n{} · commit `{}` · {} · profile `{}` · {} repetitions, interleaved · time scale {}\n\n{}{}",
+        "`{}`: {}\n\n{}\n\n{}{}",
         rep.scenario,
         rep.description,
-        utc(rep.stamp.unix_time),
-        rep.stamp.commit,
-        rep.stamp.machine,
-        sc.pods.profile,
-        sc.repetitions,
-        rep.time_scale,
+        stamp_line(&rep.stamp, &rep.config.pods.profile, &reps, rep.time_scale),
         table(rep),
         match redis_table(rep) {
             r if r.is_empty() => r,
@@ -54,16 +59,15 @@ pub fn section(rep: &Report) -> String {
 /// The Markdown of a load sweep: heading, stamp, table.
 pub fn sweep_section(rep: &crate::sweep::SweepReport) -> String {
     let sc = &rep.config;
+    let reps = format!(
+        "{} repetitions per point",
+        rep.points.first().map_or(0, |p| p.aggregate.repetitions)
+    );
     format!(
-        "`{}` (load sweep, `bench sweep`): {}\n\n{} · commit `{}` · {} · profile `{}` · {} repetitions per point, interleaved · time scale {}\n\n{}",
+        "`{}` (load sweep, `bench sweep`): {}\n\n{}\n\n{}",
         rep.scenario,
         rep.description,
-        utc(rep.stamp.unix_time),
-        rep.stamp.commit,
-        rep.stamp.machine,
-        sc.pods.profile,
-        rep.points.first().map_or(0, |p| p.aggregate.repetitions),
-        sc.time_scale,
+        stamp_line(&rep.stamp, &sc.pods.profile, &reps, sc.time_scale),
         crate::sweep::table(rep)
     )
 }
