@@ -277,6 +277,14 @@ impl RedisUsage {
         Ok(f("used_cpu_user_main_thread") + f("used_cpu_sys_main_thread"))
     }
 
+    /// Main-thread CPU seconds per second while nobody sends commands, over `window`.
+    pub async fn idle_cpu_per_s(addr: &str, window: Duration) -> Result<f64> {
+        let a = Self::main_thread_cpu_s(addr).await?;
+        tokio::time::sleep(window).await;
+        let b = Self::main_thread_cpu_s(addr).await?;
+        Ok((b - a).max(0.0) / window.as_secs_f64().max(1e-3))
+    }
+
     /// Usage since the last `CONFIG RESETSTAT`, CPU since `cpu0` (from [`Self::main_thread_cpu_s`]).
     pub async fn since_reset(addr: &str, cpu0: f64) -> Result<RedisUsage> {
         let stats = redis_info(addr, "stats").await?;

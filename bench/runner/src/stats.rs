@@ -81,6 +81,9 @@ pub struct PolicyAggregate {
     /// Redis main-thread CPU per request (µs).
     #[serde(default)]
     pub redis_cpu_usec_per_request: Spread,
+    /// Whether every run's CPU figure had Redis's idle CPU taken off.
+    #[serde(default)]
+    pub redis_cpu_idle_subtracted: bool,
     /// Bytes Redis read per request.
     #[serde(default)]
     pub redis_bytes_in_per_request: Spread,
@@ -136,6 +139,7 @@ pub fn aggregate(results: &[PolicyResult]) -> Vec<PolicyAggregate> {
                 redis_bytes_per_request: sp(&|r| r.redis_bytes_per_request),
                 redis_commands_per_request: sp(&|r| r.redis_commands_per_request),
                 redis_cpu_usec_per_request: sp(&|r| r.redis_cpu_usec_per_request),
+                redis_cpu_idle_subtracted: runs.iter().all(|r| r.redis_cpu_idle_subtracted),
                 redis_bytes_in_per_request: sp(&|r| r.redis_bytes_in_per_request),
                 redis_bytes_out_per_request: sp(&|r| r.redis_bytes_out_per_request),
                 gateway_added_p50_ms: sp(&|r| r.gateway_added_ms.p50),
