@@ -619,16 +619,13 @@ pub fn redis_table(rep: &Report) -> String {
         "| policy (Redis per routed request) | script µs | commands | main-thread CPU µs | bytes in | bytes out |\n|---|---|---|---|---|---|\n",
     );
     for r in rows {
+        let idle = if r.redis_cpu_idle_subtracted { "" } else { " incl. idle" };
         t.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} | {}{idle} | {} | {} |\n",
             label(r, multi),
             r.redis_usec_per_request.show(1, 1.0),
             r.redis_commands_per_request.show(2, 1.0),
-            format!(
-                "{}{}",
-                r.redis_cpu_usec_per_request.show(1, 1.0),
-                if r.redis_cpu_idle_subtracted { "" } else { " incl. idle" }
-            ),
+            r.redis_cpu_usec_per_request.show(1, 1.0),
             r.redis_bytes_in_per_request.show(0, 1.0),
             r.redis_bytes_out_per_request.show(0, 1.0),
         ));

@@ -162,6 +162,7 @@ mod tests {
                 offered_sessions_per_s: Some(2.0),
                 redis_commands_per_request: 2.5,
                 redis_cpu_usec_per_request: 90.0,
+                redis_cpu_idle_subtracted: true,
                 ..r.clone()
             })
             .collect();
