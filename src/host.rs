@@ -216,8 +216,14 @@ pub enum Counter {
     LeastRequestRouted,
     /// `prefix_cache`: routed to the pod holding the request's longest known prefix.
     PrefixHit,
-    /// `prefix_cache`: the prefix's pod was too loaded (`hitLoadFactor`); routed to the least loaded.
+    /// `prefix_cache`: the prefix's pod was too loaded (`hitLoadFactor`, `loadAware`); routed to
+    /// the least loaded.
     PrefixHitDiverted,
+    /// `prefix_cache` (`loadAware`): a diverted hit made its pod a holder of the prefix.
+    PrefixHolderAdded,
+    /// `prefix_cache` (`loadAware`): some pod had no fresh metrics, so the request was decided
+    /// without them (as with `loadAware` off).
+    PrefixLoadUnknown,
     /// `prefix_cache`: no known prefix; routed to the least loaded pod.
     PrefixMiss,
     /// `prefix_cache`: sum of the matched prefix blocks over all hits.
@@ -269,6 +275,8 @@ impl Counter {
             Counter::LeastRequestRouted => "ai_lb_least_request_routed",
             Counter::PrefixHit => "ai_lb_prefix_hit",
             Counter::PrefixHitDiverted => "ai_lb_prefix_hit_diverted",
+            Counter::PrefixHolderAdded => "ai_lb_prefix_holder_added",
+            Counter::PrefixLoadUnknown => "ai_lb_prefix_load_unknown",
             Counter::PrefixMiss => "ai_lb_prefix_miss",
             Counter::PrefixMatchedBlocks => "ai_lb_prefix_matched_blocks",
             Counter::Rejected => "ai_lb_rejected",

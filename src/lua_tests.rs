@@ -208,6 +208,7 @@ fn pc(chain: &[&str], maxc: u64, ttl_s: u64, factor: f64, healthy: &[&str]) -> P
             chain: chain.iter().map(|k| k.to_string()).collect(),
             ttl_s,
             hit_load_factor: factor,
+            load: None,
         },
         ..lr(healthy)
     }
@@ -252,7 +253,7 @@ fn least_request_rejects_above_max_and_undoes_the_increment() {
     let f = r.run(&s, &PickCall { max_inflight: 2, ..lr(&["a", "b"]) });
     assert_eq!(pick(&f), ("a".to_string(), 3, 0, 0));
     assert_eq!(r.count("a"), Some(2), "undone");
-    assert_eq!(r.hget("own:vm1", &format!("r:{}", r.last_req)), None, "no record");
+    assert_eq!(r.hget("own:vm1", &r.last_req.clone()), None, "no record");
     let f = r.run(&s, &PickCall { max_inflight: 3, ..lr(&["a", "b"]) });
     assert_eq!(pick(&f).2, 1);
     assert_eq!(r.count("a"), Some(3));
@@ -379,12 +380,12 @@ fn release_undoes_the_pick_exactly_once() {
     let f = r.run(&s, &lr(&["a"]));
     assert_eq!(pick(&f).0, "a");
     let req = r.last_req.clone();
-    assert_eq!(r.hget("own:vm1", &format!("r:{req}")).as_deref(), Some("a"), "pick record");
-    assert_eq!(r.release("vm1", &req, Some("a")), Frame::BulkString(b"a".to_vec()));
+    assert_eq!(r.hget("own:vm1", &req).as_deref(), Some("a"), "pick record");
+    assert_eq!(r.release("vm1", &req, Some("a")), Frame::Integer(1));
     assert_eq!(r.count("a"), Some(0));
-    assert_eq!(r.hget("own:vm1", &format!("r:{req}")), None, "record deleted");
+    assert_eq!(r.hget("own:vm1", &req), None, "record deleted");
     assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "nothing left in the hash");
-    assert_eq!(r.release("vm1", &req, Some("a")), Frame::BulkString(Vec::new()), "second: no-op");
+    assert_eq!(r.release("vm1", &req, Some("a")), Frame::Integer(0), "second: no-op");
     assert_eq!(r.count("a"), Some(0));
 }
 
@@ -394,19 +395,19 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     let mut r = Redis::start();
     let s = Script::new(PREFIX_CACHE_LUA);
     let late = pc(&["k1"], 0, 600, 0.0, &["a"]);
-    assert_eq!(r.release("vm1", &late.request_id, None), Frame::BulkString(Vec::new()));
-    assert_eq!(r.release("vm1", &late.request_id, None), Frame::BulkString(Vec::new()), "resent");
-    assert_eq!(r.hget("own:vm1", &format!("r:{}", late.request_id)).as_deref(), Some(""));
+    assert_eq!(r.release("vm1", &late.request_id, None), Frame::Integer(0));
+    assert_eq!(r.release("vm1", &late.request_id, None), Frame::Integer(0), "resent");
+    assert_eq!(r.hget("own:vm1", &late.request_id).as_deref(), Some(""));
     let f = r.run(&s, &late);
     assert!(parse_pick(&f).is_none(), "no pick: {f:?}");
     assert_eq!(r.count("a"), None, "never counted: the tombstone is found before the +1");
     assert_eq!(r.get("pfx:k1"), None, "nothing written");
-    assert_eq!(r.hget("own:vm1", &format!("r:{}", late.request_id)), None, "tombstone consumed");
+    assert_eq!(r.hget("own:vm1", &late.request_id), None, "tombstone consumed");
     // Cancel after the pick ran (same connection order): undone.
     let ran = pc(&["k1"], 0, 600, 0.0, &["a"]);
     let f = r.run(&s, &ran);
     assert_eq!(pick(&f).0, "a");
-    assert_eq!(r.release("vm1", &ran.request_id, None), Frame::BulkString(b"a".to_vec()));
+    assert_eq!(r.release("vm1", &ran.request_id, None), Frame::Integer(1));
     assert_eq!(r.count("a"), Some(0));
 }
 
@@ -431,7 +432,7 @@ fn a_dead_owners_counts_are_subtracted_once_its_lease_runs_out() {
     assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "the dead owner's hash is gone");
     assert_eq!(r.cmd(&["ZSCORE", "owners", "vm1"]), Frame::Null);
     // vm1's release, should it still arrive, changes nothing.
-    assert_eq!(r.release("vm1", &first.request_id, Some("a")), Frame::BulkString(Vec::new()));
+    assert_eq!(r.release("vm1", &first.request_id, Some("a")), Frame::Integer(0));
     assert_eq!(r.count("a"), Some(1));
 }
 
@@ -472,4 +473,179 @@ fn a_live_owners_heartbeat_reaps_a_dead_one_without_any_pick() {
     assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
     assert_eq!(r.count("a"), Some(0), "the dead owner's +1 is gone");
     assert_eq!(r.cmd(&["ZSCORE", "owners", "dead"]), Frame::Null);
+}
+
+#[test]
+fn a_late_pick_of_a_reaped_owner_registers_it_again_so_its_count_is_reaped_too() {
+    // A gateway dies during a freeze; a pick it sent before is read from its socket and run after
+    // the reaper removed the owner.
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    assert_eq!(pick(&r.run(&s, &as_owner("dead", 1000, &["a"]))).0, "a");
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!((r.count("a"), r.cmd(&["ZSCORE", "owners", "dead"])), (Some(0), Frame::Null));
+    assert_eq!(pick(&r.run(&s, &as_owner("dead", 1000, &["a"]))).0, "a", "the late pick");
+    assert!(matches!(r.cmd(&["ZSCORE", "owners", "dead"]), Frame::BulkString(_)), "registered");
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.count("a"), Some(0), "reaped one lease later");
+}
+
+#[test]
+fn least_request_hosts_go_as_a_shared_prefix_and_suffix_plus_each_hosts_own_part() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let hosts = ["10.0.0.1:8000", "10.0.0.12:8000", "10.0.1.3:8000"];
+    let call = lr(&hosts);
+    let (_, args) = call.keys_args();
+    assert_eq!(args[4..], ["10.0.", ":8000", "0.1", "0.12", "1.3"]);
+    r.cmd(&["HSET", "inflight", "10.0.0.1:8000", "3", "10.0.1.3:8000", "2"]);
+    assert_eq!(pick(&r.run(&s, &call)), ("10.0.0.12:8000".to_string(), 1, 1, 0));
+    assert_eq!(pick(&r.run(&s, &lr(&["x:1", "y:2"]))).0, "x:1", "nothing shared");
+    let (_, args) = lr(&["only:1"]).keys_args();
+    assert_eq!(args[4..], ["only:1", "", ""], "one host: all prefix");
+    assert_eq!(pick(&r.run(&s, &lr(&["only:1"]))).0, "only:1");
+}
+
+/// A `loadAware` prefix pick: `pods` are (host, queue, KV use, in-flight), all healthy, with the
+/// thresholds' defaults (queue gap 4, KV gap 0.2, in-flight gap 4, ratio 1.5, KV weight 8, two
+/// holders); the in-flight counts are written to Redis first. The load arguments are made from the
+/// metrics by the plugin's own code.
+fn la_pick(
+    r: &mut Redis,
+    chain: &[&str],
+    pods: &[(&str, f64, f64, i64)],
+) -> crate::policy::picker::PickResult {
+    use crate::metrics::router::PodView;
+    use crate::metrics::PodMetrics;
+    let cfg = crate::config::LoadAwareConfig::default();
+    let views: Vec<PodView> = pods
+        .iter()
+        .map(|&(h, q, kv, _)| PodView {
+            address: h.into(),
+            metrics: Some(PodMetrics {
+                waiting: Some(q),
+                kv_cache_usage: Some(kv),
+                ..PodMetrics::default()
+            }),
+            sampled_ms: None,
+        })
+        .collect();
+    for &(h, _, _, c) in pods {
+        r.cmd(&["HSET", "inflight", h, &c.to_string()]);
+    }
+    let args = crate::policy::load::load_args(&cfg, &views).expect("metrics for every pod");
+    let hosts: Vec<&str> = pods.iter().map(|p| p.0).collect();
+    let mut call = pc(chain, 0, 600, 0.0, &hosts);
+    if let PickKind::Prefix { load, .. } = &mut call.kind {
+        *load = Some(crate::policy::picker::LoadAware { config: cfg, args: Some(args) });
+    }
+    let s = Script::new(PREFIX_CACHE_LUA);
+    let f = r.run(&s, &call);
+    parse_pick(&f).unwrap_or_else(|| panic!("bad reply {f:?}"))
+}
+
+#[test]
+fn load_aware_hit_is_kept_when_its_pod_is_not_overloaded() {
+    let mut r = Redis::start();
+    r.cmd(&["SET", "pfx:k1", "a"]);
+    // a: queue 3 above b's, 3 more in flight: under every threshold.
+    let p = la_pick(&mut r, &["k1", "k2"], &[("b", 0.0, 0.1, 0), ("a", 3.0, 0.2, 3)]);
+    assert_eq!((p.host.as_str(), p.matched, p.diverted, p.holder_added), ("a", 1, false, false));
+    assert_eq!(r.get("pfx:k1").as_deref(), Some("a"));
+    assert_eq!(r.get("pfx:k2").as_deref(), Some("a"));
+}
+
+#[test]
+fn load_aware_hit_is_diverted_by_a_deep_queue_and_the_pod_becomes_a_holder() {
+    let mut r = Redis::start();
+    r.cmd(&["SET", "pfx:k1", "a"]);
+    let p = la_pick(
+        &mut r,
+        &["k1", "k2"],
+        &[("a", 9.0, 0.2, 1), ("b", 0.0, 0.2, 2), ("c", 1.0, 0.2, 1)],
+    );
+    // b: 2 in flight + 0 queued + 8 × 0.2 = 3.6 -> 4; c: 1 + 1 + 2 = 4 (ties: first wins).
+    assert_eq!((p.host.as_str(), p.matched, p.diverted, p.holder_added), ("b", 1, true, true));
+    assert_eq!(r.get("pfx:k1").as_deref(), Some("a,b"), "b holds the matched prefix too");
+    assert_eq!(r.get("pfx:k2").as_deref(), Some("b"), "the new block is b's");
+    assert!((590..=600).contains(&r.ttl("pfx:k1")));
+}
+
+#[test]
+fn load_aware_hit_is_diverted_by_kv_cache_use() {
+    let mut r = Redis::start();
+    r.cmd(&["SET", "pfx:k1", "a"]);
+    let p = la_pick(&mut r, &["k1"], &[("a", 0.0, 0.9, 0), ("b", 0.0, 0.3, 1)]);
+    assert_eq!((p.host.as_str(), p.diverted, p.holder_added), ("b", true, true));
+}
+
+#[test]
+fn load_aware_hit_is_diverted_by_in_flight_past_gap_and_ratio() {
+    let mut r = Redis::start();
+    r.cmd(&["SET", "pfx:k1", "a"]);
+    // 8 vs 5: gap 3 (not > 4): kept.
+    let p = la_pick(&mut r, &["k1"], &[("a", 0.0, 0.1, 8), ("b", 0.0, 0.1, 5)]);
+    assert_eq!((p.host.as_str(), p.diverted), ("a", false));
+    // 10 vs 5: gap 5 > 4 and 10 > 7.5.
+    let p = la_pick(&mut r, &["k1"], &[("a", 0.0, 0.1, 10), ("b", 0.0, 0.1, 5)]);
+    assert_eq!((p.host.as_str(), p.diverted), ("b", true));
+    // 16 vs 11: gap 5 but 16 < 16.5: kept (every pod busy, none singled out).
+    r.cmd(&["SET", "pfx:k9", "a"]);
+    let p = la_pick(&mut r, &["k9"], &[("a", 0.0, 0.1, 16), ("b", 0.0, 0.1, 11)]);
+    assert_eq!((p.host.as_str(), p.diverted), ("a", false));
+}
+
+#[test]
+fn load_aware_miss_goes_to_the_least_combined_load_not_the_least_in_flight() {
+    let mut r = Redis::start();
+    // b has fewer in flight but a queue and a fuller KV cache: a wins (2 vs 1 + 3 + 4).
+    let p = la_pick(&mut r, &["k1"], &[("b", 3.0, 0.5, 1), ("a", 0.0, 0.0, 2)]);
+    assert_eq!((p.host.as_str(), p.matched, p.diverted), ("a", 0, false));
+    assert_eq!(r.get("pfx:k1").as_deref(), Some("a"));
+    // Without load arguments (stale metrics: as today) the in-flight count alone decides.
+    r.cmd(&["HSET", "inflight", "a", "2", "b", "1"]);
+    let f = r.run(&Script::new(PREFIX_CACHE_LUA), &pc(&["j1"], 0, 600, 0.0, &["b", "a"]));
+    assert_eq!(pick(&f).0, "b");
+}
+
+#[test]
+fn load_aware_later_requests_take_the_least_loaded_holder() {
+    let mut r = Redis::start();
+    r.cmd(&["SET", "pfx:k1", "a,b"]);
+    let p = la_pick(&mut r, &["k1"], &[("a", 0.0, 0.1, 3), ("b", 0.0, 0.1, 1), ("c", 0.0, 0.0, 0)]);
+    assert_eq!((p.host.as_str(), p.matched, p.diverted), ("b", 1, false), "a hit on b, not a miss");
+    let p = la_pick(&mut r, &["k1"], &[("a", 0.0, 0.1, 1), ("b", 0.0, 0.1, 3), ("c", 0.0, 0.0, 0)]);
+    assert_eq!((p.host.as_str(), p.diverted), ("a", false));
+    assert_eq!(r.get("pfx:k1").as_deref(), Some("a,b"), "holders unchanged");
+    // A holder that left (or is unhealthy) is not taken; the other one is.
+    let p = la_pick(&mut r, &["k1"], &[("b", 0.0, 0.1, 3), ("c", 0.0, 0.0, 0)]);
+    assert_eq!((p.host.as_str(), p.matched), ("b", 1));
+}
+
+#[test]
+fn load_aware_holders_never_ping_pong() {
+    let mut r = Redis::start();
+    r.cmd(&["SET", "pfx:k1", "a,b"]);
+    // Both holders overloaded: diverted to c, but the key is full: a and b stay its holders.
+    let p = la_pick(&mut r, &["k1"], &[("a", 9.0, 0.1, 9), ("b", 9.0, 0.1, 9), ("c", 0.0, 0.0, 0)]);
+    assert_eq!((p.host.as_str(), p.diverted, p.holder_added), ("c", true, false));
+    assert_eq!(r.get("pfx:k1").as_deref(), Some("a,b"));
+    // The load swings back and forth: the key's value never changes.
+    for i in 0..6 {
+        let (qa, qb) = if i % 2 == 0 { (0.0, 9.0) } else { (9.0, 0.0) };
+        let p =
+            la_pick(&mut r, &["k1"], &[("a", qa, 0.1, 0), ("b", qb, 0.1, 0), ("c", 9.0, 0.9, 9)]);
+        assert_eq!(p.host, if i % 2 == 0 { "a" } else { "b" });
+        assert!(!p.diverted, "the less loaded holder is a plain hit");
+        assert_eq!(r.get("pfx:k1").as_deref(), Some("a,b"), "round {i}");
+    }
+    // A one-holder key grows once, then stays.
+    r.cmd(&["SET", "pfx:j1", "a"]);
+    let p = la_pick(&mut r, &["j1"], &[("a", 9.0, 0.1, 0), ("b", 0.0, 0.1, 0), ("c", 0.0, 0.1, 1)]);
+    assert!(p.holder_added);
+    let p = la_pick(&mut r, &["j1"], &[("a", 9.0, 0.1, 0), ("b", 9.0, 0.1, 0), ("c", 0.0, 0.1, 0)]);
+    assert_eq!((p.host.as_str(), p.diverted, p.holder_added), ("c", true, false));
+    assert_eq!(r.get("pfx:j1").as_deref(), Some("a,b"));
 }

@@ -96,8 +96,8 @@ pub fn releases(host: &FakeHost) -> Vec<ReleaseSent> {
                 inflight: keys[0].clone(),
                 owner: args[0].clone(),
                 request: args[1].clone(),
-                abandoned: args[2] == "1",
-                host: args.get(3).filter(|h| !h.is_empty()).cloned(),
+                abandoned: args.get(2).is_none(),
+                host: args.get(2).cloned(),
             }
         })
         .collect()

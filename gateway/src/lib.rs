@@ -102,7 +102,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ));
     }
 
-    let n = args.workers.max(1);
+    // One thread per worker, plus one for the main thread's plugin VM: Envoy also runs the plugin
+    // on its main thread (a root context that is configured and ticks, and can call out, but
+    // serves no streams). It has the last index and no listeners.
+    let n = args.workers.max(1) + usize::from(plugin.is_some());
+    let main_vm = plugin.is_some().then_some(n - 1);
     let mut senders = Vec::new();
     let mut receivers = Vec::new();
     for _ in 0..n {
@@ -118,10 +122,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let events_tx = senders[idx].clone();
         let socks: Vec<(std::net::TcpListener, (usize, config::ListenerTimers))> = listeners
             .iter()
+            .filter(|_| main_vm != Some(idx))
             .filter_map(|(_, s, opts)| s.try_clone().ok().map(|s| (s, *opts)))
             .collect();
         let ready_tx = ready_tx.clone();
-        std::thread::Builder::new().name(format!("worker-{idx}")).spawn(move || {
+        let name =
+            if main_vm == Some(idx) { "main-vm".to_string() } else { format!("worker-{idx}") };
+        std::thread::Builder::new().name(name).spawn(move || {
             let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(rt) => rt,
                 Err(e) => {

@@ -263,10 +263,101 @@ impl Drop for ActiveGuard {
     }
 }
 
-enum ReqOutcome {
-    Upstream(UpResult),
+/// The direction a filter iteration drives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dir {
+    /// Decoding: client to upstream.
+    Request,
+    /// Encoding: upstream (or local reply) to client.
+    Response,
+}
+
+impl Dir {
+    fn headers_callback(self) -> &'static str {
+        match self {
+            Dir::Request => "proxy_on_request_headers",
+            Dir::Response => "proxy_on_response_headers",
+        }
+    }
+    fn body_callback(self) -> &'static str {
+        match self {
+            Dir::Request => "proxy_on_request_body",
+            Dir::Response => "proxy_on_response_body",
+        }
+    }
+}
+
+/// The stream's parts of one direction, as the filter iteration reads them.
+impl StreamState {
+    fn headers(&self, dir: Dir) -> &HeaderMap {
+        match dir {
+            Dir::Request => &self.req_headers,
+            Dir::Response => &self.resp_headers,
+        }
+    }
+    fn body(&mut self, dir: Dir) -> &mut bytes::BytesMut {
+        match dir {
+            Dir::Request => &mut self.req_body,
+            Dir::Response => &mut self.resp_body,
+        }
+    }
+    fn body_len(&self, dir: Dir) -> usize {
+        match dir {
+            Dir::Request => self.req_body.len(),
+            Dir::Response => self.resp_body.len(),
+        }
+    }
+    fn limit(&self, dir: Dir) -> usize {
+        match dir {
+            Dir::Request => self.decoder_limit,
+            Dir::Response => self.encoder_limit,
+        }
+    }
+    fn set_headers_access(&mut self, dir: Dir, on: bool) {
+        match dir {
+            Dir::Request => self.req_hdr_access = on,
+            Dir::Response => self.resp_hdr_access = on,
+        }
+    }
+    fn set_body_access(&mut self, dir: Dir, on: bool) {
+        match dir {
+            Dir::Request => self.req_body_access = on,
+            Dir::Response => self.resp_body_access = on,
+        }
+    }
+    /// The deferred `continue_stream` of this direction.
+    fn continue_flag(&mut self, dir: Dir) -> &mut bool {
+        match dir {
+            Dir::Request => &mut self.continue_req,
+            Dir::Response => &mut self.continue_resp,
+        }
+    }
+}
+
+/// Where one direction's filter iteration stands.
+struct Iteration {
+    /// The body still being read (None once it ended, or when the headers ended the stream).
+    body: Option<Incoming>,
+    /// All of the body is in the buffer.
+    body_done: bool,
+    /// The filter holds the headers.
+    held: bool,
+    /// ... and buffers the body without callbacks until it continues (StopAll).
+    stop_all: bool,
+    /// The last body callback stopped: the data stays buffered.
+    data_stopped: bool,
+}
+
+/// How a direction's iteration ended.
+enum Flow {
+    /// The request went upstream; its response (or failure).
+    Upstream(Box<UpResult>),
+    /// A local reply is to be sent (plugin, limits, failures).
     Local(LocalReply),
-    Aborted,
+    /// The stream is reset (plugin `close_stream`, a broken body).
+    Reset,
+    /// Nothing more to send: the response is complete, or the client went away.
+    Over,
 }
 
 struct Drive {
@@ -500,10 +591,36 @@ impl Drive {
 
     async fn run(mut self, req: Request<Incoming>) {
         let (_parts, body) = req.into_parts();
-        let outcome = self.request_phase(body).await;
-        match outcome {
-            ReqOutcome::Upstream(Ok(resp)) => self.response_phase(resp).await,
-            ReqOutcome::Upstream(Err(e)) => {
+        let mut via_filter = true;
+        let failed = self.w.fails_streams()
+            || (self.plugin()
+                && self
+                    .call(
+                        "proxy_on_context_create",
+                        &[self.ctx as i32, self.w.root_id().unwrap_or(0) as i32],
+                    )
+                    .is_err());
+        let flow = if failed {
+            Flow::Local(wasm_fail_stream())
+        } else {
+            match self.iterate(Dir::Request, body).await {
+                Flow::Upstream(r) => match *r {
+                    Ok(resp) => {
+                        // From here on a local reply bypasses the filter (see `local_reply`).
+                        via_filter = false;
+                        let body = self.response_arrived(resp);
+                        self.idle.touch();
+                        self.iterate(Dir::Response, body).await
+                    }
+                    Err(e) => Flow::Upstream(Box::new(Err(e))),
+                },
+                other => other,
+            }
+        };
+        match flow {
+            // (The response direction never ends with an upstream response.)
+            Flow::Upstream(r) => {
+                let Err(e) = *r else { return self.finish() };
                 let lr = match e {
                     UpError::Connect => local(503, "upstream_reset_before_response_started{connection_failure}", "upstream connect error or disconnect/reset before headers. reset reason: connection failure"),
                     UpError::Timeout => route_timeout(),
@@ -511,14 +628,15 @@ impl Drive {
                 };
                 self.upstream = None;
                 self.active = None;
-                self.local_reply(lr).await;
+                self.local_reply(lr, true).await;
             }
-            ReqOutcome::Local(lr) => {
+            Flow::Local(lr) => {
                 self.upstream = None;
                 self.active = None;
-                self.local_reply(lr).await
+                self.local_reply(lr, via_filter).await
             }
-            ReqOutcome::Aborted => {}
+            Flow::Reset => self.abort_downstream().await,
+            Flow::Over => {}
         }
         self.finish();
     }
@@ -528,10 +646,12 @@ impl Drive {
         self.active = None;
         if self.plugin() {
             let ctx = self.ctx as i32;
-            // Envoy: log, then onDestroy -> on_done, then on_delete.
-            if self.call("proxy_on_log", &[ctx]).is_ok()
-                && self.call("proxy_on_done", &[ctx]).is_ok()
-            {
+            // Envoy: log, then onDestroy -> on_done, then on_delete. `on_log` runs in the
+            // access-log phase: request and response headers readable, nothing writable.
+            self.lock().log_phase = true;
+            let logged = self.call("proxy_on_log", &[ctx]).is_ok();
+            self.lock().log_phase = false;
+            if logged && self.call("proxy_on_done", &[ctx]).is_ok() {
                 let _ = self.call("proxy_on_delete", &[ctx]);
             }
         }
@@ -540,34 +660,51 @@ impl Drive {
         }
     }
 
-    // ---------------------------------------------------------------- request side
+    /// The upstream's response headers become the stream's response headers; returns its body.
+    fn response_arrived(&mut self, resp: Response<Incoming>) -> Incoming {
+        let (parts, body) = resp.into_parts();
+        let mut s = self.lock();
+        let mut h: HeaderMap = vec![(":status".into(), parts.status.as_str().as_bytes().to_vec())];
+        for (k, v) in parts.headers.iter() {
+            h.push((k.as_str().to_string(), v.as_bytes().to_vec()));
+        }
+        s.resp_headers = h;
+        s.response_code = Some(parts.status.as_u16());
+        s.resp_hdr_access = true;
+        body
+    }
 
-    async fn request_phase(&mut self, body: Incoming) -> ReqOutcome {
+    // ------------------------------------------------------------ filter iteration
+
+    /// One direction of the stream through the filter, as Envoy's filter manager iterates it:
+    /// the headers callback, then a body callback per data frame the codec delivers
+    /// (`end_of_stream=false`) and one more when the message ends (`end_of_stream=true`, with no
+    /// new data, as Envoy's HTTP/1 codec reports the end of a body); what the filter lets go is
+    /// passed on (request: to the router and upstream; response: to the client). Held headers
+    /// (StopIteration) let body callbacks go on with the cumulative buffer; StopAll buffers the
+    /// body without callbacks and replays it once the headers are continued.
+    async fn iterate(&mut self, dir: Dir, body: Incoming) -> Flow {
         use hyper::body::Body;
-        let eos = body.is_end_stream();
-        let mut body = if eos { None } else { Some(body) };
-        let mut body_done = eos;
-        if self.w.fails_streams() {
-            return ReqOutcome::Local(wasm_fail_stream());
-        }
-        if self.plugin() {
-            let root = self.w.root_id().unwrap_or(0) as i32;
-            if self.call("proxy_on_context_create", &[self.ctx as i32, root]).is_err() {
-                return ReqOutcome::Local(wasm_fail_stream());
-            }
-        }
-        let n = self.lock().req_headers.len();
-        let action = match self.header_action("proxy_on_request_headers", n, eos) {
-            Ok(a) => a,
-            Err(()) => return ReqOutcome::Local(wasm_fail_stream()),
+        let headers_eos = body.is_end_stream();
+        let mut it = Iteration {
+            body: (!headers_eos).then_some(body),
+            body_done: headers_eos,
+            held: false,
+            stop_all: false,
+            data_stopped: false,
         };
-        let mut held = action != HeaderAction::Continue;
-        let stop_all = action == HeaderAction::StopAll;
-        let mut data_stopped = false;
-        if !held {
-            self.lock().req_hdr_access = false;
-            if let Err(lr) = self.forward() {
-                return ReqOutcome::Local(lr);
+        let n = self.lock().headers(dir).len();
+        let action = match self.header_action(dir.headers_callback(), n, headers_eos) {
+            Ok(a) => a,
+            Err(()) => return Flow::Local(wasm_fail_stream()),
+        };
+        it.held = action != HeaderAction::Continue;
+        it.stop_all = action == HeaderAction::StopAll;
+        if !it.held {
+            // Envoy drops its pointer to headers a callback continued.
+            self.lock().set_headers_access(dir, false);
+            if let Err(f) = self.release_headers(dir, headers_eos) {
+                return f;
             }
         }
         loop {
@@ -575,174 +712,125 @@ impl Drive {
             {
                 let mut s = self.lock();
                 if let Some(lr) = s.local_reply.take() {
-                    return ReqOutcome::Local(lr);
+                    return Flow::Local(lr);
                 }
                 if s.reset {
-                    return ReqOutcome::Aborted;
+                    return Flow::Reset;
                 }
             }
             if self.orphaned() {
-                if held && self.w.failure_policy() != FailurePolicy::FailOpen {
-                    return ReqOutcome::Local(wasm_fail_stream());
+                if it.held && self.w.failure_policy() != FailurePolicy::FailOpen {
+                    return Flow::Local(wasm_fail_stream());
                 }
-                // Fail-open, or the VM that asked to buffer is gone: let the request through.
-                data_stopped = false;
-                if held {
-                    self.lock().continue_req = true;
+                // Fail-open, or the VM that asked to buffer is gone: let the stream through.
+                it.data_stopped = false;
+                if it.held {
+                    *self.lock().continue_flag(dir) = true;
                 }
             }
-            let cont = std::mem::take(&mut self.lock().continue_req);
+            let cont = std::mem::take(self.lock().continue_flag(dir));
             if cont {
-                if held {
-                    held = false;
-                    if let Err(lr) = self.forward() {
-                        return ReqOutcome::Local(lr);
+                if it.held {
+                    it.held = false;
+                    if let Err(f) = self.release_headers(dir, headers_eos) {
+                        return f;
                     }
-                    let buffered = !self.lock().req_body.is_empty();
-                    if stop_all && (buffered || body_done) && !eos {
+                    let buffered = !self.lock().body(dir).is_empty();
+                    if it.stop_all && (buffered || it.body_done) && !headers_eos {
                         // StopAll: replay the buffered body to the filter now.
-                        let len = self.lock().req_body.len();
-                        self.lock().req_body_access = true;
-                        match self.data_action("proxy_on_request_body", len, body_done) {
-                            Ok(c) => data_stopped = !c,
-                            Err(()) => return ReqOutcome::Local(wasm_fail_stream()),
-                        }
-                        if !data_stopped {
-                            self.lock().req_body_access = false;
+                        let eos = it.body_done;
+                        if let Err(f) = self.on_data(dir, &mut it, eos) {
+                            return f;
                         }
                         continue;
                     }
-                    data_stopped = false;
-                } else {
-                    data_stopped = false;
                 }
+                it.data_stopped = false;
             }
-            // Buffer limit while this filter holds data. Over it, a filter that asked for
-            // watermark buffering gets flow control (reading pauses below), any other a 413.
+            // Buffer limit while this filter holds data. Over it, a request body whose filter
+            // asked for watermark buffering gets flow control (reading pauses below); otherwise
+            // Envoy answers 413 (request) or 500 (response; a reset once headers went out).
             let over_limit = {
                 let s = self.lock();
-                s.req_body.len() > s.decoder_limit
+                s.body_len(dir) > s.limit(dir)
             };
-            let flow_controlled = data_stopped && self.data_watermark && over_limit;
-            if (held || data_stopped) && !flow_controlled {
-                let s = self.lock();
-                if s.req_body.len() > s.decoder_limit {
-                    drop(s);
-                    return ReqOutcome::Local(local(
-                        413,
-                        "request_payload_too_large",
-                        "Payload Too Large",
-                    ));
-                }
+            let flow_controlled =
+                dir == Dir::Request && it.data_stopped && self.data_watermark && over_limit;
+            if (it.held || it.data_stopped) && over_limit && !flow_controlled {
+                return Flow::Local(match dir {
+                    Dir::Request => local(413, "request_payload_too_large", "Payload Too Large"),
+                    Dir::Response => {
+                        local(500, "response_payload_too_large", "Internal Server Error")
+                    }
+                });
             }
-            // Flush released data upstream.
-            if !held && !data_stopped {
+            // Pass released data on.
+            if !it.held && !it.data_stopped {
                 let chunk = {
                     let mut s = self.lock();
-                    s.req_body_access = false;
-                    s.req_body.split().freeze()
+                    s.set_body_access(dir, false);
+                    s.body(dir).split().freeze()
                 };
-                let mut chunk = chunk;
-                if let Some(b) = self.pending_req.take() {
-                    let full = if body_done { Some(std::mem::take(&mut chunk)) } else { None };
-                    if let Err(lr) = self.start_upstream(b, full) {
-                        return ReqOutcome::Local(lr);
-                    }
-                }
-                if let Some(up) = self.upstream.as_mut() {
-                    if !chunk.is_empty() {
-                        if let Some(tx) = &up.body_tx {
-                            let _ = tx.send(Ok(chunk)).await;
-                        }
-                    }
-                    if body_done {
-                        up.body_tx = None;
-                        // The router has the whole request: Envoy's route timeout starts.
-                        let route_deadline = (!self.timeout.is_zero())
-                            .then(|| tokio::time::Instant::now() + self.timeout);
-                        self.route_deadline = route_deadline;
-                        let idle = self.idle.expired();
-                        let r = match up.result.take() {
-                            Some(r) => r,
-                            None => match up.fut.take() {
-                                Some(f) => {
-                                    let resp_tx = self.resp_tx.as_mut();
-                                    match resp_tx {
-                                        Some(rt) => tokio::select! {
-                                            r = f => r,
-                                            _ = rt.closed() => return ReqOutcome::Aborted,
-                                            _ = deadline_passed(route_deadline) => Err(UpError::Timeout),
-                                            _ = idle => return ReqOutcome::Local(stream_timeout()),
-                                        },
-                                        None => f.await,
-                                    }
-                                }
-                                None => return ReqOutcome::Aborted,
-                            },
-                        };
-                        return ReqOutcome::Upstream(r);
-                    }
+                let done = match dir {
+                    Dir::Request => self.flush_request(chunk, it.body_done).await,
+                    Dir::Response => self.flush_response(chunk, it.body_done).await,
+                };
+                if let Some(f) = done {
+                    return f;
                 }
             }
             // Wait for the next event.
             let notify = self.notify.clone();
-            let up_fut = self.upstream.as_mut().and_then(|u| {
-                if u.result.is_none() {
-                    u.fut.as_mut()
-                } else {
-                    None
-                }
-            });
+            let up_fut = match dir {
+                Dir::Request => self.upstream.as_mut().and_then(|u| {
+                    if u.result.is_none() {
+                        u.fut.as_mut()
+                    } else {
+                        None
+                    }
+                }),
+                Dir::Response => None,
+            };
+            let down = self.down.clone();
             let idle = self.idle.expired();
+            let route_deadline = match dir {
+                // The route timeout runs until the upstream response is complete.
+                Dir::Response if it.body.is_some() => self.route_deadline,
+                _ => None,
+            };
             let resp_tx = self.resp_tx.as_mut();
+            let reading = it.body.is_some() && !flow_controlled;
             tokio::select! {
                 // Nothing happened on the stream for stream_idle_timeout_ms (e.g. the plugin
-                // holds the request and never resumes it).
-                _ = idle => return ReqOutcome::Local(stream_timeout()),
-                f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() && !flow_controlled => {
+                // holds the request or response and never resumes it): Envoy's 408 "stream
+                // timeout" local reply (direct once a response is encoding; a reset once its
+                // headers went out, see `local_reply`).
+                _ = idle => return Flow::Local(stream_timeout()),
+                // The route timeout before the upstream response ended: 504 if no response
+                // headers went out, else a reset (same local reply rules).
+                _ = deadline_passed(route_deadline) => return Flow::Local(route_timeout()),
+                f = async { match it.body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if reading => {
                     self.idle.touch();
                     match f {
                         None => {
-                            body = None;
-                            body_done = true;
-                            if !(held && stop_all) {
-                                let len = self.lock().req_body.len();
-                                self.lock().req_body_access = true;
-                                match self.data_action("proxy_on_request_body", len, true) {
-                                    Ok(c) => {
-                                        if c && held {
-                                            held = false;
-                                            if let Err(lr) = self.forward() { return ReqOutcome::Local(lr); }
-                                        }
-                                        data_stopped = !c;
-                                    }
-                                    Err(()) => return ReqOutcome::Local(wasm_fail_stream()),
+                            it.body = None;
+                            it.body_done = true;
+                            if !(it.held && it.stop_all) {
+                                if let Err(f) = self.on_data(dir, &mut it, true) {
+                                    return f;
                                 }
                             }
                         }
-                        Some(Err(_)) => return ReqOutcome::Aborted,
+                        Some(Err(_)) => return Flow::Reset,
                         Some(Ok(frame)) => {
+                            // Trailers are not passed to the filter (this host has no
+                            // trailer callbacks).
                             let Ok(data) = frame.into_data() else { continue };
-                            let end = body.as_ref().is_none_or(|b| b.is_end_stream());
-                            if end {
-                                body = None;
-                                body_done = true;
-                            }
-                            self.lock().req_body.extend_from_slice(&data);
-                            if held && stop_all {
-                                continue;
-                            }
-                            let len = self.lock().req_body.len();
-                            self.lock().req_body_access = true;
-                            match self.data_action("proxy_on_request_body", len, body_done) {
-                                Ok(c) => {
-                                    if c && held {
-                                        held = false;
-                                        if let Err(lr) = self.forward() { return ReqOutcome::Local(lr); }
-                                    }
-                                    data_stopped = !c;
+                            self.lock().body(dir).extend_from_slice(&data);
+                            if !(it.held && it.stop_all) {
+                                if let Err(f) = self.on_data(dir, &mut it, false) {
+                                    return f;
                                 }
-                                Err(()) => return ReqOutcome::Local(wasm_fail_stream()),
                             }
                         }
                     }
@@ -752,24 +840,122 @@ impl Drive {
                     if let Some(u) = self.upstream.as_mut() {
                         u.fut = None;
                         match r {
-                            Err(e) => return ReqOutcome::Upstream(Err(e)),
+                            Err(e) => return Flow::Upstream(Box::new(Err(e))),
                             Ok(resp) => u.result = Some(Ok(resp)),
                         }
                     }
                 }
+                _ = async { match &down { Some(t) => t.closed().await, None => std::future::pending().await } } => {
+                    return Flow::Over; // client disconnected mid-response
+                }
                 _ = async { match resp_tx { Some(t) => t.closed().await, None => std::future::pending().await } } => {
-                    return ReqOutcome::Aborted;
+                    return Flow::Over; // client went away
                 }
             }
         }
     }
 
-    /// The router: the request headers leave the filter.
-    fn forward(&mut self) -> Result<(), LocalReply> {
+    /// A body callback on the cumulative buffer. Continue releases held headers (a header
+    /// StopIteration under 0_2_100 / `allow_on_headers_stop_iteration`).
+    fn on_data(&mut self, dir: Dir, it: &mut Iteration, eos: bool) -> Result<(), Flow> {
+        let len = {
+            let mut s = self.lock();
+            s.set_body_access(dir, true);
+            s.body_len(dir)
+        };
+        match self.data_action(dir.body_callback(), len, eos) {
+            Ok(cont) => {
+                if cont && it.held {
+                    it.held = false;
+                    self.release_headers(dir, false)?;
+                }
+                it.data_stopped = !cont;
+                Ok(())
+            }
+            Err(()) => Err(Flow::Local(wasm_fail_stream())),
+        }
+    }
+
+    /// The headers leave the filter: to the router (request) or to the client (response).
+    fn release_headers(&mut self, dir: Dir, eos: bool) -> Result<(), Flow> {
+        match dir {
+            Dir::Request => self.forward(!eos).map_err(Flow::Local),
+            Dir::Response => {
+                if self.send_headers(eos) {
+                    Ok(())
+                } else {
+                    Err(Flow::Over)
+                }
+            }
+        }
+    }
+
+    /// Released request data to the upstream; at the end of the body, wait for its response.
+    async fn flush_request(&mut self, mut chunk: Bytes, end: bool) -> Option<Flow> {
+        if let Some(b) = self.pending_req.take() {
+            let full = if end { Some(std::mem::take(&mut chunk)) } else { None };
+            if let Err(lr) = self.start_upstream(b, full) {
+                return Some(Flow::Local(lr));
+            }
+        }
+        let up = self.upstream.as_mut()?;
+        if !chunk.is_empty() {
+            if let Some(tx) = &up.body_tx {
+                let _ = tx.send(Ok(chunk)).await;
+            }
+        }
+        if !end {
+            return None;
+        }
+        up.body_tx = None;
+        // The router has the whole request: Envoy's route timeout starts.
+        let route_deadline =
+            (!self.timeout.is_zero()).then(|| tokio::time::Instant::now() + self.timeout);
+        self.route_deadline = route_deadline;
+        let idle = self.idle.expired();
+        let r = match up.result.take() {
+            Some(r) => r,
+            None => match up.fut.take() {
+                Some(f) => match self.resp_tx.as_mut() {
+                    Some(rt) => tokio::select! {
+                        r = f => r,
+                        _ = rt.closed() => return Some(Flow::Over),
+                        _ = deadline_passed(route_deadline) => Err(UpError::Timeout),
+                        _ = idle => return Some(Flow::Local(stream_timeout())),
+                    },
+                    None => f.await,
+                },
+                None => return Some(Flow::Over),
+            },
+        };
+        Some(Flow::Upstream(Box::new(r)))
+    }
+
+    /// Released response data to the client; the stream is over at the end of the body.
+    async fn flush_response(&mut self, chunk: Bytes, end: bool) -> Option<Flow> {
+        if !chunk.is_empty() {
+            let sent = match &self.down {
+                Some(tx) => tx.send(Ok(chunk)).await.is_ok(),
+                None => true,
+            };
+            if !sent {
+                return Some(Flow::Over); // client went away
+            }
+            self.idle.touch();
+        }
+        if end {
+            self.down = None;
+            return Some(Flow::Over);
+        }
+        None
+    }
+
+    /// The router: the request headers leave the filter. `has_body`: the client's request has a
+    /// body (its headers did not end the stream).
+    fn forward(&mut self, has_body: bool) -> Result<(), LocalReply> {
         let g = self.w.g.clone();
         let (method, path, headers, override_host, cluster_name, route_timeout) = {
             let mut s = self.lock();
-            s.req_hdr_access = false;
             // A header change re-matches the route unless clear_route_cache=off (Higress).
             if s.req_headers_modified && !s.clear_route_cache_off {
                 let p = header_value(&s.req_headers, ":path").unwrap_or_else(|| "/".into());
@@ -826,17 +1012,19 @@ impl Drive {
                 authority = Some(v.clone());
                 continue;
             }
-            if k.starts_with(':')
-                || k == "host"
-                || k == "content-length"
-                || HOP_BY_HOP.contains(&k.as_str())
-            {
+            if k.starts_with(':') || k == "host" || HOP_BY_HOP.contains(&k.as_str()) {
                 continue;
             }
             b = b.header(k.as_str(), v.as_slice());
         }
         if let Some(a) = authority {
             b = b.header("host", a);
+        }
+        // Framing as Envoy's HTTP/1 codec: the request's `content-length` is kept (also when the
+        // filter buffered the body, or the client goes away mid-body); a body without one is
+        // sent chunked, even when the filter buffered all of it.
+        if has_body && header_value(&headers, "content-length").is_none() {
+            b = b.header("transfer-encoding", "chunked");
         }
         ep.active.fetch_add(1, Ordering::Relaxed);
         ep.total.fetch_add(1, Ordering::Relaxed);
@@ -924,191 +1112,6 @@ impl Drive {
         }
     }
 
-    async fn response_phase(&mut self, resp: Response<Incoming>) {
-        use hyper::body::Body;
-        let (parts, body) = resp.into_parts();
-        self.idle.touch();
-        {
-            let mut s = self.lock();
-            let mut h: HeaderMap =
-                vec![(":status".into(), parts.status.as_str().as_bytes().to_vec())];
-            for (k, v) in parts.headers.iter() {
-                h.push((k.as_str().to_string(), v.as_bytes().to_vec()));
-            }
-            s.resp_headers = h;
-            s.response_code = Some(parts.status.as_u16());
-            s.resp_hdr_access = true;
-        }
-        let eos = body.is_end_stream();
-        let mut body = if eos { None } else { Some(body) };
-        let mut body_done = eos;
-        let n = self.lock().resp_headers.len();
-        let action = match self.header_action("proxy_on_response_headers", n, eos) {
-            Ok(a) => a,
-            Err(()) => return self.local_reply(wasm_fail_stream()).await,
-        };
-        let mut held = action != HeaderAction::Continue;
-        let stop_all = action == HeaderAction::StopAll;
-        let mut data_stopped = false;
-        if !held && !self.send_headers(eos) {
-            return;
-        }
-        loop {
-            let (local_reply, reset) = {
-                let mut s = self.lock();
-                (s.local_reply.take(), s.reset)
-            };
-            if let Some(lr) = local_reply {
-                return self.local_reply(lr).await;
-            }
-            if reset {
-                self.abort_downstream().await;
-                return;
-            }
-            if self.orphaned() {
-                if held && self.w.failure_policy() != FailurePolicy::FailOpen {
-                    return self.local_reply(wasm_fail_stream()).await;
-                }
-                data_stopped = false;
-                if held {
-                    self.lock().continue_resp = true;
-                }
-            }
-            let cont = std::mem::take(&mut self.lock().continue_resp);
-            if cont {
-                if held {
-                    held = false;
-                    if !self.send_headers(eos) {
-                        return;
-                    }
-                    let buffered = !self.lock().resp_body.is_empty();
-                    if stop_all && (buffered || body_done) && !eos {
-                        let len = self.lock().resp_body.len();
-                        self.lock().resp_body_access = true;
-                        match self.data_action("proxy_on_response_body", len, body_done) {
-                            Ok(c) => data_stopped = !c,
-                            Err(()) => return self.abort_downstream().await,
-                        }
-                        continue;
-                    }
-                }
-                data_stopped = false;
-            }
-            if held || data_stopped {
-                let over = {
-                    let s = self.lock();
-                    s.resp_body.len() > s.encoder_limit
-                };
-                if over {
-                    // Envoy: 500 if nothing was sent yet, else a reset.
-                    return self.abort_or_500().await;
-                }
-            }
-            if !held && !data_stopped {
-                let chunk = {
-                    let mut s = self.lock();
-                    s.resp_body_access = false;
-                    s.resp_body.split().freeze()
-                };
-                if !chunk.is_empty() {
-                    let ok = match &self.down {
-                        Some(tx) => tx.send(Ok(chunk)).await.is_ok(),
-                        None => true,
-                    };
-                    if !ok {
-                        return; // client went away
-                    }
-                    self.idle.touch();
-                }
-                if body_done {
-                    self.down = None;
-                    return;
-                }
-            }
-            let notify = self.notify.clone();
-            let down = self.down.clone();
-            let idle = self.idle.expired();
-            let route_deadline = self.route_deadline;
-            let resp_tx = self.resp_tx.as_mut();
-            tokio::select! {
-                _ = idle => return self.timed_out(stream_timeout()).await,
-                _ = deadline_passed(route_deadline) => return self.timed_out(route_timeout()).await,
-                f = async { match body.as_mut() { Some(b) => b.frame().await, None => std::future::pending().await } }, if body.is_some() => {
-                    self.idle.touch();
-                    match f {
-                        None => {
-                            body = None;
-                            body_done = true;
-                            if !(held && stop_all) {
-                                let len = self.lock().resp_body.len();
-                                self.lock().resp_body_access = true;
-                                match self.data_action("proxy_on_response_body", len, true) {
-                                    Ok(c) => {
-                                        if c && held {
-                                            held = false;
-                                            if !self.send_headers(false) { return; }
-                                        }
-                                        data_stopped = !c;
-                                    }
-                                    Err(()) => return self.abort_or_500().await,
-                                }
-                            }
-                        }
-                        Some(Err(_)) => return self.abort_downstream().await,
-                        Some(Ok(frame)) => {
-                            let Ok(data) = frame.into_data() else { continue };
-                            if body.as_ref().is_none_or(|b| b.is_end_stream()) {
-                                body = None;
-                                body_done = true;
-                            }
-                            self.lock().resp_body.extend_from_slice(&data);
-                            if held && stop_all {
-                                continue;
-                            }
-                            let len = self.lock().resp_body.len();
-                            self.lock().resp_body_access = true;
-                            match self.data_action("proxy_on_response_body", len, body_done) {
-                                Ok(c) => {
-                                    if c && held {
-                                        held = false;
-                                        if !self.send_headers(false) { return; }
-                                    }
-                                    data_stopped = !c;
-                                }
-                                Err(()) => return self.abort_or_500().await,
-                            }
-                        }
-                    }
-                }
-                _ = notify.notified() => {}
-                _ = async { match &down { Some(t) => t.closed().await, None => std::future::pending().await } } => {
-                    return; // client disconnected mid-stream
-                }
-                _ = async { match resp_tx { Some(t) => t.closed().await, None => std::future::pending().await } } => {
-                    return;
-                }
-            }
-        }
-    }
-
-    /// A stream timer fired during the response: the local reply if no response started, else a
-    /// reset (Envoy).
-    async fn timed_out(&mut self, lr: LocalReply) {
-        if self.resp_tx.is_some() {
-            self.local_reply(lr).await
-        } else {
-            self.abort_downstream().await
-        }
-    }
-
-    async fn abort_or_500(&mut self) {
-        if self.resp_tx.is_some() {
-            self.local_reply(wasm_fail_stream()).await
-        } else {
-            self.abort_downstream().await
-        }
-    }
-
     async fn abort_downstream(&mut self) {
         if let Some(tx) = self.down.take() {
             let _ = tx.send(Err("stream reset".into())).await;
@@ -1118,9 +1121,12 @@ impl Drive {
         }
     }
 
-    /// Send a local reply. It passes through the plugin's response callbacks, like Envoy's
-    /// `sendLocalReply` through the encoder filters.
-    async fn local_reply(&mut self, lr: LocalReply) {
+    /// Send a local reply, as Envoy's `FilterManager::sendLocalReply`: before any response
+    /// reached the filter (`via_filter`) it passes through the plugin's response callbacks; once
+    /// a response is being encoded but no headers went out, it goes straight to the client
+    /// without callbacks (`sendDirectLocalReply`); after the headers went out, the stream is
+    /// reset.
+    async fn local_reply(&mut self, lr: LocalReply, via_filter: bool) {
         self.w.g.stats.local_replies_total.fetch_add(1, Ordering::Relaxed);
         if self.resp_tx.is_none() {
             // Headers already sent: reset the stream.
@@ -1147,9 +1153,13 @@ impl Drive {
         }
         let body_len = lr.body.len();
         let n = self.lock().resp_headers.len();
-        if self
-            .call("proxy_on_response_headers", &[self.ctx as i32, n as i32, (body_len == 0) as i32])
-            .is_ok()
+        if via_filter
+            && self
+                .call(
+                    "proxy_on_response_headers",
+                    &[self.ctx as i32, n as i32, (body_len == 0) as i32],
+                )
+                .is_ok()
             && body_len > 0
         {
             self.lock().resp_body_access = true;

@@ -123,7 +123,8 @@ impl PluginRuntime {
                 p.wasm
             )
         })?;
-        let linker = abi::build_linker(&engine, &module)?;
+        let linker = abi::build_linker(&engine, &module, abi)
+            .map_err(|e| anyhow::anyhow!("plugin {}: {}: {e:#}", p.name, p.wasm))?;
         let vm_config = match &p.vm_configuration {
             Some(v) => serde_json::to_string(v)?.into_bytes(),
             None => Vec::new(),

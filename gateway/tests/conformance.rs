@@ -117,9 +117,6 @@ impl Plugin {
         for (export, sig, label) in CALLBACKS {
             let code = match self.code.get(export) {
                 Some(c) => c.clone(),
-                // Not exported unless a scenario asks: see README "Found differences" (the
-                // end-of-stream framing of response bodies differs from Envoy's).
-                None if *export == "proxy_on_response_body" => continue,
                 None => {
                     let ev = self.ev(label);
                     match *export {
@@ -159,6 +156,71 @@ fn buffering_plugin() -> Plugin {
     )
 }
 
+/// Request headers: call out to cluster `callout` (GET /slow: 500 ms) and pause; the callout
+/// response continues the stream. Body callbacks buffer until then.
+fn pause_plugin() -> Plugin {
+    let mut p = Plugin::new();
+    let hdrs = p.w.b(&pairs(&[(":method", "GET"), (":path", "/slow"), (":authority", "callout")]));
+    let (ev_h, ev_b, ev_c, cl) =
+        (p.ev("req_hdrs"), p.ev("req_body"), p.ev("callout"), p.s("callout"));
+    p.extra(
+        "  (global $stream (mut i32) (i32.const 0))\n  (global $continued (mut i32) (i32.const 0))\n"
+            .into(),
+    )
+    .on(
+        "proxy_on_request_headers",
+        format!(
+            "(global.set $stream (local.get $ctx))
+    {ev_h} (call $ev_num (local.get $eos))
+    (call $ev_num (call $proxy_http_call {cl} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 264)))
+    (call $ev_end) (i32.const 1)"
+        ),
+    )
+    .on(
+        "proxy_on_request_body",
+        format!(
+            "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (result i32) (global.get $continued) (then (i32.const 0)) (else (i32.const 1)))"
+        ),
+    )
+    .on(
+        "proxy_on_http_call_response",
+        format!(
+            "{ev_c} (call $ev_num (local.get $nb))
+    (call $ev_num (call $proxy_set_effective_context (global.get $stream)))
+    (global.set $continued (i32.const 1))
+    (call $ev_num (call $proxy_continue_stream (i32.const 0))) (call $ev_end)"
+        ),
+    )
+}
+
+fn chunked_post() -> Step {
+    Step::post("/v1/chat", &["aaaaa", "bbbbb", "ccccc"])
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn header_pause_stop_all() {
+    differential(pause_plugin().scenario("header_pause_stop_all").steps(vec![chunked_post()]))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn header_pause_stop_iteration() {
+    let mut sc = pause_plugin().scenario("header_pause_stop_iteration");
+    sc.stop_iteration = true;
+    differential(sc.steps(vec![chunked_post()])).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn cumulative_body_and_end_of_stream() {
+    differential(buffering_plugin().scenario("cumulative_body_and_end_of_stream").steps(vec![
+        chunked_post(),
+        Step::post("/one", &["whole"]),
+        Step::get("/empty"),
+    ]))
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn decoder_buffer_limit_gives_413() {
     let mut sc = buffering_plugin().scenario("decoder_buffer_limit_gives_413");
@@ -173,6 +235,119 @@ async fn decoder_buffer_limit_gives_413() {
 
 /// `$probe`: one line with the status of every header map and body buffer, in the callback
 /// that calls it.
+fn probe_fn(p: &mut Plugin) -> String {
+    let (ev, path, st, t) = (p.ev("probe"), p.s(":path"), p.s(":status"), p.s("x-trailer"));
+    format!(
+        r#"
+  (func $probe
+    {ev} (call $hget (i32.const 0) {path}) (call $hget (i32.const 1) {t}) (call $hget (i32.const 2) {st}) (call $hget (i32.const 3) {t})
+    (call $hpairs (i32.const 0)) (call $hpairs (i32.const 2))
+    (call $bget (i32.const 0)) (call $bget (i32.const 1))
+    (call $ev_end))
+"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn header_map_statuses_in_every_phase() {
+    let mut p = Plugin::new();
+    let probe = probe_fn(&mut p);
+    let mut p = p.extra(probe);
+    let mut with_probe = |name: &'static str, label: &str, sig: &str| {
+        let ev = p.ev(label);
+        let code = match sig {
+            "hdrs" => format!("{ev} (call $ev_num (local.get $eos)) (call $ev_end) (call $probe) (i32.const 0)"),
+            "body" => format!("{ev} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end) (call $probe) (i32.const 0)"),
+            "done" => format!("{ev} (call $ev_end) (call $probe) (i32.const 1)"),
+            _ => format!("{ev} (call $ev_end) (call $probe)"),
+        };
+        (name, code)
+    };
+    let cbs = vec![
+        with_probe("proxy_on_request_headers", "req_hdrs", "hdrs"),
+        with_probe("proxy_on_request_body", "req_body", "body"),
+        with_probe("proxy_on_response_headers", "resp_hdrs", "hdrs"),
+        with_probe("proxy_on_response_body", "resp_body", "body"),
+        with_probe("proxy_on_log", "log", "log"),
+        with_probe("proxy_on_done", "done", "done"),
+    ];
+    for (name, code) in cbs {
+        p = p.on(name, code);
+    }
+    differential(
+        p.scenario("header_map_statuses_in_every_phase")
+            .steps(vec![Step::post("/p", &["hello"]), Step::get("/g")]),
+    )
+    .await;
+}
+
+/// After a pause: the callout response switches to the stream, continues it and then tries to
+/// change the request: `continue_stream` ends the access to the request headers inside the
+/// hostcall (the header added after it is BadArgument and never reaches the upstream). (A
+/// `continue_stream` inside the headers callback itself breaks Envoy's filter iteration: the
+/// upstream gets the headers and no body; see README "Known differences, not modelled".)
+#[tokio::test(flavor = "multi_thread")]
+async fn continue_from_callout_then_modify() {
+    // The headers callback of `pause_plugin` calls out and pauses.
+    let mut p = pause_plugin();
+    let probe = probe_fn(&mut p);
+    let (ev_c, ev_add, hk, hv) =
+        (p.ev("callout"), p.ev("add_after_continue"), p.s("x-after"), p.s("1"));
+    let p = p.extra(probe).on(
+        "proxy_on_http_call_response",
+        format!(
+            "{ev_c} (call $ev_num (local.get $nb))
+    (call $ev_num (call $proxy_set_effective_context (global.get $stream))) (call $ev_end)
+    (call $probe)
+    (global.set $continued (i32.const 1))
+    {ev_add} (call $ev_num (call $proxy_continue_stream (i32.const 0)))
+    (call $ev_num (call $proxy_add_header_map_value (i32.const 0) {hk} {hv})) (call $ev_end)
+    (call $probe)"
+        ),
+    );
+    differential(
+        p.scenario("continue_from_callout_then_modify")
+            .steps(vec![Step::get("/g"), chunked_post()]),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn local_reply_in_request_phase() {
+    let mut p = Plugin::new();
+    let lh = p.w.b(&pairs(&[("x-local", "1")]));
+    let (ev, details, text, ev2) =
+        (p.ev("req_hdrs"), p.s("denied_by_test"), p.s("blocked"), p.ev("second"));
+    let p = p.on(
+        "proxy_on_request_headers",
+        format!(
+            "{ev} (call $ev_num (call $proxy_send_local_response (i32.const 403) {details} {text} {lh} (i32.const -1))) (call $ev_end)
+    {ev2} (call $ev_num (call $proxy_send_local_response (i32.const 401) {details} {text} (i32.const 0) (i32.const 0) (i32.const -1))) (call $ev_end)
+    (i32.const 0)"
+        ),
+    );
+    differential(
+        p.scenario("local_reply_in_request_phase")
+            .steps(vec![Step::get("/x"), Step::post("/y", &["abc", "def"])]),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn local_reply_in_response_phase() {
+    let mut p = Plugin::new();
+    let lh = p.w.b(&pairs(&[("x-local", "resp")]));
+    let (ev, details, text) = (p.ev("resp_hdrs"), p.s("replaced_by_test"), p.s("replaced"));
+    let p = p.on(
+        "proxy_on_response_headers",
+        format!(
+            "{ev} (call $ev_num (local.get $eos)) (call $ev_num (call $proxy_send_local_response (i32.const 502) {details} {text} {lh} (i32.const -1))) (call $ev_end)
+    (i32.const 0)"
+        ),
+    );
+    differential(p.scenario("local_reply_in_response_phase").steps(vec![Step::get("/x")])).await;
+}
+
 /// An HTTP call to an ordinary cluster (headers, body, the response's headers and body), to an
 /// unknown cluster, and without `:authority`.
 #[tokio::test(flavor = "multi_thread")]
@@ -283,6 +458,30 @@ async fn dispatch_http_call_on_original_dst() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn tick_timer_on_the_root_context() {
+    let mut p = Plugin::new();
+    let (ev_c, ev_t) = (p.ev("configure"), p.ev("tick"));
+    let p = p
+        .extra(format!(
+            r#"  (global $ticks (mut i32) (i32.const 0))
+  (func (export "proxy_on_tick") (param $root i32)
+    (global.set $ticks (i32.add (global.get $ticks) (i32.const 1)))
+    {ev_t} (call $ev_num (global.get $ticks))
+    (if (i32.eq (global.get $ticks) (i32.const 3))
+      (then (call $ev_num (call $proxy_set_tick_period_milliseconds (i32.const 0)))))
+    (call $ev_end))
+"#
+        ))
+        .on(
+            "proxy_on_configure",
+            format!(
+                "{ev_c} (call $ev_num (local.get $size)) (call $ev_num (call $proxy_set_tick_period_milliseconds (i32.const 100))) (call $ev_end) (i32.const 1)"
+            ),
+        );
+    differential(p.scenario("tick_timer_on_the_root_context").steps(vec![Step::Sleep(700)])).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn shared_data_with_cas() {
     let mut p = Plugin::new();
     let (ev, key, v1, v2, v3) =
@@ -325,9 +524,62 @@ async fn abi_marker_0_2_0_loads() {
     assert_eq!(marker("0_2_0", "abi_marker_0_2_0_loads").await.start, "started");
 }
 
+/// A 0_1_0 module that imports a 0_2_x hostcall (`proxy_continue_stream`) does not link: the
+/// host registers only its ABI's hostcalls (cpp-host `WasmBase::registerCallbacks`).
+#[tokio::test(flavor = "multi_thread")]
+async fn abi_marker_0_1_0_with_a_0_2_import_is_refused() {
+    let t = marker("0_1_0", "abi_marker_0_1_0_with_a_0_2_import_is_refused").await;
+    assert_eq!(t.start, "refused");
+}
+
+/// A 0_1_0 module written to the 0_1_0 ABI (`proxy_continue_request`, header callbacks without
+/// `end_of_stream`) loads and runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn abi_marker_0_1_0_loads() {
+    let mut sc = Plugin::new().scenario("abi_marker_0_1_0_loads");
+    sc.marker = "0_1_0";
+    sc.edit = Some(|text| {
+        text.replace(
+            r#"(import "env" "proxy_continue_stream" (func $proxy_continue_stream (param i32) (result i32)))"#,
+            r#"(import "env" "proxy_continue_request" (func $proxy_continue_request (result i32)))"#,
+        )
+        .replace(
+            "(param $ctx i32) (param $n i32) (param $eos i32) (result i32)",
+            "(param $ctx i32) (param $n i32) (result i32) (local $eos i32)",
+        )
+    });
+    let t = differential(sc.steps(vec![Step::get("/m")])).await;
+    assert_eq!(t.start, "started");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn abi_marker_unknown_is_refused() {
     assert_eq!(marker("0_3_0", "abi_marker_unknown_is_refused").await.start, "refused");
+}
+
+/// A request header written by the plugin and a `cluster_header` route: does the write re-pick
+/// the cluster? Envoy answers (README, "Route re-selection").
+#[tokio::test(flavor = "multi_thread")]
+async fn client_disconnect_while_paused() {
+    let p = pause_plugin();
+    differential(p.scenario("client_disconnect_while_paused").steps(vec![
+        Step::Abort {
+            bytes: "GET /gone HTTP/1.1\r\nhost: conformance.test\r\n\r\n".into(),
+            hold_ms: 150,
+        },
+        Step::Sleep(600),
+    ]))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn client_disconnect_mid_body() {
+    let p = buffering_plugin();
+    differential(p.scenario("client_disconnect_mid_body").steps(vec![Step::Abort {
+        bytes: "POST /upload HTTP/1.1\r\nhost: conformance.test\r\ncontent-length: 100\r\n\r\n0123456789".into(),
+        hold_ms: 200,
+    }]))
+    .await;
 }
 
 /// A request header written by the plugin and a `cluster_header` route: does the write re-pick
@@ -392,14 +644,54 @@ async fn properties_of_the_stream() {
         let s = p.s(n);
         probe.push_str(&format!("{ev} (call $prop {s}) (call $ev_end)\n    "));
     }
-    let ev_h = p.ev("req_hdrs");
-    let p = p.extra(format!("  (func $props\n    {probe})\n")).on(
-        "proxy_on_request_headers",
-        format!("{ev_h} (call $ev_end) (call $props) (i32.const 0)"),
-    );
+    let (ev_h, ev_l, code) = (p.ev("req_hdrs"), p.ev("log"), p.s("response\0code"));
+    let p = p
+        .extra(format!("  (func $props\n    {probe})\n"))
+        .on("proxy_on_request_headers", format!("{ev_h} (call $ev_end) (call $props) (i32.const 0)"))
+        // `response.code` is an int64: its status and low 32 bits.
+        .on(
+            "proxy_on_log",
+            format!(
+                "{ev_l} (call $ev_num (call $proxy_get_property {code} (i32.const 256) (i32.const 260)))
+    (call $ev_num (i32.load (i32.load (i32.const 256)))) (call $ev_end)"
+            ),
+        );
     differential(
         p.scenario("properties_of_the_stream")
             .steps(vec![Step::get("/props/x?y=1").header("x-probe", "probe-value")]),
     )
     .await;
+}
+
+/// Published plugins: the proxy-wasm Rust SDK's examples (crate `proxy-wasm` 0.2.0, built here
+/// for wasm32-wasip1, see `envoy::published_example`), each run unchanged under both hosts.
+fn published(name: &'static str, example: &str) -> Scenario {
+    let mut sc = Plugin::new().scenario(name);
+    sc.wasm = Some(envoy::published_example(example));
+    sc
+}
+
+/// `http_headers`: a local reply with its own headers on `/hello`, other requests pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn published_http_headers_example() {
+    let sc = published("published_http_headers_example", "http_headers");
+    let t = differential(sc.steps(vec![Step::get("/hello"), Step::get("/other")])).await;
+    assert!(t.client.iter().any(|l| l == "  powered-by: proxy-wasm"), "{:?}", t.client);
+}
+
+/// `http_config`: a response header whose value is the plugin configuration.
+#[tokio::test(flavor = "multi_thread")]
+async fn published_http_config_example() {
+    let sc = published("published_http_config_example", "http_config");
+    let t = differential(sc.steps(vec![Step::get("/x")])).await;
+    assert!(t.client.iter().any(|l| l.starts_with("  custom-header: ")), "{:?}", t.client);
+}
+
+/// `http_body`: removes the response's content-length, buffers the body to its end and
+/// replaces a body containing "secret".
+#[tokio::test(flavor = "multi_thread")]
+async fn published_http_body_example() {
+    let sc = published("published_http_body_example", "http_body");
+    let t = differential(sc.steps(vec![Step::get("/secret"), Step::get("/plain")])).await;
+    assert!(t.client.iter().any(|l| l.contains("redacted")), "{:?}", t.client);
 }

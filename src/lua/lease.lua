@@ -3,10 +3,14 @@
 -- in its owner's hash, and an owner whose lease runs out has its picks subtracted (reap.lua), so a
 -- gateway that dies cannot leave its +1s behind. Nothing here has a TTL that eviction could remove.
 -- KEYS[1]  in-flight hash of this route+cluster: host -> in-flight requests over the live owners
--- ARGV[1]  max in-flight (0 = no limit)   ARGV[2] lease (ms)   ARGV[3] owner id   ARGV[4] request id
+-- ARGV[1]  max in-flight (0 = no limit)   ARGV[2] lease (ms)
+-- ARGV[3]  owner id   ARGV[4] request id (unique per owner)
 local mine = base .. 'own:' .. ARGV[3]
-local rec = 'r:' .. ARGV[4]
--- Register the owner (its heartbeats renew the lease; a VM reaped while cut off comes back here).
+local rec = ARGV[4]
+-- Register the owner when it is not (its first pick; its heartbeats renew the lease). Checked on
+-- every pick, not only when the plugin thinks it needs to: a pick that Redis runs late (frozen, or
+-- read from the socket of a gateway that died meanwhile) after the reaper removed its owner must
+-- bring the owner back, or its record would sit under an owner no reaper sees.
 if not redis.call('ZSCORE', owners, ARGV[3]) then
   redis.call('ZADD', owners, now_ms() + (tonumber(ARGV[2]) or 10000), ARGV[3])
 end

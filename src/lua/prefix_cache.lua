@@ -1,12 +1,18 @@
 -- ai-load-balancer: prefix-cache pick, one round trip (after lease.lua). Chain values are
--- computed by the plugin; their keys are `<base>pfx:<hex>`.
+-- computed by the plugin; their keys are `<base>pfx:<hex>`; a key's value is its holder, or with
+-- `loadAware` up to `maxHolders` holders joined by ','.
 -- ARGV[5]  key TTL (s)   ARGV[6] hit load factor (0 = off)
 -- ARGV[7]  K = number of chain values (key_i = key_{i-1} XOR sha1(block_i)), value = host
 -- ARGV[8 .. 7+K]  the chain values, upper-case hex, shortest prefix first
 -- ARGV[8+K]  N = number of healthy candidates
 -- ARGV[9+K .. 8+K+N]  healthy hosts, shuffled by the plugin (first minimum wins => random among ties)
--- Returns {host, in-flight after the pick, admitted 1|0, matched blocks, diverted 1|0} (diverted:
--- a prefix was found but its pod was too loaded, so the least loaded pod was chosen instead).
+-- Only with `loadAware` and fresh metrics for every healthy host (absent otherwise):
+-- ARGV[9+K+N]  in-flight gap   ARGV[10+K+N] ratio   ARGV[11+K+N] max holders per key
+-- ARGV[12+K+N]  one character per healthy host, '1' = overloaded by its queue or KV-cache use
+-- ARGV[13+K+N .. 12+K+2N]  per healthy host, queue + weighted KV-cache use (added to in-flight)
+-- Returns {host, in-flight after the pick, admitted 1|0, matched blocks, diverted 1|0, holder
+-- added 1|0} (diverted: a prefix was found but its pod was too loaded, so the least loaded pod
+-- was chosen instead; holder added: that pod now holds the matched prefix too).
 local ttl = tonumber(ARGV[5]) or 1800
 local factor = tonumber(ARGV[6]) or 0
 local nk = tonumber(ARGV[7]) or 0
@@ -14,70 +20,120 @@ local chain = {}
 for i = 1, nk do chain[i] = base .. 'pfx:' .. ARGV[7 + i] end
 local first = 9 + nk
 local n = tonumber(ARGV[8 + nk]) or 0
-if n < 1 then return {'', 0, 0, 0, 0} end
-local healthy = {}
-for i = first, first + n - 1 do healthy[ARGV[i]] = true end
+if n < 1 then return {'', 0, 0, 0, 0, 0} end
+local idx = {}
+for i = 1, n do idx[ARGV[first - 1 + i]] = i end
+local la = ARGV[first + n] ~= nil
+local gap, ratio, maxh, flags = 0, 0, 1, ''
+if la then
+  gap = tonumber(ARGV[first + n]) or 0
+  ratio = tonumber(ARGV[first + n + 1]) or 0
+  maxh = tonumber(ARGV[first + n + 2]) or 1
+  flags = ARGV[first + n + 3] or ''
+end
 
--- Longest present prefix of the chain, then the longest part of it whose host is still healthy.
--- Keys past that point name a gone/unhealthy host: they are re-homed below (same key, new host),
--- so the chain stays aligned.
-local matched, target = 0, nil
+-- A key's healthy holders, or nil.
+local function live(v)
+  if idx[v] then return {v} end
+  if not string.find(v, ',', 1, true) then return nil end
+  local hs = {}
+  for h in string.gmatch(v, '[^,]+') do if idx[h] then hs[#hs + 1] = h end end
+  if #hs == 0 then return nil end
+  return hs
+end
+
+-- Longest present prefix of the chain, then the longest part of it with a healthy holder. Keys past
+-- that point name gone/unhealthy hosts: they are re-homed below (same key, new host), so the chain
+-- stays aligned.
+local matched, held, vals = 0, nil, nil
 if nk > 0 then
-  local vals = redis.call('MGET', unpack(chain))
+  vals = redis.call('MGET', unpack(chain))
   local present = 0
   for i = 1, nk do
     if vals[i] then present = i else break end
   end
   for i = present, 1, -1 do
-    if healthy[vals[i]] then matched, target = i, vals[i]; break end
+    local hs = live(vals[i])
+    if hs then
+      matched, held = i, {}
+      for _, h in ipairs(hs) do held[h] = true end
+      break
+    end
   end
 end
 
--- Least loaded healthy host (the miss path, and the load guard's reference).
+-- Each host's load: in flight, plus (loadAware) its queue and KV pressure. The least loaded host
+-- (the miss path, and where a diverted hit goes), and the least loaded holder (the target).
 local counts = redis.call('HMGET', inflight, unpack(ARGV, first, first + n - 1))
-local least, leastc, targetc = nil, nil, 0
+local least, leasts, minc = nil, nil, nil
+local target, targets, targetc, ti = nil, nil, 0, 0
 for i = 1, n do
   local h = ARGV[first - 1 + i]
   local c = tonumber(counts[i]) or 0
   if c < 0 then redis.call('HSET', inflight, h, 0); c = 0 end
-  if leastc == nil or c < leastc then least, leastc = h, c end
-  if h == target then targetc = c end
+  local s = c
+  if la then s = c + (tonumber(ARGV[first + n + 3 + i]) or 0) end
+  if leasts == nil or s < leasts then least, leasts = h, s end
+  if minc == nil or c < minc then minc = c end
+  if held and held[h] and (targets == nil or s < targets) then
+    target, targets, targetc, ti = h, s, c, i
+  end
 end
 
 local chosen = least
 if target ~= nil then
   chosen = target
   -- Load guard (ours): a hot prefix must not pile every request onto one pod.
-  if factor > 0 and targetc > factor * (leastc + 1) then chosen = least end
+  if factor > 0 and targetc > factor * (minc + 1) then chosen = least end
+  -- loadAware: overloaded by its metrics, or by in-flight past both the gap and the ratio.
+  if la and (string.byte(flags, ti) == 49 or (targetc - minc > gap and targetc > ratio * minc)) then
+    chosen = least
+  end
 end
 local function diverted() if target ~= nil and chosen ~= target then return 1 end return 0 end
 
-if not admit(chosen) then return {'', 0, 0, 0, 0} end
+if not admit(chosen) then return {'', 0, 0, 0, 0, 0} end
 local after = take(chosen)
 if maxc > 0 and after > maxc then
   untake(chosen)
   if chosen == least then
     unadmit()
-    return {chosen, after, 0, matched, diverted()}
+    return {chosen, after, 0, matched, diverted(), 0}
   end
   chosen = least
   after = take(chosen)
   if after > maxc then
     untake(chosen)
     unadmit()
-    return {chosen, after, 0, matched, diverted()}
+    return {chosen, after, 0, matched, diverted(), 0}
   end
   redis.call('HSET', mine, rec, chosen)
 end
 
 -- Matched keys still name a healthy host that holds that prefix: refresh them. The rest of the
 -- chain (new blocks, and keys that named a gone/unhealthy host) now belongs to the chosen host.
+-- loadAware, a diverted hit: the chosen host becomes one more holder of the matched keys, while a
+-- key has fewer than `maxHolders` (holders are only added, never swapped for others while the key
+-- lives, so a key cannot flip between pods; a full key keeps its holders until it expires).
+local added = 0
+local grow = la and diverted() == 1
 for i = 1, nk do
   local k = chain[i]
   if i <= matched then
-    redis.call('EXPIRE', k, ttl)
+    local hs = grow and live(vals[i]) or nil
+    local has = false
+    for _, h in ipairs(hs or {}) do if h == chosen then has = true end end
+    if grow and hs == nil then
+      redis.call('SET', k, chosen, 'EX', ttl)
+    elseif grow and not has and #hs < maxh then
+      hs[#hs + 1] = chosen
+      redis.call('SET', k, table.concat(hs, ','), 'EX', ttl)
+      if i == matched then added = 1 end
+    else
+      redis.call('EXPIRE', k, ttl)
+    end
   else
     redis.call('SET', k, chosen, 'EX', ttl)
   end
 end
-return {chosen, after, 1, matched, diverted()}
+return {chosen, after, 1, matched, diverted(), added}

@@ -2,28 +2,29 @@
 -- route+cluster shares one hash tag, so the scripts derive them from the in-flight hash key they are
 -- given (KEYS[1] = `<base>inflight`): `<base>owners`, `<base>own:<owner>`, `<base>pfx:<hex>`,
 -- `<base>last_clean`. One slot, and far fewer bytes per call than passing each key.
-if redis.replicate_commands then redis.replicate_commands() end
 local inflight = KEYS[1]
 local base = string.sub(inflight, 1, #inflight - 8)
 local owners = base .. 'owners'
 
--- Redis's clock in ms (every gateway uses the same clock for leases).
+-- Redis's clock in ms (every gateway uses the same clock for leases). Redis before 5 needs effects
+-- replication for a write after TIME; callers call this before any write.
 local function now_ms()
+  if redis.replicate_commands then redis.replicate_commands() end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
 -- Owners (plugin VMs) whose lease ran out are gone (killed, out of memory, cut off): subtract what
--- their admitted picks (`r:<request>` -> host in their hash) hold from the in-flight hash and delete
--- their hash. A few per call keep calls short.
+-- their admitted picks (request id -> host in their hash; '' is a tombstone) hold from the in-flight
+-- hash and delete their hash. A few per call keep calls short.
 local function reap(now)
   for _, dead in ipairs(redis.call('ZRANGEBYSCORE', owners, '-inf', now, 'LIMIT', 0, 8)) do
     local own = base .. 'own:' .. dead
     local held = redis.call('HGETALL', own)
     local per_host = {}
-    for i = 1, #held, 2 do
-      local h = held[i + 1]
-      if h ~= '' and string.sub(held[i], 1, 2) == 'r:' then per_host[h] = (per_host[h] or 0) + 1 end
+    for i = 2, #held, 2 do
+      local h = held[i]
+      if h ~= '' then per_host[h] = (per_host[h] or 0) + 1 end
     end
     for h, c in pairs(per_host) do
       if redis.call('HINCRBY', inflight, h, -c) < 0 then redis.call('HSET', inflight, h, 0) end

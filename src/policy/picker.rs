@@ -2,18 +2,23 @@
 //! request picks a host and adds `+1` to its in-flight count; the `-1` goes out when the stream
 //! ends, exactly once, whatever the outcome.
 //!
-//! Counts that cannot leak. Each plugin VM is an *owner* with a lease in Redis (renewed by every
-//! pick and by a heartbeat every third of `leaseMs` while it uses that route+cluster). Its `+1`s are
-//! recorded in its own hash; a pick that finds an owner whose lease ran out subtracts that owner's
-//! shares and deletes its hash (so does every live VM's heartbeat). So the counts of a gateway that was SIGKILLed, ran out of memory or
-//! got cut off return to the truth within one lease, with no help from it, and no key correctness
-//! depends on has a TTL that eviction could remove.
+//! Counts that cannot leak. Each plugin VM is an *owner* with a lease in Redis: a sorted set of
+//! owner -> expiry (Redis's clock), renewed by a heartbeat every third of `leaseMs` while the VM
+//! uses that route+cluster. Its `+1`s are recorded in its own hash (request id -> host); every
+//! live VM's heartbeat subtracts the records of owners whose lease ran out and deletes their hash.
+//! So the counts of a gateway that was SIGKILLed, ran out of memory or got cut off return to the
+//! truth within one lease plus one heartbeat period, with no help from it, and no key correctness
+//! depends on has a TTL that eviction could remove. Every pick registers its owner if it is not
+//! registered (a read, and a write only then): a pick that Redis runs late, after the reaper removed
+//! its owner (a frozen Redis reading the socket of a gateway that died meanwhile), brings the owner
+//! back, so its record is reaped one lease later instead of staying forever.
 //!
-//! Exactly-once release: each pick carries a random request id. An admitted pick writes the chosen
-//! host under that id in the owner's hash; `release.lua` decrements from that record and deletes
-//! it. When the plugin gives up on a pick (Redis timeout, a pick slower than `breakerSlowMs`, client
-//! gone while waiting), it sends the same release marked "abandoned": if the pick already ran it is
-//! undone, and if it has not run yet (a frozen Redis runs it later) a tombstone makes it a no-op.
+//! Exactly-once release: each pick carries a request id (a counter, unique per owner). An
+//! admitted pick writes the chosen host under that id in the owner's hash; `release.lua` deletes
+//! the record and decrements only if it was there. When the plugin gives up on a pick (Redis
+//! timeout, a pick slower than `breakerSlowMs`, client gone while waiting), it sends the same
+//! release without a host, "abandoned": if the pick already ran it is undone, and if it has not run
+//! yet (a frozen Redis runs it later) a tombstone makes it a no-op.
 //!
 //! A stalled Redis: [`Breaker`] opens after consecutive failed or slow calls; while it is open,
 //! requests are decided at once without Redis and releases wait in a bounded queue.
@@ -25,8 +30,9 @@
 
 use super::breaker::{Admission, Breaker};
 use super::cache_check::CacheCheck;
+use super::load::{self as load_args, LoadArgs};
 use super::{healthy_hosts, Decision, Stream};
-use crate::config::GlobalLeastRequestConfig;
+use crate::config::{GlobalLeastRequestConfig, LoadAwareConfig};
 use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply, UpstreamHost};
 use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
@@ -150,7 +156,19 @@ pub enum PickKind {
         ttl_s: u64,
         /// `hitLoadFactor`.
         hit_load_factor: f64,
+        /// `loadAware`: `None` when off; [`Picker::start`] fills in the pods' loads, or sets
+        /// `None` when some pod has no fresh metrics (decided as with it off).
+        load: Option<LoadAware>,
     },
+}
+
+/// `loadAware` in a pick: its thresholds, then (filled in by [`Picker::start`]) the pods' loads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadAware {
+    /// The thresholds.
+    pub config: LoadAwareConfig,
+    /// The script's load arguments, once known.
+    pub args: Option<LoadArgs>,
 }
 
 /// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
@@ -163,11 +181,11 @@ pub struct PickCall {
     pub keys: StateKeys,
     /// `maxRequestCount` (0 = no limit).
     pub max_inflight: u64,
-    /// `leaseMs`.
+    /// `leaseMs` (the lease a pick registers its owner with when it is not registered).
     pub lease_ms: u32,
     /// This VM's owner id.
     pub owner_id: String,
-    /// This request's id (its pick record).
+    /// This request's id (its pick record), unique per owner.
     pub request_id: String,
     /// Healthy hosts, shuffled (the script takes the first minimum).
     pub healthy: Vec<String>,
@@ -185,18 +203,57 @@ impl PickCall {
             self.owner_id.clone(),
             self.request_id.clone(),
         ];
-        if let PickKind::Prefix { chain, ttl_s, hit_load_factor } = &self.kind {
-            args.reserve(3 + chain.len());
-            args.push(ttl_s.to_string());
-            args.push(format!("{hit_load_factor}"));
-            args.push(chain.len().to_string());
-            args.extend(chain.iter().cloned());
+        match &self.kind {
+            PickKind::Prefix { chain, ttl_s, hit_load_factor, load } => {
+                args.reserve(4 + chain.len() + self.healthy.len());
+                args.push(ttl_s.to_string());
+                args.push(format!("{hit_load_factor}"));
+                args.push(chain.len().to_string());
+                args.extend(chain.iter().cloned());
+                args.push(self.healthy.len().to_string());
+                args.extend(self.healthy.iter().cloned());
+                if let Some(load) = load.as_ref().and_then(|l| l.args.as_ref()) {
+                    load.args(&self.healthy, &mut args);
+                }
+            }
+            PickKind::LeastRequest => {
+                // What every host starts and ends with goes once (pod addresses share most of
+                // theirs: `10.0.0.` and `:8000`), then each host's own part.
+                let (pre, suf) = common_affixes(&self.healthy);
+                args.reserve(2 + self.healthy.len());
+                args.push(self.healthy.first().and_then(|h| h.get(..pre)).unwrap_or("").into());
+                args.push(
+                    self.healthy.first().and_then(|h| h.get(h.len() - suf..)).unwrap_or("").into(),
+                );
+                for h in &self.healthy {
+                    args.push(h.get(pre..h.len() - suf).unwrap_or(h).into());
+                }
+            }
         }
-        args.reserve(1 + self.healthy.len());
-        args.push(self.healthy.len().to_string());
-        args.extend(self.healthy.iter().cloned());
         (keys, args)
     }
+}
+
+/// Lengths in bytes of the longest prefix and, after it, the longest suffix that all of `hosts`
+/// share, both on character boundaries (so every host is `prefix + own part + suffix`).
+pub fn common_affixes(hosts: &[String]) -> (usize, usize) {
+    let Some(first) = hosts.first() else { return (0, 0) };
+    let mut pre = first.len();
+    for h in hosts {
+        pre = pre.min(first.bytes().zip(h.bytes()).take_while(|(a, b)| a == b).count());
+    }
+    while !first.is_char_boundary(pre) {
+        pre -= 1;
+    }
+    let shortest = hosts.iter().map(String::len).min().unwrap_or(0);
+    let mut suf = shortest - pre;
+    for h in hosts {
+        suf = suf.min(first.bytes().rev().zip(h.bytes().rev()).take_while(|(a, b)| a == b).count());
+    }
+    while !first.is_char_boundary(first.len() - suf) {
+        suf -= 1;
+    }
+    (pre, suf)
 }
 
 /// One `release.lua` call, typed: [`ReleaseCall::keys_args`] is the one place that writes KEYS
@@ -216,11 +273,9 @@ pub struct ReleaseCall {
 impl ReleaseCall {
     /// KEYS and ARGV of the script call.
     pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
-        let (abandoned, host) = match &self.admitted_to {
-            Some(h) => ("0", h.clone()),
-            None => ("1", String::new()),
-        };
-        let args = vec![self.owner_id.clone(), self.request_id.clone(), abandoned.into(), host];
+        let mut args = vec![self.owner_id.clone(), self.request_id.clone()];
+        // No host: the cancel of an abandoned pick.
+        args.extend(self.admitted_to.iter().cloned());
         (vec![self.inflight_key.clone()], args)
     }
 }
@@ -276,9 +331,11 @@ pub struct PickResult {
     pub matched: i64,
     /// A prefix's pod was passed over for load (prefix_cache only).
     pub diverted: bool,
+    /// The diverted pod became a holder of the prefix (prefix_cache with `loadAware` only).
+    pub holder_added: bool,
 }
 
-/// Parses `{host, count, admitted[, matched, diverted]}`.
+/// Parses `{host, count, admitted[, matched, diverted[, holder added]]}`.
 pub fn parse_pick(frame: &Frame) -> Option<PickResult> {
     let Frame::Array(items) = frame else { return None };
     let mut it = items.iter();
@@ -295,10 +352,11 @@ pub fn parse_pick(frame: &Frame) -> Option<PickResult> {
     let admitted = int(it.next())? == 1;
     let matched = int(it.next()).unwrap_or(0);
     let diverted = int(it.next()) == Some(1);
+    let holder_added = int(it.next()) == Some(1);
     if host.is_empty() {
         return None;
     }
-    Some(PickResult { host, count, admitted, matched, diverted })
+    Some(PickResult { host, count, admitted, matched, diverted, holder_added })
 }
 
 /// Fisher–Yates shuffle with the host's randomness: the script takes the first minimum, so ties
@@ -421,6 +479,8 @@ pub(crate) struct Picker {
     name: &'static str,
     /// This VM's owner id (random, made on first use).
     owner: Option<String>,
+    /// Request ids are this counter (unique per owner, short on the wire).
+    next_request: u64,
     breaker: Breaker,
     /// Route+clusters used, by owners key: their leases are renewed by heartbeats.
     groups: HashMap<String, Group>,
@@ -451,6 +511,7 @@ impl Picker {
             heartbeat: Script::new(redis::HEARTBEAT_LUA),
             name,
             owner: None,
+            next_request: 0,
             groups: HashMap::new(),
             last_heartbeat_ns: 0,
             root_calls: HashMap::new(),
@@ -505,42 +566,69 @@ impl Picker {
         if let Some(o) = &self.owner {
             return o.clone();
         }
-        let o = format!("{:016x}", host.random_u64());
+        // 48 random bits: two VMs of one route colliding is about n^2 / 2^49 (2e-9 for 1000 VMs).
+        let o = format!("{:012x}", host.random_u64() >> 16);
         self.owner = Some(o.clone());
         o
     }
 
     /// Starts a pick for `stream`: `Pending`; `Passthrough` when there is no healthy host; decided
     /// without Redis when the breaker is open or the call could not be sent.
-    pub fn start(&mut self, host: &mut dyn Host, stream: &mut Stream, kind: PickKind) -> Decision {
-        let list = host.upstream_hosts();
+    pub fn start(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        mut kind: PickKind,
+    ) -> Decision {
+        let mut list = host.upstream_hosts();
         let Some((mut healthy, others)) = healthy_hosts(list.as_deref(), host, self.name) else {
             return Decision::Passthrough;
         };
         if self.breaker.admit(host.now_nanos()) == Admission::Refuse {
             return self.without_redis(host, stream, &Fallback::BreakerOpen, list);
         }
+        if let PickKind::Prefix { load: load @ Some(_), .. } = &mut kind {
+            // The host list (with the health check's metrics bodies) is read once per request:
+            // taken here; a failed send below reads it again.
+            let now_ms = host.now_nanos() / 1_000_000;
+            let args = list
+                .take()
+                .and_then(|l| self.metrics.gather(host, &stream.cluster, l, now_ms))
+                .and_then(|pods| {
+                    load.as_ref().and_then(|l| load_args::load_args(&l.config, &pods))
+                });
+            match (args, load.as_mut()) {
+                (Some(args), Some(l)) => l.args = Some(args),
+                _ => {
+                    host.increment_counter(Counter::PrefixLoadUnknown, 1);
+                    *load = None;
+                }
+            }
+        }
         let mut in_cluster = Vec::with_capacity(healthy.len() + others.len());
         in_cluster.extend(healthy.iter().cloned());
         in_cluster.extend(others);
         shuffle(host, &mut healthy);
         let owner_id = self.owner_id(host);
-        let call = PickCall {
-            keys: StateKeys::new(&stream.route, &stream.cluster, &owner_id),
-            max_inflight: self.config.max_request_count,
-            lease_ms: self.config.state.lease_ms,
-            owner_id,
-            request_id: format!("{:016x}", host.random_u64()),
-            healthy,
-            kind,
-        };
-        let group = self.groups.entry(call.keys.owners.clone()).or_insert_with(|| Group {
-            inflight_key: call.keys.inflight.clone(),
+        self.next_request += 1;
+        let keys = StateKeys::new(&stream.route, &stream.cluster, &owner_id);
+        let now = host.now_nanos();
+        let group = self.groups.entry(keys.owners.clone()).or_insert_with(|| Group {
+            inflight_key: keys.inflight.clone(),
             held: 0,
             last_pick_ns: 0,
             hosts: Vec::new(),
         });
         group.hosts = in_cluster;
+        let call = PickCall {
+            keys,
+            max_inflight: self.config.max_request_count,
+            lease_ms: self.config.state.lease_ms,
+            owner_id,
+            request_id: format!("{:x}", self.next_request),
+            healthy,
+            kind,
+        };
         let (call_keys, call_args) = call.keys_args();
         let query = self.script.command(&call_keys, &call_args, false);
         match self.redis.call(host, &query) {
@@ -553,7 +641,7 @@ impl Picker {
                         request_id: call.request_id,
                         call_keys,
                         call_args,
-                        pending: Some((token, host.now_nanos())),
+                        pending: Some((token, now)),
                         used_eval: false,
                         picked: None,
                         cache_check: None,

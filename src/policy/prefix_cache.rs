@@ -8,8 +8,13 @@
 //! host if healthy (re-homing keys that name a gone/unhealthy host, without breaking the chain),
 //! otherwise picks the least-loaded host, writes the rest of the chain, and counts in-flight like
 //! `global_least_request`.
+//!
+//! With `loadAware` (ours, off by default) and fresh metrics for every healthy pod, the call also
+//! carries each pod's load ([`super::load`]): a hit is not taken when its pod is overloaded, a miss
+//! goes to the pod with the least combined load, and a diverted hit adds its pod as a holder of
+//! the prefix (a key names up to `maxHolders` pods; later requests take the least loaded one).
 
-use super::picker::{PickKind, PickResult, Picker, Routed};
+use super::picker::{LoadAware, PickKind, PickResult, Picker, Routed};
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
 use crate::host::{Counter, Host, LogLevel};
@@ -375,7 +380,7 @@ pub fn chain(blocks: &[String]) -> Vec<String> {
 }
 
 /// An admitted pick is a hit (on the pod holding the longest known prefix), a hit diverted for
-/// load (`hitLoadFactor`), or a miss; a hit's prediction is checked against the engine's report.
+/// load (`hitLoadFactor`, `loadAware`), or a miss; a hit's prediction is checked against the engine's report.
 fn routed(host: &mut dyn Host, pick: &PickResult) -> Routed {
     let counter = match (pick.matched > 0, pick.diverted) {
         (true, false) => Counter::PrefixHit,
@@ -384,6 +389,9 @@ fn routed(host: &mut dyn Host, pick: &PickResult) -> Routed {
     };
     if counter == Counter::PrefixHit {
         host.increment_counter(Counter::PrefixMatchedBlocks, pick.matched);
+    }
+    if pick.holder_added {
+        host.increment_counter(Counter::PrefixHolderAdded, 1);
     }
     Routed {
         counter,
@@ -416,6 +424,11 @@ impl PrefixCache {
             chain: chain.to_vec(),
             ttl_s: self.config.redis_key_ttl_s,
             hit_load_factor: self.config.hit_load_factor,
+            load: self
+                .config
+                .load_aware
+                .as_ref()
+                .map(|config| LoadAware { config: config.clone(), args: None }),
         };
         self.picker.start(host, stream, kind)
     }

@@ -1,6 +1,8 @@
 //! `prefix_cache`: blocks, hashing, chaining, and the request flow against the fake host.
 
 use super::*;
+use crate::filter::Filter;
+use crate::host::fake::FakeHost;
 use crate::host::RedisReply;
 use crate::redis::{inflight_key, PREFIX_CACHE_LUA};
 use crate::testutil::*;
@@ -313,4 +315,143 @@ fn odd_message_shapes_read_as_a_parsed_object_would() {
     );
     assert_eq!(blocks(r#"{"messages":[]} x"#), None, "trailing bytes");
     assert_eq!(blocks(r#""just a string""#), None);
+}
+
+/// The load arguments of pick `n` (after the healthy hosts), as (host, overloaded, penalty) per
+/// host, with the in-flight gap, ratio and max holders; `None` when the call carries none.
+#[allow(clippy::type_complexity)]
+fn load_args_of(host: &FakeHost, n: usize) -> Option<(Vec<String>, Vec<(String, bool, u32)>)> {
+    let (_, args) = keys_args(&command(host, n));
+    let k: usize = args[6].parse().unwrap();
+    let hosts_at = 8 + k;
+    let nh: usize = args[7 + k].parse().unwrap();
+    let healthy = &args[hosts_at..hosts_at + nh];
+    let rest = &args[hosts_at + nh..];
+    if rest.is_empty() {
+        return None;
+    }
+    assert_eq!(rest.len(), 4 + nh, "gap, ratio, holders, flags, one penalty per host: {rest:?}");
+    let flags: Vec<char> = rest[3].chars().collect();
+    let per_host = healthy
+        .iter()
+        .enumerate()
+        .map(|(i, h)| (h.clone(), flags[i] == '1', rest[4 + i].parse().unwrap()))
+        .collect();
+    Some((rest[..3].to_vec(), per_host))
+}
+
+fn send_chat(f: &mut Filter, host: &mut FakeHost, ctx: u32) {
+    f.on_request_headers(host, ctx, false);
+    host.request_body = CHAT.as_bytes().to_vec();
+    f.on_request_body(host, ctx, CHAT.len(), true);
+}
+
+#[test]
+fn load_aware_sends_each_pods_overload_flag_and_penalty_from_its_metrics() {
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true,"overloadQueue":3,"maxHolders":3"#));
+    // .1: 12 queued, 50% KV; .2: idle. .3 is unhealthy: not a candidate.
+    set_hosts_with_metrics(&mut host, vllm_metrics(8, 12, 0.5), vllm_metrics(1, 0, 0.1));
+    send_chat(&mut f, &mut host, 7);
+    let (params, mut per_host) = load_args_of(&host, 0).expect("load arguments");
+    assert_eq!(params, vec!["4", "1.5", "3"], "in-flight gap, ratio, max holders");
+    per_host.sort();
+    assert_eq!(
+        per_host,
+        vec![
+            ("10.0.0.1:8000".to_string(), true, 16), // 12 + 8 × 0.5; queue 12 - 0 > 3
+            ("10.0.0.2:8000".to_string(), false, 1), // 0 + 8 × 0.1
+        ]
+    );
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), None);
+    // The script diverted the hit and added the pod as a holder: both counted.
+    let t = host.last_redis_token().unwrap();
+    let reply = b"*6\r\n$13\r\n10.0.0.2:8000\r\n:1\r\n:1\r\n:2\r\n:1\r\n:1\r\n".to_vec();
+    deliver(&mut f, &mut host, t, RedisReply::Ok(reply));
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(host.counters.get("ai_lb_prefix_hit_diverted"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_prefix_holder_added"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_prefix_hit"), None);
+}
+
+#[test]
+fn load_aware_without_fresh_metrics_sends_todays_call_and_counts_it() {
+    // Missing: the host list carries no metrics and nothing is scraped.
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true"#));
+    send_chat(&mut f, &mut host, 7);
+    let (mut g, mut go_host) = setup(&cfg(""));
+    send_chat(&mut g, &mut go_host, 7);
+    let (_, with) = keys_args(&command(&host, 0));
+    let (_, go) = keys_args(&command(&go_host, 0));
+    assert_eq!(load_args_of(&host, 0), None);
+    assert_eq!(with.len(), go.len(), "the same call as with loadAware off");
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&1));
+    // One pod without a KV-cache figure: no opinion for the request either.
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true"#));
+    set_hosts_with_metrics(
+        &mut host,
+        vllm_metrics(1, 0, 0.1),
+        "vllm:num_requests_waiting 3\n".to_string(),
+    );
+    send_chat(&mut f, &mut host, 7);
+    assert_eq!(load_args_of(&host, 0), None);
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&1));
+}
+
+#[test]
+fn a_go_config_sends_no_load_arguments_even_with_metrics() {
+    let (mut f, mut host) = setup(&cfg(""));
+    set_hosts_with_metrics(&mut host, vllm_metrics(8, 12, 0.5), vllm_metrics(1, 0, 0.1));
+    send_chat(&mut f, &mut host, 7);
+    assert_eq!(load_args_of(&host, 0), None);
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), None);
+    let t = host.last_redis_token().unwrap();
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 3, true, Some(2))));
+    assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_prefix_holder_added"), None);
+}
+
+#[test]
+fn load_aware_with_scraped_metrics_uses_them_while_fresh_and_not_once_stale() {
+    use crate::host::HttpReply;
+    let (mut f, mut host) = setup(&cfg(
+        r#","loadAware":true,"scrapeCluster":"pods-original-dst","scrapeIntervalMs":500"#,
+    ));
+    let sha = crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_bytes());
+    let picks = |host: &FakeHost| -> Vec<usize> {
+        (0..host.redis_calls.len()).filter(|&i| command(host, i)[1] == sha).collect()
+    };
+    // Nothing scraped yet: today's call.
+    f.on_request_headers(&mut host, 10, true);
+    let p = picks(&host);
+    assert_eq!(load_args_of(&host, p[0]), None);
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&1));
+    f.on_tick(&mut host);
+    let calls: Vec<(u32, String)> = host
+        .http_calls
+        .iter()
+        .map(|c| (c.token, c.header(":authority").unwrap_or_default().to_string()))
+        .collect();
+    assert_eq!(calls.len(), 2, "the two healthy pods are scraped");
+    for (token, pod) in calls {
+        let body =
+            if pod == "10.0.0.1:8000" { vllm_metrics(8, 12, 0.5) } else { vllm_metrics(1, 0, 0.1) };
+        let reply = HttpReply { status: 200, headers: vec![], body: body.into_bytes() };
+        f.on_http_reply(&mut host, token, &reply, false);
+    }
+    // Fresh: the pods' loads go with the pick.
+    f.on_request_headers(&mut host, 11, true);
+    let p = picks(&host);
+    let (_, mut per_host) = load_args_of(&host, p[1]).expect("fresh scraped metrics");
+    per_host.sort();
+    assert_eq!(
+        per_host,
+        vec![("10.0.0.1:8000".to_string(), true, 16), ("10.0.0.2:8000".to_string(), false, 1)]
+    );
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&1));
+    // Past metricsStaleMs (5 s) with no new scrape: today's call again, and counted.
+    host.now += 6_000_000_000;
+    f.on_request_headers(&mut host, 12, true);
+    let p = picks(&host);
+    assert_eq!(load_args_of(&host, p[2]), None);
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&2));
 }

@@ -342,3 +342,102 @@ async fn the_drain_timeout_cuts_streams_but_still_releases_their_counts() {
         p.release();
     }
 }
+
+/// Clients that send `chat` requests one after another to `addr` until `stop`; each returns the
+/// status of every request (`None`: the request failed without an HTTP answer).
+fn client_loops(
+    addr: std::net::SocketAddr,
+    clients: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<Vec<Option<u16>>>> {
+    (0..clients)
+        .map(|c| {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let req = chat(&format!("client {c} request {}", seen.len()));
+                    let r = testkit::http::send(addr, req, Duration::from_secs(15)).await;
+                    seen.push(r.ok().map(|r| r.status));
+                }
+                seen
+            })
+        })
+        .collect()
+}
+
+/// Two gateways share Redis, both under load; one is SIGKILLed with requests in flight. No request
+/// through the survivor fails or hangs, and while the survivor is still loaded the dead gateway's
+/// +1s are gone within two leases (2 s here) of the kill: the counts then hold no more than the
+/// survivor's own requests (each client's next pick may be counted just before its previous
+/// release lands: at most two per client). Once the load stops they are 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_under_load_one_killed_the_survivor_serves_and_counts_return() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("two-gw", 2).await.unwrap();
+    for p in &pods {
+        p.set_delay(Duration::from_millis(300));
+    }
+    let lease = Duration::from_millis(1000);
+    let cfg = redis_policy_config(
+        "route-two-gw",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"leaseMs": lease.as_millis() as u64}),
+    );
+    let mut doomed = Gateway::start(&cfg).await.unwrap();
+    let survivor = Gateway::start(&cfg).await.unwrap();
+    // The doomed gateway carries more concurrent requests than the survivor, so that a leak of its
+    // counts cannot pass for the survivor's own.
+    const DOOMED_CLIENTS: usize = 8;
+    const SURVIVOR_CLIENTS: usize = 2;
+    let stop_doomed = Arc::new(AtomicBool::new(false));
+    let stop_survivor = Arc::new(AtomicBool::new(false));
+    let doomed_loads = client_loops(doomed.addr(), DOOMED_CLIENTS, stop_doomed.clone());
+    let survivor_loads = client_loops(survivor.addr(), SURVIVOR_CLIENTS, stop_survivor.clone());
+    eventually(Duration::from_secs(10), "both gateways' requests counted", || async {
+        Ok(counters_sum(&redis).await? > SURVIVOR_CLIENTS as i64)
+    })
+    .await
+    .unwrap();
+    doomed.kill();
+    let killed_at = Instant::now();
+    stop_doomed.store(true, Ordering::Relaxed);
+    let mut doomed_failed = 0;
+    for h in doomed_loads {
+        doomed_failed += h.await.unwrap().iter().filter(|s| s.is_none()).count();
+    }
+    assert!(doomed_failed > 0, "requests were in flight on the killed gateway");
+    // Two leases after the kill, with the survivor still loaded, the counts are the survivor's.
+    let bound = 2 * lease;
+    let mut max_after_bound = 0;
+    while killed_at.elapsed() < bound + Duration::from_millis(1500) {
+        let sum = counters_sum(&redis).await.unwrap();
+        if killed_at.elapsed() > bound {
+            max_after_bound = max_after_bound.max(sum);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        max_after_bound <= 2 * SURVIVOR_CLIENTS as i64,
+        "{max_after_bound} counted {bound:?} after the kill: the killed gateway's +1s stayed"
+    );
+    stop_survivor.store(true, Ordering::Relaxed);
+    let mut served = 0;
+    for h in survivor_loads {
+        let seen = h.await.unwrap();
+        assert!(seen.iter().all(|s| *s == Some(200)), "survivor request failed: {seen:?}");
+        served += seen.len();
+    }
+    assert!(served >= 10, "the survivor served only {served} requests");
+    eprintln!(
+        "killed under load: {doomed_failed} requests to the killed gateway failed (in flight, or \
+         refused before its clients stopped), the survivor served {served}, at most \
+         {max_after_bound} counted after {bound:?}"
+    );
+    wait_counters_zero(&redis, Duration::from_secs(3)).await.unwrap();
+    assert_eq!(pods.iter().map(Pod::in_flight).sum::<usize>(), 0, "no request left paused");
+}

@@ -220,6 +220,18 @@ fn schema_defaults_are_the_parser_defaults() {
     let PolicyConfig::PrefixCache(p) = c.policy else { panic!("prefix_cache") };
     assert_eq!(json!(p.redis_key_ttl_s), d("redisKeyTTL"));
     assert_eq!(json!(p.hit_load_factor), json!(d("hitLoadFactor").as_f64()));
+    assert_eq!(p.load_aware, None);
+    assert_eq!(d("loadAware"), json!(false));
+    let on = one(json!({"lb_policy": "prefix_cache",
+        "lb_config": {"serviceFQDN": "r", "servicePort": 1, "loadAware": true}}));
+    let PolicyConfig::PrefixCache(on) = on.policy else { panic!("prefix_cache") };
+    let l = on.load_aware.expect("loadAware: true");
+    assert_eq!(json!(l.queue_gap), json!(d("overloadQueue").as_f64()));
+    assert_eq!(json!(l.kv_gap), json!(d("overloadKvCache").as_f64()));
+    assert_eq!(json!(l.inflight_gap), d("overloadInflight"));
+    assert_eq!(json!(l.ratio), json!(d("overloadRatio").as_f64()));
+    assert_eq!(json!(l.kv_weight), json!(d("loadKvWeight").as_f64()));
+    assert_eq!(json!(l.max_holders), d("maxHolders"));
     let g = p.least_request;
     assert_eq!(json!(g.redis.timeout_ms), d("timeout"));
     assert_eq!(json!(g.redis.database), d("database"));

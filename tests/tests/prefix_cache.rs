@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use e2e::*;
 use serde_json::json;
+use testkit::HttpRequest;
 
 const TTL_S: i64 = 120;
 
@@ -461,4 +462,109 @@ async fn a_4_mib_chat_is_routed_within_a_bounded_linear_memory() {
         after_turn.windows(2).all(|w| w[0] == w[1]),
         "linear memory keeps growing from chat to chat: {after_turn:?}"
     );
+}
+
+/// `loadAware` with the pods' metrics stored by the health check (as Higress's `store_metrics`).
+fn load_aware_config(route: &str, pods: &[Pod], redis: &RedisFixture) -> GatewayConfig {
+    redis_policy_config(
+        route,
+        pods,
+        redis,
+        "prefix_cache",
+        json!({"redisKeyTTL": TTL_S, "timeout": 1000, "loadAware": true,
+               "decisionHeader": "x-ai-lb-decision"}),
+    )
+    .metrics_health_check(LLM_CLUSTER, 100)
+}
+
+/// The prefix keys whose value names more than one holder.
+async fn shared_keys(redis: &RedisFixture) -> Vec<(String, String)> {
+    let mut c = redis.client().await.unwrap();
+    let mut out = Vec::new();
+    for k in c.keys("*:pfx:*").await.unwrap() {
+        if let Some(v) = c.get(&k).await.unwrap().filter(|v| v.contains(',')) {
+            out.push((k, v));
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_aware_diverts_a_hit_from_a_pod_with_a_deep_queue_and_shares_the_prefix() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pc-load", 3).await.unwrap();
+    let (a, b, c) = (&pods[0], &pods[1], &pods[2]);
+    // Nothing in flight anywhere: by in-flight alone a miss is a coin toss. By the combined load
+    // (queue + 8 × KV use) A (0 + 0.8) is the least loaded, then C (1 + 3.2), then B (3 + 4).
+    a.set_metrics(samples::vllm_v1(2, 0, 0.1));
+    b.set_metrics(samples::vllm_v1(2, 3, 0.5));
+    c.set_metrics(samples::vllm_v1(2, 1, 0.4));
+    let gw = Gateway::start(&load_aware_config("route-load", &pods, &redis)).await.unwrap();
+    wait_scrapes(&pods, &[0, 0, 0], 2, Duration::from_secs(15)).await.unwrap();
+
+    let mut conv = Conversation::new(&format!("load-aware review ({})", paths::unique_name("c")));
+    assert_eq!(conv.turn(&gw, &question(1)).await.unwrap(), a.host(), "miss: least combined load");
+    assert_eq!(conv.turn(&gw, &question(2)).await.unwrap(), a.host(), "hit on A");
+
+    // A's engine now has a deep queue: the next turn's hit on A is diverted to C, the least
+    // loaded pod, which becomes a second holder of the conversation's prefix.
+    a.set_metrics(samples::vllm_v1(16, 20, 0.9));
+    let before = scrape_counts(&pods);
+    wait_scrapes(&pods, &before, 2, Duration::from_secs(15)).await.unwrap();
+    assert!(shared_keys(&redis).await.is_empty());
+    let resp = gw
+        .send(
+            HttpRequest::post_json("/v1/chat/completions", &{
+                conv.messages.push(json!({"role": "user", "content": question(3)}));
+                conv.body()
+            }),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(resp.upstream().as_deref(), Some(c.host().as_str()), "diverted to C");
+    assert_eq!(resp.header("x-ai-lb-decision"), Some("prefix_hit_diverted; blocks=2"));
+    conv.messages.push(json!({"role": "assistant", "content": answer_text(&resp).unwrap()}));
+    let shared = shared_keys(&redis).await;
+    let both = format!("{},{}", a.host(), c.host());
+    assert_eq!(shared.len(), 2, "the two matched keys name A and C: {shared:?}");
+    assert!(shared.iter().all(|(_, v)| *v == both), "{shared:?}");
+
+    // The conversation now lives on C: the next turn is a plain hit there.
+    assert_eq!(conv.turn(&gw, &question(4)).await.unwrap(), c.host());
+    assert_eq!(b.inference_count(), 0, "B, the most loaded by its metrics, got nothing");
+
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 1, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 2, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_hit_diverted"), 1, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_holder_added"), 1, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_load_unknown"), 0, "{stats}");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_aware_without_pod_metrics_routes_as_go_does_and_says_so() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pc-load-none", 2).await.unwrap();
+    // loadAware on, but no health check stores metrics and nothing is scraped.
+    let cfg = redis_policy_config(
+        "route-load-none",
+        &pods,
+        &redis,
+        "prefix_cache",
+        json!({"redisKeyTTL": TTL_S, "timeout": 1000, "loadAware": true}),
+    );
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let mut conv = Conversation::new(&format!("no metrics ({})", paths::unique_name("c")));
+    let home = conv.turn(&gw, &question(1)).await.unwrap();
+    for turn in 2..=3 {
+        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), home, "turn {turn}");
+    }
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_load_unknown"), 3, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 2, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 1, "{stats}");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }

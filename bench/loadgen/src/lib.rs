@@ -6,6 +6,6 @@ pub mod run;
 pub mod stats;
 pub mod workload;
 
-pub use run::{run, GatewayChoice, RequestRecord, StickyHeader, Target};
+pub use run::{run, GatewayChoice, RequestRecord, StickyHeader, StickyValues, Target};
 pub use stats::{summarize, Summary};
 pub use workload::{SessionPlan, Workload};

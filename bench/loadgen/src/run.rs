@@ -37,22 +37,37 @@ impl GatewayChoice {
     }
 }
 
-/// A session-hash sticky client: every request carries `header: values[hash(session) % len]`
-/// (the gateway routes on it, e.g. a cluster per pod through `cluster_header`).
+/// What a sticky client's header carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StickyValues {
+    /// `values[hash(session) % len]`: the client hashes the session onto one value per pod (the
+    /// gateway routes on it, e.g. a cluster per pod through `cluster_header`).
+    OneOf(Vec<String>),
+    /// The session's own id (`session-<n>`): the router hashes it (vLLM's router reads
+    /// `X-Session-ID` in `consistent_hash` and `sticky_least_loaded`).
+    SessionId,
+}
+
+/// A header naming the session on every request of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StickyHeader {
     /// Header name.
     pub header: String,
-    /// One value per pod.
-    pub values: Vec<String>,
+    /// Its value per session.
+    pub values: StickyValues,
 }
 
 impl StickyHeader {
-    /// The value for `session`: FNV-1a of its id, modulo the number of values.
-    pub fn value(&self, session: usize) -> Option<&str> {
-        let h = podsim::tokenizer::fnv1a32(&(session as u64).to_le_bytes());
-        let n = self.values.len();
-        (n > 0).then(|| self.values[h as usize % n].as_str())
+    /// The value for `session` (`OneOf`: FNV-1a of its id, modulo the number of values).
+    pub fn value(&self, session: usize) -> Option<String> {
+        match &self.values {
+            StickyValues::OneOf(values) => {
+                let h = podsim::tokenizer::fnv1a32(&(session as u64).to_le_bytes());
+                let n = values.len();
+                (n > 0).then(|| values[h as usize % n].clone())
+            }
+            StickyValues::SessionId => Some(format!("session-{session}")),
+        }
     }
 }
 
@@ -237,8 +252,9 @@ async fn run_session(
     started: Instant,
     progress: Arc<AtomicU64>,
 ) -> Vec<RequestRecord> {
+    let sticky_value = target.sticky.as_ref().and_then(|st| st.value(s.id));
     let sticky =
-        target.sticky.as_ref().and_then(|st| st.value(s.id).map(|v| (st.header.as_str(), v)));
+        target.sticky.as_ref().zip(sticky_value.as_deref()).map(|(st, v)| (st.header.as_str(), v));
     let mut history: Vec<Message> = Vec::new();
     if let Some(sys) = &s.system {
         history.push(Message { role: "system".into(), content: sys.clone() });
@@ -392,14 +408,19 @@ mod tests {
         let per_turn: Vec<usize> = (0..5).map(|t| GatewayChoice::PerTurn.index(7, t, 4)).collect();
         assert_eq!(per_turn, [3, 0, 1, 2, 3], "every turn through the next gateway");
         assert!((0..5).all(|t| GatewayChoice::PerSession.index(7, t, 4) == 3));
-        let st =
-            StickyHeader { header: "x".into(), values: vec!["a".into(), "b".into(), "c".into()] };
-        let picks: Vec<&str> = (0..300).filter_map(|s| st.value(s)).collect();
+        let st = StickyHeader {
+            header: "x".into(),
+            values: StickyValues::OneOf(vec!["a".into(), "b".into(), "c".into()]),
+        };
+        let picks: Vec<String> = (0..300).filter_map(|s| st.value(s)).collect();
         assert_eq!(picks.len(), 300);
         assert_eq!(st.value(42), st.value(42));
         for v in ["a", "b", "c"] {
-            let n = picks.iter().filter(|p| **p == v).count();
+            let n = picks.iter().filter(|p| *p == v).count();
             assert!((60..140).contains(&n), "{v}: {n} of 300 sessions");
         }
+        let ids = StickyHeader { header: "X-Session-ID".into(), values: StickyValues::SessionId };
+        assert_eq!(ids.value(7).as_deref(), Some("session-7"));
+        assert_ne!(ids.value(7), ids.value(8), "one value per session, not per pod");
     }
 }

@@ -185,6 +185,36 @@ impl Workload {
         }
     }
 
+    /// The same multi-turn workload with `n` sessions (a shorter run of the same shape: the
+    /// first `n` sessions of the full plan are the same). None for shared_prefix.
+    pub fn with_sessions(&self, n: usize) -> Option<Workload> {
+        let mut w = self.clone();
+        match &mut w {
+            Workload::MultiTurn { sessions, .. } => *sessions = n,
+            Workload::SharedPrefix { .. } => return None,
+        }
+        Some(w)
+    }
+
+    /// Sessions per simulated second of an open loop (None for a closed loop).
+    pub fn arrival_rate(&self) -> Option<f64> {
+        match self {
+            Workload::MultiTurn { arrival_rate_per_s, .. }
+            | Workload::SharedPrefix { arrival_rate_per_s, .. } => *arrival_rate_per_s,
+        }
+    }
+
+    /// The same workload as an open loop: sessions start as a Poisson process of `rate` per
+    /// simulated second (a load sweep's point).
+    pub fn with_arrival_rate(&self, rate: f64) -> Workload {
+        let mut w = self.clone();
+        match &mut w {
+            Workload::MultiTurn { arrival_rate_per_s, .. }
+            | Workload::SharedPrefix { arrival_rate_per_s, .. } => *arrival_rate_per_s = Some(rate),
+        }
+        w
+    }
+
     /// Expands the workload into sessions; same workload, same sessions.
     pub fn plan(&self) -> Vec<SessionPlan> {
         match self {
@@ -375,6 +405,15 @@ mod tests {
         let closed = yaml("{kind: shared_prefix, groups: 2, prompts_per_group: 2, prefix_tokens: 20, question_tokens: 5, output_tokens: 5}");
         assert!(!closed.open_loop());
         assert!(closed.plan().iter().all(|s| s.start_ms.is_none()));
+        // A sweep point: the same sessions, now on a schedule at the rate asked.
+        let swept = closed.with_arrival_rate(2.0);
+        assert!(swept.open_loop());
+        assert_eq!(swept.plan().len(), closed.plan().len());
+        assert_eq!(swept.plan()[1].turns, closed.plan()[1].turns, "same prompts");
+        let faster = w.with_arrival_rate(8.0).plan();
+        let last = |p: &[crate::SessionPlan]| p.last().and_then(|s| s.start_ms).unwrap_or(0.0);
+        let ratio = last(&w.plan()) / last(&faster);
+        assert!((1.8..2.2).contains(&ratio), "twice the rate, half the span: {ratio}");
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! AIPerf's input length counts the message text, while podsim's `usage.prompt_tokens` also counts
 //! its chat template (5 tokens per message plus 5 for the generation prompt).
 
-use crate::procs::{http_get, prom_value, redis_cmd, redis_usage, require, Redis};
+use crate::procs::{http_get, prom_value, redis_cmd, require, Redis, RedisUsage};
 use crate::scenario::Scenario;
 use crate::{start_gateway, start_pods, Paths};
 use anyhow::{anyhow, bail, Context, Result};
@@ -353,16 +353,18 @@ pub async fn run_policy(
     redis: &Redis,
     policy: &str,
 ) -> Result<AiperfRow> {
-    if policy == "session_hash" {
-        bail!(
-            "policy session_hash needs our load generator (AIPerf cannot send the session header)"
-        );
+    let spec = crate::policy::lookup(policy)?;
+    if spec.client_header() != crate::policy::ClientHeader::None {
+        bail!("policy {policy} needs our load generator (AIPerf cannot send the session header)");
+    }
+    if !matches!(spec.route, crate::policy::Route::Gateway(_)) {
+        bail!("policy {policy}: the AIPerf scenario runs our gateway's policies only");
     }
     let (pods_proc, pods) = start_pods(paths, sc).await?;
     redis_cmd(&redis.addr, &["FLUSHALL"]).await?;
     let (gw, addr) =
         start_gateway(paths, sc, policy, &pods, &redis.addr, &format!("aiperf-{policy}")).await?;
-    if policy == "endpoint_metrics" {
+    if spec.scrapes_metrics() {
         // Let the first health checks store metrics.
         tokio::time::sleep(Duration::from_millis(600)).await;
     }
@@ -405,7 +407,8 @@ pub async fn run_policy(
     let turns = std::fs::read_to_string(artifacts.join("profile_export.jsonl"))
         .map(|t| parse_turns(&t))
         .unwrap_or_default();
-    let (usec, bytes) = redis_usage(&redis.addr).await.unwrap_or((0, 0));
+    let usage = RedisUsage::since_reset(&redis.addr, 0.0).await.unwrap_or_default();
+    let (usec, bytes) = (usage.script_usec, usage.bytes_in + usage.bytes_out);
     let totals = pod_totals(&pods).await?;
     gw.stop().await;
     pods_proc.stop().await;

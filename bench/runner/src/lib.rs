@@ -3,18 +3,23 @@
 //! rates, balance and Redis cost as median with min–max over the repetitions.
 
 pub mod aiperf;
+pub mod chaos;
 pub mod chart;
 pub mod model;
 pub mod overhead;
+pub mod policy;
 pub mod procs;
 pub mod redis_cost;
+pub mod routers;
 pub mod scenario;
 pub mod stats;
+pub mod sweep;
 pub mod tables;
 
 use anyhow::{anyhow, Context, Result};
 use loadgen::stats::{Dist, P50P99};
-use procs::{http_get, prom_value, redis_cmd, redis_usage, require, Proc, Redis};
+use policy::{ClientHeader, GatewayMode, Route};
+use procs::{http_get, prom_value, redis_cmd, require, Proc, Redis, RedisUsage};
 use scenario::Scenario;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -101,14 +106,39 @@ pub struct PolicyResult {
     pub peak_inflight_per_pod: Vec<u64>,
     /// Requests served per pod (`x-pod-name` of the responses).
     pub requests_per_pod: BTreeMap<String, usize>,
-    /// Redis command time per routed request (µs).
+    /// Redis script time per routed request (µs): `EVAL`/`EVALSHA` only, never the commands run
+    /// inside them (listed again in commandstats, their time inside the script's).
     pub redis_usec_per_request: f64,
     /// Redis bytes in + out per routed request.
     pub redis_bytes_per_request: f64,
+    /// Commands sent to Redis per routed request (scripts and `SCRIPT LOAD`; nothing run inside
+    /// a script).
+    #[serde(default)]
+    pub redis_commands_per_request: f64,
+    /// Redis main-thread CPU per routed request (µs, `INFO cpu` delta).
+    #[serde(default)]
+    pub redis_cpu_usec_per_request: f64,
+    /// Whether Redis's idle CPU (measured just before the load) was taken off
+    /// `redis_cpu_usec_per_request` (runs before this field: not).
+    #[serde(default)]
+    pub redis_cpu_idle_subtracted: bool,
+    /// Bytes Redis read per routed request.
+    #[serde(default)]
+    pub redis_bytes_in_per_request: f64,
+    /// Bytes Redis wrote per routed request.
+    #[serde(default)]
+    pub redis_bytes_out_per_request: f64,
     /// Client time-to-headers minus pod time, real ms.
     pub gateway_added_ms: P50P99,
     /// Wall-clock seconds of the load.
     pub wall_s: f64,
+    /// Offered load of an open-loop sweep point (sessions per simulated second); None for the
+    /// scenario's own arrivals.
+    #[serde(default)]
+    pub offered_sessions_per_s: Option<f64>,
+    /// Per-pod requests in flight over the run (client view; wall seconds).
+    #[serde(default)]
+    pub load_series: stats::LoadSeries,
     /// TTFTs (simulated ms), for the chart.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -177,18 +207,22 @@ pub struct Report {
     pub runs: Vec<PolicyResult>,
 }
 
-fn gateway_config(
+/// Our gateway's configuration for `policy` (a [`Route::Gateway`] entry) over `pods`.
+pub fn gateway_config(
     paths: &Paths,
     sc: &Scenario,
-    policy: &str,
+    policy: &policy::Policy,
     pods: &[String],
     redis: &str,
-) -> Value {
+) -> Result<Value> {
+    let Route::Gateway(mode) = policy.route else {
+        return Err(anyhow!("policy {} is not run by our gateway", policy.name));
+    };
     let health = sc.health_check.then(|| {
         json!({"path": "/health", "interval_ms": 200, "timeout_ms": 1000,
             "unhealthy_threshold": 3, "healthy_threshold": 1})
     });
-    if policy == "session_hash" {
+    if mode == GatewayMode::SessionHash {
         // No plugin: one cluster per pod, picked by the header the client derives from the
         // session (what a hash-on-session load balancer gives).
         let clusters: Vec<Value> = pods
@@ -202,19 +236,19 @@ fn gateway_config(
                 c
             })
             .collect();
-        return json!({
+        return Ok(json!({
             "listeners": [{"name": "main", "address": "127.0.0.1:0"}],
             "admin": {"address": "127.0.0.1:0"},
             "routes": [{"name": "llm-route", "match": {"prefix": "/"},
                 "cluster_header": SESSION_CLUSTER_HEADER, "timeout_ms": 600000}],
             "clusters": clusters,
-        });
+        }));
     }
     let mut llm = json!({"name": LLM_CLUSTER, "lb_policy": "round_robin", "endpoints": pods});
     if let Some(h) = health {
         llm["health_check"] = h;
     }
-    if policy == "endpoint_metrics" {
+    if policy.scrapes_metrics() {
         // Like Higress: the health checker keeps each pod's /metrics body for the plugin.
         llm["health_check"] = json!({"path": "/metrics", "interval_ms": 200, "timeout_ms": 1000,
             "unhealthy_threshold": 3, "healthy_threshold": 1, "store_metrics": true});
@@ -225,21 +259,13 @@ fn gateway_config(
         "routes": [{"name": "llm-route", "match": {"prefix": "/"}, "cluster": LLM_CLUSTER, "timeout_ms": 600000}],
         "clusters": [llm, {"name": REDIS_CLUSTER, "endpoints": [redis]}],
     });
-    if policy != "round_robin" {
-        let mut lb = serde_json::Map::new();
-        if policy != "endpoint_metrics" {
-            lb.insert("serviceFQDN".into(), json!("redis.static"));
-            lb.insert("servicePort".into(), json!(6379));
-        }
-        for (k, v) in &sc.lb_config {
-            lb.insert(k.clone(), v.clone());
-        }
+    if let Some((lb_policy, lb)) = policy.gateway_plugin(&sc.lb_config)? {
         cfg["plugin"] = json!({
             "wasm": paths.wasm.to_string_lossy(), "name": "ai-load-balancer", "root_id": "", "vm_id": "",
-            "configuration": {"lb_policy": policy, "lb_config": lb},
+            "configuration": {"lb_policy": lb_policy, "lb_config": lb},
         });
     }
-    cfg
+    Ok(cfg)
 }
 
 /// Starts `count` pods; returns the process and their addresses.
@@ -278,7 +304,8 @@ pub async fn start_gateway(
     tag: &str,
 ) -> Result<(Proc, String)> {
     require(&paths.gateway, "build it: cargo build --release -p gateway")?;
-    if !matches!(policy, "round_robin" | "session_hash") {
+    let policy = policy::lookup(policy)?;
+    if !matches!(policy.route, Route::Gateway(GatewayMode::RoundRobin | GatewayMode::SessionHash)) {
         require(&paths.wasm, "build it: cargo build --target wasm32-wasip1 --profile wasm-release -p ai-load-balancer")?;
     }
     let dir = std::env::temp_dir().join(format!("bench-{}", std::process::id()));
@@ -287,7 +314,7 @@ pub async fn start_gateway(
     // JSON is valid YAML.
     std::fs::write(
         &file,
-        serde_json::to_string_pretty(&gateway_config(paths, sc, policy, pods, redis))?,
+        serde_json::to_string_pretty(&gateway_config(paths, sc, policy, pods, redis)?)?,
     )?;
     let mut cmd = Command::new(&paths.gateway);
     cmd.arg("--config").arg(&file).args([
@@ -316,29 +343,50 @@ pub async fn run_policy(
     repetition: usize,
     progress: Arc<AtomicU64>,
 ) -> Result<PolicyResult> {
+    let spec = policy::lookup(policy)?;
     // Fresh pods per policy: every policy starts with cold caches.
     let (pods_proc, pods) = start_pods(paths, sc).await?;
     redis_cmd(&redis.addr, &["FLUSHALL"]).await?;
+    // Redis's main thread spends CPU when idle too (serverCron, 10 Hz): measured over a quiet
+    // half second before any gateway starts (so their heartbeats count as the plugin's cost,
+    // not as idle) and taken off the run's figure pro rata.
+    let idle_cpu_per_s =
+        RedisUsage::idle_cpu_per_s(&redis.addr, Duration::from_millis(500)).await.unwrap_or(0.0);
+    // One gateway (or one independent competitor router) per gateway slot.
     let mut gws = Vec::new();
     let mut urls = Vec::new();
     for i in 0..replicas.max(1) {
-        let (p, addr) =
-            start_gateway(paths, sc, policy, &pods, &redis.addr, &format!("{policy}-{i}")).await?;
+        let tag = format!("{policy}-{i}");
+        let (p, addr) = match spec.route {
+            Route::Gateway(_) => start_gateway(paths, sc, policy, &pods, &redis.addr, &tag).await?,
+            Route::External { router, policy: rp } => {
+                let r = routers::start_router(&paths.root, sc, router, rp, &pods, &tag).await?;
+                (r.proc, r.addr)
+            }
+        };
         urls.push(format!("http://{addr}"));
         gws.push(p);
     }
-    if policy == "endpoint_metrics" {
+    if spec.scrapes_metrics() {
         // Let the first health checks store metrics.
         tokio::time::sleep(Duration::from_millis(600)).await;
     }
     redis_cmd(&redis.addr, &["CONFIG", "RESETSTAT"]).await?;
+    let cpu0 = RedisUsage::main_thread_cpu_s(&redis.addr).await.unwrap_or(0.0);
     let target = loadgen::Target {
         urls,
         gateway_choice: sc.client_gateway,
-        sticky: (policy == "session_hash").then(|| loadgen::StickyHeader {
-            header: SESSION_CLUSTER_HEADER.into(),
-            values: (0..pods.len()).map(pod_cluster).collect(),
-        }),
+        sticky: match spec.client_header() {
+            ClientHeader::None => None,
+            ClientHeader::SessionCluster => Some(loadgen::StickyHeader {
+                header: SESSION_CLUSTER_HEADER.into(),
+                values: loadgen::StickyValues::OneOf((0..pods.len()).map(pod_cluster).collect()),
+            }),
+            ClientHeader::SessionId => Some(loadgen::StickyHeader {
+                header: "X-Session-ID".into(),
+                values: loadgen::StickyValues::SessionId,
+            }),
+        },
         time_scale: sc.time_scale,
         model: sc.model.clone(),
         timeout: Duration::from_secs(600),
@@ -348,7 +396,8 @@ pub async fn run_policy(
     let records =
         loadgen::run(sc.workload.plan(), target, sc.workload.concurrency(), progress).await;
     let wall = t0.elapsed().as_secs_f64();
-    let (usec, bytes) = redis_usage(&redis.addr).await.unwrap_or((0, 0));
+    let mut usage = RedisUsage::since_reset(&redis.addr, cpu0).await.unwrap_or_default();
+    usage.cpu_s = (usage.cpu_s - idle_cpu_per_s * wall).max(0.0);
     let mut prompt = 0.0;
     let mut cached = 0.0;
     let mut peaks = Vec::new();
@@ -391,10 +440,29 @@ pub async fn run_policy(
         mean_inflight_per_pod: inflight.iter().map(|x| x / sim_s).collect(),
         peak_inflight_per_pod: peaks,
         requests_per_pod: s.per_pod_requests,
-        redis_usec_per_request: usec as f64 / routed,
-        redis_bytes_per_request: bytes as f64 / routed,
+        redis_usec_per_request: usage.script_usec as f64 / routed,
+        redis_bytes_per_request: (usage.bytes_in + usage.bytes_out) as f64 / routed,
+        redis_commands_per_request: usage.top_level_calls as f64 / routed,
+        redis_cpu_usec_per_request: usage.cpu_s * 1e6 / routed,
+        redis_cpu_idle_subtracted: true,
+        redis_bytes_in_per_request: usage.bytes_in as f64 / routed,
+        redis_bytes_out_per_request: usage.bytes_out as f64 / routed,
         gateway_added_ms: s.gateway_added_ms,
         wall_s: wall,
+        offered_sessions_per_s: sc
+            .workload
+            .open_loop()
+            .then(|| sc.workload.arrival_rate())
+            .flatten(),
+        load_series: stats::load_series(
+            &records
+                .iter()
+                .filter_map(|r| {
+                    r.pod.clone().map(|p| (p, r.start_s, r.start_s + r.e2e_ms / 1000.0))
+                })
+                .collect::<Vec<_>>(),
+            120,
+        ),
         ttfts: records
             .iter()
             .filter(|r| r.error.is_none())
@@ -404,6 +472,80 @@ pub async fn run_policy(
             })
             .collect(),
     })
+}
+
+/// One (scenario, gateway replicas, policy) to run several times.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// The scenario as run (a sweep point changes its arrivals).
+    pub sc: Scenario,
+    /// Gateway slots (our gateways sharing Redis, or independent competitor routers).
+    pub replicas: usize,
+    /// Policy name (see [`policy::POLICIES`]).
+    pub policy: String,
+    /// What the progress bar says.
+    pub label: String,
+}
+
+/// Runs every job `reps` times in interleaved rotating order ([`stats::interleaved`]), with a
+/// progress bar over all requests; returns the runs in the order they were made.
+pub async fn run_jobs(
+    paths: &Paths,
+    redis: &Redis,
+    jobs: &[Job],
+    reps: usize,
+) -> Result<Vec<PolicyResult>> {
+    use indicatif::{ProgressBar, ProgressStyle};
+    use std::sync::atomic::Ordering;
+    let per_run =
+        |j: &Job| j.sc.workload.plan().iter().map(|s| s.turns.len()).sum::<usize>() as u64;
+    let order = stats::interleaved(jobs.len(), reps);
+    let total: u64 = order.iter().filter_map(|(_, k)| jobs.get(*k)).map(per_run).sum();
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests (eta {eta})  {msg}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut results = Vec::new();
+    let mut base = 0;
+    for (rep, k) in order {
+        let Some(job) = jobs.get(k) else { continue };
+        bar.set_message(format!("{}, repetition {}/{reps}", job.label, rep + 1));
+        let progress = Arc::new(AtomicU64::new(0));
+        let ticker = {
+            let (bar, progress) = (bar.clone(), progress.clone());
+            tokio::spawn(async move {
+                loop {
+                    bar.set_position(base + progress.load(Ordering::Relaxed));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            })
+        };
+        let r = run_policy(paths, &job.sc, redis, &job.policy, job.replicas, rep, progress).await;
+        ticker.abort();
+        let r = r.with_context(|| format!("{}, repetition {}", job.label, rep + 1))?;
+        base += per_run(job);
+        let line = format!(
+            "{} #{}: {} requests, {} errors, TTFT mean {:.0} ms, hit rate {:.1}%",
+            job.label,
+            rep + 1,
+            r.requests,
+            r.errors,
+            r.ttft_ms.mean,
+            r.prefix_hit_rate * 100.0
+        );
+        // Without a terminal the bar is hidden and prints nothing: the log still gets the line.
+        if bar.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            bar.println(line);
+        }
+        results.push(r);
+    }
+    bar.finish_and_clear();
+    Ok(results)
 }
 
 /// The file of scenario `name`: a path, or `bench/scenarios/<name>.yaml`.
@@ -434,15 +576,16 @@ pub fn label(r: &PolicyAggregate, multi_replica: bool) -> String {
 }
 
 /// The results table (Markdown, also readable on a terminal): median (min–max) over the
-/// repetitions; p99 only where every run had at least 1000 requests.
+/// repetitions; p99 only where every run had at least 1000 requests. Redis figures are in
+/// [`redis_table`].
 pub fn table(rep: &Report) -> String {
     let multi = rep.config.gateway_replicas.len() > 1;
     let mut t = String::from(
-        "| policy | runs × req | err | TTFT mean | TTFT p50 | TTFT p99 | E2E mean | out tok/s | hit rate (pods) | oracle | req share max/mean | in-flight max/mean | redis µs/req | redis B/req | gw added p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| policy | runs × req | err | TTFT mean | TTFT p50 | TTFT p99 | E2E mean | out tok/s | hit rate (pods) | oracle | req share max/mean | in-flight max/mean | gw added p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in &rep.policies {
         t.push_str(&format!(
-            "| {} | {} × {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} × {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             label(r, multi),
             r.repetitions,
             r.requests_per_run,
@@ -456,9 +599,37 @@ pub fn table(rep: &Report) -> String {
             r.oracle_hit_rate.show(1, 100.0),
             r.request_share_max_over_mean.show(2, 1.0),
             r.inflight_max_over_mean.show(2, 1.0),
-            r.redis_usec_per_request.show(1, 1.0),
-            r.redis_bytes_per_request.show(0, 1.0),
             r.gateway_added_p50_ms.show(2, 1.0),
+        ));
+    }
+    t
+}
+
+/// What Redis did per routed request, for the policies that use it (empty when none did):
+/// script time, commands sent (never the ones run inside scripts), main-thread CPU, bytes.
+pub fn redis_table(rep: &Report) -> String {
+    let multi = rep.config.gateway_replicas.len() > 1;
+    let rows: Vec<&PolicyAggregate> = rep
+        .policies
+        .iter()
+        .filter(|r| policy::lookup(&r.policy).map(|p| p.uses_redis()).unwrap_or(false))
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut t = String::from(
+        "| policy (Redis per routed request) | script µs | commands | main-thread CPU µs | bytes in | bytes out |\n|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let idle = if r.redis_cpu_idle_subtracted { "" } else { " incl. idle" };
+        t.push_str(&format!(
+            "| {} | {} | {} | {}{idle} | {} | {} |\n",
+            label(r, multi),
+            r.redis_usec_per_request.show(1, 1.0),
+            r.redis_commands_per_request.show(2, 1.0),
+            r.redis_cpu_usec_per_request.show(1, 1.0),
+            r.redis_bytes_in_per_request.show(0, 1.0),
+            r.redis_bytes_out_per_request.show(0, 1.0),
         ));
     }
     t

@@ -2,13 +2,10 @@
 
 use anyhow::{bail, Result};
 use bench::procs::{redis_cmd, Redis, Resp};
-use bench::{
-    chart, load_scenario, run_policy, start_gateway, start_pods, stats, table, Paths, Report, Stamp,
-};
+use bench::{chart, load_scenario, start_gateway, start_pods, stats, table, Paths, Report, Stamp};
 use clap::{Parser, Subcommand};
-use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -36,6 +33,25 @@ enum Cmd {
         /// Repetitions per policy (default: the scenario's, 3 unless it says otherwise).
         #[arg(long)]
         reps: Option<usize>,
+        /// A shorter run of the same shape: only the first N sessions (multi-turn scenarios);
+        /// the report records it.
+        #[arg(long)]
+        sessions: Option<usize>,
+    },
+    /// Load sweep: the scenario's sessions as an open loop (Poisson) at each offered rate, every
+    /// policy at every rate, interleaved repetitions; writes <scenario>-sweep.json and .png.
+    Sweep {
+        /// Scenario name or file.
+        scenario: String,
+        /// Sessions per simulated second (default: the scenario's sweep_rates).
+        #[arg(long, value_delimiter = ',')]
+        rates: Vec<f64>,
+        /// Only these policies (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        policies: Vec<String>,
+        /// Repetitions per (policy, rate).
+        #[arg(long)]
+        reps: Option<usize>,
     },
     /// The scenario's workload through the pods' latency model alone (no HTTP, gateway or Redis),
     /// with round_robin and session_hash: what the model gives, in a second.
@@ -51,6 +67,20 @@ enum Cmd {
     },
     /// Two 5-turn conversations through one gateway with prefix_cache; checks session stickiness.
     Demo,
+    /// Each router's own added latency: sequential requests to one fast pod, straight and
+    /// through our gateway and the competing routers (interleaved repetitions); writes
+    /// bench/results/router-overhead.json.
+    RouterOverhead {
+        /// Requests per target and repetition.
+        #[arg(long, default_value_t = 300)]
+        requests: usize,
+        /// Repetitions (interleaved).
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Targets (default: direct, our gateway and each router).
+        #[arg(long, value_delimiter = ',')]
+        targets: Vec<String>,
+    },
     /// What one routed request costs Redis (script time, main-thread CPU, bytes) with the plugin's
     /// scripts, beside a trivial EVALSHA floor; writes bench/results/redis-cost.json.
     RedisCost {
@@ -70,13 +100,30 @@ fn root(cli: &Cli) -> PathBuf {
     })
 }
 
-async fn run(paths: Paths, name: String, only: Vec<String>, reps: Option<usize>) -> Result<()> {
+async fn run(
+    paths: Paths,
+    name: String,
+    only: Vec<String>,
+    reps: Option<usize>,
+    sessions: Option<usize>,
+) -> Result<()> {
+    if name == "chaos" {
+        // Faults, not a policy comparison: its own module.
+        return bench::chaos::run(&paths).await.map(|_| ());
+    }
     if name == "overhead" {
         // Its own measurement (sequential keep-alive requests per row), not a workload scenario.
         let reps = reps.unwrap_or(3).max(1);
         return bench::overhead::run(&paths.root.join("bench/results"), reps, 2000).await;
     }
     let mut sc = load_scenario(&paths, &name)?;
+    if let Some(n) = sessions {
+        sc.workload = sc
+            .workload
+            .with_sessions(n)
+            .ok_or_else(|| anyhow::anyhow!("--sessions applies to multi_turn workloads only"))?;
+        sc.description = format!("{} [this run: the first {n} sessions]", sc.description);
+    }
     if !only.is_empty() {
         sc.policies.retain(|p| only.contains(p));
     }
@@ -84,57 +131,31 @@ async fn run(paths: Paths, name: String, only: Vec<String>, reps: Option<usize>)
         sc.repetitions = r;
     }
     sc.repetitions = sc.repetitions.max(1);
+    // Unknown names and missing routers fail now, not after an hour of other policies.
+    for p in &sc.policies {
+        if let bench::policy::Route::External { router, .. } = bench::policy::lookup(p)?.route {
+            let bin = bench::routers::router_bin(&paths.root, router);
+            if !bin.exists() {
+                bail!("policy {p} needs {}: run ./build.sh routers", bin.display());
+            }
+        }
+    }
     if let Some(opts) = bench::aiperf::aiperf_options(&bench::scenario_file(&paths, &name))? {
         return bench::aiperf::run_scenario(&paths, sc, opts).await;
     }
     let redis = Redis::start().await?;
-    let per_run = sc.workload.plan().iter().map(|s| s.turns.len()).sum::<usize>() as u64;
-    let runs: Vec<(usize, String)> = sc
-        .gateway_replicas
-        .iter()
-        .flat_map(|r| sc.policies.iter().map(move |p| (*r, p.clone())))
-        .collect();
-    let order = stats::interleaved(runs.len(), sc.repetitions);
-    let bar = ProgressBar::new(per_run * order.len() as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}",
-        )
-        .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let mut results = Vec::new();
-    for (i, (rep, k)) in order.iter().enumerate() {
-        let Some((replicas, policy)) = runs.get(*k) else { continue };
-        bar.set_message(format!(
-            "{policy} via {replicas} gateway(s), repetition {}/{}",
-            rep + 1,
-            sc.repetitions
-        ));
-        let progress = Arc::new(AtomicU64::new(0));
-        let ticker = {
-            let (bar, progress) = (bar.clone(), progress.clone());
-            let base = per_run * i as u64;
-            tokio::spawn(async move {
-                loop {
-                    bar.set_position(base + progress.load(Ordering::Relaxed));
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            })
-        };
-        let r = run_policy(&paths, &sc, &redis, policy, *replicas, *rep, progress).await;
-        ticker.abort();
-        let r = r?;
-        bar.println(format!(
-            "{policy} x{replicas} #{}: {} requests, {} errors, TTFT mean {:.0} ms, hit rate {:.1}%",
-            rep + 1,
-            r.requests,
-            r.errors,
-            r.ttft_ms.mean,
-            r.prefix_hit_rate * 100.0
-        ));
-        results.push(r);
+    let mut jobs = Vec::new();
+    for r in &sc.gateway_replicas {
+        for p in &sc.policies {
+            jobs.push(bench::Job {
+                sc: sc.clone(),
+                replicas: *r,
+                policy: p.clone(),
+                label: format!("{p} via {r} gateway(s)"),
+            });
+        }
     }
-    bar.finish_and_clear();
+    let results = bench::run_jobs(&paths, &redis, &jobs, sc.repetitions).await?;
     let rep = Report {
         scenario: sc.name.clone(),
         description: sc.description.clone(),
@@ -154,6 +175,63 @@ async fn run(paths: Paths, name: String, only: Vec<String>, reps: Option<usize>)
         sc.name, sc.description, sc.repetitions, sc.time_scale, sc.pods.profile
     );
     print!("{}", table(&rep));
+    let redis = bench::redis_table(&rep);
+    if !redis.is_empty() {
+        print!("\n{redis}");
+    }
+    println!("\nwrote {} and {}", json_path.display(), png_path.display());
+    Ok(())
+}
+
+async fn sweep(
+    paths: Paths,
+    name: String,
+    rates: Vec<f64>,
+    only: Vec<String>,
+    reps: Option<usize>,
+) -> Result<()> {
+    let mut sc = load_scenario(&paths, &name)?;
+    if !only.is_empty() {
+        sc.policies.retain(|p| only.contains(p));
+    }
+    let rates = if rates.is_empty() { sc.sweep_rates.clone() } else { rates };
+    if rates.is_empty() {
+        bail!("no rates: give --rates or sweep_rates in the scenario");
+    }
+    let reps = reps.unwrap_or(sc.repetitions).max(1);
+    for p in &sc.policies {
+        bench::policy::lookup(p)?;
+    }
+    let redis = Redis::start().await?;
+    let mut jobs = Vec::new();
+    for &rate in &rates {
+        for p in &sc.policies {
+            let mut point = sc.clone();
+            point.workload = sc.workload.with_arrival_rate(rate);
+            jobs.push(bench::Job {
+                sc: point,
+                replicas: 1,
+                policy: p.clone(),
+                label: format!("{p} at {rate} sessions/s"),
+            });
+        }
+    }
+    let runs = bench::run_jobs(&paths, &redis, &jobs, reps).await?;
+    let rep = bench::sweep::SweepReport {
+        scenario: sc.name.clone(),
+        description: sc.description.clone(),
+        stamp: Stamp::now(&paths.root),
+        config: sc.clone(),
+        points: bench::sweep::points(&runs, &rates),
+        rates,
+        runs,
+    };
+    std::fs::create_dir_all(&paths.results)?;
+    let json_path = paths.results.join(format!("{}-sweep.json", sc.name));
+    std::fs::write(&json_path, serde_json::to_string_pretty(&rep)?)?;
+    let png_path = paths.results.join(format!("{}-sweep.png", sc.name));
+    chart::draw_sweep(&rep, &png_path)?;
+    print!("{}", bench::sweep::table(&rep));
     println!("\nwrote {} and {}", json_path.display(), png_path.display());
     Ok(())
 }
@@ -205,6 +283,36 @@ async fn redis_cost(paths: Paths, requests: u64, reps: usize) -> Result<()> {
         "reps": reps,
         "cases": rows,
     });
+    std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
+    print!("{table}");
+    println!("\nwrote {}", out.display());
+    Ok(())
+}
+
+async fn router_overhead(
+    paths: Paths,
+    requests: usize,
+    reps: usize,
+    mut targets: Vec<String>,
+) -> Result<()> {
+    if targets.is_empty() {
+        targets = bench::routers::OVERHEAD_TARGETS.iter().map(|s| s.to_string()).collect();
+    }
+    if targets.first().map(String::as_str) != Some("direct") {
+        targets.insert(0, "direct".into());
+    }
+    let rows = bench::routers::measure_added_latency(&paths, &targets, requests, reps).await?;
+    let table = bench::routers::added_latency_table(&rows);
+    std::fs::create_dir_all(&paths.results)?;
+    let out = paths.results.join("router-overhead.json");
+    let json = bench::routers::OverheadReport {
+        stamp: Stamp::now(&paths.root),
+        requests_per_rep: requests,
+        reps,
+        sglang_router: bench::routers::SGLANG_ROUTER_VERSION.into(),
+        vllm_router: bench::routers::VLLM_ROUTER_VERSION.into(),
+        rows,
+    };
     std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
     print!("{table}");
     println!("\nwrote {}", out.display());
@@ -280,11 +388,19 @@ async fn main() {
     let paths = Paths::new(&root(&cli));
     let work = async move {
         match cli.cmd {
-            Cmd::Run { scenario, policies, reps } => run(paths, scenario, policies, reps).await,
+            Cmd::Run { scenario, policies, reps, sessions } => {
+                run(paths, scenario, policies, reps, sessions).await
+            }
             Cmd::Model { scenario } => model(paths, scenario),
+            Cmd::Sweep { scenario, rates, policies, reps } => {
+                sweep(paths, scenario, rates, policies, reps).await
+            }
             Cmd::Tables { write } => tables(paths, write),
             Cmd::Demo => demo(paths).await,
             Cmd::RedisCost { requests, reps } => redis_cost(paths, requests, reps).await,
+            Cmd::RouterOverhead { requests, reps, targets } => {
+                router_overhead(paths, requests, reps, targets).await
+            }
         }
     };
     // Dropping the work future on Ctrl-C kills every child (kill_on_drop).

@@ -86,8 +86,10 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
             (Scheduler::new(cfg), None)
         })
         .collect();
-    let sticky =
-        StickyHeader { header: String::new(), values: (0..n).map(|i| i.to_string()).collect() };
+    let sticky = StickyHeader {
+        header: String::new(),
+        values: loadgen::StickyValues::OneOf((0..n).map(|i| i.to_string()).collect()),
+    };
     let overhead = profile.api_overhead_ms;
     let mut queue: VecDeque<SessionPlan> = sc.workload.plan().into();
     // Requests waiting to reach their pod: (arrival time, request id).

@@ -48,6 +48,28 @@ impl Proc {
         Ok(Proc { child, lines })
     }
 
+    /// Spawns `cmd` with its stdout and stderr appended to `log` (no readiness line: the caller
+    /// polls the process's port).
+    pub fn spawn_logged(mut cmd: Command, what: &str, log: &Path) -> Result<Proc> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("opening {}", log.display()))?;
+        let err = out.try_clone()?;
+        cmd.stdout(Stdio::from(out))
+            .stderr(Stdio::from(err))
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
+        let child = cmd.spawn().with_context(|| format!("starting {what}"))?;
+        Ok(Proc { child, lines: Vec::new() })
+    }
+
+    /// Whether the process has exited.
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
     /// Values of lines starting with `prefix` (the rest of the line, split on whitespace).
     pub fn lines_with(&self, prefix: &str) -> Vec<Vec<String>> {
         self.lines
@@ -190,27 +212,86 @@ pub async fn redis_info(addr: &str, section: &str) -> Result<Vec<(String, String
         .collect())
 }
 
-/// Redis work since the last `CONFIG RESETSTAT`: (usec spent in scripts, bytes in + out). Commands
-/// run inside a script are listed in `commandstats` on their own lines too, and their time is
-/// already inside the script's: only `EVAL`/`EVALSHA`/`FCALL` time is counted (the plugin sends
-/// nothing else on the request path).
-pub async fn redis_usage(addr: &str) -> Result<(u64, u64)> {
-    let stats = redis_info(addr, "stats").await?;
-    let get = |k: &str| {
-        stats.iter().find(|(n, _)| n == k).and_then(|(_, v)| v.parse::<u64>().ok()).unwrap_or(0)
-    };
-    let bytes = get("total_net_input_bytes") + get("total_net_output_bytes");
-    let mut usec = 0;
-    for (k, v) in redis_info(addr, "commandstats").await? {
-        let cmd = k.trim_start_matches("cmdstat_");
-        if !["eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro"].contains(&cmd) {
-            continue;
+/// Commands a client sends at top level that run Lua (the plugin sends nothing else on the
+/// request path, plus `SCRIPT LOAD` after a `NOSCRIPT`).
+const SCRIPT_COMMANDS: &[&str] =
+    &["eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro", "script|load"];
+
+/// Redis work since the last `CONFIG RESETSTAT`, as the plugin caused it.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RedisUsage {
+    /// µs spent in scripts (`usec` of the script commands). Commands run inside a script are
+    /// listed in `commandstats` on their own lines too and their time is inside the script's:
+    /// never added.
+    pub script_usec: u64,
+    /// Script commands sent (calls of [`SCRIPT_COMMANDS`]); the commands they ran are not counted.
+    pub top_level_calls: u64,
+    /// Commands run inside scripts (every other command, less the bench's own INFO/CONFIG).
+    pub inner_calls: u64,
+    /// Main-thread CPU seconds (`used_cpu_{user,sys}_main_thread` delta; includes reading and
+    /// parsing every command).
+    pub cpu_s: f64,
+    /// `total_net_input_bytes`.
+    pub bytes_in: u64,
+    /// `total_net_output_bytes`.
+    pub bytes_out: u64,
+}
+
+impl RedisUsage {
+    /// Parses `INFO stats` and `INFO commandstats` pairs (the CPU left to the caller).
+    pub fn parse(stats: &[(String, String)], commandstats: &[(String, String)]) -> RedisUsage {
+        let get = |k: &str| {
+            stats.iter().find(|(n, _)| n == k).and_then(|(_, v)| v.parse::<u64>().ok()).unwrap_or(0)
+        };
+        let mut u = RedisUsage {
+            bytes_in: get("total_net_input_bytes"),
+            bytes_out: get("total_net_output_bytes"),
+            ..RedisUsage::default()
+        };
+        for (k, v) in commandstats {
+            let cmd = k.trim_start_matches("cmdstat_");
+            let field = |name: &str| {
+                v.split(',')
+                    .find_map(|f| f.strip_prefix(name))
+                    .and_then(|x| x.parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            if SCRIPT_COMMANDS.contains(&cmd) {
+                u.top_level_calls += field("calls=");
+                if cmd != "script|load" {
+                    u.script_usec += field("usec=");
+                }
+            } else if !(cmd == "info" || cmd.starts_with("config|")) {
+                u.inner_calls += field("calls=");
+            }
         }
-        if let Some(u) = v.split(',').find_map(|f| f.strip_prefix("usec=")) {
-            usec += u.parse::<u64>().unwrap_or(0);
-        }
+        u
     }
-    Ok((usec, bytes))
+
+    /// Redis's main-thread CPU seconds so far (not reset by `CONFIG RESETSTAT`).
+    pub async fn main_thread_cpu_s(addr: &str) -> Result<f64> {
+        let cpu = redis_info(addr, "cpu").await?;
+        let f = |k: &str| {
+            cpu.iter().find(|(n, _)| n == k).and_then(|(_, v)| v.parse::<f64>().ok()).unwrap_or(0.0)
+        };
+        Ok(f("used_cpu_user_main_thread") + f("used_cpu_sys_main_thread"))
+    }
+
+    /// Main-thread CPU seconds per second while nobody sends commands, over `window`.
+    pub async fn idle_cpu_per_s(addr: &str, window: Duration) -> Result<f64> {
+        let a = Self::main_thread_cpu_s(addr).await?;
+        tokio::time::sleep(window).await;
+        let b = Self::main_thread_cpu_s(addr).await?;
+        Ok((b - a).max(0.0) / window.as_secs_f64().max(1e-3))
+    }
+
+    /// Usage since the last `CONFIG RESETSTAT`, CPU since `cpu0` (from [`Self::main_thread_cpu_s`]).
+    pub async fn since_reset(addr: &str, cpu0: f64) -> Result<RedisUsage> {
+        let stats = redis_info(addr, "stats").await?;
+        let cmds = redis_info(addr, "commandstats").await?;
+        let cpu = Self::main_thread_cpu_s(addr).await?;
+        Ok(RedisUsage { cpu_s: (cpu - cpu0).max(0.0), ..Self::parse(&stats, &cmds) })
+    }
 }
 
 /// Fetches `http://addr/path` (GET) and returns the body text.
@@ -249,6 +330,28 @@ mod tests {
         assert_eq!(prom_value(t, "a"), Some(12.0));
         assert_eq!(prom_value(t, "podsim_peak_inflight"), Some(7.0));
         assert_eq!(prom_value(t, "b"), None);
+    }
+
+    #[test]
+    fn redis_usage_counts_scripts_once_and_never_their_inner_commands() {
+        let kv = |t: &str| -> Vec<(String, String)> {
+            t.lines()
+                .filter_map(|l| l.split_once(':'))
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let stats = kv(
+            "total_net_input_bytes:1000\ntotal_net_output_bytes:200\ntotal_commands_processed:99",
+        );
+        let cmds = kv("cmdstat_evalsha:calls=10,usec=300,usec_per_call=30.00\n\
+             cmdstat_script|load:calls=2,usec=50,usec_per_call=25.00\n\
+             cmdstat_hincrby:calls=40,usec=80,usec_per_call=2.00\n\
+             cmdstat_info:calls=3,usec=900\ncmdstat_config|resetstat:calls=1,usec=5");
+        let u = RedisUsage::parse(&stats, &cmds);
+        assert_eq!(u.script_usec, 300, "script time only, not the HINCRBYs inside it");
+        assert_eq!(u.top_level_calls, 12, "10 scripts + 2 SCRIPT LOAD");
+        assert_eq!(u.inner_calls, 40, "the bench's INFO/CONFIG are not the plugin's");
+        assert_eq!((u.bytes_in, u.bytes_out), (1000, 200));
     }
 
     #[tokio::test]

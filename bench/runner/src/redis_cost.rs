@@ -2,19 +2,30 @@
 //! `redis-server` with the plugin's own scripts and key layout (the `PickCall` the plugin sends),
 //! beside the machine's floor, a trivial `EVALSHA` that returns 1.
 //!
-//! Per routed request = one pick + its release (both `EVALSHA`). Not counted: each plugin VM's
-//! heartbeat, one small script per route every third of `leaseMs` whatever the traffic. The workload: 8 pods, 4 plugin VMs
-//! (owners), 5-block chats (prefix_cache) that are sent again with one more block (hits), 16 requests
-//! in flight at a time (each release goes out 16 picks after its pick). Figures per request:
-//! - script time: `usec` of `EVALSHA`/`EVAL` in `INFO commandstats` (commands run inside a script are
-//!   listed on their own lines too, and their time is already inside the script's: never added);
+//! Per routed request = one pick + its release (both `EVALSHA`), as the plugin sends them (request
+//! ids are a per-VM counter). Not counted: each plugin VM's heartbeat, one small
+//! script per route every third of `leaseMs` whatever the traffic. The workload: 8 pods, 4 plugin
+//! VMs (owners), 5-block chats (prefix_cache) that are sent again with one more block (hits), 16
+//! requests in flight at a time (each release goes out 16 picks after its pick).
+//!
+//! Beside them, the Go plugin's way (`go_like/*.lua`: scripts of ours that make the same Redis calls
+//! with the same keys and arguments as its scripts): the pick is `EVAL` with the script's source
+//! every time, the release a plain `HINCRBY -1`. Figures per request:
+//! - Redis time: `usec` of `EVAL`/`EVALSHA` in `INFO commandstats`, plus the top-level commands the
+//!   bench sent outside scripts (Go's release `HINCRBY`: its calls times that command's
+//!   `usec_per_call`). Commands run inside a script are listed on their own lines too, and their
+//!   time is already inside the script's: never added;
 //! - Redis main-thread CPU (`INFO cpu`, `used_cpu_{user,sys}_main_thread` deltas);
 //! - bytes into Redis (`total_net_input_bytes`) and out of it.
 //!
 //! Each case runs `reps` times, interleaved, on a fresh Redis per repetition; medians are reported
 //! with min-max.
 
-use ai_load_balancer::policy::picker::{PickCall, PickKind, StateKeys};
+use ai_load_balancer::config::LoadAwareConfig;
+use ai_load_balancer::metrics::router::PodView;
+use ai_load_balancer::metrics::PodMetrics;
+use ai_load_balancer::policy::load::load_args;
+use ai_load_balancer::policy::picker::{LoadAware, PickCall, PickKind, ReleaseCall, StateKeys};
 use ai_load_balancer::redis::{
     decode_reply, encode_command, is_noscript, Frame, Script, LEAST_REQUEST_LUA, PREFIX_CACHE_LUA,
     RELEASE_LUA,
@@ -34,6 +45,8 @@ const IN_FLIGHT: usize = 16;
 const ROUTE: &str = "llm-route";
 const CLUSTER: &str = "outbound|8000||llm.static";
 const BASELINE_LUA: &str = "return 1";
+const GO_LEAST_REQUEST_LUA: &str = include_str!("go_like/least_request.lua");
+const GO_PREFIX_CACHE_LUA: &str = include_str!("go_like/prefix_cache.lua");
 
 /// One case's figures per routed request.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -65,6 +78,8 @@ pub struct Summary {
     pub cpu_usec_range: (f64, f64),
     /// Median script time over the baseline's median.
     pub script_vs_baseline: f64,
+    /// Median CPU over the baseline's median.
+    pub cpu_vs_baseline: f64,
 }
 
 /// A blocking RESP connection (one command at a time: what a gateway worker does per request).
@@ -122,6 +137,10 @@ enum Case {
     Baseline,
     LeastRequest,
     PrefixCache,
+    /// `prefix_cache` with `loadAware`: each pod's overload flag and penalty (queue + KV) sent.
+    PrefixCacheLoadAware,
+    GoLeastRequest,
+    GoPrefixCache,
 }
 
 impl Case {
@@ -130,6 +149,9 @@ impl Case {
             Case::Baseline => "EVALSHA return 1 (floor)",
             Case::LeastRequest => "global_least_request",
             Case::PrefixCache => "prefix_cache",
+            Case::PrefixCacheLoadAware => "prefix_cache loadAware",
+            Case::GoLeastRequest => "Go plugin's global_least_request",
+            Case::GoPrefixCache => "Go plugin's prefix_cache",
         }
     }
 }
@@ -148,42 +170,84 @@ async fn snapshot(addr: &str) -> Result<(f64, u64, u64)> {
     ))
 }
 
-async fn script_usec(addr: &str) -> Result<u64> {
-    let mut usec = 0;
+/// Script time plus `top_level` (command, calls the bench sent outside scripts) at that command's
+/// mean time per call (the same command run inside a script does the same work).
+async fn redis_usec(addr: &str, top_level: Option<(&str, u64)>) -> Result<f64> {
+    let field = |v: &str, name: &str| {
+        v.split(',').find_map(|f| f.strip_prefix(name)).and_then(|u| u.parse::<f64>().ok())
+    };
+    let mut usec = 0.0;
     for (k, v) in redis_info(addr, "commandstats").await? {
         let cmd = k.trim_start_matches("cmdstat_");
         if ["eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro"].contains(&cmd) {
-            usec += v
-                .split(',')
-                .find_map(|f| f.strip_prefix("usec="))
-                .and_then(|u| u.parse::<u64>().ok())
-                .unwrap_or(0);
+            usec += field(&v, "usec=").unwrap_or(0.0);
+        }
+        if let Some((top, calls)) = top_level {
+            if cmd == top {
+                usec += field(&v, "usec_per_call=").unwrap_or(0.0) * calls as f64;
+            }
         }
     }
     Ok(usec)
 }
 
-fn pick_call(rng: &mut Rng, owner: usize, chain: &[String], kind: Case) -> PickCall {
-    let owner_id = format!("{owner:016x}");
+fn healthy(rng: &mut Rng) -> Vec<String> {
     let mut healthy: Vec<String> = (0..PODS).map(|i| format!("10.0.0.{}:8000", i + 1)).collect();
     let n = healthy.len();
     for i in (1..n).rev() {
         healthy.swap(i, (rng.next() % (i as u64 + 1)) as usize);
     }
+    healthy
+}
+
+/// The plugin's pick: `request` is the owner's request counter.
+fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: Case) -> PickCall {
+    let owner_id = format!("{:012x}", 0x5eed_0000 + owner);
     PickCall {
         keys: StateKeys::new(ROUTE, CLUSTER, &owner_id),
         max_inflight: 0,
         lease_ms: 10_000,
         owner_id,
-        request_id: format!("{:016x}", rng.next()),
-        healthy,
+        request_id: format!("{request:x}"),
+        healthy: healthy(rng),
         kind: match kind {
-            Case::PrefixCache => {
-                PickKind::Prefix { chain: chain.to_vec(), ttl_s: 1800, hit_load_factor: 0.0 }
+            Case::PrefixCache => PickKind::Prefix {
+                chain: chain.to_vec(),
+                ttl_s: 1800,
+                hit_load_factor: 0.0,
+                load: None,
+            },
+            Case::PrefixCacheLoadAware => {
+                // Pods with queues of 0-3 and KV use of 0-0.5, none overloaded by its metrics.
+                let config = LoadAwareConfig::default();
+                let pods: Vec<PodView> = (0..PODS)
+                    .map(|i| PodView {
+                        address: format!("10.0.0.{}:8000", i + 1),
+                        metrics: Some(PodMetrics {
+                            waiting: Some((i % 4) as f64),
+                            kv_cache_usage: Some((i % 6) as f64 / 10.0),
+                            ..PodMetrics::default()
+                        }),
+                        sampled_ms: None,
+                    })
+                    .collect();
+                let args = load_args(&config, &pods);
+                PickKind::Prefix {
+                    chain: chain.to_vec(),
+                    ttl_s: 1800,
+                    hit_load_factor: 0.0,
+                    load: Some(LoadAware { config, args }),
+                }
             }
             _ => PickKind::LeastRequest,
         },
     }
+}
+
+/// What a release needs: our `ReleaseCall`, or Go's plain `HINCRBY -1`.
+enum Pending {
+    Ours(ReleaseCall),
+    Go { hash_key: String, host: String },
 }
 
 /// Runs one case for `n` routed requests against a fresh Redis.
@@ -191,9 +255,14 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
     let redis = Redis::start().await?;
     let addr = redis.addr.clone();
     let pick = Script::new(match case {
-        Case::PrefixCache => PREFIX_CACHE_LUA,
+        Case::PrefixCache | Case::PrefixCacheLoadAware => PREFIX_CACHE_LUA,
         _ => LEAST_REQUEST_LUA,
     });
+    let go_source = match case {
+        Case::GoPrefixCache => GO_PREFIX_CACHE_LUA,
+        _ => GO_LEAST_REQUEST_LUA,
+    };
+    let go_hash = format!("higress:global_least_request_table:{ROUTE}:{CLUSTER}");
     let release = Script::new(RELEASE_LUA);
     let baseline = Script::new(BASELINE_LUA);
     let mut conn = Conn::open(&addr)?;
@@ -204,7 +273,9 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
     conn.call(&encode_command(&["CONFIG", "RESETSTAT"]))?;
     let before = snapshot(&addr).await?;
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
-    let mut outstanding: VecDeque<(String, String, String, String)> = VecDeque::new();
+    let mut outstanding: VecDeque<Pending> = VecDeque::new();
+    let mut requests = [0u64; OWNERS];
+    let mut top_level_hincrby = 0u64;
     // 5-block chats: a conversation's next turn resends its blocks plus one (prefix hits).
     let mut chats: Vec<Vec<String>> = Vec::new();
     for i in 0..n {
@@ -222,41 +293,93 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
         while chat.len() < BLOCKS {
             chat.push(format!("{:040X}", u128::from(rng.next()) << 64 | u128::from(rng.next())));
         }
-        let call = pick_call(&mut rng, (i as usize) % OWNERS, &chat, case);
+        let owner = (i as usize) % OWNERS;
+        let pending = match case {
+            Case::GoLeastRequest | Case::GoPrefixCache => {
+                let hosts = healthy(&mut rng);
+                let default = hosts.get((rng.next() % PODS as u64) as usize).cloned();
+                let first = if case == Case::GoPrefixCache {
+                    "1800".to_string()
+                } else {
+                    (1_700_000_000_000_000 + i).to_string()
+                };
+                let mut q: Vec<String> = vec!["EVAL".into(), go_source.into()];
+                q.push((3 + hosts.len()).to_string());
+                q.extend([first, go_hash.clone(), default.unwrap_or_default()]);
+                q.extend(hosts);
+                if case == Case::GoPrefixCache {
+                    q.extend(chat.iter().cloned());
+                }
+                let host = match conn.call(&encode_command(&q))? {
+                    Frame::BulkString(h) => String::from_utf8_lossy(&h).into_owned(),
+                    other => bail!("unexpected Go-like pick reply {other:?}"),
+                };
+                Pending::Go { hash_key: go_hash.clone(), host }
+            }
+            _ => {
+                let req = requests.get_mut(owner).map(|r| {
+                    *r += 1;
+                    *r
+                });
+                let call = pick_call(&mut rng, owner, req.unwrap_or(1), &chat, case);
+                let (keys, args) = call.keys_args();
+                let picked = match conn.script(&pick, &keys, &args)? {
+                    Frame::Array(v) => match v.first() {
+                        Some(Frame::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
+                        other => bail!("unexpected pick reply {other:?}"),
+                    },
+                    other => bail!("unexpected pick reply {other:?}"),
+                };
+                Pending::Ours(ReleaseCall {
+                    inflight_key: call.keys.inflight,
+                    owner_id: call.owner_id,
+                    request_id: call.request_id,
+                    admitted_to: Some(picked),
+                })
+            }
+        };
         chat.truncate(BLOCKS - 1);
         if let Some(slot) = chats.get_mut(conv) {
             *slot = chat;
         }
-        let (keys, args) = call.keys_args();
-        let picked = match conn.script(&pick, &keys, &args)? {
-            Frame::Array(v) => match v.first() {
-                Some(Frame::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
-                other => bail!("unexpected pick reply {other:?}"),
-            },
-            other => bail!("unexpected pick reply {other:?}"),
-        };
-        outstanding.push_back((call.keys.inflight, call.owner_id, call.request_id, picked));
+        outstanding.push_back(pending);
         if outstanding.len() > IN_FLIGHT {
-            if let Some((inflight, owner, req, host)) = outstanding.pop_front() {
-                conn.script(&release, &[inflight], &[owner, req, "0".into(), host])?;
+            if let Some(p) = outstanding.pop_front() {
+                top_level_hincrby += send_release(&mut conn, &release, p)?;
             }
         }
     }
-    while let Some((inflight, owner, req, host)) = outstanding.pop_front() {
-        conn.script(&release, &[inflight], &[owner, req, "0".into(), host])?;
+    while let Some(p) = outstanding.pop_front() {
+        top_level_hincrby += send_release(&mut conn, &release, p)?;
     }
     let after = snapshot(&addr).await?;
-    let usec = script_usec(&addr).await?;
+    let top_level = Some(("hincrby", top_level_hincrby)).filter(|(_, c)| *c > 0);
+    let usec = redis_usec(&addr, top_level).await?;
     // The INFO/CONFIG calls of the snapshot itself are a few hundred bytes over the whole run.
     let nf = n as f64;
     Ok(Cost {
         case: case.name().to_string(),
         requests: n,
-        script_usec: usec as f64 / nf,
+        script_usec: usec / nf,
         cpu_usec: (after.0 - before.0) * 1e6 / nf,
         bytes_in: after.1.saturating_sub(before.1) as f64 / nf,
         bytes_out: after.2.saturating_sub(before.2) as f64 / nf,
     })
+}
+
+/// Sends one release; returns the top-level (not scripted) commands it took.
+fn send_release(conn: &mut Conn, release: &Script, p: Pending) -> Result<u64> {
+    match p {
+        Pending::Ours(call) => {
+            let (keys, args) = call.keys_args();
+            conn.script(release, &keys, &args)?;
+            Ok(0)
+        }
+        Pending::Go { hash_key, host } => {
+            conn.call(&encode_command(&["HINCRBY", &hash_key, &host, "-1"]))?;
+            Ok(1)
+        }
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -270,7 +393,14 @@ fn range(v: &[f64]) -> (f64, f64) {
 
 /// Runs every case `reps` times (interleaved) with `n` requests each; returns one summary per case.
 pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
-    let cases = [Case::Baseline, Case::LeastRequest, Case::PrefixCache];
+    let cases = [
+        Case::Baseline,
+        Case::LeastRequest,
+        Case::PrefixCache,
+        Case::PrefixCacheLoadAware,
+        Case::GoLeastRequest,
+        Case::GoPrefixCache,
+    ];
     let mut runs: Vec<Vec<Cost>> = vec![Vec::new(); cases.len()];
     for _ in 0..reps.max(1) {
         for (i, c) in cases.iter().enumerate() {
@@ -281,7 +411,7 @@ pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
         }
     }
     let mut out = Vec::new();
-    let mut floor = 0.0;
+    let (mut floor, mut floor_cpu) = (0.0, 0.0);
     for (c, costs) in cases.iter().zip(runs) {
         let col = |f: fn(&Cost) -> f64| costs.iter().map(f).collect::<Vec<f64>>();
         let script = col(|c| c.script_usec);
@@ -296,10 +426,12 @@ pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
         };
         if *c == Case::Baseline {
             floor = med.script_usec;
+            floor_cpu = med.cpu_usec;
         }
         out.push(Summary {
             case: c.name().to_string(),
             script_vs_baseline: if floor > 0.0 { med.script_usec / floor } else { 0.0 },
+            cpu_vs_baseline: if floor_cpu > 0.0 { med.cpu_usec / floor_cpu } else { 0.0 },
             median: med,
             script_usec_range: range(&script),
             cpu_usec_range: range(&cpu),
@@ -311,11 +443,11 @@ pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
 /// A Markdown table of the summaries.
 pub fn table(rows: &[Summary], reps: usize) -> String {
     let mut s = format!(
-        "| per routed request (pick + release), median of {reps} | script µs (min–max) | × floor | Redis main-thread CPU µs (min–max) | bytes in | bytes out |\n|---|---|---|---|---|---|\n"
+        "| per routed request (pick + release), median of {reps} | Redis µs: scripts + top-level (min–max) | × floor | Redis main-thread CPU µs (min–max) | × floor | bytes in | bytes out |\n|---|---|---|---|---|---|---|\n"
     );
     for r in rows {
         s.push_str(&format!(
-            "| {} | {:.1} ({:.1}–{:.1}) | {:.1} | {:.1} ({:.1}–{:.1}) | {:.0} | {:.0} |\n",
+            "| {} | {:.1} ({:.1}–{:.1}) | {:.1} | {:.1} ({:.1}–{:.1}) | {:.1} | {:.0} | {:.0} |\n",
             r.case,
             r.median.script_usec,
             r.script_usec_range.0,
@@ -324,6 +456,7 @@ pub fn table(rows: &[Summary], reps: usize) -> String {
             r.median.cpu_usec,
             r.cpu_usec_range.0,
             r.cpu_usec_range.1,
+            r.cpu_vs_baseline,
             r.median.bytes_in,
             r.median.bytes_out
         ));

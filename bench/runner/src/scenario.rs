@@ -105,6 +105,9 @@ pub struct Scenario {
     /// Extra plugin `lb_config` keys per policy (merged over the defaults).
     #[serde(default)]
     pub lb_config: serde_json::Map<String, serde_json::Value>,
+    /// Offered loads of `bench sweep` (sessions per simulated second, open loop).
+    #[serde(default)]
+    pub sweep_rates: Vec<f64>,
     /// The load.
     pub workload: Workload,
 }

@@ -75,6 +75,21 @@ pub struct PolicyAggregate {
     pub redis_usec_per_request: Spread,
     /// Redis bytes per request.
     pub redis_bytes_per_request: Spread,
+    /// Commands sent to Redis per request (scripts, not what they run).
+    #[serde(default)]
+    pub redis_commands_per_request: Spread,
+    /// Redis main-thread CPU per request (µs).
+    #[serde(default)]
+    pub redis_cpu_usec_per_request: Spread,
+    /// Whether every run's CPU figure had Redis's idle CPU taken off.
+    #[serde(default)]
+    pub redis_cpu_idle_subtracted: bool,
+    /// Bytes Redis read per request.
+    #[serde(default)]
+    pub redis_bytes_in_per_request: Spread,
+    /// Bytes Redis wrote per request.
+    #[serde(default)]
+    pub redis_bytes_out_per_request: Spread,
     /// Gateway added time, median per run, real ms.
     pub gateway_added_p50_ms: Spread,
     /// TTFTs of every repetition (simulated ms), for the chart.
@@ -122,11 +137,49 @@ pub fn aggregate(results: &[PolicyResult]) -> Vec<PolicyAggregate> {
                 inflight_max_over_mean: sp(&|r| r.inflight_max_over_mean),
                 redis_usec_per_request: sp(&|r| r.redis_usec_per_request),
                 redis_bytes_per_request: sp(&|r| r.redis_bytes_per_request),
+                redis_commands_per_request: sp(&|r| r.redis_commands_per_request),
+                redis_cpu_usec_per_request: sp(&|r| r.redis_cpu_usec_per_request),
+                redis_cpu_idle_subtracted: runs.iter().all(|r| r.redis_cpu_idle_subtracted),
+                redis_bytes_in_per_request: sp(&|r| r.redis_bytes_in_per_request),
+                redis_bytes_out_per_request: sp(&|r| r.redis_bytes_out_per_request),
                 gateway_added_p50_ms: sp(&|r| r.gateway_added_ms.p50),
                 ttfts: runs.iter().flat_map(|r| r.ttfts.iter().copied()).collect(),
             }
         })
         .collect()
+}
+
+/// Requests in flight on each pod over time, as the client saw them (sent, not yet finished).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct LoadSeries {
+    /// Seconds (wall) between samples.
+    pub step_s: f64,
+    /// Pod names, in the order of `inflight`.
+    pub pods: Vec<String>,
+    /// `inflight[p][k]`: requests on pod p at time k × step_s.
+    pub inflight: Vec<Vec<f64>>,
+}
+
+/// Samples `spans` (pod, start s, end s) at `points` instants over [0, the last end].
+pub fn load_series(spans: &[(String, f64, f64)], points: usize) -> LoadSeries {
+    let mut pods: Vec<String> = spans.iter().map(|s| s.0.clone()).collect();
+    pods.sort();
+    pods.dedup();
+    let end = spans.iter().map(|s| s.2).fold(0.0, f64::max);
+    let points = points.max(2);
+    let step_s = end / (points - 1) as f64;
+    let inflight = pods
+        .iter()
+        .map(|pod| {
+            (0..points)
+                .map(|k| {
+                    let t = k as f64 * step_s;
+                    spans.iter().filter(|s| &s.0 == pod && s.1 <= t && t < s.2).count() as f64
+                })
+                .collect()
+        })
+        .collect();
+    LoadSeries { step_s, pods, inflight }
 }
 
 /// Busiest / mean of per-pod values (0 when they are all 0). Pods that got nothing count in
@@ -164,6 +217,20 @@ mod tests {
         assert_eq!(Spread::of([f64::NAN]), None);
         assert_eq!(s.show(1, 1.0), "20.0 (10.0–30.0)");
         assert_eq!(Spread::of([0.4]).map(|s| s.show(0, 100.0)).as_deref(), Some("40 (40–40)"));
+    }
+
+    #[test]
+    fn load_series_counts_requests_in_flight_per_pod() {
+        let spans = vec![
+            ("pod-1".to_string(), 0.0, 4.0),
+            ("pod-0".to_string(), 1.0, 3.0),
+            ("pod-0".to_string(), 2.0, 4.0),
+        ];
+        let s = load_series(&spans, 5);
+        assert_eq!(s.pods, ["pod-0", "pod-1"]);
+        assert_eq!(s.step_s, 1.0);
+        assert_eq!(s.inflight[0], [0.0, 1.0, 2.0, 1.0, 0.0], "ends are exclusive");
+        assert_eq!(s.inflight[1], [1.0, 1.0, 1.0, 1.0, 0.0]);
     }
 
     #[test]

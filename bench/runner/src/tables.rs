@@ -3,7 +3,7 @@
 //! profile, repetitions and time scale it was made with. `bench tables --write` puts them into
 //! README.md between the two marker lines.
 
-use crate::{table, Report};
+use crate::{redis_table, table, Report};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -30,20 +30,45 @@ pub fn utc(unix: u64) -> String {
     format!("{y:04}-{m:02}-{d:02} {:02}:{:02} UTC", secs / 3600, secs % 3600 / 60)
 }
 
+/// `date · commit · machine · profile · repetitions · time scale`, the line under each heading.
+fn stamp_line(stamp: &crate::Stamp, profile: &str, reps: &str, time_scale: f64) -> String {
+    format!(
+        "{} · commit `{}` · {} · profile `{profile}` · {reps}, interleaved · time scale {time_scale}",
+        utc(stamp.unix_time),
+        stamp.commit,
+        stamp.machine,
+    )
+}
+
 /// The Markdown of one report: heading, stamp, table.
 pub fn section(rep: &Report) -> String {
-    let sc = &rep.config;
+    let reps = format!("{} repetitions", rep.config.repetitions);
     format!(
-        "`{}`: {}\n\n{} · commit `{}` · {} · profile `{}` · {} repetitions, interleaved · time scale {}\n\n{}",
+        "`{}`: {}\n\n{}\n\n{}{}",
         rep.scenario,
         rep.description,
-        utc(rep.stamp.unix_time),
-        rep.stamp.commit,
-        rep.stamp.machine,
-        sc.pods.profile,
-        sc.repetitions,
-        rep.time_scale,
-        table(rep)
+        stamp_line(&rep.stamp, &rep.config.pods.profile, &reps, rep.time_scale),
+        table(rep),
+        match redis_table(rep) {
+            r if r.is_empty() => r,
+            r => format!("\n{r}"),
+        }
+    )
+}
+
+/// The Markdown of a load sweep: heading, stamp, table.
+pub fn sweep_section(rep: &crate::sweep::SweepReport) -> String {
+    let sc = &rep.config;
+    let reps = format!(
+        "{} repetitions per point",
+        rep.points.first().map_or(0, |p| p.aggregate.repetitions)
+    );
+    format!(
+        "`{}` (load sweep, `bench sweep`): {}\n\n{}\n\n{}",
+        rep.scenario,
+        rep.description,
+        stamp_line(&rep.stamp, &sc.pods.profile, &reps, sc.time_scale),
+        crate::sweep::table(rep)
     )
 }
 
@@ -59,13 +84,18 @@ pub fn render(dir: &Path) -> Result<(String, Vec<String>)> {
     let mut skipped = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(&f)?;
-        match serde_json::from_str::<Report>(&text) {
-            Ok(rep) => {
-                out.push_str(&section(&rep));
-                out.push('\n');
-            }
-            Err(_) => skipped.push(f.display().to_string()),
+        // A scenario report, a sweep or the routers' overhead; anything else is skipped.
+        if let Ok(rep) = serde_json::from_str::<Report>(&text) {
+            out.push_str(&section(&rep));
+        } else if let Ok(sw) = serde_json::from_str::<crate::sweep::SweepReport>(&text) {
+            out.push_str(&sweep_section(&sw));
+        } else if let Ok(o) = serde_json::from_str::<crate::routers::OverheadReport>(&text) {
+            out.push_str(&o.section());
+        } else {
+            skipped.push(f.display().to_string());
+            continue;
         }
+        out.push('\n');
     }
     Ok((out, skipped))
 }
@@ -122,6 +152,67 @@ mod tests {
     }
 
     #[test]
+    fn sweeps_and_router_overhead_render_with_their_stamp_and_redis_gets_its_own_table() {
+        let mut rep = report();
+        let runs: Vec<PolicyResult> = rep
+            .runs
+            .iter()
+            .map(|r| PolicyResult {
+                policy: "prefix_cache".into(),
+                offered_sessions_per_s: Some(2.0),
+                redis_commands_per_request: 2.5,
+                redis_cpu_usec_per_request: 90.0,
+                redis_cpu_idle_subtracted: true,
+                ..r.clone()
+            })
+            .collect();
+        rep.policies = aggregate(&runs);
+        let md = section(&rep);
+        assert!(
+            md.contains("| prefix_cache | 0.0 (0.0–0.0) | 2.50 (2.50–2.50) | 90.0 (90.0–90.0) |"),
+            "{md}"
+        );
+        let sweep = crate::sweep::SweepReport {
+            scenario: "s".into(),
+            description: "d".into(),
+            stamp: rep.stamp.clone(),
+            config: rep.config.clone(),
+            rates: vec![2.0],
+            points: crate::sweep::points(&runs, &[2.0]),
+            runs,
+        };
+        let md = sweep_section(&sweep);
+        assert!(md.contains("commit `abc123`") && md.contains("3 repetitions per point"), "{md}");
+        assert!(md.contains("| prefix_cache | 2 | 3 × 300 | 0 | 110 (100–120) |"), "{md}");
+        let o = crate::routers::OverheadReport {
+            stamp: rep.stamp.clone(),
+            requests_per_rep: 300,
+            reps: 3,
+            sglang_router: "0.3.2".into(),
+            vllm_router: "0.1.17".into(),
+            rows: crate::routers::added_latency(
+                &["direct".to_string(), "x".to_string()],
+                &[
+                    crate::routers::Sample { target: 0, rep: 0, p50: 2.0, p90: 3.0, errors: 0 },
+                    crate::routers::Sample { target: 1, rep: 0, p50: 44.0, p90: 47.0, errors: 0 },
+                ],
+            ),
+        };
+        let dir = std::env::temp_dir().join(format!("bench-tables-o-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("router-overhead.json"), serde_json::to_string(&o).expect("json"))
+            .expect("write");
+        let (md, skipped) = render(&dir).expect("render");
+        std::fs::remove_dir_all(&dir).ok();
+        assert!(skipped.is_empty(), "{skipped:?}");
+        assert!(
+            md.contains("| x | 44.00 (44.00–44.00) | 47.00 (47.00–47.00) | 42.00 (42.00–42.00) |"),
+            "{md}"
+        );
+        assert!(md.contains("commit `abc123`"), "{md}");
+    }
+
+    #[test]
     fn dates_are_utc() {
         assert_eq!(utc(0), "1970-01-01 00:00 UTC");
         assert_eq!(utc(1_795_506_556), "2026-11-24 07:49 UTC");
@@ -141,6 +232,7 @@ mod tests {
         assert!(md.contains("| round_robin | 3 × 300 | 0 | 110 (100–120) |"), "{md}");
         assert!(md.contains("| 40.0 (40.0–40.0) |"), "{md}");
         assert_eq!(skipped.len(), 1, "the old-format file is skipped: {skipped:?}");
+        assert!(!md.contains("Redis per routed request"), "no Redis table without a Redis policy");
 
         let readme = format!("intro\n{BEGIN}\nstale\n{END}\nrest\n");
         let new = splice(&readme, &md).expect("splice");

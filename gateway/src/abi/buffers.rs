@@ -3,7 +3,8 @@
 //! Types: 0 request body, 1 response body, 4 HTTP call response body, 6 VM configuration,
 //! 7 plugin configuration, 9 Redis call response (Higress). The request/response body is the
 //! accumulated buffer, readable only while this filter holds it (inside its body callbacks, or while
-//! buffering); callout/Redis buffers only inside their callbacks.
+//! buffering), otherwise an empty buffer; callout/Redis buffers only inside their callbacks
+//! (NotFound outside).
 
 use super::{copy_out, read_bytes, status, write_u32, HResult, HostState, Registrar};
 use bytes::BytesMut;
@@ -17,18 +18,15 @@ fn with_buffer<R>(
     let st = c.data_mut();
     match ty {
         0 | 1 => {
-            let s = st.effective_stream().ok_or(status::NOT_FOUND)?;
+            // A body that is not available (not inside its callbacks, or on the root context) is
+            // an empty read-only buffer, as Envoy's `buffer_.set(nullptr)`: reads are Ok and
+            // empty, writes BadArgument.
+            let Some(s) = st.effective_stream() else { return f(&mut ReadOnly(&[])) };
             let mut s = s.lock().map_err(|_| status::INTERNAL_FAILURE)?;
-            if ty == 0 {
-                if !s.req_body_access {
-                    return Err(status::NOT_FOUND);
-                }
-                f(&mut Owned(&mut s.req_body))
-            } else {
-                if !s.resp_body_access {
-                    return Err(status::NOT_FOUND);
-                }
-                f(&mut Owned(&mut s.resp_body))
+            match ty {
+                0 if s.req_body_access => f(&mut Owned(&mut s.req_body)),
+                1 if s.resp_body_access => f(&mut Owned(&mut s.resp_body)),
+                _ => f(&mut ReadOnly(&[])),
             }
         }
         4 => match &st.call_response {
@@ -57,19 +55,23 @@ impl BufferAccess for Owned<'_> {
     fn bytes(&self) -> &[u8] {
         self.0
     }
-    /// Envoy semantics: start 0 + len 0 prepends, start 0 + len >= size replaces, start >= size
-    /// appends; we also allow replacing any in-range slice.
+    /// Envoy `Buffer::copyFrom`: start 0 + len 0 prepends, start 0 + len >= size replaces,
+    /// start >= size appends; anything else (a slice inside the buffer) is BadArgument.
     fn set(&mut self, start: usize, len: usize, data: &[u8]) -> HResult<()> {
         let size = self.0.len();
-        if start > size {
+        if start == 0 && len == 0 {
+            let mut out = BytesMut::with_capacity(size + data.len());
+            out.extend_from_slice(data);
+            out.extend_from_slice(self.0);
+            *self.0 = out;
+        } else if start == 0 && len >= size {
+            self.0.clear();
+            self.0.extend_from_slice(data);
+        } else if start >= size {
+            self.0.extend_from_slice(data);
+        } else {
             return Err(status::BAD_ARGUMENT);
         }
-        let end = start.saturating_add(len).min(size);
-        let mut out = BytesMut::with_capacity(size - (end - start) + data.len());
-        out.extend_from_slice(&self.0[..start]);
-        out.extend_from_slice(data);
-        out.extend_from_slice(&self.0[end..]);
-        *self.0 = out;
         Ok(())
     }
 }

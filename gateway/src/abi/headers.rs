@@ -4,7 +4,9 @@
 //!
 //! Map types: 0 request headers, 1 request trailers, 2 response headers, 3 response trailers,
 //! 6 callout response headers, 7 callout response trailers. Request headers are accessible only
-//! while this filter holds them (Envoy resets `request_headers_` on Continue).
+//! while this filter holds them (Envoy resets `request_headers_` on Continue and inside
+//! `continue_stream`); a map that is not available is BadArgument (NotFound in `on_log`, where
+//! the request and response headers are readable), and reads as no pairs.
 
 use super::{
     copy_out, marshal_pairs, read_bytes, read_string, status, unmarshal_pairs, HResult, HeaderMap,
@@ -12,43 +14,81 @@ use super::{
 };
 use wasmtime::Caller;
 
+/// Why a map cannot be used.
+enum Unavailable {
+    /// Not available in this callback (Envoy: the map pointer is null): BadArgument, or NotFound
+    /// in the access-log phase (Envoy `Context::getHeaderMapValue`).
+    Map,
+    /// Another status.
+    Status(i32),
+}
+
 fn with_map<R>(
     c: &mut Caller<'_, HostState>,
     ty: i32,
     write: bool,
     f: impl FnOnce(&mut HeaderMap) -> HResult<R>,
-) -> HResult<R> {
+) -> Result<R, (Unavailable, bool)> {
     let st = c.data_mut();
+    let fail = |u| Err((u, false));
     match ty {
         0..=3 => {
-            let s = st.effective_stream().ok_or(status::NOT_FOUND)?;
-            let mut s = s.lock().map_err(|_| status::INTERNAL_FAILURE)?;
-            match ty {
+            // The root context has no stream maps.
+            let Some(s) = st.effective_stream() else { return fail(Unavailable::Map) };
+            let mut s = match s.lock() {
+                Ok(s) => s,
+                Err(_) => return fail(Unavailable::Status(status::INTERNAL_FAILURE)),
+            };
+            let log = s.log_phase;
+            // In the access-log phase Envoy reads copies of the request and response headers;
+            // they cannot be written.
+            let readable = match ty {
+                0 => s.req_hdr_access || (log && !write),
+                2 => s.resp_hdr_access || (log && !write && !s.resp_headers.is_empty()),
+                // Trailers exist only when the message had them (this host never forwards
+                // trailers, so never).
+                1 => !s.req_trailers.is_empty(),
+                _ => !s.resp_trailers.is_empty(),
+            };
+            if !readable {
+                return Err((Unavailable::Map, log));
+            }
+            let r = match ty {
                 0 => {
-                    if !s.req_hdr_access {
-                        return Err(status::NOT_FOUND);
-                    }
                     if write {
                         s.req_headers_modified = true;
                     }
                     f(&mut s.req_headers)
                 }
                 1 => f(&mut s.req_trailers),
-                2 => {
-                    if !s.resp_hdr_access {
-                        return Err(status::NOT_FOUND);
-                    }
-                    f(&mut s.resp_headers)
-                }
+                2 => f(&mut s.resp_headers),
                 _ => f(&mut s.resp_trailers),
-            }
+            };
+            r.map_err(|e| (Unavailable::Status(e), log))
         }
         6 | 7 => match st.call_response.as_mut() {
-            Some(r) if ty == 6 => f(&mut r.headers),
-            Some(r) => f(&mut r.trailers),
-            None => Err(status::NOT_FOUND),
+            Some(r) if ty == 6 => f(&mut r.headers).map_err(|e| (Unavailable::Status(e), false)),
+            Some(r) => f(&mut r.trailers).map_err(|e| (Unavailable::Status(e), false)),
+            None => fail(Unavailable::Map),
         },
-        _ => Err(status::BAD_ARGUMENT),
+        _ => fail(Unavailable::Status(status::BAD_ARGUMENT)),
+    }
+}
+
+/// The status of a failed map access (Envoy `getHeaderMapValue`/`addHeaderMapValue`...): an
+/// unavailable map is BadArgument, or NotFound in the access-log phase.
+fn map_status(e: (Unavailable, bool)) -> i32 {
+    match e {
+        (Unavailable::Map, true) => status::NOT_FOUND,
+        (Unavailable::Map, false) => status::BAD_ARGUMENT,
+        (Unavailable::Status(c), _) => c,
+    }
+}
+
+fn map_code(r: Result<(), (Unavailable, bool)>) -> i32 {
+    match r {
+        Ok(()) => status::OK,
+        Err(e) => map_status(e),
     }
 }
 
@@ -57,11 +97,15 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
     l.func(
         "proxy_get_header_map_pairs",
         |mut c: Caller<'_, HostState>, ty: i32, pp: i32, sp: i32| -> i32 {
-            match with_map(&mut c, ty, false, |m| Ok(marshal_pairs(m))) {
-                Ok(b) => match copy_out(&mut c, &b, pp, sp) {
-                    Ok(()) => status::OK,
-                    Err(e) => e,
-                },
+            // An unavailable map reads as no headers (cpp-host `get_header_map_pairs`: Ok, and
+            // an empty result is a null pointer with size 0).
+            let bytes = match with_map(&mut c, ty, false, |m| Ok(marshal_pairs(m))) {
+                Ok(b) if b.len() > 4 => b,
+                Ok(_) | Err((Unavailable::Map, _)) => Vec::new(),
+                Err(e) => return map_status(e),
+            };
+            match copy_out(&mut c, &bytes, pp, sp) {
+                Ok(()) => status::OK,
                 Err(e) => e,
             }
         },
@@ -74,13 +118,10 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 Err(e) => return e,
             };
             let Some(pairs) = unmarshal_pairs(&data) else { return status::BAD_ARGUMENT };
-            match with_map(&mut c, ty, true, |m| {
+            map_code(with_map(&mut c, ty, true, |m| {
                 *m = pairs;
                 Ok(())
-            }) {
-                Ok(()) => status::OK,
-                Err(e) => e,
-            }
+            }))
         },
     )?;
     l.func(
@@ -98,7 +139,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                     Ok(()) => status::OK,
                     Err(e) => e,
                 },
-                Err(e) => e,
+                Err(e) => map_status(e),
             }
         },
     )?;
@@ -125,7 +166,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 }
                 Ok(())
             });
-            super::code(r)
+            map_code(r)
         },
     )?;
     l.func(
@@ -135,7 +176,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 Ok(k) => k.to_ascii_lowercase(),
                 Err(e) => return e,
             };
-            super::code(with_map(&mut c, ty, true, |m| {
+            map_code(with_map(&mut c, ty, true, |m| {
                 m.retain(|(k, _)| *k != key);
                 Ok(())
             }))
@@ -148,7 +189,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 (Ok(k), Ok(v)) => (k.to_ascii_lowercase(), v),
                 (Err(e), _) | (_, Err(e)) => return e,
             };
-            super::code(with_map(&mut c, ty, true, |m| {
+            map_code(with_map(&mut c, ty, true, |m| {
                 m.push((key, val));
                 Ok(())
             }))

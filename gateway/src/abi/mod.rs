@@ -15,8 +15,9 @@
 //!   `proxy_set_upstream_override_host`, `proxy_inject_encoded_data_to_filter_chain`
 //! - [`wasi`]: WASI preview 1 from wasmtime-wasi, with the stdio calls replaced by synchronous ones.
 //!
-//! Any other function the module imports is linked to a stub returning Unimplemented (12), so any
-//! proxy-wasm plugin loads.
+//! The hostcalls of the module's ABI version only, as cpp-host registers them; known proxy-wasm
+//! hostcalls this host does not implement (gRPC, ...) are stubs returning Unimplemented (12);
+//! any other `env` import refuses the module (Envoy: "missing import").
 
 pub mod buffers;
 pub mod calls;
@@ -193,6 +194,9 @@ pub struct StreamState {
     pub resp_body_access: bool,
     /// The plugin changed the response body (content-length is dropped).
     pub resp_body_modified: bool,
+    /// `proxy_on_log` is running: the request and response headers are readable (Envoy's
+    /// access-log phase), a missing map is NotFound instead of BadArgument.
+    pub log_phase: bool,
     /// Response trailers.
     pub resp_trailers: HeaderMap,
     /// Deferred `continue_stream(Request)` has been applied.
@@ -249,6 +253,7 @@ impl StreamState {
             resp_body: BytesMut::new(),
             resp_body_access: false,
             resp_body_modified: false,
+            log_phase: false,
             resp_trailers: Vec::new(),
             continue_req: false,
             continue_resp: false,
@@ -472,8 +477,48 @@ pub fn unmarshal_pairs(data: &[u8]) -> Option<HeaderMap> {
     Some(out)
 }
 
-/// Build the linker with every hostcall group, then stub any other import of `module`.
-pub fn build_linker(engine: &Engine, module: &Module) -> anyhow::Result<Linker<HostState>> {
+/// The hostcalls cpp-host registers for some ABI versions only (`WasmBase::registerCallbacks`,
+/// the same in Higress's fork, which gives 0_2_100 the 0_2_1 set): a module importing one its
+/// marker does not have fails to link.
+fn abi_specific(name: &str) -> Option<&'static [AbiVersion]> {
+    use AbiVersion::*;
+    match name {
+        "proxy_get_configuration"
+        | "proxy_continue_request"
+        | "proxy_continue_response"
+        | "proxy_clear_route_cache" => Some(&[V0_1_0]),
+        "proxy_continue_stream" | "proxy_close_stream" => Some(&[V0_2_0, V0_2_1, V0_2_100]),
+        "proxy_get_log_level" => Some(&[V0_2_1, V0_2_100]),
+        _ => None,
+    }
+}
+
+/// `env` functions Envoy (with Higress's additions) links that this host does not implement:
+/// they are linked to a stub returning Unimplemented. Any other `env` import is missing, and
+/// the module is refused as Envoy refuses it.
+const KNOWN_UNIMPLEMENTED: &[&str] = &[
+    "proxy_get_header_map_size",
+    "proxy_grpc_call",
+    "proxy_grpc_stream",
+    "proxy_grpc_close",
+    "proxy_grpc_cancel",
+    "proxy_grpc_send",
+    "proxy_get_configuration",
+    "proxy_clear_route_cache",
+    "proxy_inject_encoded_data_to_filter_chain",
+    "envoy_resolve_dns",
+    "pthread_equal",
+    "emscripten_notify_memory_growth",
+];
+
+/// Build the linker with every hostcall group, then stub the known imports of `module` this host
+/// does not implement. Fails, as Envoy's "missing import", for an import the module's ABI
+/// version does not have or that no proxy-wasm host provides.
+pub fn build_linker(
+    engine: &Engine,
+    module: &Module,
+    abi: AbiVersion,
+) -> anyhow::Result<Linker<HostState>> {
     let mut linker: Linker<HostState> = Linker::new(engine);
     wasi::add(&mut linker)?;
     let mut defined: HashSet<(String, String)> = HashSet::new();
@@ -493,8 +538,23 @@ pub fn build_linker(engine: &Engine, module: &Module) -> anyhow::Result<Linker<H
             if wasi::provided(imp.name()) {
                 continue;
             }
-        } else if defined.contains(&key) {
-            continue;
+        } else {
+            let missing = || {
+                anyhow::anyhow!(
+                    "Failed to load Wasm module due to a missing import: {}.{}",
+                    imp.module(),
+                    imp.name()
+                )
+            };
+            if abi_specific(imp.name()).is_some_and(|v| !v.contains(&abi)) {
+                return Err(missing());
+            }
+            if defined.contains(&key) {
+                continue;
+            }
+            if imp.module() != "env" || !KNOWN_UNIMPLEMENTED.contains(&imp.name()) {
+                return Err(missing());
+            }
         }
         if let wasmtime::ExternType::Func(ft) = imp.ty() {
             let name = imp.name().to_string();

@@ -4,7 +4,7 @@
 //!
 //! `continue_stream` and `send_local_response` are deferred until the current VM call returns
 //! (Envoy `addAfterVmCallAction`); `send_local_response` forces the current callback's result to
-//! StopAll, and a second one on the same stream gives BadArgument.
+//! StopAll; a second one is Ok and has no effect.
 
 use super::{
     copy_out, defer, read_bytes, read_string, status, unmarshal_pairs, write_u32, Action,
@@ -13,16 +13,23 @@ use super::{
 use bytes::Bytes;
 use wasmtime::Caller;
 
+/// Envoy `Context::continueStream`: the continue itself is deferred until the VM call returns,
+/// but the request headers and body stop being accessible at once (whichever direction is
+/// continued). On the root context (e.g. after switching to a stream that is gone failed) there
+/// is nothing to continue: Ok.
 fn continue_stream(c: &mut Caller<'_, HostState>, ty: i32) -> i32 {
     let st = c.data_mut();
-    if st.effective_stream().is_none() {
-        return status::NOT_FOUND;
-    }
-    match ty {
-        0 => defer(st, Action::ContinueRequest),
-        1 => defer(st, Action::ContinueResponse),
+    let action = match ty {
+        0 => Action::ContinueRequest,
+        1 => Action::ContinueResponse,
         _ => return status::BAD_ARGUMENT,
+    };
+    let Some(stream) = st.effective_stream() else { return status::OK };
+    if let Ok(mut s) = stream.lock() {
+        s.req_hdr_access = false;
+        s.req_body_access = false;
     }
+    defer(st, action);
     status::OK
 }
 
@@ -37,12 +44,16 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
     l.func("proxy_continue_response", |mut c: Caller<'_, HostState>| -> i32 {
         continue_stream(&mut c, 1)
     })?;
-    l.func("proxy_close_stream", |mut c: Caller<'_, HostState>, _ty: i32| -> i32 {
-        let st = c.data_mut();
-        if st.effective_stream().is_none() {
-            return status::NOT_FOUND;
+    // Envoy `Context::closeStream`: Request/Response reset the HTTP stream (Ok, also on the
+    // root context where there is none); Downstream/Upstream are for network filters.
+    l.func("proxy_close_stream", |mut c: Caller<'_, HostState>, ty: i32| -> i32 {
+        if !matches!(ty, 0 | 1) {
+            return status::BAD_ARGUMENT;
         }
-        defer(st, Action::Reset);
+        let st = c.data_mut();
+        if st.effective_stream().is_some() {
+            defer(st, Action::Reset);
+        }
         status::OK
     })?;
     l.func(
@@ -71,12 +82,11 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             };
             let Some(headers) = unmarshal_pairs(&hdrs) else { return status::BAD_ARGUMENT };
             let st = c.data_mut();
-            let ctx = st.effective_ctx;
-            let Some(stream) = st.effective_stream() else { return status::NOT_FOUND };
-            let already = stream.lock().map(|s| s.local_reply.is_some()).unwrap_or(true)
-                || st.actions.iter().any(|(c, a)| *c == ctx && matches!(a, Action::LocalReply(_)));
-            if already {
-                return status::BAD_ARGUMENT;
+            // Envoy 1.40 `Context::sendLocalResponse` defers every call and returns Ok, also a
+            // second one in the same callback (the first reply wins) and one on the root context
+            // (no stream: nothing is sent).
+            if st.effective_stream().is_none() {
+                return status::OK;
             }
             st.local_reply_in_call = true;
             let status_code =

@@ -221,7 +221,7 @@ pub struct Recorded {
     pub body: Bytes,
 }
 
-/// A recording upstream. Paths: `/slow` answers after 500 ms; `/sse` streams 3 events 150 ms
+/// A recording upstream. Paths: `/slow` answers after 500 ms; `/secret` a body with "secret"; `/sse` streams 3 events 150 ms
 /// apart; `/sse-forever` streams until the client goes away; `/metrics` answers a fixed text;
 /// anything else answers "ok <port>".
 pub struct Upstream {
@@ -266,6 +266,9 @@ impl Upstream {
                                         tokio::time::sleep(Duration::from_secs(10)).await;
                                         hyper::Response::new(GwBody::full(Bytes::from("late")))
                                     }
+                                    "/secret" => hyper::Response::new(GwBody::full(Bytes::from(
+                                        "a body with a secret in it",
+                                    ))),
                                     "/metrics" => hyper::Response::new(GwBody::full(Bytes::from(
                                         format!("vllm:num_requests_running {}\n", addr.port()),
                                     ))),

@@ -38,6 +38,58 @@ pub fn envoy_bin() -> PathBuf {
     })
 }
 
+/// A proxy-wasm Rust SDK example plugin (`http_headers`, `http_body`, `http_config`, ...), built
+/// from the published crate `proxy-wasm` 0.2.0 (crates.io; its package ships `examples/*.rs` as
+/// cdylib examples, with its own Cargo.lock): `cargo metadata` on `tests/published/Cargo.toml`
+/// downloads the pinned package, which is copied under the target directory and built there for
+/// wasm32-wasip1 with `--locked` (once; later runs reuse the build).
+pub fn published_example(name: &str) -> Vec<u8> {
+    static BUILD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _once = BUILD.lock().unwrap_or_else(|p| p.into_inner());
+    let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let meta = Command::new(&cargo)
+        .args(["metadata", "--format-version", "1", "--locked", "--manifest-path"])
+        .arg(manifest_dir.join("tests/published/Cargo.toml"))
+        .output()
+        .expect("cargo metadata");
+    assert!(meta.status.success(), "cargo metadata: {}", String::from_utf8_lossy(&meta.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&meta.stdout).expect("metadata JSON");
+    let pkg = v["packages"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "proxy-wasm"))
+        .expect("proxy-wasm in the metadata");
+    let src = Path::new(pkg["manifest_path"].as_str().expect("manifest path"))
+        .parent()
+        .expect("package dir")
+        .to_path_buf();
+    let target = manifest_dir.join("../target/published-plugins");
+    let copy = target.join(format!("src-proxy-wasm-{}", pkg["version"].as_str().unwrap_or("")));
+    if !copy.join("Cargo.toml").is_file() {
+        std::fs::create_dir_all(&target).expect("target dir");
+        let st = Command::new("cp").arg("-r").arg(&src).arg(&copy).status().expect("cp");
+        assert!(st.success(), "copying {}", src.display());
+        // Its own workspace root: the copy sits under this workspace's target directory.
+        let manifest = copy.join("Cargo.toml");
+        let text = std::fs::read_to_string(&manifest).expect("Cargo.toml of the copy");
+        std::fs::write(&manifest, format!("{text}\n[workspace]\n")).expect("writing Cargo.toml");
+    }
+    let out = Command::new(&cargo)
+        .args(["build", "--release", "--locked", "--target", "wasm32-wasip1", "--example", name])
+        .arg("--manifest-path")
+        .arg(copy.join("Cargo.toml"))
+        .env("CARGO_TARGET_DIR", target.join("build"))
+        .output()
+        .expect("cargo build");
+    assert!(
+        out.status.success(),
+        "building the proxy-wasm example {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let wasm = target.join(format!("build/wasm32-wasip1/release/examples/{name}.wasm"));
+    std::fs::read(&wasm).unwrap_or_else(|e| panic!("{}: {e}", wasm.display()))
+}
+
 /// Scenarios run one at a time: each starts two proxies and their timing must not suffer from
 /// the others on a 2-core machine.
 pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -91,6 +143,11 @@ pub enum Step {
         chunks: Vec<String>,
         pause_ms: u64,
     },
+    /// Raw bytes on a new connection, held open `hold_ms`, then closed (a client that goes
+    /// away). Whatever came back is not compared (the proxies' own headers differ).
+    Abort { bytes: String, hold_ms: u64 },
+    /// Wait (for timers, or for a callout to finish after a client went away).
+    Sleep(u64),
 }
 
 impl Step {
@@ -113,8 +170,9 @@ impl Step {
         }
     }
     pub fn header(mut self, k: &'static str, v: &str) -> Step {
-        let Step::Send { headers, .. } = &mut self;
-        headers.push((k, v.to_string()));
+        if let Step::Send { headers, .. } = &mut self {
+            headers.push((k, v.to_string()));
+        }
         self
     }
 }
@@ -167,6 +225,10 @@ pub struct Scenario {
     pub buffer_limit: u32,
     pub configuration: &'static str,
     pub steps: Vec<Step>,
+    /// Rewrites the module text before it is assembled (e.g. the 0_1_0 signatures).
+    pub edit: Option<fn(String) -> String>,
+    /// A built module to run instead of the WAT plugin (a published plugin).
+    pub wasm: Option<Vec<u8>>,
 }
 
 impl Scenario {
@@ -188,6 +250,8 @@ impl Scenario {
             buffer_limit: 32768,
             configuration: r#"{"a":1}"#,
             steps: vec![],
+            edit: None,
+            wasm: None,
         }
     }
     pub fn steps(mut self, steps: Vec<Step>) -> Scenario {
@@ -196,7 +260,13 @@ impl Scenario {
     }
 
     fn module(&self, marker: &str) -> Vec<u8> {
-        let text = self.wat.module_with(&standard_prelude(), marker, &self.body);
+        if let Some(w) = &self.wasm {
+            return w.clone();
+        }
+        let mut text = self.wat.module_with(&standard_prelude(), marker, &self.body);
+        if let Some(edit) = self.edit {
+            text = edit(text);
+        }
         wat::parse_str(&text).unwrap_or_else(|e| panic!("{}: WAT does not parse: {e}", self.name))
     }
 }
@@ -550,16 +620,27 @@ async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<St
                 }
             }
         }
+        Step::Sleep(ms) => tokio::time::sleep(Duration::from_millis(*ms)).await,
+        Step::Abort { bytes, hold_ms } => {
+            use tokio::io::AsyncWriteExt;
+            if let Ok(mut s) = tokio::net::TcpStream::connect(addr).await {
+                let _ = s.write_all(bytes.as_bytes()).await;
+                tokio::time::sleep(Duration::from_millis(*hold_ms)).await;
+                drop(s);
+            }
+            out.push("aborted".into());
+        }
     }
 }
 
 /// The step with `{UPn}` in header values replaced by upstream n's address.
 fn with_addresses(step: &Step, ups: &[Upstream]) -> Step {
     let mut step = step.clone();
-    let Step::Send { headers, .. } = &mut step;
-    for (_, v) in headers.iter_mut() {
-        for (i, u) in ups.iter().enumerate() {
-            *v = v.replace(&format!("{{UP{i}}}"), &u.addr.to_string());
+    if let Step::Send { headers, .. } = &mut step {
+        for (_, v) in headers.iter_mut() {
+            for (i, u) in ups.iter().enumerate() {
+                *v = v.replace(&format!("{{UP{i}}}"), &u.addr.to_string());
+            }
         }
     }
     step
@@ -625,8 +706,9 @@ pub async fn run(sc: &Scenario, under: Under) -> Transcript {
             stable_since = Instant::now();
         }
     }
-    // Envoy configures a root context on the main thread as well as one per worker, this host
-    // one per worker: the number of `configure` lines differs by design, so they are not compared.
+    // Envoy 1.40 with one worker configures three root contexts (the base VM's on the main
+    // thread, the main thread's thread-local one, the worker's); this host two (the main
+    // thread's and the worker's, the ones that tick): `configure` lines are not compared.
     t.plugin =
         last.iter().filter(|e| !e.starts_with("configure")).map(|e| names.apply(e)).collect();
     for (i, u) in ups.iter().enumerate() {

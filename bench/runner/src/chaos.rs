@@ -1,0 +1,244 @@
+//! `bench run chaos`: seed-like chat load through 4 gateway replicas (global_least_request, the
+//! plugin's default lease and breaker settings) while Redis is frozen (SIGSTOP) for 10 s and one of
+//! the replicas is SIGKILLed in the middle of the freeze. Clients stop using a replica once it is
+//! dead (as a load balancer in front of the gateways would); what was in flight on it fails with it.
+//!
+//! Reports: failed requests on the surviving replicas (and those lost with the killed one), p99
+//! latency before and during the outage and the difference, time from SIGCONT until the surviving
+//! replicas decide on Redis again (their `ai_lb_least_request_routed` counters move), and the sum of
+//! the in-flight counts in Redis once the load has stopped and the killed replica's lease has run
+//! out (count drift, must be 0).
+
+use anyhow::{anyhow, Context, Result};
+use serde::Serialize;
+use serde_json::json;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use testkit::http::{self, HttpRequest};
+
+use crate::procs::{http_get, redis_cmd, Redis, Resp};
+use crate::{load_scenario, start_gateway, start_pods, Paths};
+
+const REPLICAS: usize = 4;
+const CLIENTS: usize = 20;
+const POLICY: &str = "global_least_request";
+const FREEZE_AT: Duration = Duration::from_secs(5);
+const FREEZE_FOR: Duration = Duration::from_secs(10);
+const KILL_AT: Duration = Duration::from_secs(10);
+const LOAD_FOR: Duration = Duration::from_secs(25);
+/// The default lease (10 s) plus two heartbeat periods and a margin: the killed replica's counts
+/// must be gone by then.
+const SETTLE: Duration = Duration::from_secs(20);
+
+/// One request as a client saw it.
+#[derive(Debug, Clone)]
+struct Sent {
+    at: Duration,
+    took: Duration,
+    replica: usize,
+    ok: bool,
+}
+
+/// What the run measured.
+#[derive(Debug, Serialize)]
+pub struct ChaosReport {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests to surviving replicas that failed (no answer or not 200).
+    pub failed_on_survivors: usize,
+    /// Requests lost with the killed replica (in flight when it died).
+    pub lost_with_killed: usize,
+    /// p99 latency (ms) of requests started before the freeze.
+    pub p99_before_ms: f64,
+    /// p99 latency (ms) of requests started during the freeze.
+    pub p99_outage_ms: f64,
+    /// Requests during the freeze that took over 100 ms more than the p99 before it.
+    pub slow_in_outage: usize,
+    /// Time from SIGCONT until every surviving replica routed by Redis again (ms).
+    pub recover_ms: Option<f64>,
+    /// Sum of the in-flight counts in Redis after the load and the settle time.
+    pub count_drift: i64,
+}
+
+fn p99(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() as f64) * 0.99).ceil() as usize;
+    v.get(i.saturating_sub(1)).copied().unwrap_or(0.0)
+}
+
+fn signal(pid: u32, sig: &str) -> Result<()> {
+    let st = std::process::Command::new("kill").args([sig, &pid.to_string()]).status()?;
+    if !st.success() {
+        return Err(anyhow!("kill {sig} {pid} failed"));
+    }
+    Ok(())
+}
+
+async fn inflight_sum(redis: &str) -> Result<i64> {
+    let Resp::Array(Some(keys)) = redis_cmd(redis, &["KEYS", "*:inflight"]).await? else {
+        return Ok(0);
+    };
+    let mut sum = 0;
+    for k in keys {
+        if let Resp::Array(Some(kv)) = redis_cmd(redis, &["HVALS", &k.text()]).await? {
+            sum += kv.iter().filter_map(|v| v.text().parse::<i64>().ok()).sum::<i64>();
+        }
+    }
+    Ok(sum)
+}
+
+async fn routed(admin: &str) -> i64 {
+    let text = http_get(admin, "/stats").await.unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix("ai_lb_least_request_routed "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Runs the chaos scenario once; prints and returns its report.
+pub async fn run(paths: &Paths) -> Result<ChaosReport> {
+    let sc = load_scenario(paths, "seed")?;
+    let mut redis = Redis::start().await?;
+    let (pods_proc, pods) = start_pods(paths, &sc).await?;
+    let mut gws = Vec::new();
+    let mut addrs = Vec::new();
+    let mut admins = Vec::new();
+    for i in 0..REPLICAS {
+        let (p, addr) =
+            start_gateway(paths, &sc, POLICY, &pods, &redis.addr, &format!("chaos-{i}")).await?;
+        let admin = p
+            .lines_with("ADMIN ")
+            .first()
+            .and_then(|v| v.first().cloned())
+            .ok_or_else(|| anyhow!("gateway printed no ADMIN line"))?;
+        addrs.push(addr.parse::<std::net::SocketAddr>().context("gateway address")?);
+        admins.push(admin);
+        gws.push(Some(p));
+    }
+    let killed = REPLICAS - 1;
+    let dead = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(Mutex::new(Vec::<Sent>::new()));
+    let t0 = Instant::now();
+    let mut clients = Vec::new();
+    for c in 0..CLIENTS {
+        let (dead, stop, sent, addrs) = (dead.clone(), stop.clone(), sent.clone(), addrs.clone());
+        let model = sc.model.clone();
+        clients.push(tokio::spawn(async move {
+            // A 5-turn chat per session, then a new one: seed-like, short replies.
+            let mut messages = Vec::new();
+            let mut n = 0usize;
+            while !stop.load(Ordering::Relaxed) {
+                if messages.len() >= 10 {
+                    messages.clear();
+                }
+                messages.push(json!({"role": "user", "content": format!("client {c} turn {n}: tell me about topic {}", n % 7)}));
+                let live: Vec<usize> = (0..REPLICAS)
+                    .filter(|r| *r != killed || !dead.load(Ordering::Relaxed))
+                    .collect();
+                let replica = live.get((c + n) % live.len().max(1)).copied().unwrap_or(0);
+                let body = json!({"model": model, "messages": messages, "max_tokens": 32});
+                let req = HttpRequest::post_json("/v1/chat/completions", &body);
+                let at = t0.elapsed();
+                let started = Instant::now();
+                let Some(addr) = addrs.get(replica).copied() else { break };
+                let r = http::send(addr, req, Duration::from_secs(30)).await;
+                let ok = r.as_ref().map(|r| r.status == 200).unwrap_or(false);
+                messages.push(json!({"role": "assistant", "content": "ok"}));
+                if let Ok(mut s) = sent.lock() {
+                    s.push(Sent { at, took: started.elapsed(), replica, ok });
+                }
+                n += 1;
+            }
+        }));
+    }
+    tokio::time::sleep(FREEZE_AT).await;
+    let redis_pid = redis.proc.id().ok_or_else(|| anyhow!("redis-server has no pid"))?;
+    signal(redis_pid, "-STOP")?;
+    tokio::time::sleep(KILL_AT.saturating_sub(FREEZE_AT)).await;
+    dead.store(true, Ordering::Relaxed);
+    if let Some(g) = gws.get_mut(killed).and_then(Option::take) {
+        g.stop().await;
+    }
+    let killed_at = t0.elapsed();
+    tokio::time::sleep((FREEZE_AT + FREEZE_FOR).saturating_sub(t0.elapsed())).await;
+    let before: Vec<i64> = {
+        let mut v = Vec::new();
+        for (i, a) in admins.iter().enumerate() {
+            if i != killed {
+                v.push(routed(a).await);
+            }
+        }
+        v
+    };
+    signal(redis_pid, "-CONT")?;
+    let thawed = Instant::now();
+    let mut recover_ms = None;
+    while thawed.elapsed() < Duration::from_secs(10) {
+        let mut all = true;
+        let mut j = 0;
+        for (i, a) in admins.iter().enumerate() {
+            if i == killed {
+                continue;
+            }
+            all &= routed(a).await > before.get(j).copied().unwrap_or(0);
+            j += 1;
+        }
+        if all {
+            recover_ms = Some(thawed.elapsed().as_secs_f64() * 1e3);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(LOAD_FOR.saturating_sub(t0.elapsed())).await;
+    stop.store(true, Ordering::Relaxed);
+    for c in clients {
+        let _ = c.await;
+    }
+    let settle_until = killed_at + SETTLE;
+    tokio::time::sleep(settle_until.saturating_sub(t0.elapsed())).await;
+    let count_drift = inflight_sum(&redis.addr).await?;
+    for g in gws.into_iter().flatten() {
+        g.stop().await;
+    }
+    pods_proc.stop().await;
+    let _ = redis.proc.kill().await;
+
+    let sent = sent.lock().map(|s| s.clone()).unwrap_or_default();
+    let ms = |s: &Sent| s.took.as_secs_f64() * 1e3;
+    let outage = FREEZE_AT..FREEZE_AT + FREEZE_FOR;
+    let p99_before = p99(sent.iter().filter(|s| s.at < FREEZE_AT && s.ok).map(ms).collect());
+    let in_outage: Vec<&Sent> = sent.iter().filter(|s| outage.contains(&s.at) && s.ok).collect();
+    let report = ChaosReport {
+        requests: sent.len(),
+        failed_on_survivors: sent.iter().filter(|s| !s.ok && s.replica != killed).count(),
+        lost_with_killed: sent.iter().filter(|s| !s.ok && s.replica == killed).count(),
+        p99_before_ms: p99_before,
+        p99_outage_ms: p99(in_outage.iter().map(|s| ms(s)).collect()),
+        slow_in_outage: in_outage.iter().filter(|s| ms(s) > p99_before + 100.0).count(),
+        recover_ms,
+        count_drift,
+    };
+    let out = paths.results.join("chaos.json");
+    std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
+    println!("{}", table(&report));
+    println!("wrote {}", out.display());
+    Ok(report)
+}
+
+/// A Markdown table of the report.
+pub fn table(r: &ChaosReport) -> String {
+    format!(
+        "| requests | failed (surviving replicas) | lost with the killed replica | p99 before (ms) | p99 during the freeze (ms) | added p99 (ms) | slow (> p99 + 100 ms) during the freeze | back on Redis after SIGCONT (ms) | count drift |\n|---|---|---|---|---|---|---|---|---|\n| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {} |\n",
+        r.requests,
+        r.failed_on_survivors,
+        r.lost_with_killed,
+        r.p99_before_ms,
+        r.p99_outage_ms,
+        r.p99_outage_ms - r.p99_before_ms,
+        r.slow_in_outage,
+        r.recover_ms.map(|m| format!("{m:.0}")).unwrap_or_else(|| "not within 10 s".into()),
+        r.count_drift
+    )
+}

@@ -1,0 +1,1 @@
+//! Only here so that `cargo metadata` resolves the pinned proxy-wasm package.

@@ -1,0 +1,71 @@
+//! `loadAware`: the pods' metrics turned into the script's load arguments.
+
+use super::*;
+use crate::metrics::PodMetrics;
+
+fn cfg() -> LoadAwareConfig {
+    LoadAwareConfig::default()
+}
+
+fn pod(address: &str, waiting: f64, kv: f64) -> PodView {
+    PodView {
+        address: address.into(),
+        metrics: Some(PodMetrics {
+            running: Some(1.0),
+            waiting: Some(waiting),
+            kv_cache_usage: Some(kv),
+            ..PodMetrics::default()
+        }),
+        sampled_ms: None,
+    }
+}
+
+fn flags(args: &LoadArgs) -> Vec<(String, bool, u32)> {
+    args.hosts.iter().map(|h| (h.address.clone(), h.overloaded, h.penalty)).collect()
+}
+
+#[test]
+fn a_deep_queue_or_a_full_kv_cache_marks_a_pod_overloaded_against_the_least_loaded() {
+    let a = load_args(&cfg(), &[pod("a", 0.0, 0.1), pod("b", 9.0, 0.1), pod("c", 1.0, 0.7)])
+        .expect("every pod has metrics");
+    assert_eq!(
+        flags(&a),
+        vec![
+            ("a".into(), false, 1), // 0 + 8 × 0.1
+            ("b".into(), true, 10), // queue 9 - 0 > 4 and 9 > 1.5 × 0
+            ("c".into(), true, 7),  // KV 0.7 - 0.1 > 0.2 and 0.7 > 1.5 × 0.1
+        ]
+    );
+    assert_eq!((a.inflight_gap, a.ratio, a.max_holders), (4, 1.5, 2));
+}
+
+#[test]
+fn both_the_gap_and_the_ratio_must_be_passed() {
+    // Queue 14 vs 10: past the ratio? 14 > 15 no. Gap 4 is not more than 4 either way.
+    let a = load_args(&cfg(), &[pod("a", 10.0, 0.5), pod("b", 14.0, 0.5)]).unwrap();
+    assert!(a.hosts.iter().all(|h| !h.overloaded), "{a:?}");
+    // Queue 20 vs 10: gap 10 > 4 and 20 > 15.
+    let a = load_args(&cfg(), &[pod("a", 10.0, 0.5), pod("b", 20.0, 0.5)]).unwrap();
+    assert!(a.hosts[1].overloaded);
+    // KV 0.95 vs 0.7: gap 0.25 > 0.2 but 0.95 < 1.05: all pods nearly full, none singled out.
+    let a = load_args(&cfg(), &[pod("a", 0.0, 0.7), pod("b", 0.0, 0.95)]).unwrap();
+    assert!(!a.hosts[1].overloaded);
+}
+
+#[test]
+fn any_pod_without_queue_or_kv_metrics_means_no_load_arguments() {
+    let mut no_kv = pod("b", 0.0, 0.0);
+    no_kv.metrics.as_mut().unwrap().kv_cache_usage = None;
+    assert_eq!(load_args(&cfg(), &[pod("a", 0.0, 0.1), no_kv]), None);
+    let unknown = PodView { address: "b".into(), metrics: None, sampled_ms: None };
+    assert_eq!(load_args(&cfg(), &[pod("a", 0.0, 0.1), unknown]), None);
+    assert_eq!(load_args(&cfg(), &[]), None);
+}
+
+#[test]
+fn arguments_follow_the_calls_host_order() {
+    let a = load_args(&cfg(), &[pod("a", 0.0, 0.0), pod("b", 9.0, 0.5)]).unwrap();
+    let mut out = Vec::new();
+    a.args(&["b".to_string(), "a".to_string()], &mut out);
+    assert_eq!(out, vec!["4", "1.5", "2", "10", "13", "0"]);
+}
