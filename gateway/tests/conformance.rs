@@ -899,3 +899,35 @@ async fn shared_queue_across_workers() {
     let drained = t.plugin.iter().filter(|l| l.starts_with("queue_ready 0 1 0 m1")).count();
     assert_eq!(drained, 4, "{:?}", t.plugin);
 }
+
+/// A chunked request whose body ends with a trailer (`x-trailer: t1`), on HTTP/1.1 with the
+/// codec's defaults (Envoy: `enable_trailers` off).
+#[tokio::test(flavor = "multi_thread")]
+async fn request_trailers_on_http1() {
+    let mut p = Plugin::new();
+    let (ev, t) = (p.ev("req_trailers"), p.s("x-trailer"));
+    let p = p.extra(format!(
+        r#"  (func (export "proxy_on_request_trailers") (param $ctx i32) (param $n i32) (result i32)
+    {ev} (call $hget (i32.const 1) {t}) (call $ev_end) (i32.const 0))
+"#
+    ));
+    let p = {
+        let mut p = p;
+        let ev_b = p.ev("req_body");
+        let t2 = p.s("x-trailer");
+        p.on(
+            "proxy_on_request_body",
+            format!(
+                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $hget (i32.const 1) {t2}) (call $ev_end) (i32.const 0)"
+            ),
+        )
+    };
+    let t = differential(p.scenario("request_trailers_on_http1").steps(vec![Step::Abort {
+        bytes: "POST /t HTTP/1.1\r\nhost: conformance.test\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-trailer: t1\r\n\r\n".into(),
+        hold_ms: 400,
+    }]))
+    .await;
+    // Envoy's HTTP/1 codec drops the trailer: no trailers callback, the body ends on its own.
+    assert!(!t.plugin.iter().any(|l| l.starts_with("req_trailers")), "{:?}", t.plugin);
+    assert!(t.upstream.contains(&"  body \"hello\"".to_string()), "{:?}", t.upstream);
+}
