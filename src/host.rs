@@ -93,7 +93,9 @@ impl UpstreamHost {
 /// Reply to an HTTP call made with [`Host::http_call`].
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HttpReply {
-    /// `:status` of the response; 0 when the call failed (reset, timeout, no host).
+    /// `:status` of the response; 0 when the call failed after the response started (a reset).
+    /// A timeout, no host or a refused connection arrive as Envoy's router local reply (504 /
+    /// 503 with a text body).
     pub status: u16,
     /// Response headers (lower-case names).
     pub headers: Vec<(String, String)>,

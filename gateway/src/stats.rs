@@ -15,6 +15,15 @@ pub enum MetricKind {
     Histogram,
 }
 
+/// Why a metric operation failed (proxy-wasm statuses NotFound and BadArgument).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricError {
+    /// No metric has this id.
+    NotFound,
+    /// The operation does not apply to the metric's type (or the value to a counter).
+    BadArgument,
+}
+
 #[derive(Debug)]
 struct Metric {
     name: String,
@@ -54,41 +63,45 @@ impl Stats {
         m.push(Metric { name: name.to_string(), kind, value: 0, count: 0, sum: 0 });
         (m.len() - 1) as u32
     }
-    /// Add to a counter or gauge. False if the id is unknown or the metric is a histogram.
-    pub fn increment(&self, id: u32, offset: i64) -> bool {
-        let Ok(mut m) = self.metrics.lock() else { return false };
-        match m.get_mut(id as usize) {
-            Some(x) if x.kind != MetricKind::Histogram => {
+    /// Add to a counter or gauge, as Envoy's `Context::incrementMetric`: a counter only grows
+    /// (an offset <= 0 is BadArgument), a gauge adds or subtracts, a histogram has no increment
+    /// (BadArgument).
+    pub fn increment(&self, id: u32, offset: i64) -> Result<(), MetricError> {
+        let mut m = self.metrics.lock().map_err(|_| MetricError::NotFound)?;
+        let x = m.get_mut(id as usize).ok_or(MetricError::NotFound)?;
+        match x.kind {
+            MetricKind::Counter if offset <= 0 => Err(MetricError::BadArgument),
+            MetricKind::Counter | MetricKind::Gauge => {
                 x.value = x.value.saturating_add(offset);
-                true
+                Ok(())
             }
-            _ => false,
+            MetricKind::Histogram => Err(MetricError::BadArgument),
         }
     }
-    /// Record: set a gauge/counter, or add a histogram sample.
-    pub fn record(&self, id: u32, value: u64) -> bool {
-        let Ok(mut m) = self.metrics.lock() else { return false };
-        match m.get_mut(id as usize) {
-            Some(x) => {
-                match x.kind {
-                    MetricKind::Histogram => {
-                        x.count += 1;
-                        x.sum = x.sum.saturating_add(value);
-                    }
-                    _ => x.value = value as i64,
-                }
-                true
+    /// Record, as Envoy's `Context::recordMetric`: a counter adds the value, a gauge is set to
+    /// it, a histogram takes a sample.
+    pub fn record(&self, id: u32, value: u64) -> Result<(), MetricError> {
+        let mut m = self.metrics.lock().map_err(|_| MetricError::NotFound)?;
+        let x = m.get_mut(id as usize).ok_or(MetricError::NotFound)?;
+        match x.kind {
+            MetricKind::Counter => x.value = x.value.saturating_add(value as i64),
+            MetricKind::Gauge => x.value = value as i64,
+            MetricKind::Histogram => {
+                x.count += 1;
+                x.sum = x.sum.saturating_add(value);
             }
-            None => false,
         }
+        Ok(())
     }
-    /// Current value (histograms: sample count).
-    pub fn get(&self, id: u32) -> Option<u64> {
-        let m = self.metrics.lock().ok()?;
-        m.get(id as usize).map(|x| match x.kind {
-            MetricKind::Histogram => x.count,
-            _ => x.value as u64,
-        })
+    /// Current value of a counter or gauge; a histogram has none to read (Envoy's
+    /// `Context::getMetric` answers BadArgument).
+    pub fn get(&self, id: u32) -> Result<u64, MetricError> {
+        let m = self.metrics.lock().map_err(|_| MetricError::NotFound)?;
+        let x = m.get(id as usize).ok_or(MetricError::NotFound)?;
+        match x.kind {
+            MetricKind::Histogram => Err(MetricError::BadArgument),
+            _ => Ok(x.value as u64),
+        }
     }
 
     /// Render plugin metrics + host counters. `upstreams` gives (cluster, host, total, active).

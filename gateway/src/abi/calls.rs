@@ -6,8 +6,10 @@
 //! BadArgument. On an ORIGINAL_DST cluster with `use_http_header`, `x-envoy-original-dst-host:
 //! ip:port` is the destination (without it the call fails); on any other cluster the header means
 //! nothing and the cluster's LB picks, as in Envoy. The response
-//! goes to the root context; on failure the counts are 0 and `proxy_get_status` gives
-//! BrokenConnection. Tokens start at 4 and step by 4.
+//! goes to the root context. A failure before the response headers (no host, connection
+//! refused, the call's timeout) is Envoy's router local reply (503 / 504 with a text body),
+//! delivered as the response; a failure after them (a reset or timeout mid-body) gives counts of
+//! 0 and `proxy_get_status` gives BrokenConnection. Tokens start at 4 and step by 4.
 
 use super::{
     read_bytes, read_string, status, unmarshal_pairs, write_u32, CallResponse, HostState, Registrar,
@@ -75,8 +77,13 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 Duration::from_millis(timeout as u32 as u64)
             };
             tokio::task::spawn_local(async move {
+                // Whether the response headers arrived: until then Envoy's router answers a
+                // failure with a local reply, which the call delivers as its response.
+                let got_headers = std::cell::Cell::new(false);
                 let result = async {
-                    let ep = endpoint.ok_or("no healthy upstream")?;
+                    let Some(ep) = endpoint else {
+                        return Err(CallError::Local(503, "no healthy upstream"));
+                    };
                     let mut b = hyper::Request::builder()
                         .method(method.as_str())
                         .uri(format!("http://{}{}", ep.addr, path));
@@ -89,16 +96,29 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                     b = b.header("host", authority.as_str());
                     let req = b
                         .body(crate::body::GwBody::full(Bytes::from(body)))
-                        .map_err(|_| "bad request")?;
+                        .map_err(|_| CallError::Failed("bad request"))?;
                     let resp = tokio::time::timeout(timeout, async {
-                        let resp = client.request(req).await.map_err(|_| "connect")?;
+                        let resp = client.request(req).await.map_err(|e| {
+                            CallError::Local(
+                                503,
+                                if e.is_connect() { CONNECT_FAILURE } else { TERMINATED },
+                            )
+                        })?;
+                        got_headers.set(true);
                         let (parts, body) = resp.into_parts();
-                        let collected = body.collect().await.map_err(|_| "reset")?;
+                        let collected =
+                            body.collect().await.map_err(|_| CallError::Failed("reset"))?;
                         let trailers = collected.trailers().cloned();
-                        Ok::<_, &'static str>((parts, collected.to_bytes(), trailers))
+                        Ok::<_, CallError>((parts, collected.to_bytes(), trailers))
                     })
                     .await
-                    .map_err(|_| "timeout")??;
+                    .map_err(|_| {
+                        if got_headers.get() {
+                            CallError::Failed("timeout")
+                        } else {
+                            CallError::Local(504, "upstream request timeout")
+                        }
+                    })??;
                     let (parts, body, trailers) = resp;
                     let mut headers =
                         vec![(":status".to_string(), parts.status.as_str().as_bytes().to_vec())];
@@ -112,13 +132,21 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                                 .collect()
                         })
                         .unwrap_or_default();
-                    Ok::<_, &'static str>(CallResponse { headers, body, trailers })
+                    Ok::<_, CallError>(CallResponse { headers, body, trailers })
                 }
                 .await;
-                if let Err(e) = &result {
-                    tracing::debug!(cluster = %cluster, "http call {token} failed: {e}");
-                }
-                let _ = events.send(WorkerEvent::HttpCall { gen, token, result: result.ok() });
+                let result = match result {
+                    Ok(r) => Some(r),
+                    Err(CallError::Local(code, text)) => {
+                        tracing::debug!(cluster = %cluster, "http call {token}: local reply {code} {text}");
+                        Some(local_reply(code, text))
+                    }
+                    Err(CallError::Failed(e)) => {
+                        tracing::debug!(cluster = %cluster, "http call {token} failed: {e}");
+                        None
+                    }
+                };
+                let _ = events.send(WorkerEvent::HttpCall { gen, token, result });
             });
             match write_u32(&mut c, tokp, token) {
                 Ok(()) => status::OK,
@@ -127,4 +155,39 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
         },
     )?;
     Ok(())
+}
+
+/// Envoy's local reply body when the upstream refuses the connection (verified against Envoy
+/// 1.40 by the conformance scenario `dispatch_http_call_timeout_and_refused`).
+const CONNECT_FAILURE: &str =
+    "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure";
+/// The same when the connection closes before the response headers (Envoy's reset reason
+/// `connection termination`; not exercised by the conformance suite).
+const TERMINATED: &str =
+    "upstream connect error or disconnect/reset before headers. reset reason: connection termination";
+
+/// How a call ended without a response from the upstream.
+enum CallError {
+    /// Before the response headers: Envoy's router answers with a local reply (503 on a
+    /// connection failure or no host, 504 on the call's timeout), which the async client
+    /// delivers to the plugin as the response (`on_http_call_response` with its headers and
+    /// body).
+    Local(u16, &'static str),
+    /// After the response headers (a reset or a timeout mid-body): the call fails, the plugin
+    /// gets zero headers, body and trailers.
+    Failed(&'static str),
+}
+
+/// The local reply of Envoy's router as the async client delivers it: `:status`,
+/// `content-length` and `content-type: text/plain`, and the text as the body.
+fn local_reply(code: u16, text: &'static str) -> CallResponse {
+    CallResponse {
+        headers: vec![
+            (":status".to_string(), code.to_string().into_bytes()),
+            ("content-length".to_string(), text.len().to_string().into_bytes()),
+            ("content-type".to_string(), b"text/plain".to_vec()),
+        ],
+        body: Bytes::from_static(text.as_bytes()),
+        trailers: Vec::new(),
+    }
 }

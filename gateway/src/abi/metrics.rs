@@ -2,7 +2,7 @@
 //! Metrics are process-wide (like Envoy stats) and exposed on admin `/stats`.
 
 use super::{read_string, status, write_bytes, write_u32, HostState, Registrar};
-use crate::stats::MetricKind;
+use crate::stats::{MetricError, MetricKind};
 use wasmtime::Caller;
 
 /// Register the group.
@@ -28,27 +28,32 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
         },
     )?;
     l.func("proxy_increment_metric", |c: Caller<'_, HostState>, id: i32, offset: i64| -> i32 {
-        if c.data().g.stats.increment(id as u32, offset) {
-            status::OK
-        } else {
-            status::NOT_FOUND
+        match c.data().g.stats.increment(id as u32, offset) {
+            Ok(()) => status::OK,
+            Err(e) => metric_status(e),
         }
     })?;
     l.func("proxy_record_metric", |c: Caller<'_, HostState>, id: i32, value: i64| -> i32 {
-        if c.data().g.stats.record(id as u32, value as u64) {
-            status::OK
-        } else {
-            status::NOT_FOUND
+        match c.data().g.stats.record(id as u32, value as u64) {
+            Ok(()) => status::OK,
+            Err(e) => metric_status(e),
         }
     })?;
     l.func("proxy_get_metric", |mut c: Caller<'_, HostState>, id: i32, out: i32| -> i32 {
         match c.data().g.stats.get(id as u32) {
-            Some(v) => match write_bytes(&mut c, out, &v.to_le_bytes()) {
+            Ok(v) => match write_bytes(&mut c, out, &v.to_le_bytes()) {
                 Ok(()) => status::OK,
                 Err(e) => e,
             },
-            None => status::NOT_FOUND,
+            Err(e) => metric_status(e),
         }
     })?;
     Ok(())
+}
+
+fn metric_status(e: MetricError) -> i32 {
+    match e {
+        MetricError::NotFound => status::NOT_FOUND,
+        MetricError::BadArgument => status::BAD_ARGUMENT,
+    }
 }

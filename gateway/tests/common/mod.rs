@@ -222,7 +222,8 @@ pub struct Recorded {
 }
 
 /// A recording upstream. Paths: `/slow` answers after 500 ms; `/secret` a body with "secret"; `/sse` streams 3 events 150 ms
-/// apart; `/sse-forever` streams until the client goes away; `/metrics` answers a fixed text;
+/// apart; `/sse-forever` streams until the client goes away; `/reset-mid` sends a chunked
+/// response's first chunk and then drops the connection; `/metrics` answers a fixed text;
 /// anything else answers "ok <port>".
 pub struct Upstream {
     pub addr: SocketAddr,
@@ -265,6 +266,18 @@ impl Upstream {
                                     "/hang" => {
                                         tokio::time::sleep(Duration::from_secs(10)).await;
                                         hyper::Response::new(GwBody::full(Bytes::from("late")))
+                                    }
+                                    "/reset-mid" => {
+                                        let (tx, b) = GwBody::channel();
+                                        tokio::spawn(async move {
+                                            let _ = tx.send(Ok(Bytes::from("first chunk"))).await;
+                                            tokio::time::sleep(Duration::from_millis(100)).await;
+                                            // A body error: hyper aborts the connection mid-body.
+                                            let _ = tx
+                                                .send(Err(std::io::Error::other("reset").into()))
+                                                .await;
+                                        });
+                                        hyper::Response::new(b)
                                     }
                                     "/secret" => hyper::Response::new(GwBody::full(Bytes::from(
                                         "a body with a secret in it",

@@ -130,6 +130,8 @@ pub enum Cluster {
     Static(&'static str, Vec<usize>),
     /// ORIGINAL_DST with `use_http_header: true`.
     OriginalDst(&'static str),
+    /// STATIC, one endpoint on a local port where nothing listens (connections are refused).
+    Refusing(&'static str),
 }
 
 /// What the client does, in order.
@@ -223,6 +225,8 @@ pub struct Scenario {
     pub routes: Vec<Route>,
     /// Envoy's listener `per_connection_buffer_limit_bytes` (set in both configs).
     pub buffer_limit: u32,
+    /// Worker threads (Envoy `--concurrency`, this host's workers).
+    pub workers: usize,
     pub configuration: &'static str,
     pub steps: Vec<Step>,
     /// Rewrites the module text before it is assembled (e.g. the 0_1_0 signatures).
@@ -248,6 +252,7 @@ impl Scenario {
                 target: Target::Cluster("pods"),
             }],
             buffer_limit: 32768,
+            workers: 1,
             configuration: r#"{"a":1}"#,
             steps: vec![],
             edit: None,
@@ -355,14 +360,14 @@ fn http_get_blocking(addr: &str, path: &str) -> Option<String> {
 
 impl Envoy {
     /// Start Envoy on `bootstrap`; Err(stderr) when it refuses the configuration.
-    pub fn start(bootstrap: &str, dir: common::TempDir) -> Result<Envoy, String> {
+    pub fn start(bootstrap: &str, dir: common::TempDir, workers: usize) -> Result<Envoy, String> {
         let cfg = dir.0.join("envoy.yaml");
         std::fs::write(&cfg, bootstrap).map_err(|e| e.to_string())?;
         let admin_file = dir.0.join("admin");
         let mut child = Command::new(envoy_bin())
             .arg("-c")
             .arg(&cfg)
-            .args(["--concurrency", "1", "--disable-hot-restart", "-l", "warning"])
+            .args(["--concurrency", &workers.to_string(), "--disable-hot-restart", "-l", "warning"])
             .args(["--component-log-level", "wasm:info", "--log-format", "%v"])
             .arg("--admin-address-path")
             .arg(&admin_file)
@@ -420,7 +425,7 @@ impl Envoy {
     }
 }
 
-fn render_gateway(sc: &Scenario, ups: &[Upstream], wasm: &Path) -> String {
+fn render_gateway(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) -> String {
     let mut y = format!(
         "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n",
         sc.buffer_limit
@@ -448,6 +453,9 @@ fn render_gateway(sc: &Scenario, ups: &[Upstream], wasm: &Path) -> String {
             Cluster::OriginalDst(name) => y.push_str(&format!(
                 "  - name: \"{name}\"\n    type: ORIGINAL_DST\n    original_dst_lb_config: {{use_http_header: true}}\n    connect_timeout_ms: 1000\n"
             )),
+            Cluster::Refusing(name) => y.push_str(&format!(
+                "  - name: \"{name}\"\n    endpoints: [\"{dead}\"]\n    connect_timeout_ms: 1000\n"
+            )),
         }
     }
     y.push_str(&format!(
@@ -458,7 +466,7 @@ fn render_gateway(sc: &Scenario, ups: &[Upstream], wasm: &Path) -> String {
     y
 }
 
-fn render_envoy(sc: &Scenario, ups: &[Upstream], wasm: &Path) -> String {
+fn render_envoy(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) -> String {
     let mut routes = String::new();
     for r in &sc.routes {
         let target = match &r.target {
@@ -490,6 +498,10 @@ fn render_envoy(sc: &Scenario, ups: &[Upstream], wasm: &Path) -> String {
             }
             Cluster::OriginalDst(name) => clusters.push_str(&format!(
                 "  - name: \"{name}\"\n    type: ORIGINAL_DST\n    lb_policy: CLUSTER_PROVIDED\n    connect_timeout: 1s\n    original_dst_lb_config: {{use_http_header: true}}\n"
+            )),
+            Cluster::Refusing(name) => clusters.push_str(&format!(
+                "  - name: \"{name}\"\n    type: STATIC\n    connect_timeout: 1s\n    load_assignment: {{cluster_name: \"{name}\", endpoints: [{{lb_endpoints: [{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {}}}}}}}}}]}}]}}\n",
+                dead.port()
             )),
         }
     }
@@ -657,19 +669,23 @@ pub async fn run(sc: &Scenario, under: Under) -> Transcript {
     for _ in 0..sc.upstreams {
         ups.push(Upstream::start().await);
     }
+    // A local port where nothing listens: bound, then released (for `Cluster::Refusing`).
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free local port");
     let dir = common::TempDir::new();
     let marker = if sc.stop_iteration && under == Under::Host { "0_2_100" } else { sc.marker };
     let wasm = dir.0.join("plugin.wasm");
     std::fs::write(&wasm, sc.module(marker)).unwrap();
     let proxy: Result<Box<dyn Proxy>, String> = match under {
         Under::Host => {
-            let yaml = render_gateway(sc, &ups, &wasm);
-            Gateway::try_start(&yaml, None, 1).map(|g| Box::new(g) as Box<dyn Proxy>)
+            let yaml = render_gateway(sc, &ups, dead, &wasm);
+            Gateway::try_start(&yaml, None, sc.workers).map(|g| Box::new(g) as Box<dyn Proxy>)
         }
         Under::Envoy => {
-            let yaml = render_envoy(sc, &ups, &wasm);
+            let yaml = render_envoy(sc, &ups, dead, &wasm);
             let d2 = common::TempDir::new();
-            Envoy::start(&yaml, d2).map(|e| Box::new(e) as Box<dyn Proxy>)
+            Envoy::start(&yaml, d2, sc.workers).map(|e| Box::new(e) as Box<dyn Proxy>)
         }
     };
     let mut t = Transcript::default();
@@ -683,7 +699,10 @@ pub async fn run(sc: &Scenario, under: Under) -> Transcript {
     };
     drop(dir);
     t.start = "started".into();
-    let mut names = vec![(proxy.addr().to_string(), "PROXY".to_string())];
+    let mut names = vec![
+        (proxy.addr().to_string(), "PROXY".to_string()),
+        (dead.to_string(), "DEAD".to_string()),
+    ];
     for (i, u) in ups.iter().enumerate() {
         names.push((u.addr.to_string(), format!("UP{i}")));
         names.push((u.addr.port().to_string(), format!("UP{i}PORT")));
