@@ -101,6 +101,14 @@ impl RedisClusterFixture {
     }
 
     fn spawn_node(&mut self) -> Result<()> {
+        let node = self.start_node()?;
+        self.nodes.push(node);
+        Ok(())
+    }
+
+    /// Starts a node on two ports that were free a moment ago (the OS may still hand one out to
+    /// another socket before redis-server binds it: `wait_node_ready` then starts it again).
+    fn start_node(&self) -> Result<Node> {
         let (port, bus_port) = (free_port()?, free_port()?);
         let dir = self.dir.path().join(port.to_string());
         std::fs::create_dir_all(&dir)?;
@@ -119,8 +127,7 @@ impl RedisClusterFixture {
         ]
         .map(str::to_string);
         let child = spawn_redis_server(&redis_server_bin(), port, &dir, &extra)?;
-        self.nodes.push(Node { port, bus_port, child: Some(child), id: String::new() });
-        Ok(())
+        Ok(Node { port, bus_port, child: Some(child), id: String::new() })
     }
 
     /// Waits until node `i` answers; returns its node id.
@@ -129,6 +136,11 @@ impl RedisClusterFixture {
         while Instant::now() < deadline {
             if let Some(Ok(Some(status))) = self.nodes[i].child.as_mut().map(Child::try_wait) {
                 let log = self.log(i);
+                if log.contains("Address already in use") {
+                    // One of its ports was taken between free_port and bind: new ports.
+                    self.nodes[i] = self.start_node()?;
+                    continue;
+                }
                 bail!("redis-server (cluster node {i}) exited at start ({status}): {log}");
             }
             match self.client_at(i).await {
