@@ -4,7 +4,7 @@
 
 use crate::body::GwBody;
 use crate::cluster::Health;
-use crate::worker::Global;
+use crate::global::Global;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;

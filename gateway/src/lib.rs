@@ -7,6 +7,7 @@ pub mod admin;
 pub mod body;
 pub mod cluster;
 pub mod config;
+pub mod global;
 pub mod proxy;
 pub mod redis;
 pub mod stats;
@@ -56,7 +57,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(p) = &plugin {
         tracing::info!("plugin ABI marker: {:?}", p.abi);
     }
-    let g = Arc::new(worker::Global {
+    let g = Arc::new(global::Global {
         clusters: cluster::Clusters::new(&cfg.clusters)?,
         routes: cfg.routes.clone(),
         stats: stats::Stats::default(),
@@ -68,7 +69,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         plugin_vm_id: cfg.plugin.as_ref().map(|p| p.vm_id.clone()).unwrap_or_default(),
         plugin: cfg.plugin.clone(),
         log_level: abi::logging::level_from_name(&args.log_level),
-        shutdown: tokio::sync::watch::Sender::new(worker::Shutdown::Running),
+        shutdown: tokio::sync::watch::Sender::new(global::Shutdown::Running),
         live_streams: Default::default(),
         redis_outstanding: Default::default(),
     });
@@ -161,7 +162,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                                 a = l.accept() => a,
                                 // A stop closes the listener (dropped below): new connections
                                 // are refused, as Envoy's listeners stop on drain.
-                                _ = stop.wait_for(|s| *s != worker::Shutdown::Running) => break,
+                                _ = stop.wait_for(|s| *s != global::Shutdown::Running) => break,
                             };
                             match accepted {
                                 Ok((stream, peer)) => {
@@ -262,7 +263,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// connections close at once), cut what is left after `timeout`, then wait briefly until every
 /// stream's on_log/on_done/on_delete ran and the Redis commands they sent were answered.
 async fn drain(
-    g: &Arc<worker::Global>,
+    g: &Arc<global::Global>,
     timeout: std::time::Duration,
     why: &str,
 ) -> anyhow::Result<()> {
@@ -270,10 +271,10 @@ async fn drain(
     let started = std::time::Instant::now();
     let live = || g.live_streams.load(Ordering::Relaxed);
     tracing::info!("{why}: draining {} stream(s) for up to {timeout:?}", live());
-    g.shutdown.send_replace(worker::Shutdown::Draining);
+    g.shutdown.send_replace(global::Shutdown::Draining);
     if !settled(|| live() == 0, timeout).await {
         tracing::warn!("drain timeout: cutting {} stream(s)", live());
-        g.shutdown.send_replace(worker::Shutdown::Cut);
+        g.shutdown.send_replace(global::Shutdown::Cut);
         settled(|| live() == 0, std::time::Duration::from_secs(2)).await;
     }
     let redis_done = settled(

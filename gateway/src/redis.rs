@@ -14,7 +14,7 @@ mod cluster_client;
 
 use crate::cluster::Cluster;
 use crate::config::ClusterType;
-use crate::worker::WorkerEvent;
+use crate::global::WorkerEvent;
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
 use std::net::SocketAddr;

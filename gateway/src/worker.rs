@@ -1,97 +1,16 @@
 //! Workers: each one is a thread with its own Tokio runtime and its own plugin VM (wasmtime
 //! Store + instance of the module compiled once), like Envoy workers.
 
-use crate::abi::{self, AbiVersion, Action, CallResponse, HostState, StreamState};
+use crate::abi::{self, AbiVersion, Action, HostState, StreamState};
 use crate::body::HttpClient;
-use crate::cluster::Clusters;
-use crate::config::{FailurePolicy, PluginConfig, RouteConfig};
-use crate::stats::Stats;
-use bytes::Bytes;
+use crate::config::{FailurePolicy, PluginConfig};
+use crate::global::{Global, WorkerEvent};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use wasmtime::{Engine, Func, Instance, Linker, Module, Store, Val, ValType};
-
-/// Process-wide state shared by all workers.
-pub struct Global {
-    /// Clusters.
-    pub clusters: Clusters,
-    /// Routes.
-    pub routes: Vec<RouteConfig>,
-    /// Stats and plugin metrics.
-    pub stats: Stats,
-    /// Shared data (per vm_id, all workers).
-    pub shared_data: abi::shared::SharedData,
-    /// Shared queues.
-    pub queues: abi::shared::SharedQueues,
-    /// Event senders of every worker (for queue notifications).
-    pub worker_events: OnceLock<Vec<mpsc::UnboundedSender<WorkerEvent>>>,
-    /// Plugin section.
-    pub plugin: Option<PluginConfig>,
-    /// `plugin_name`.
-    pub plugin_name: String,
-    /// `plugin_root_id`.
-    pub plugin_root_id: String,
-    /// `plugin_vm_id`.
-    pub plugin_vm_id: String,
-    /// proxy-wasm log level for `proxy_get_log_level`.
-    pub log_level: u32,
-    /// Where a stop (SIGTERM/SIGINT) is; workers and connections watch it.
-    pub shutdown: tokio::sync::watch::Sender<Shutdown>,
-    /// Streams whose context has not finished yet (on_log/on_done/on_delete pending), all workers.
-    pub live_streams: std::sync::atomic::AtomicUsize,
-    /// Redis calls sent whose reply (or failure) has not reached the plugin yet, all workers.
-    pub redis_outstanding: std::sync::atomic::AtomicUsize,
-}
-
-/// The gateway's stop sequence, as Envoy drains on SIGTERM.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shutdown {
-    /// Serving.
-    Running,
-    /// Listeners closed; connections close once their in-flight request is answered.
-    Draining,
-    /// The drain timeout passed: remaining connections are closed (their streams end as on a
-    /// client abort, so the plugin's on_log/on_done/on_delete still run).
-    Cut,
-}
-
-/// Asynchronous results delivered to a worker's VM.
-#[derive(Debug)]
-pub enum WorkerEvent {
-    /// Redis reply (None: NetworkError).
-    Redis {
-        /// VM generation that made the call.
-        gen: u64,
-        /// Call token.
-        token: u32,
-        /// Raw RESP reply.
-        reply: Option<Bytes>,
-    },
-    /// HTTP callout result (None: failure).
-    HttpCall {
-        /// VM generation.
-        gen: u64,
-        /// Token.
-        token: u32,
-        /// Response.
-        result: Option<CallResponse>,
-    },
-    /// Tick of the root context.
-    Tick {
-        /// VM generation.
-        gen: u64,
-    },
-    /// A shared queue got an item.
-    QueueReady {
-        /// VM generation that registered the queue.
-        gen: u64,
-        /// Queue id.
-        queue_id: u32,
-    },
-}
 
 /// The compiled plugin, shared by all workers.
 pub struct PluginRuntime {

@@ -14,7 +14,7 @@
 use super::{
     read_bytes, read_string, status, unmarshal_pairs, write_u32, CallResponse, HostState, Registrar,
 };
-use crate::worker::WorkerEvent;
+use crate::global::WorkerEvent;
 use bytes::Bytes;
 use http_body_util::BodyExt;
 use std::time::Duration;

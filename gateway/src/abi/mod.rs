@@ -30,37 +30,14 @@ pub mod shared;
 pub mod stream;
 pub mod wasi;
 
-use crate::worker::{Global, WorkerEvent};
+pub use crate::global::{status, CallResponse, HeaderMap};
+use crate::global::{Global, WorkerEvent};
 use bytes::{Bytes, BytesMut};
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 use wasmtime::{Caller, Engine, Linker, Module, Val, ValType};
-
-/// proxy-wasm `WasmResult` codes.
-pub mod status {
-    /// Ok
-    pub const OK: i32 = 0;
-    /// NotFound
-    pub const NOT_FOUND: i32 = 1;
-    /// BadArgument
-    pub const BAD_ARGUMENT: i32 = 2;
-    /// SerializationFailure
-    pub const SERIALIZATION_FAILURE: i32 = 3;
-    /// InvalidMemoryAccess
-    pub const INVALID_MEMORY_ACCESS: i32 = 6;
-    /// Empty
-    pub const EMPTY: i32 = 7;
-    /// CasMismatch
-    pub const CAS_MISMATCH: i32 = 8;
-    /// InternalFailure
-    pub const INTERNAL_FAILURE: i32 = 10;
-    /// BrokenConnection
-    pub const BROKEN_CONNECTION: i32 = 11;
-    /// Unimplemented
-    pub const UNIMPLEMENTED: i32 = 12;
-}
 
 /// The ABI marker exported by the module.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,9 +102,6 @@ impl HeaderAction {
         }
     }
 }
-
-/// A header map: (lower-case name, value), pseudo-headers included.
-pub type HeaderMap = Vec<(String, Vec<u8>)>;
 
 /// A local reply requested by the plugin or the gateway.
 #[derive(Debug, Clone)]
@@ -286,17 +260,6 @@ pub enum Action {
     LocalReply(LocalReply),
     /// `close_stream`.
     Reset,
-}
-
-/// Response of an HTTP callout, readable during `proxy_on_http_call_response`.
-#[derive(Debug, Default, Clone)]
-pub struct CallResponse {
-    /// Headers (`:status` first).
-    pub headers: HeaderMap,
-    /// Body.
-    pub body: Bytes,
-    /// Trailers.
-    pub trailers: HeaderMap,
 }
 
 /// Per-VM host state (one per worker VM instance).

@@ -17,7 +17,7 @@
 
 use super::{connection_setup, resp_command, run_node, NodeRequest, RedisConfig, ReplySink};
 use crate::config::RedisClusterConfig;
-use crate::worker::WorkerEvent;
+use crate::global::WorkerEvent;
 use bytes::{Bytes, BytesMut};
 use redis_protocol::resp2::types::OwnedFrame;
 use std::collections::HashMap;
