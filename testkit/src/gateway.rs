@@ -471,6 +471,11 @@ impl Gateway {
         }
         let traps = self.traps()?;
         if traps != 0 {
+            // The counter moves before the stderr reader has the trap's log line: give it a moment.
+            let deadline = std::time::Instant::now() + Duration::from_secs(2);
+            while !self.logs().contains(TRAP_LOG_LINE) && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
             let logs = self.logs();
             let trap_lines: Vec<&str> =
                 logs.lines().filter(|l| l.contains(TRAP_LOG_LINE)).take(5).collect();
