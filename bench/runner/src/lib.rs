@@ -214,9 +214,11 @@ async fn watch_first_unhealthy(
             let Ok(v) = serde_json::from_str::<Value>(&text) else { continue };
             let unhealthy = v.as_array().into_iter().flatten().any(|c| {
                 c["name"].as_str() != Some(REDIS_CLUSTER)
-                    && c["endpoints"].as_array().into_iter().flatten().any(|e| {
-                        e["health_status"].as_str() == Some("Unhealthy")
-                    })
+                    && c["endpoints"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|e| e["health_status"].as_str() == Some("Unhealthy"))
             });
             if unhealthy {
                 return Some(t0.elapsed().as_secs_f64());
@@ -443,8 +445,7 @@ pub async fn run_policy(
         let tag = format!("{policy}-{i}");
         let (p, addr) = match spec.route {
             Route::Gateway(_) => {
-                let (p, addr) =
-                    start_gateway(paths, sc, policy, &pods, &redis.addr, &tag).await?;
+                let (p, addr) = start_gateway(paths, sc, policy, &pods, &redis.addr, &tag).await?;
                 admins.extend(p.lines_with("ADMIN ").first().and_then(|v| v.first().cloned()));
                 (p, addr)
             }
@@ -677,7 +678,9 @@ pub async fn run_jobs(
                 r.failures.iter().map(|f| format!("{:.2}", f.start_s)).collect();
             line.push_str(&format!(
                 "; pod marked Unhealthy at {}, {} errors after it; failures started at [{}]",
-                r.marked_unhealthy_at_s.map(|m| format!("{m:.2} s")).unwrap_or_else(|| "never".into()),
+                r.marked_unhealthy_at_s
+                    .map(|m| format!("{m:.2} s"))
+                    .unwrap_or_else(|| "never".into()),
                 r.errors_after_mark,
                 starts.join(", ")
             ));
