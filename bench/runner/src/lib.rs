@@ -143,6 +143,9 @@ pub struct PolicyResult {
     /// Unhealthy (polled from its admin `/clusters` every 20 ms); None if it never did.
     #[serde(default)]
     pub marked_unhealthy_at_s: Option<f64>,
+    /// Whether the mark was watched (runs before this field: not; their split is unknown).
+    #[serde(default)]
+    pub mark_watched: bool,
     /// Failed requests sent once that mark was made (the pod-failure goal: zero).
     #[serde(default)]
     pub errors_after_mark: usize,
@@ -484,9 +487,10 @@ pub async fn run_policy(
     };
     let t0 = Instant::now();
     let watch_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let watcher = sc
-        .health_check
-        .then(|| tokio::spawn(watch_first_unhealthy(admins, t0, watch_stop.clone())));
+    // Only our gateways mark pods (a competitor router has no admin API to watch).
+    let mark_watched = sc.health_check && !admins.is_empty();
+    let watcher =
+        mark_watched.then(|| tokio::spawn(watch_first_unhealthy(admins, t0, watch_stop.clone())));
     let freezer = match (sc.redis_freeze, redis.proc.id()) {
         (Some(f), Some(pid)) => Some(tokio::spawn(freeze_redis(pid, f))),
         _ => None,
@@ -584,6 +588,7 @@ pub async fn run_policy(
             120,
         ),
         marked_unhealthy_at_s,
+        mark_watched,
         errors_after_mark,
         failures,
         outage_ttft_p90_ms: sc.redis_freeze.and_then(|f| {
@@ -799,13 +804,17 @@ pub fn failure_table(rep: &Report) -> String {
         "| policy | errors (all runs) | before the mark | after the mark | marked at (s into the load, per run) |\n|---|---|---|---|---|\n",
     );
     let mut names: Vec<&str> = Vec::new();
-    for r in &rep.runs {
+    for r in rep.runs.iter().filter(|r| r.mark_watched) {
         if !names.contains(&r.policy.as_str()) {
             names.push(&r.policy);
         }
     }
+    if names.is_empty() {
+        return String::new();
+    }
     for name in names {
-        let runs: Vec<&PolicyResult> = rep.runs.iter().filter(|r| r.policy == name).collect();
+        let runs: Vec<&PolicyResult> =
+            rep.runs.iter().filter(|r| r.policy == name && r.mark_watched).collect();
         let errors: usize = runs.iter().map(|r| r.errors).sum();
         let after: usize = runs.iter().map(|r| r.errors_after_mark).sum();
         let marks: Vec<String> = runs
