@@ -428,6 +428,14 @@ impl Pod {
             }
             (Method::GET, "/metrics") => {
                 let mut r = Response::new(full(self.metrics_text()));
+                // A dead engine takes its API server down: vLLM's launcher shuts the server down
+                // on EngineDeadError (unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH), SGLang kills its
+                // process tree. So a health check on /metrics (Higress with store_metrics) must
+                // fail as it would against a server that is gone. The body stays, for the bench's
+                // own podsim_* counters (a health checker ignores the body of a failed probe).
+                if self.failed() {
+                    *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                }
                 r.headers_mut().insert(
                     "content-type",
                     hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
@@ -770,7 +778,13 @@ mod tests {
         assert_eq!(get_status(addr, "/health").await, 200, "answers once the hang is over");
         let waited = t0.elapsed();
         assert!(waited >= Duration::from_millis(250), "hung for {waited:?}");
+        assert_eq!(get_status(addr, "/metrics").await, 200, "a live engine serves its metrics");
         tokio::time::sleep(Duration::from_millis(700).saturating_sub(t0.elapsed())).await;
         assert_eq!(get_status(addr, "/health").await, 503, "dead engine fails its health check");
+        assert_eq!(
+            get_status(addr, "/metrics").await,
+            503,
+            "a dead engine's server is down, so a health check on /metrics fails too"
+        );
     }
 }

@@ -139,9 +139,97 @@ pub struct PolicyResult {
     /// Per-pod requests in flight over the run (client view; wall seconds).
     #[serde(default)]
     pub load_series: stats::LoadSeries,
+    /// With a health check: seconds into the load when the gateway first marked a pod
+    /// Unhealthy (polled from its admin `/clusters` every 20 ms); None if it never did.
+    #[serde(default)]
+    pub marked_unhealthy_at_s: Option<f64>,
+    /// Whether the mark was watched (runs before this field: not; their split is unknown).
+    #[serde(default)]
+    pub mark_watched: bool,
+    /// Failed requests sent once that mark was made (the pod-failure goal: zero).
+    #[serde(default)]
+    pub errors_after_mark: usize,
+    /// Every failed request: when it started and ended and why (pod-failure analysis).
+    #[serde(default)]
+    pub failures: Vec<Failure>,
+    /// With `redis_freeze`: TTFT p90 (simulated ms) of the successful requests sent while Redis
+    /// was frozen, and how many there were.
+    #[serde(default)]
+    pub outage_ttft_p90_ms: Option<f64>,
+    /// Successful requests sent while Redis was frozen.
+    #[serde(default)]
+    pub outage_requests: usize,
     /// TTFTs (simulated ms), for the chart.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
+}
+
+/// One failed request.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct Failure {
+    /// Start, seconds into the load (wall clock).
+    pub start_s: f64,
+    /// End, seconds into the load (wall clock).
+    pub end_s: f64,
+    /// The client's error text (first 120 characters).
+    pub error: String,
+}
+
+/// TTFT (simulated ms, as in [`PolicyResult::ttfts`]) of the successful requests sent while
+/// Redis was frozen.
+fn outage_ttfts(records: &[loadgen::RequestRecord], f: scenario::RedisFreeze, ts: f64) -> Vec<f64> {
+    records
+        .iter()
+        .filter(|r| r.error.is_none() && r.start_s >= f.at_s && r.start_s < f.at_s + f.for_s)
+        .filter_map(|r| {
+            let gw = r.gateway_added_ms.unwrap_or(0.0);
+            r.ttft_ms.map(|v| (v - gw.clamp(0.0, v)) / ts + gw.clamp(0.0, v))
+        })
+        .collect()
+}
+
+/// Freezes Redis (SIGSTOP) `f.at_s` into the load and thaws it (SIGCONT) `f.for_s` later.
+async fn freeze_redis(pid: u32, f: scenario::RedisFreeze) -> Result<()> {
+    let signal = |sig: &str| -> Result<()> {
+        let st = std::process::Command::new("kill").args([sig, &pid.to_string()]).status()?;
+        if !st.success() {
+            return Err(anyhow!("kill {sig} {pid} failed"));
+        }
+        Ok(())
+    };
+    tokio::time::sleep(Duration::from_secs_f64(f.at_s.max(0.0))).await;
+    signal("-STOP")?;
+    tokio::time::sleep(Duration::from_secs_f64(f.for_s.max(0.0))).await;
+    signal("-CONT")
+}
+
+/// Polls the gateways' admin `/clusters` until `stop`; returns when one of them first showed an
+/// endpoint Unhealthy, measured from `t0`.
+async fn watch_first_unhealthy(
+    admins: Vec<String>,
+    t0: Instant,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> Option<f64> {
+    use std::sync::atomic::Ordering;
+    while !stop.load(Ordering::Relaxed) {
+        for a in &admins {
+            let Ok(text) = http_get(a, "/clusters").await else { continue };
+            let Ok(v) = serde_json::from_str::<Value>(&text) else { continue };
+            let unhealthy = v.as_array().into_iter().flatten().any(|c| {
+                c["name"].as_str() != Some(REDIS_CLUSTER)
+                    && c["endpoints"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .any(|e| e["health_status"].as_str() == Some("Unhealthy"))
+            });
+            if unhealthy {
+                return Some(t0.elapsed().as_secs_f64());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
 }
 
 /// When, from what and where a report was made.
@@ -355,10 +443,15 @@ pub async fn run_policy(
     // One gateway (or one independent competitor router) per gateway slot.
     let mut gws = Vec::new();
     let mut urls = Vec::new();
+    let mut admins = Vec::new();
     for i in 0..replicas.max(1) {
         let tag = format!("{policy}-{i}");
         let (p, addr) = match spec.route {
-            Route::Gateway(_) => start_gateway(paths, sc, policy, &pods, &redis.addr, &tag).await?,
+            Route::Gateway(_) => {
+                let (p, addr) = start_gateway(paths, sc, policy, &pods, &redis.addr, &tag).await?;
+                admins.extend(p.lines_with("ADMIN ").first().and_then(|v| v.first().cloned()));
+                (p, addr)
+            }
             Route::External { router, policy: rp } => {
                 let r = routers::start_router(&paths.root, sc, router, rp, &pods, &tag).await?;
                 (r.proc, r.addr)
@@ -393,9 +486,40 @@ pub async fn run_policy(
         page: 16,
     };
     let t0 = Instant::now();
+    let watch_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Only our gateways mark pods (a competitor router has no admin API to watch).
+    let mark_watched = sc.health_check && !admins.is_empty();
+    let watcher =
+        mark_watched.then(|| tokio::spawn(watch_first_unhealthy(admins, t0, watch_stop.clone())));
+    let freezer = match (sc.redis_freeze, redis.proc.id()) {
+        (Some(f), Some(pid)) => Some(tokio::spawn(freeze_redis(pid, f))),
+        _ => None,
+    };
     let records =
         loadgen::run(sc.workload.plan(), target, sc.workload.concurrency(), progress).await;
     let wall = t0.elapsed().as_secs_f64();
+    if let Some(f) = freezer {
+        // A run shorter than the freeze still gets Redis back before the next one.
+        f.await.map_err(|e| anyhow!("freezer: {e}"))??;
+    }
+    watch_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let marked_unhealthy_at_s = match watcher {
+        Some(w) => w.await.ok().flatten(),
+        None => None,
+    };
+    let failures: Vec<Failure> = records
+        .iter()
+        .filter_map(|r| {
+            r.error.as_ref().map(|e| Failure {
+                start_s: r.start_s,
+                end_s: r.start_s + r.e2e_ms / 1000.0,
+                error: e.chars().take(120).collect(),
+            })
+        })
+        .collect();
+    let errors_after_mark = marked_unhealthy_at_s
+        .map(|m| failures.iter().filter(|f| f.start_s >= m).count())
+        .unwrap_or(0);
     let mut usage = RedisUsage::since_reset(&redis.addr, cpu0).await.unwrap_or_default();
     usage.cpu_s = (usage.cpu_s - idle_cpu_per_s * wall).max(0.0);
     let mut prompt = 0.0;
@@ -463,6 +587,17 @@ pub async fn run_policy(
                 .collect::<Vec<_>>(),
             120,
         ),
+        marked_unhealthy_at_s,
+        mark_watched,
+        errors_after_mark,
+        failures,
+        outage_ttft_p90_ms: sc.redis_freeze.and_then(|f| {
+            let mut v = outage_ttfts(&records, f, ts);
+            v.sort_by(f64::total_cmp);
+            let i = ((v.len() as f64) * 0.9).ceil() as usize;
+            v.get(i.saturating_sub(1)).copied()
+        }),
+        outage_requests: sc.redis_freeze.map_or(0, |f| outage_ttfts(&records, f, ts).len()),
         ttfts: records
             .iter()
             .filter(|r| r.error.is_none())
@@ -527,7 +662,7 @@ pub async fn run_jobs(
         ticker.abort();
         let r = r.with_context(|| format!("{}, repetition {}", job.label, rep + 1))?;
         base += per_run(job);
-        let line = format!(
+        let mut line = format!(
             "{} #{}: {} requests, {} errors, TTFT mean {:.0} ms, hit rate {:.1}%",
             job.label,
             rep + 1,
@@ -536,6 +671,25 @@ pub async fn run_jobs(
             r.ttft_ms.mean,
             r.prefix_hit_rate * 100.0
         );
+        if job.sc.redis_freeze.is_some() {
+            line.push_str(&format!(
+                "; while Redis was frozen: {} requests, TTFT p90 {} ms",
+                r.outage_requests,
+                r.outage_ttft_p90_ms.map_or_else(|| "n/a".into(), |v| format!("{v:.0}"))
+            ));
+        }
+        if job.sc.health_check {
+            let starts: Vec<String> =
+                r.failures.iter().map(|f| format!("{:.2}", f.start_s)).collect();
+            line.push_str(&format!(
+                "; pod marked Unhealthy at {}, {} errors after it; failures started at [{}]",
+                r.marked_unhealthy_at_s
+                    .map(|m| format!("{m:.2} s"))
+                    .unwrap_or_else(|| "never".into()),
+                r.errors_after_mark,
+                starts.join(", ")
+            ));
+        }
         // Without a terminal the bar is hidden and prints nothing: the log still gets the line.
         if bar.is_hidden() {
             eprintln!("{line}");
@@ -600,6 +754,79 @@ pub fn table(rep: &Report) -> String {
             r.request_share_max_over_mean.show(2, 1.0),
             r.inflight_max_over_mean.show(2, 1.0),
             r.gateway_added_p50_ms.show(2, 1.0),
+        ));
+    }
+    t
+}
+
+/// With `redis_freeze`: per policy, the median (min–max) over the runs of the TTFT p90 of the
+/// requests sent while Redis was frozen. Empty without a freeze.
+pub fn outage_table(rep: &Report) -> String {
+    if rep.config.redis_freeze.is_none() {
+        return String::new();
+    }
+    let mut t = String::from(
+        "| policy | TTFT p90 while Redis was frozen (ms) | per run | requests in the freeze (median) |\n|---|---|---|---|\n",
+    );
+    let mut names: Vec<&str> = Vec::new();
+    for r in &rep.runs {
+        if !names.contains(&r.policy.as_str()) {
+            names.push(&r.policy);
+        }
+    }
+    for name in names {
+        let runs: Vec<&PolicyResult> = rep.runs.iter().filter(|r| r.policy == name).collect();
+        let mut p90: Vec<f64> = runs.iter().filter_map(|r| r.outage_ttft_p90_ms).collect();
+        p90.sort_by(f64::total_cmp);
+        let mut n: Vec<usize> = runs.iter().map(|r| r.outage_requests).collect();
+        n.sort_unstable();
+        let median = p90.get(p90.len() / 2).map_or_else(|| "n/a".into(), |m| format!("{m:.0}"));
+        let per: Vec<String> = runs
+            .iter()
+            .map(|r| r.outage_ttft_p90_ms.map_or_else(|| "n/a".into(), |v| format!("{v:.0}")))
+            .collect();
+        t.push_str(&format!(
+            "| {name} | {median} | {} | {} |\n",
+            per.join(", "),
+            n.get(n.len() / 2).copied().unwrap_or(0)
+        ));
+    }
+    t
+}
+
+/// With a health check (pod-failure): per policy, the errors over all runs split at the moment
+/// the gateway marked the failed pod Unhealthy, and when that was. Empty without a health check.
+pub fn failure_table(rep: &Report) -> String {
+    if !rep.config.health_check {
+        return String::new();
+    }
+    let mut t = String::from(
+        "| policy | errors (all runs) | before the mark | after the mark | marked at (s into the load, per run) |\n|---|---|---|---|---|\n",
+    );
+    let mut names: Vec<&str> = Vec::new();
+    for r in rep.runs.iter().filter(|r| r.mark_watched) {
+        if !names.contains(&r.policy.as_str()) {
+            names.push(&r.policy);
+        }
+    }
+    if names.is_empty() {
+        return String::new();
+    }
+    for name in names {
+        let runs: Vec<&PolicyResult> =
+            rep.runs.iter().filter(|r| r.policy == name && r.mark_watched).collect();
+        let errors: usize = runs.iter().map(|r| r.errors).sum();
+        let after: usize = runs.iter().map(|r| r.errors_after_mark).sum();
+        let marks: Vec<String> = runs
+            .iter()
+            .map(|r| r.marked_unhealthy_at_s.map_or_else(|| "never".into(), |m| format!("{m:.2}")))
+            .collect();
+        let never = runs.iter().all(|r| r.marked_unhealthy_at_s.is_none());
+        t.push_str(&format!(
+            "| {name} | {errors} | {} | {} | {} |\n",
+            if never { "n/a".into() } else { (errors - after).to_string() },
+            if never { "n/a".into() } else { after.to_string() },
+            marks.join(", ")
         ));
     }
     t

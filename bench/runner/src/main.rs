@@ -179,6 +179,14 @@ async fn run(
     if !redis.is_empty() {
         print!("\n{redis}");
     }
+    let outage = bench::outage_table(&rep);
+    if !outage.is_empty() {
+        print!("\n{outage}");
+    }
+    let failures = bench::failure_table(&rep);
+    if !failures.is_empty() {
+        print!("\n{failures}");
+    }
     println!("\nwrote {} and {}", json_path.display(), png_path.display());
     Ok(())
 }

@@ -65,6 +65,15 @@ fn default_running() -> usize {
     128
 }
 
+/// When Redis is frozen, in wall seconds from the start of the load.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct RedisFreeze {
+    /// SIGSTOP this many seconds into the load.
+    pub at_s: f64,
+    /// SIGCONT this many seconds later.
+    pub for_s: f64,
+}
+
 /// A benchmark scenario.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Scenario {
@@ -102,6 +111,10 @@ pub struct Scenario {
     /// `/metrics`; the others check `/health`), as a deployment with failing pods would have.
     #[serde(default)]
     pub health_check: bool,
+    /// Freeze Redis (SIGSTOP, then SIGCONT) during every run: TTFT is then reported for the
+    /// requests sent while it was frozen.
+    #[serde(default)]
+    pub redis_freeze: Option<RedisFreeze>,
     /// Extra plugin `lb_config` keys per policy (merged over the defaults).
     #[serde(default)]
     pub lb_config: serde_json::Map<String, serde_json::Value>,

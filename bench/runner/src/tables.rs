@@ -3,7 +3,7 @@
 //! profile, repetitions and time scale it was made with. `bench tables --write` puts them into
 //! README.md between the two marker lines.
 
-use crate::{redis_table, table, Report};
+use crate::{failure_table, redis_table, table, Report};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -44,12 +44,16 @@ fn stamp_line(stamp: &crate::Stamp, profile: &str, reps: &str, time_scale: f64) 
 pub fn section(rep: &Report) -> String {
     let reps = format!("{} repetitions", rep.config.repetitions);
     format!(
-        "`{}`: {}\n\n{}\n\n{}{}",
+        "`{}`: {}\n\n{}\n\n{}{}{}",
         rep.scenario,
         rep.description,
         stamp_line(&rep.stamp, &rep.config.pods.profile, &reps, rep.time_scale),
         table(rep),
         match redis_table(rep) {
+            r if r.is_empty() => r,
+            r => format!("\n{r}"),
+        },
+        match failure_table(rep) {
             r if r.is_empty() => r,
             r => format!("\n{r}"),
         }
