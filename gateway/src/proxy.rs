@@ -639,6 +639,10 @@ impl Drive {
             Flow::Reset => self.abort_downstream().await,
             Flow::Over => {}
         }
+        // Let the connection task write what the stream handed it (the response's last bytes)
+        // before on_log runs: the plugin's log-phase work (e.g. a Redis release) then overlaps
+        // the client's next request instead of delaying this response. The plugin cannot tell.
+        tokio::task::yield_now().await;
         self.finish();
     }
 
