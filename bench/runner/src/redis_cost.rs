@@ -252,7 +252,7 @@ fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: 
 /// A request in flight: ours (its VM and request id: its release rides on that VM's next pick), or
 /// Go's (released by a plain `HINCRBY -1`).
 enum Pending {
-    Ours { owner: usize, request_id: String },
+    Ours { owner: usize, request_id: String, pod: String },
     Go { hash_key: String, host: String },
 }
 
@@ -282,7 +282,7 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
     let mut outstanding: VecDeque<Pending> = VecDeque::new();
     let mut requests = [0u64; OWNERS];
     // Per VM: ids of its requests that ended, carried by its next pick.
-    let mut ended: Vec<Vec<String>> = vec![Vec::new(); OWNERS];
+    let mut ended: Vec<Vec<(String, String)>> = vec![Vec::new(); OWNERS];
     let mut top_level_hincrby = 0u64;
     // 5-block chats: a conversation's next turn resends its blocks plus one (prefix hits).
     let mut chats: Vec<Vec<String>> = Vec::new();
@@ -334,11 +334,14 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
                     call.ended = std::mem::take(e);
                 }
                 let (keys, args) = call.keys_args();
-                match conn.script(&pick, &keys, &args)? {
-                    Frame::Array(v) if matches!(v.first(), Some(Frame::BulkString(_))) => {}
+                let pod = match conn.script(&pick, &keys, &args)? {
+                    Frame::Array(v) => match v.first() {
+                        Some(Frame::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
+                        other => bail!("unexpected pick reply {other:?}"),
+                    },
                     other => bail!("unexpected pick reply {other:?}"),
-                }
-                Pending::Ours { owner, request_id: call.request_id }
+                };
+                Pending::Ours { owner, request_id: call.request_id, pod }
             }
         };
         chat.truncate(BLOCKS - 1);
@@ -387,11 +390,11 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
 
 /// A request ends: ours waits for its VM's next pick; Go's release is sent. Returns the top-level
 /// (not scripted) commands it took.
-fn end_request(conn: &mut Conn, ended: &mut [Vec<String>], p: Pending) -> Result<u64> {
+fn end_request(conn: &mut Conn, ended: &mut [Vec<(String, String)>], p: Pending) -> Result<u64> {
     match p {
-        Pending::Ours { owner, request_id } => {
+        Pending::Ours { owner, request_id, pod } => {
             if let Some(e) = ended.get_mut(owner) {
-                e.push(request_id);
+                e.push((request_id, pod));
             }
             Ok(0)
         }
