@@ -588,12 +588,12 @@ impl Picker {
         self.metrics.on_http_reply(host, token, reply);
     }
 
-    /// Tick period the picker needs: heartbeats every third of the lease, and slow picks noticed
-    /// within half of `breakerSlowMs`.
+    /// Tick period the picker needs: heartbeats every third of the lease, releases no pick carried
+    /// sent within [`CARRY_FLUSH_MS`], and slow picks noticed within half of `breakerSlowMs`.
     pub fn tick_period_ms(&self) -> u32 {
-        let heartbeat = (self.config.state.lease_ms / 3).min(CARRY_FLUSH_MS);
+        let heartbeat_or_flush = (self.config.state.lease_ms / 3).min(CARRY_FLUSH_MS);
         let slow = self.config.state.breaker_slow_ms / 2;
-        let mut period = if slow > 0 { heartbeat.min(slow) } else { heartbeat };
+        let mut period = if slow > 0 { heartbeat_or_flush.min(slow) } else { heartbeat_or_flush };
         let scrape = self.metrics.tick_period_ms();
         if scrape > 0 {
             period = period.min(scrape);
