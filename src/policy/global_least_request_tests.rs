@@ -568,3 +568,15 @@ fn routed_requests_are_counted_and_the_decision_header_is_off_by_default() {
     f.on_response_headers(&mut host, 7);
     assert!(host.response_headers_set.is_empty());
 }
+
+#[test]
+fn a_pick_in_flight_is_cancelled_even_after_its_idle_group_was_dropped() {
+    // No slow-pick deadline: the pick waits; the heartbeat tick drops groups idle for 10 minutes.
+    let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":0"#));
+    let p7 = host.redis_calls.len();
+    f.on_request_headers(&mut host, 7, true);
+    host.now += 601_000 * MS;
+    f.on_tick(&mut host);
+    f.on_delete(&mut host, 7);
+    assert_eq!(releases(&host), vec![release_of(&host, p7, true)]);
+}

@@ -660,6 +660,8 @@ impl Picker {
             ended: Vec::new(),
         });
         group.hosts = in_cluster;
+        // A pick in flight keeps its group (and heartbeats) alive, as a reply would.
+        group.last_pick_ns = now;
         let carry = group.ended.len().min(MAX_CARRIED);
         let ended: Vec<(String, String)> = group.ended.drain(..carry).collect();
         let call = PickCall {
@@ -995,31 +997,41 @@ impl Picker {
         // A pick still in flight may run or not: its carried releases go again.
         let carried = std::mem::take(&mut state.carried);
         self.requeue_ended(host, &owners_key, carried);
-        let (abandoned, picked) = match (state.picked, state.pending) {
-            (Some(pod), _) => (None, pod),
-            (None, Some(_)) => (Some(state.request_id.clone()), String::new()),
+        let (picked, abandoned) = match (state.picked, state.pending) {
+            (Some(pod), _) => (Some(pod), None),
+            (None, Some(_)) => (None, Some(state.request_id.clone())),
             (None, None) => return,
         };
-        let Some(g) = self.groups.get_mut(&owners_key) else { return };
-        if abandoned.is_none() {
-            g.held = g.held.saturating_sub(1);
-            if g.ended.len() >= MAX_QUEUED_RELEASES {
-                host.log(
-                    LogLevel::Warn,
-                    &format!(
-                        "{}: release queue full; dropping request {}",
-                        self.name, state.request_id
-                    ),
-                );
-                host.increment_counter(Counter::ReleaseDropped, 1);
-            } else {
-                g.ended.push((state.request_id, picked));
-            }
-            if g.held > 0 {
-                return;
-            }
+        let group = self.groups.get_mut(&owners_key);
+        let (Some(pod), Some(g)) = (picked.clone(), group) else {
+            // The cancel of a pick still in flight goes at once, after the pick on the same
+            // connection: it undoes the pick or leaves a tombstone. (It needs no group: the
+            // heartbeat may have dropped an idle one meanwhile.)
+            let call = ReleaseCall {
+                inflight_key: state.keys.inflight,
+                owner_id: state.owner_id,
+                ended: picked.map(|pod| (state.request_id, pod)).into_iter().collect(),
+                abandoned,
+            };
+            self.send_release(host, Release { call, failures: 0, use_eval: false });
+            return;
+        };
+        g.held = g.held.saturating_sub(1);
+        if g.ended.len() >= MAX_QUEUED_RELEASES {
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{}: release queue full; dropping request {}",
+                    self.name, state.request_id
+                ),
+            );
+            host.increment_counter(Counter::ReleaseDropped, 1);
+        } else {
+            g.ended.push((state.request_id, pod));
         }
-        self.flush_ended(host, &owners_key, abandoned);
+        if g.held == 0 {
+            self.flush_ended(host, &owners_key, None);
+        }
     }
 
     /// Releases that a pick carried but that may not have run: they wait for the next pick or tick
