@@ -716,9 +716,7 @@ fn response_buffering_plugin(hold_headers: bool) -> Plugin {
 
 /// The response body buffered by the plugin past the connection's buffer limit (12 bytes) with
 /// the response headers held (header StopIteration that lets body callbacks go on): a 26-byte
-/// body in one piece reaches the plugin, then the limit gives a 500 local reply. (A body in
-/// several pieces, and the limit after the headers went on, differ: README "Conformance
-/// against a real Envoy", found differences.)
+/// body in one piece reaches the plugin, then the limit gives a 500 local reply.
 #[tokio::test(flavor = "multi_thread")]
 async fn encoder_buffer_limit_headers_held() {
     let mut sc = response_buffering_plugin(true).scenario("encoder_buffer_limit_headers_held");
@@ -930,4 +928,33 @@ async fn request_trailers_on_http1() {
     // Envoy's HTTP/1 codec drops the trailer: no trailers callback, the body ends on its own.
     assert!(!t.plugin.iter().any(|l| l.starts_with("req_trailers")), "{:?}", t.plugin);
     assert!(t.upstream.contains(&"  body \"hello\"".to_string()), "{:?}", t.upstream);
+}
+
+/// The same limit hit by a body arriving in pieces (`/sse`: three events of 9 bytes), headers
+/// held: the plugin sees the first piece; the second is added to the buffer before the plugin
+/// is called again, goes over the limit and gives the 500 local reply without a callback.
+#[tokio::test(flavor = "multi_thread")]
+async fn encoder_buffer_limit_body_in_pieces() {
+    let mut sc = response_buffering_plugin(true).scenario("encoder_buffer_limit_body_in_pieces");
+    sc.buffer_limit = 12;
+    sc.stop_iteration = true;
+    let t = differential(sc.steps(vec![Step::get("/sse"), Step::get("/small")])).await;
+    assert!(t.client.contains(&"status 500".to_string()), "{:?}", t.client);
+    // `/sse`: one body callback (the first piece) before its stream ends.
+    let first_stream = t.plugin.iter().take_while(|l| !l.starts_with("log"));
+    assert_eq!(first_stream.filter(|l| l.starts_with("resp_body")).count(), 1, "{:?}", t.plugin);
+}
+
+/// The limit hit after the response headers went on (the headers callback continues, the body
+/// callback buffers): no local reply can be sent any more; the stream is reset after the client
+/// got the headers (a body in one piece, `/secret`, and in pieces, `/sse`).
+#[tokio::test(flavor = "multi_thread")]
+async fn encoder_buffer_limit_after_headers_sent() {
+    let mut sc =
+        response_buffering_plugin(false).scenario("encoder_buffer_limit_after_headers_sent");
+    sc.buffer_limit = 12;
+    let t =
+        differential(sc.steps(vec![Step::get("/secret"), Step::get("/sse"), Step::get("/small")]))
+            .await;
+    assert_eq!(t.client.iter().filter(|l| *l == "body reset").count(), 2, "{:?}", t.client);
 }
