@@ -46,9 +46,12 @@ impl ReaderCaughtUp {
         limit: std::time::Duration,
     ) {
         let until = tokio::time::Instant::now() + limit;
-        while !tx.is_closed()
-            && !(self.caught_up.load(Ordering::Acquire) && tx.capacity() == tx.max_capacity())
-        {
+        // Done when the reader is gone, or it took every item and then found nothing more.
+        let done = |tx: &mpsc::Sender<Result<Bytes, BodyError>>| {
+            let took_all = tx.capacity() == tx.max_capacity();
+            tx.is_closed() || (took_all && self.caught_up.load(Ordering::Acquire))
+        };
+        while !done(tx) {
             let step = tokio::time::Instant::now() + std::time::Duration::from_millis(20);
             if tokio::time::timeout_at(step.min(until), self.changed.notified()).await.is_err()
                 && tokio::time::Instant::now() >= until
