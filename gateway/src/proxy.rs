@@ -1045,6 +1045,14 @@ impl Drive {
                 authority = Some(v.clone());
                 continue;
             }
+            // Envoy forwards `te` with only its `trailers` value (the others are hop-by-hop).
+            if k == "te" {
+                let v = String::from_utf8_lossy(v);
+                if v.split(',').any(|t| t.trim().eq_ignore_ascii_case("trailers")) {
+                    b = b.header("te", "trailers");
+                }
+                continue;
+            }
             if k.starts_with(':') || k == "host" || HOP_BY_HOP.contains(&k.as_str()) {
                 continue;
             }
@@ -1122,7 +1130,9 @@ impl Drive {
         let modified = self.lock().resp_body_modified;
         for (k, v) in &headers {
             if k.starts_with(':')
-                || HOP_BY_HOP.contains(&k.as_str())
+                // Envoy passes the response's `trailer` header on (its HTTP/1 codec drops the
+                // trailers themselves).
+                || (HOP_BY_HOP.contains(&k.as_str()) && k != "trailer")
                 || (modified && k == "content-length")
             {
                 continue;
