@@ -755,8 +755,6 @@ impl Drive {
             let cont = std::mem::take(self.lock().continue_flag(dir));
             if cont {
                 self.data_buffering = false;
-            }
-            if cont {
                 if it.held {
                     it.held = false;
                     if let Err(f) = self.release_headers(dir, headers_eos) {
