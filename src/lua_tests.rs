@@ -125,8 +125,8 @@ impl Redis {
         let call = ReleaseCall {
             inflight_key: "inflight".into(),
             owner_id: owner.into(),
-            request_id: req.into(),
-            admitted_to: admitted_to.map(str::to_string),
+            ended: admitted_to.map(|h| (req.to_string(), h.to_string())).into_iter().collect(),
+            abandoned: admitted_to.is_none().then(|| req.to_string()),
         };
         let (keys, args) = call.keys_args();
         self.raw(&Script::new(RELEASE_LUA).command(&keys, &args, true))
@@ -195,6 +195,7 @@ fn as_owner(owner: &str, lease_ms: u32, healthy: &[&str]) -> PickCall {
         lease_ms,
         owner_id: owner.into(),
         request_id: format!("q{}", REQ.fetch_add(1, Ordering::SeqCst)),
+        ended: Vec::new(),
         healthy: healthy.iter().map(|h| h.to_string()).collect(),
         kind: PickKind::LeastRequest,
     }
@@ -387,6 +388,82 @@ fn release_undoes_the_pick_exactly_once() {
     assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "nothing left in the hash");
     assert_eq!(r.release("vm1", &req, Some("a")), Frame::Integer(0), "second: no-op");
     assert_eq!(r.count("a"), Some(0));
+}
+
+#[test]
+fn a_pick_carries_releases_exactly_once_and_nets_them_with_its_own_count() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let first = lr(&["a"]);
+    assert_eq!(pick(&r.run(&s, &first)).0, "a");
+    assert_eq!(pick(&r.run(&s, &lr(&["b"]))).0, "b");
+    // The third pick carries the first's release: a is free again, so a is chosen, and its count
+    // (1 - 1 + 1) needs no write.
+    let third = PickCall { ended: vec![(first.request_id.clone(), "a".into())], ..lr(&["b", "a"]) };
+    assert_eq!(pick(&r.run(&s, &third)), ("a".to_string(), 1, 1, 0));
+    assert_eq!((r.count("a"), r.count("b")), (Some(1), Some(1)));
+    assert_eq!(r.hget("own:vm1", &first.request_id), None, "the first's record is gone");
+    assert_eq!(r.hget("own:vm1", &third.request_id).as_deref(), Some("a"));
+    // The same release carried again (its first carrier's reply was lost) changes nothing; one
+    // that names no record (never admitted, or reaped) neither.
+    let fourth = PickCall {
+        ended: vec![(first.request_id.clone(), "a".into()), ("nope".into(), "b".into())],
+        ..lr(&["b", "a"])
+    };
+    assert_eq!(pick(&r.run(&s, &fourth)).1, 2);
+    assert_eq!(r.count("a").unwrap() + r.count("b").unwrap(), 3, "three requests in flight");
+    // A 429 (maxRequestCount) still applies the releases it carries.
+    let full = PickCall {
+        max_inflight: 1,
+        ended: vec![(third.request_id.clone(), "a".into())],
+        ..lr(&["b"])
+    };
+    let f = r.run(&s, &full);
+    assert_eq!(pick(&f).2, 0, "not admitted: {f:?}");
+    assert_eq!((r.count("a"), r.count("b")), (Some(0), Some(2)));
+    assert_eq!(r.hget("own:vm1", &full.request_id), None, "no record for a 429");
+}
+
+#[test]
+fn one_release_call_releases_many_requests_exactly_once() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let picks: Vec<PickCall> = (0..5).map(|_| lr(&["a", "b"])).collect();
+    let pods: Vec<String> = picks.iter().map(|p| pick(&r.run(&s, p)).0).collect();
+    assert_eq!(r.count("a").unwrap() + r.count("b").unwrap(), 5);
+    let call = ReleaseCall {
+        inflight_key: "inflight".into(),
+        owner_id: "vm1".into(),
+        ended: picks[..4]
+            .iter()
+            .zip(&pods)
+            .map(|(p, h)| (p.request_id.clone(), h.clone()))
+            .collect(),
+        abandoned: Some(picks[4].request_id.clone()),
+    };
+    let (keys, args) = call.keys_args();
+    let release = Script::new(RELEASE_LUA);
+    assert_eq!(r.run_keys(&release, &keys, &args), Frame::Integer(5));
+    assert_eq!((r.count("a"), r.count("b")), (Some(0), Some(0)));
+    assert_eq!(r.cmd(&["EXISTS", "own:vm1"]), Frame::Integer(0), "no record left");
+    assert_eq!(r.run_keys(&release, &keys, &args), Frame::Integer(0), "sent again: no-op");
+    assert_eq!((r.count("a"), r.count("b")), (Some(0), Some(0)));
+}
+
+#[test]
+fn a_prefix_pick_carries_releases() {
+    let mut r = Redis::start();
+    let s = Script::new(PREFIX_CACHE_LUA);
+    let first = pc(&["k1"], 0, 600, 0.0, &["a", "b"]);
+    let home = pick(&r.run(&s, &first)).0;
+    // Same prefix again, carrying the first's release: a hit on its pod, whose count stays 1.
+    let again = PickCall {
+        ended: vec![(first.request_id.clone(), home.clone())],
+        ..pc(&["k1"], 0, 600, 0.0, &["a", "b"])
+    };
+    assert_eq!(pick(&r.run(&s, &again)), (home.clone(), 1, 1, 1));
+    assert_eq!(r.count(&home), Some(1));
+    assert_eq!(r.hget("own:vm1", &first.request_id), None);
 }
 
 #[test]

@@ -65,7 +65,7 @@ pub fn pick_reply(host: &str, count: i64, admitted: bool, matched: Option<i64>) 
     buf
 }
 
-/// A release script call the plugin sent.
+/// One request's release the plugin sent: in a release script call, or carried by a pick.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReleaseSent {
     /// The in-flight hash key.
@@ -76,43 +76,60 @@ pub struct ReleaseSent {
     pub request: String,
     /// True for the cancel of a pick the plugin gave up on.
     pub abandoned: bool,
-    /// The host of an admitted request's release.
-    pub host: Option<String>,
 }
 
-/// The release scripts sent, in order (EVALSHA, or EVAL after NOSCRIPT).
+/// Whether `cmd` runs `source` (EVALSHA, or EVAL after NOSCRIPT).
+fn runs(cmd: &[String], source: &str) -> bool {
+    match (cmd.first().map(String::as_str), cmd.get(1)) {
+        (Some("EVALSHA"), Some(x)) => *x == crate::redis::sha1_hex_lower(source.as_bytes()),
+        (Some("EVAL"), Some(x)) => x == source,
+        _ => false,
+    }
+}
+
+/// The releases sent, one per request, in order: those of release script calls, and those that
+/// picks carried (each send counts, also a resend with EVAL after NOSCRIPT).
 pub fn releases(host: &FakeHost) -> Vec<ReleaseSent> {
-    let sha = crate::redis::sha1_hex_lower(crate::redis::RELEASE_LUA.as_bytes());
-    (0..host.redis_calls.len())
-        .map(|i| command(host, i))
-        .filter(|c| match (c.first().map(String::as_str), c.get(1)) {
-            (Some("EVALSHA"), Some(x)) => *x == sha,
-            (Some("EVAL"), Some(x)) => x == crate::redis::RELEASE_LUA,
-            _ => false,
-        })
-        .map(|c| {
-            let (keys, args) = keys_args(&c);
-            ReleaseSent {
-                inflight: keys[0].clone(),
-                owner: args[0].clone(),
-                request: args[1].clone(),
-                abandoned: args.get(2).is_none(),
-                host: args.get(2).cloned(),
+    let mut out = Vec::new();
+    for c in (0..host.redis_calls.len()).map(|i| command(host, i)) {
+        let (keys, args) = if c.first().is_some_and(|x| x.starts_with("EVAL")) {
+            keys_args(&c)
+        } else {
+            continue;
+        };
+        let one = |request: &str, abandoned: bool, owner: &str| ReleaseSent {
+            inflight: keys[0].clone(),
+            owner: owner.to_string(),
+            request: request.to_string(),
+            abandoned,
+        };
+        if runs(&c, crate::redis::RELEASE_LUA) {
+            for e in args[1].split(',').filter(|e| !e.is_empty()) {
+                out.push(one(e.split('=').next().unwrap_or_default(), false, &args[0]));
             }
-        })
-        .collect()
+            if let Some(id) = args.get(2) {
+                out.push(one(id, true, &args[0]));
+            }
+        } else if runs(&c, crate::redis::LEAST_REQUEST_LUA)
+            || runs(&c, crate::redis::PREFIX_CACHE_LUA)
+        {
+            for e in args[3].split(',').skip(1) {
+                out.push(one(e.split('=').next().unwrap_or_default(), false, &args[2]));
+            }
+        }
+    }
+    out
 }
 
 /// The release the plugin must send for the pick sent as the `n`-th Redis command: of a request
-/// admitted to `host`, or (`None`) the cancel of the abandoned pick.
-pub fn release_of(fake: &FakeHost, n: usize, host: Option<&str>) -> ReleaseSent {
+/// it admitted, or (`abandoned`) the cancel of the pick it gave up on.
+pub fn release_of(fake: &FakeHost, n: usize, abandoned: bool) -> ReleaseSent {
     let (keys, args) = keys_args(&command(fake, n));
     ReleaseSent {
         inflight: keys[0].clone(),
         owner: args[2].clone(),
-        request: args[3].clone(),
-        abandoned: host.is_none(),
-        host: host.map(str::to_string),
+        request: args[3].split(',').next().unwrap_or_default().to_string(),
+        abandoned,
     }
 }
 

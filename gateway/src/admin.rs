@@ -41,6 +41,30 @@ pub fn url_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Serves the admin endpoints on `listener` until the process ends (never, without one).
+pub async fn serve(listener: Option<std::net::TcpListener>, g: Arc<Global>) -> anyhow::Result<()> {
+    let Some(a) = listener else { return std::future::pending().await };
+    a.set_nonblocking(true)?;
+    let l = tokio::net::TcpListener::from_std(a)?;
+    loop {
+        let (stream, _) = match l.accept().await {
+            Ok(x) => x,
+            Err(_) => continue,
+        };
+        let g = g.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let g = g.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(g, req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
 /// Handle one admin request.
 pub async fn handle(g: Arc<Global>, req: Request<Incoming>) -> Response<GwBody> {
     let path = req.uri().path().to_string();

@@ -4,6 +4,8 @@
 use bytes::Bytes;
 use hyper::body::{Body, Frame, SizeHint};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use tokio::sync::mpsc;
 
@@ -21,6 +23,43 @@ pub enum GwBody {
     Full(Option<Bytes>),
     /// Streamed chunks.
     Chan(mpsc::Receiver<Result<Bytes, BodyError>>),
+    /// Streamed chunks whose reader reports when it found the channel empty.
+    Watched(mpsc::Receiver<Result<Bytes, BodyError>>, Arc<ReaderCaughtUp>),
+}
+
+/// Set when the reader of a [`GwBody::Watched`] body (hyper's connection) polled the channel and
+/// found it empty. hyper flushes what it wrote so far (the response head, earlier chunks) right
+/// after such a poll, in the same turn; an error item sent before that would make it drop the
+/// connection with the head still unsent.
+#[derive(Debug, Default)]
+pub struct ReaderCaughtUp {
+    caught_up: AtomicBool,
+    changed: tokio::sync::Notify,
+}
+
+impl ReaderCaughtUp {
+    /// Wait (at most `limit`) until the reader took everything `tx` sent and then found the
+    /// channel empty.
+    pub async fn wait(
+        &self,
+        tx: &mpsc::Sender<Result<Bytes, BodyError>>,
+        limit: std::time::Duration,
+    ) {
+        let until = tokio::time::Instant::now() + limit;
+        // Done when the reader is gone, or it took every item and then found nothing more.
+        let done = |tx: &mpsc::Sender<Result<Bytes, BodyError>>| {
+            let took_all = tx.capacity() == tx.max_capacity();
+            tx.is_closed() || (took_all && self.caught_up.load(Ordering::Acquire))
+        };
+        while !done(tx) {
+            let step = tokio::time::Instant::now() + std::time::Duration::from_millis(20);
+            if tokio::time::timeout_at(step.min(until), self.changed.notified()).await.is_err()
+                && tokio::time::Instant::now() >= until
+            {
+                return;
+            }
+        }
+    }
 }
 
 impl GwBody {
@@ -32,6 +71,13 @@ impl GwBody {
     pub fn channel() -> (mpsc::Sender<Result<Bytes, BodyError>>, GwBody) {
         let (tx, rx) = mpsc::channel(16);
         (tx, GwBody::Chan(rx))
+    }
+    /// A streamed body whose reader reports when it caught up (see [`ReaderCaughtUp`]).
+    pub fn watched_channel() -> (mpsc::Sender<Result<Bytes, BodyError>>, GwBody, Arc<ReaderCaughtUp>)
+    {
+        let (tx, rx) = mpsc::channel(16);
+        let w = Arc::new(ReaderCaughtUp::default());
+        (tx, GwBody::Watched(rx, w.clone()), w)
     }
 }
 
@@ -51,6 +97,19 @@ impl Body for GwBody {
                 Poll::Ready(None) => Poll::Ready(None),
                 Poll::Pending => Poll::Pending,
             },
+            GwBody::Watched(rx, w) => match rx.poll_recv(cx) {
+                Poll::Ready(Some(Ok(b))) => {
+                    w.caught_up.store(false, Ordering::Release);
+                    Poll::Ready(Some(Ok(Frame::data(b))))
+                }
+                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e))),
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => {
+                    w.caught_up.store(true, Ordering::Release);
+                    w.changed.notify_one();
+                    Poll::Pending
+                }
+            },
         }
     }
 
@@ -62,7 +121,7 @@ impl Body for GwBody {
         match self {
             GwBody::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
             GwBody::Full(None) => SizeHint::with_exact(0),
-            GwBody::Chan(_) => SizeHint::default(),
+            GwBody::Chan(_) | GwBody::Watched(..) => SizeHint::default(),
         }
     }
 }

@@ -103,10 +103,54 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ));
     }
 
-    // One thread per worker, plus one for the main thread's plugin VM: Envoy also runs the plugin
-    // on its main thread (a root context that is configured and ticks, and can call out, but
-    // serves no streams). It has the last index and no listeners.
-    let n = args.workers.max(1) + usize::from(plugin.is_some());
+    start_workers(args.workers, &g, plugin.as_ref(), &listeners)?;
+
+    let admin = match &cfg.admin {
+        Some(a) => Some(
+            std::net::TcpListener::bind(&a.address)
+                .map_err(|e| anyhow::anyhow!("admin: bind {}: {e}", a.address))?,
+        ),
+        None => None,
+    };
+    {
+        let mut out = std::io::stdout().lock();
+        for (name, s, _) in &listeners {
+            writeln!(out, "LISTENING {name} {}", s.local_addr()?)?;
+        }
+        if let Some(a) = &admin {
+            writeln!(out, "ADMIN {}", a.local_addr()?)?;
+        }
+        writeln!(out, "READY")?;
+        out.flush()?;
+    }
+    // Each worker accepts on its own clone of every listening socket; with these gone, the sockets
+    // close (new connections are refused) once the workers drop theirs at a drain.
+    drop(listeners);
+    rt.block_on(async move {
+        let serve_admin = admin::serve(admin, g.clone());
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = serve_admin => r,
+            _ = term.recv() => drain(&g, drain_timeout, "SIGTERM").await,
+            _ = tokio::signal::ctrl_c() => drain(&g, drain_timeout, "SIGINT").await,
+        }
+    })
+}
+
+/// A listening socket with its per-connection buffer limit and timers.
+type Listener = (String, std::net::TcpListener, (usize, config::ListenerTimers));
+
+/// Starts one thread per worker (each with its own runtime, plugin VM and a clone of every
+/// listening socket), plus one for the main thread's plugin VM, and waits until every VM is
+/// configured. Envoy also runs the plugin on its main thread: a root context that is configured
+/// and ticks, and can call out, but serves no streams; it has the last index and no listeners.
+fn start_workers(
+    workers: usize,
+    g: &Arc<global::Global>,
+    plugin: Option<&Arc<worker::PluginRuntime>>,
+    listeners: &[Listener],
+) -> anyhow::Result<()> {
+    let n = workers.max(1) + usize::from(plugin.is_some());
     let main_vm = plugin.is_some().then_some(n - 1);
     let mut senders = Vec::new();
     let mut receivers = Vec::new();
@@ -119,7 +163,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<anyhow::Result<()>>();
     for (idx, mut events_rx) in receivers.into_iter().enumerate() {
         let g = g.clone();
-        let plugin = plugin.clone();
+        let plugin = plugin.cloned();
         let events_tx = senders[idx].clone();
         let socks: Vec<(std::net::TcpListener, (usize, config::ListenerTimers))> = listeners
             .iter()
@@ -199,64 +243,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             Err(_) => anyhow::bail!("a worker failed to start"),
         }
     }
-
-    let admin = match &cfg.admin {
-        Some(a) => Some(
-            std::net::TcpListener::bind(&a.address)
-                .map_err(|e| anyhow::anyhow!("admin: bind {}: {e}", a.address))?,
-        ),
-        None => None,
-    };
-    {
-        let mut out = std::io::stdout().lock();
-        for (name, s, _) in &listeners {
-            writeln!(out, "LISTENING {name} {}", s.local_addr()?)?;
-        }
-        if let Some(a) = &admin {
-            writeln!(out, "ADMIN {}", a.local_addr()?)?;
-        }
-        writeln!(out, "READY")?;
-        out.flush()?;
-    }
-    // Each worker accepts on its own clone of every listening socket; with these gone, the sockets
-    // close (new connections are refused) once the workers drop theirs at a drain.
-    drop(listeners);
-    rt.block_on(async move {
-        let serve_admin = async {
-            match admin {
-                Some(a) => {
-                    a.set_nonblocking(true)?;
-                    let l = tokio::net::TcpListener::from_std(a)?;
-                    loop {
-                        let (stream, _) = match l.accept().await {
-                            Ok(x) => x,
-                            Err(_) => continue,
-                        };
-                        let g = g.clone();
-                        tokio::spawn(async move {
-                            let svc = hyper::service::service_fn(move |req| {
-                                let g = g.clone();
-                                async move {
-                                    Ok::<_, std::convert::Infallible>(admin::handle(g, req).await)
-                                }
-                            });
-                            let _ = hyper::server::conn::http1::Builder::new()
-                                .timer(hyper_util::rt::TokioTimer::new())
-                                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
-                                .await;
-                        });
-                    }
-                }
-                None => std::future::pending::<anyhow::Result<()>>().await,
-            }
-        };
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            r = serve_admin => r,
-            _ = term.recv() => drain(&g, drain_timeout, "SIGTERM").await,
-            _ = tokio::signal::ctrl_c() => drain(&g, drain_timeout, "SIGINT").await,
-        }
-    })
+    Ok(())
 }
 
 /// Envoy's drain on SIGTERM: stop accepting, let in-flight streams finish (idle keep-alive

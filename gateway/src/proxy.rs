@@ -10,7 +10,7 @@
 //! upstream failure).
 
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
-use crate::body::{BodyError, GwBody};
+use crate::body::{BodyError, GwBody, ReaderCaughtUp};
 use crate::cluster::Endpoint;
 use crate::config::{FailurePolicy, ListenerTimers};
 use crate::global::{Global, Shutdown};
@@ -381,6 +381,11 @@ struct Drive {
     /// The last data callback answered StopIterationAndWatermark: past the buffer limit Envoy
     /// applies flow control (stops reading) instead of a 413/500 local reply.
     data_watermark: bool,
+    /// The last data callback answered StopIterationAndBuffer: Envoy's wasm filter adds the
+    /// next data to the buffer (and checks the limit) before it calls the plugin again.
+    data_buffering: bool,
+    /// Reports when hyper took every chunk sent to the client (see `abort_downstream`).
+    down_caught_up: Option<Arc<ReaderCaughtUp>>,
     /// Counts this stream in [`Global::live_streams`] until it is dropped (after `finish`).
     _live: LiveStream,
 }
@@ -396,6 +401,15 @@ impl LiveStream {
 impl Drop for LiveStream {
     fn drop(&mut self) {
         self.0.live_streams.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Envoy's local reply when a buffer held by the filter goes over the buffer limit: 413 for the
+/// request, 500 for the response (a reset once the response headers went out).
+fn payload_too_large(dir: Dir) -> LocalReply {
+    match dir {
+        Dir::Request => local(413, "request_payload_too_large", "Payload Too Large"),
+        Dir::Response => local(500, "response_payload_too_large", "Internal Server Error"),
     }
 }
 
@@ -530,6 +544,8 @@ impl Drive {
             idle: StreamIdle::new(None),
             trapped: false,
             data_watermark: false,
+            data_buffering: false,
+            down_caught_up: None,
             _live: live,
         }
     }
@@ -579,12 +595,15 @@ impl Drive {
     /// Returns true if the data callback said Continue.
     fn data_action(&mut self, name: &str, len: usize, eos: bool) -> Result<bool, ()> {
         self.data_watermark = false;
+        self.data_buffering = false;
         match self.call(name, &[self.ctx as i32, len as i32, eos as i32])? {
             None => Ok(true),
             Some((_, true)) => Ok(false),
             Some((raw, false)) => {
                 // FilterDataStatus::StopIterationAndWatermark
                 self.data_watermark = raw == 2;
+                // FilterDataStatus::StopIterationAndBuffer
+                self.data_buffering = raw == 1;
                 Ok(raw == 0)
             }
         }
@@ -639,6 +658,10 @@ impl Drive {
             Flow::Reset => self.abort_downstream().await,
             Flow::Over => {}
         }
+        // Let the connection task write what the stream handed it (the response's last bytes)
+        // before on_log runs: the plugin's log-phase work (e.g. a Redis release) then overlaps
+        // the client's next request instead of delaying this response. The plugin cannot tell.
+        tokio::task::yield_now().await;
         self.finish();
     }
 
@@ -731,6 +754,9 @@ impl Drive {
             }
             let cont = std::mem::take(self.lock().continue_flag(dir));
             if cont {
+                self.data_buffering = false;
+            }
+            if cont {
                 if it.held {
                     it.held = false;
                     if let Err(f) = self.release_headers(dir, headers_eos) {
@@ -758,12 +784,7 @@ impl Drive {
             let flow_controlled =
                 dir == Dir::Request && it.data_stopped && self.data_watermark && over_limit;
             if (it.held || it.data_stopped) && over_limit && !flow_controlled {
-                return Flow::Local(match dir {
-                    Dir::Request => local(413, "request_payload_too_large", "Payload Too Large"),
-                    Dir::Response => {
-                        local(500, "response_payload_too_large", "Internal Server Error")
-                    }
-                });
+                return Flow::Local(payload_too_large(dir));
             }
             // Pass released data on.
             if !it.held && !it.data_stopped {
@@ -827,7 +848,22 @@ impl Drive {
                             // Trailers are not passed to the filter (this host has no
                             // trailer callbacks).
                             let Ok(data) = frame.into_data() else { continue };
-                            self.lock().body(dir).extend_from_slice(&data);
+                            let over_limit = {
+                                let mut s = self.lock();
+                                s.body(dir).extend_from_slice(&data);
+                                s.body_len(dir) > s.limit(dir)
+                            };
+                            // While the plugin buffers (its last data callback answered
+                            // StopIterationAndBuffer), Envoy's wasm filter adds new data to the
+                            // filter manager's buffer before calling the plugin
+                            // (`Context::encodeData`). Over the limit, in the response, the 500
+                            // goes straight to the client (or the stream is reset once the
+                            // headers went out), the stream ends at once and the plugin never
+                            // sees this data. (In the request the 413 waits until the data
+                            // callback returned: the plugin sees the whole buffer first.)
+                            if dir == Dir::Response && it.data_stopped && self.data_buffering && over_limit {
+                                return Flow::Local(payload_too_large(dir));
+                            }
                             if !(it.held && it.stop_all) {
                                 if let Err(f) = self.on_data(dir, &mut it, false) {
                                     return f;
@@ -1013,6 +1049,14 @@ impl Drive {
                 authority = Some(v.clone());
                 continue;
             }
+            // Envoy forwards `te` with only its `trailers` value (the others are hop-by-hop).
+            if k == "te" {
+                let v = String::from_utf8_lossy(v);
+                if v.split(',').any(|t| t.trim().eq_ignore_ascii_case("trailers")) {
+                    b = b.header("te", "trailers");
+                }
+                continue;
+            }
             if k.starts_with(':') || k == "host" || HOP_BY_HOP.contains(&k.as_str()) {
                 continue;
             }
@@ -1080,7 +1124,8 @@ impl Drive {
         let (tx, body) = if eos {
             (None, GwBody::full(Bytes::new()))
         } else {
-            let (tx, b) = GwBody::channel();
+            let (tx, b, caught_up) = GwBody::watched_channel();
+            self.down_caught_up = Some(caught_up);
             (Some(tx), b)
         };
         let mut resp = Response::new(body);
@@ -1089,7 +1134,9 @@ impl Drive {
         let modified = self.lock().resp_body_modified;
         for (k, v) in &headers {
             if k.starts_with(':')
-                || HOP_BY_HOP.contains(&k.as_str())
+                // Envoy passes the response's `trailer` header on (its HTTP/1 codec drops the
+                // trailers themselves).
+                || (HOP_BY_HOP.contains(&k.as_str()) && k != "trailer")
                 || (modified && k == "content-length")
             {
                 continue;
@@ -1113,8 +1160,15 @@ impl Drive {
         }
     }
 
+    /// Reset the stream. Once the response headers went out, Envoy's HTTP/1 codec has written
+    /// them (and the data passed so far) to the connection before it resets: the client sees
+    /// them, then a broken body. hyper drops what it has not flushed when the body fails, so the
+    /// reset waits (briefly) until hyper took everything and flushed.
     async fn abort_downstream(&mut self) {
         if let Some(tx) = self.down.take() {
+            if let Some(caught_up) = self.down_caught_up.take() {
+                caught_up.wait(&tx, Duration::from_millis(500)).await;
+            }
             let _ = tx.send(Err("stream reset".into())).await;
         }
         if let Some(t) = self.resp_tx.take() {

@@ -716,9 +716,7 @@ fn response_buffering_plugin(hold_headers: bool) -> Plugin {
 
 /// The response body buffered by the plugin past the connection's buffer limit (12 bytes) with
 /// the response headers held (header StopIteration that lets body callbacks go on): a 26-byte
-/// body in one piece reaches the plugin, then the limit gives a 500 local reply. (A body in
-/// several pieces, and the limit after the headers went on, differ: README "Conformance
-/// against a real Envoy", found differences.)
+/// body in one piece reaches the plugin, then the limit gives a 500 local reply.
 #[tokio::test(flavor = "multi_thread")]
 async fn encoder_buffer_limit_headers_held() {
     let mut sc = response_buffering_plugin(true).scenario("encoder_buffer_limit_headers_held");
@@ -930,4 +928,125 @@ async fn request_trailers_on_http1() {
     // Envoy's HTTP/1 codec drops the trailer: no trailers callback, the body ends on its own.
     assert!(!t.plugin.iter().any(|l| l.starts_with("req_trailers")), "{:?}", t.plugin);
     assert!(t.upstream.contains(&"  body \"hello\"".to_string()), "{:?}", t.upstream);
+}
+
+/// The same limit hit by a body arriving in pieces (`/sse`: three events of 9 bytes), headers
+/// held: the plugin sees the first piece; the second is added to the buffer before the plugin
+/// is called again, goes over the limit and gives the 500 local reply without a callback.
+#[tokio::test(flavor = "multi_thread")]
+async fn encoder_buffer_limit_body_in_pieces() {
+    let mut sc = response_buffering_plugin(true).scenario("encoder_buffer_limit_body_in_pieces");
+    sc.buffer_limit = 12;
+    sc.stop_iteration = true;
+    let t = differential(sc.steps(vec![Step::get("/sse"), Step::get("/small")])).await;
+    assert!(t.client.contains(&"status 500".to_string()), "{:?}", t.client);
+    // `/sse`: one body callback (the first piece) before its stream ends.
+    let first_stream = t.plugin.iter().take_while(|l| !l.starts_with("log"));
+    assert_eq!(first_stream.filter(|l| l.starts_with("resp_body")).count(), 1, "{:?}", t.plugin);
+}
+
+/// The limit hit after the response headers went on (the headers callback continues, the body
+/// callback buffers): no local reply can be sent any more; the stream is reset after the client
+/// got the headers (a body in one piece, `/secret`, and in pieces, `/sse`).
+#[tokio::test(flavor = "multi_thread")]
+async fn encoder_buffer_limit_after_headers_sent() {
+    let mut sc =
+        response_buffering_plugin(false).scenario("encoder_buffer_limit_after_headers_sent");
+    sc.buffer_limit = 12;
+    let t =
+        differential(sc.steps(vec![Step::get("/secret"), Step::get("/sse"), Step::get("/small")]))
+            .await;
+    assert_eq!(t.client.iter().filter(|l| *l == "body reset").count(), 2, "{:?}", t.client);
+}
+
+/// A chunked response ending with a trailer field (`x-trailer: t1`), on HTTP/1.1 with the
+/// codec's defaults (Envoy: `enable_trailers` off), once plain and once for a client that sent
+/// `te: trailers`.
+#[tokio::test(flavor = "multi_thread")]
+async fn response_trailers_on_http1() {
+    let mut p = Plugin::new();
+    let (ev, t) = (p.ev("resp_trailers"), p.s("x-trailer"));
+    let p = p.extra(format!(
+        r#"  (func (export "proxy_on_response_trailers") (param $ctx i32) (param $n i32) (result i32)
+    {ev} (call $hget (i32.const 3) {t}) (call $ev_end) (i32.const 0))
+"#
+    ));
+    let p = {
+        let mut p = p;
+        let ev_b = p.ev("resp_body");
+        let t2 = p.s("x-trailer");
+        p.on(
+            "proxy_on_response_body",
+            format!(
+                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $hget (i32.const 3) {t2}) (call $ev_end) (i32.const 0)"
+            ),
+        )
+    };
+    let t = differential(
+        p.scenario("response_trailers_on_http1")
+            .steps(vec![Step::get("/trailers"), Step::get("/trailers").header("te", "trailers")]),
+    )
+    .await;
+    // Envoy's HTTP/1 codec drops the trailer: no trailers callback, the body ends on its own.
+    assert!(!t.plugin.iter().any(|l| l.starts_with("resp_trailers")), "{:?}", t.plugin);
+    assert!(t.client.contains(&"body \"hello\"".to_string()), "{:?}", t.client);
+}
+
+/// WASI functions called from `on_request_headers`: their statuses and results (no preopened
+/// directory, no arguments, no environment variables).
+#[tokio::test(flavor = "multi_thread")]
+async fn wasi_calls() {
+    let mut p = Plugin::new();
+    let (ev, file) = (p.ev("wasi"), p.s("file.txt"));
+    let p = p
+        .extra(
+            r#"  (import "wasi_snapshot_preview1" "path_open" (func $path_open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_prestat_get" (func $fd_prestat_get (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "args_sizes_get" (func $args_sizes_get (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "environ_sizes_get" (func $environ_sizes_get (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "random_get" (func $random_get (param i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "clock_time_get" (func $clock_time_get (param i32 i64 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "sched_yield" (func $sched_yield (result i32)))
+"#
+            .into(),
+        )
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{ev} (call $ev_num (call $path_open (i32.const 3) (i32.const 0) {file} (i32.const 0) (i64.const 0) (i64.const 0) (i32.const 0) (i32.const 600)))
+    (call $ev_num (call $fd_prestat_get (i32.const 3) (i32.const 600)))
+    (i64.store (i32.const 600) (i64.const 0))
+    (call $ev_num (call $args_sizes_get (i32.const 600) (i32.const 604))) (call $ev_num (i32.load (i32.const 600))) (call $ev_num (i32.load (i32.const 604)))
+    (i64.store (i32.const 600) (i64.const 0))
+    (call $ev_num (call $environ_sizes_get (i32.const 600) (i32.const 604))) (call $ev_num (i32.load (i32.const 600))) (call $ev_num (i32.load (i32.const 604)))
+    (call $ev_num (call $random_get (i32.const 600) (i32.const 16)))
+    (call $ev_num (call $clock_time_get (i32.const 0) (i64.const 1) (i32.const 600)))
+    (call $ev_num (call $clock_time_get (i32.const 1) (i64.const 1) (i32.const 600)))
+    (call $ev_num (call $sched_yield))
+    (call $ev_end) (i32.const 0)"
+            ),
+        );
+    differential(p.scenario("wasi_calls").steps(vec![Step::get("/w")])).await;
+}
+
+/// Modules importing a function neither host has: a WASI one and a proxy-wasm one. Both
+/// refuse to load them ("missing import").
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_imports_are_refused() {
+    for (name, import) in [
+        (
+            "unknown_wasi_import_is_refused",
+            r#"  (import "wasi_snapshot_preview1" "no_such_function" (func $no_such (result i32)))
+"#,
+        ),
+        (
+            "unknown_env_import_is_refused",
+            r#"  (import "env" "proxy_no_such_function" (func $no_such (result i32)))
+"#,
+        ),
+    ] {
+        let sc = Plugin::new().extra(import.into()).scenario(name);
+        let t = differential(sc.steps(vec![Step::get("/x")])).await;
+        assert_eq!(t.start, "refused", "{name}");
+    }
 }

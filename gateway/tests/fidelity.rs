@@ -1755,3 +1755,99 @@ where
     }
     out
 }
+
+/// A Redis that restarts: it answers the first connection's `AUTH`, `SELECT` and first command,
+/// then closes it (as a restarted server drops its clients); later connections stay open. Records
+/// every connection's commands.
+async fn restarting_redis(
+) -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let c2 = conns.clone();
+    tokio::spawn(async move {
+        let mut n = 0;
+        loop {
+            let Ok((mut s, _)) = l.accept().await else { continue };
+            let idx = {
+                let mut c = c2.lock().unwrap();
+                c.push(Vec::new());
+                c.len() - 1
+            };
+            let first = n == 0;
+            n += 1;
+            let conns = c2.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 4096];
+                loop {
+                    let got = match s.read(&mut tmp).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(got) => got,
+                    };
+                    buf.extend_from_slice(&tmp[..got]);
+                    while let Ok(Some((frame, used))) = redis_protocol::resp2::decode::decode(&buf)
+                    {
+                        buf.drain(..used);
+                        let cmd = match frame {
+                            redis_protocol::resp2::types::OwnedFrame::Array(items) => {
+                                match items.into_iter().next() {
+                                    Some(redis_protocol::resp2::types::OwnedFrame::BulkString(
+                                        b,
+                                    )) => String::from_utf8_lossy(&b).to_ascii_uppercase(),
+                                    other => format!("{other:?}"),
+                                }
+                            }
+                            other => format!("{other:?}"),
+                        };
+                        let seen = {
+                            let mut c = conns.lock().unwrap();
+                            c[idx].push(cmd.clone());
+                            c[idx].len()
+                        };
+                        let reply: &[u8] = match cmd.as_str() {
+                            "PING" => b"+PONG\r\n",
+                            _ => b"+OK\r\n",
+                        };
+                        if s.write_all(reply).await.is_err() {
+                            return;
+                        }
+                        if first && seen == 3 {
+                            return; // the "restart": this connection closes
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, conns)
+}
+
+/// Envoy's Redis client (Higress `proxy_redis_init`): when the server drops the connection (a
+/// Redis restart), the next call opens a new one and sends `AUTH` and `SELECT` on it again before
+/// the command; the call succeeds and the plugin sees no difference.
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_restart_reconnects_with_auth_and_select_again() {
+    let up = Upstream::start().await;
+    let (addr, conns) = restarting_redis().await;
+    let gw = Gateway::start(&redis_config(&up, &addr.to_string()), Some(&redis_plugin()), 1);
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
+    assert_eq!((r.status, r.text().as_str()), (200, "+PONG\r\n"));
+    // The server closed that connection after answering; the client notices the close.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
+    assert_eq!(
+        (r.status, r.text().as_str()),
+        (200, "+PONG\r\n"),
+        "the call after the restart succeeds"
+    );
+    let c = conns.lock().unwrap().clone();
+    assert_eq!(c.len(), 2, "a new connection after the restart: {c:?}");
+    assert_eq!(c[0], vec!["AUTH", "SELECT", "PING"], "{c:?}");
+    assert_eq!(
+        c[1],
+        vec!["AUTH", "SELECT", "PING"],
+        "AUTH and SELECT again on the new connection: {c:?}"
+    );
+}

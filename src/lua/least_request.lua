@@ -2,28 +2,30 @@
 -- ARGV[5]  P, ARGV[6] S: what every healthy host starts and ends with
 -- ARGV[7 ..]  the rest of each healthy host (host = P .. ARGV[i] .. S), shuffled by the plugin (first
 --             minimum wins => random among ties)
--- Returns {host, in-flight after the pick, admitted 1|0}; admitted 0 means the +1 was undone (429).
+-- Returns {host, in-flight after the pick, admitted 1|0}; admitted 0: over maxRequestCount, no +1
+-- (429).
 local p, s = ARGV[5], ARGV[6]
 local n = #ARGV - 6
-if n < 1 then return {'', 0, 0} end
+if n < 1 then
+  commit(nil)
+  return {'', 0, 0}
+end
 local hosts = {}
 for i = 1, n do hosts[i] = p .. ARGV[6 + i] .. s end
 local counts = redis.call('HMGET', inflight, unpack(hosts))
 local best, bestc = nil, nil
 for i = 1, n do
-  local c = tonumber(counts[i]) or 0
-  if c < 0 then
+  if (tonumber(counts[i]) or 0) < 0 then
     -- a decrement outlived a cleanup: repair instead of favouring this host forever
     redis.call('HSET', inflight, hosts[i], 0)
-    c = 0
   end
+  local c = count_after_releases(hosts[i], counts[i])
   if bestc == nil or c < bestc then best, bestc = hosts[i], c end
 end
-if not admit(best) then return {'', 0, 0} end
-local after = take(best)
+local after = bestc + 1
 if maxc > 0 and after > maxc then
-  untake(best)
-  unadmit()
+  commit(nil)
   return {best, after, 0}
 end
+if not commit(best) then return {'', 0, 0} end
 return {best, after, 1}

@@ -20,7 +20,10 @@ local chain = {}
 for i = 1, nk do chain[i] = base .. 'pfx:' .. ARGV[7 + i] end
 local first = 9 + nk
 local n = tonumber(ARGV[8 + nk]) or 0
-if n < 1 then return {'', 0, 0, 0, 0, 0} end
+if n < 1 then
+  commit(nil)
+  return {'', 0, 0, 0, 0, 0}
+end
 local idx = {}
 for i = 1, n do idx[ARGV[first - 1 + i]] = i end
 local la = ARGV[first + n] ~= nil
@@ -67,10 +70,12 @@ end
 local counts = redis.call('HMGET', inflight, unpack(ARGV, first, first + n - 1))
 local least, leasts, minc = nil, nil, nil
 local target, targets, targetc, ti = nil, nil, 0, 0
+local count = {}
 for i = 1, n do
   local h = ARGV[first - 1 + i]
-  local c = tonumber(counts[i]) or 0
-  if c < 0 then redis.call('HSET', inflight, h, 0); c = 0 end
+  if (tonumber(counts[i]) or 0) < 0 then redis.call('HSET', inflight, h, 0) end
+  local c = count_after_releases(h, counts[i])
+  count[h] = c
   local s = c
   if la then s = c + (tonumber(ARGV[first + n + 3 + i]) or 0) end
   if leasts == nil or s < leasts then least, leasts = h, s end
@@ -92,23 +97,19 @@ if target ~= nil then
 end
 local function diverted() if target ~= nil and chosen ~= target then return 1 end return 0 end
 
-if not admit(chosen) then return {'', 0, 0, 0, 0, 0} end
-local after = take(chosen)
+local after = count[chosen] + 1
 if maxc > 0 and after > maxc then
-  untake(chosen)
-  if chosen == least then
-    unadmit()
-    return {chosen, after, 0, matched, diverted(), 0}
+  -- over maxRequestCount: the least loaded host instead, or a 429 (no +1)
+  if chosen ~= least then
+    chosen = least
+    after = count[chosen] + 1
   end
-  chosen = least
-  after = take(chosen)
   if after > maxc then
-    untake(chosen)
-    unadmit()
+    commit(nil)
     return {chosen, after, 0, matched, diverted(), 0}
   end
-  redis.call('HSET', mine, rec, chosen)
 end
+if not commit(chosen) then return {'', 0, 0, 0, 0, 0} end
 
 -- Matched keys still name a healthy host that holds that prefix: refresh them. The rest of the
 -- chain (new blocks, and keys that named a gone/unhealthy host) now belongs to the chosen host.

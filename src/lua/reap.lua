@@ -33,3 +33,39 @@ local function reap(now)
     redis.call('ZREM', owners, dead)
   end
 end
+
+-- The releases of an owner's ended requests, `id=pod` joined by ',' (carried by its next pick, or
+-- sent by release.lua): the pods' counts as the plugin expects them after the releases (`freed`,
+-- pod -> how many), before any write. `release_ended` then deletes each record, and a record already
+-- gone (this release ran before and was sent again after an unknown outcome, or the owner was
+-- reaped) is taken back out of `freed`: exactly once, and a release may always be sent again. One
+-- HDEL per request: its reply says whether that record was there, with no read before it.
+local function parse_ended(list)
+  local ended, freed = {}, {}
+  for id, h in string.gmatch(list, '([^,=]+)=([^,]+)') do
+    ended[#ended + 1] = {id, h}
+    freed[h] = (freed[h] or 0) + 1
+  end
+  return ended, freed
+end
+local function release_ended(mine, ended, freed)
+  local n = 0
+  for _, e in ipairs(ended) do
+    if redis.call('HDEL', mine, e[1]) == 1 then
+      n = n + 1
+    else
+      freed[e[2]] = freed[e[2]] - 1
+    end
+  end
+  return n
+end
+
+-- Adds delta[pod] to each pod's in-flight count (one HINCRBY per pod whose count changes);
+-- a count below 0 (a decrement that outlived a cleanup) is repaired to 0.
+local function add_counts(delta)
+  for h, d in pairs(delta) do
+    if d ~= 0 and redis.call('HINCRBY', inflight, h, d) < 0 then
+      redis.call('HSET', inflight, h, 0)
+    end
+  end
+end

@@ -1,24 +1,30 @@
--- ai-load-balancer: release one request's +1, exactly once, whatever the order of events (after
--- reap.lua, for the key names).
+-- ai-load-balancer: releases of one owner's requests, exactly once, whatever the order of events
+-- (after reap.lua). Finished requests' releases usually ride on the owner's next pick (lease.lua);
+-- this script sends those that no pick carried in time, and cancels abandoned picks.
 -- KEYS[1]  in-flight hash of this route+cluster
--- ARGV[1]  the picking owner's id   ARGV[2] request id
--- ARGV[3]  the host an admitted request went to: the end of that request.
---          Absent: the plugin gave up waiting for the pick (Redis timeout, client gone): undo it if
---          it ran; if it has not run yet, leave a tombstone so that the pick, arriving late, does
---          nothing.
--- Returns 1 when a count went down, else 0. Once the owner's lease has run out its picks were
--- already subtracted and its hash deleted: the release then does nothing.
+-- ARGV[1]  the picking owner's id
+-- ARGV[2]  requests that were admitted and have ended, `id=pod` joined by ',' (may be empty): each
+--          record still there is deleted and its pod's count goes down by one
+-- ARGV[3]  (optional) the id of a pick the plugin gave up waiting for (Redis timeout, client
+--          gone): undone if it ran; if it has not run yet, a tombstone makes the pick, arriving
+--          late, do nothing
+-- Returns how many counts went down. Once the owner's lease has run out its picks were already
+-- subtracted and its hash deleted: the release then does nothing.
 local mine = base .. 'own:' .. ARGV[1]
-local rec = ARGV[2]
-local h = ARGV[3]
-if not h then
-  h = redis.call('HGET', mine, rec)
+local ended, freed = parse_ended(ARGV[2] or '')
+local n = release_ended(mine, ended, freed)
+local abandoned = ARGV[3]
+if abandoned then
+  local h = redis.call('HGET', mine, abandoned)
   if not h then
-    redis.call('HSET', mine, rec, '')
-    return 0
+    redis.call('HSET', mine, abandoned, '')
+  elseif h ~= '' then
+    redis.call('HDEL', mine, abandoned)
+    freed[h] = (freed[h] or 0) + 1
+    n = n + 1
   end
-  if h == '' then return 0 end
 end
-if redis.call('HDEL', mine, rec) == 0 then return 0 end
-if redis.call('HINCRBY', inflight, h, -1) < 0 then redis.call('HSET', inflight, h, 0) end
-return 1
+local delta = {}
+for h, c in pairs(freed) do delta[h] = -c end
+add_counts(delta)
+return n

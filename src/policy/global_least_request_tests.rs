@@ -131,7 +131,7 @@ fn decrement_exactly_once_when_the_stream_ends() {
     f.on_stream_end(&mut host, 7);
     f.on_stream_end(&mut host, 7);
     f.on_delete(&mut host, 7);
-    assert_eq!(releases(&host), vec![release_of(&host, 0, Some("10.0.0.2:8000"))]);
+    assert_eq!(releases(&host), vec![release_of(&host, 0, false)]);
     assert_eq!(f.live_streams(), 0);
 }
 
@@ -153,7 +153,7 @@ fn client_abort_while_pick_in_flight_cancels_the_pick_once() {
     f.on_stream_end(&mut host, 7);
     f.on_delete(&mut host, 7);
     // Sent at once, after the pick on the same connection: it undoes the pick or leaves a tombstone.
-    assert_eq!(releases(&host), vec![release_of(&host, 0, None)]);
+    assert_eq!(releases(&host), vec![release_of(&host, 0, true)]);
     assert_eq!(f.stream_of_token(t), None, "the stream is gone: abi.rs must not switch to it");
     f.on_redis_reply(
         &mut host,
@@ -206,7 +206,7 @@ fn redis_error_reply_resumes_on_normal_balancing() {
         assert_eq!(host.override_host, None, "{reply:?}");
         assert!(host.local_responses.is_empty());
         f.on_delete(&mut host, 7);
-        let expected = if cancel { vec![release_of(&host, 0, None)] } else { vec![] };
+        let expected = if cancel { vec![release_of(&host, 0, true)] } else { vec![] };
         assert_eq!(releases(&host), expected, "{reply:?}");
     }
 }
@@ -254,7 +254,7 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
     let (mut f, mut host) = setup(&cfg(""));
     route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
     f.on_delete(&mut host, 7);
-    let first = release_of(&host, 0, Some("10.0.0.2:8000"));
+    let first = release_of(&host, 0, false);
     // Higress closes the pipeline on an op timeout: the -1 may never have reached Redis.
     let lost = host.last_redis_token().unwrap();
     f.on_redis_reply(&mut host, lost, &RedisReply::NetworkError, false);
@@ -299,7 +299,7 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
         deliver(&mut f, &mut host, pt, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, false, None)));
         ctx += 2;
     }
-    let first = release_of(&host, 0, Some("10.0.0.2:8000"));
+    let first = release_of(&host, 0, false);
     assert_eq!(releases(&host).iter().filter(|r| **r == first).count(), 10, "bounded resends");
     assert!(host.logged("giving up the release"));
 }
@@ -407,7 +407,7 @@ fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     assert_eq!(host.effective_streams, vec![7], "the held stream is made effective to resume it");
     assert_eq!(host.resumes, 1, "normal balancing");
     assert_eq!(host.override_host, None);
-    assert_eq!(releases(&host), vec![release_of(&host, 0, None)], "the pick is cancelled");
+    assert_eq!(releases(&host), vec![release_of(&host, 0, true)], "the pick is cancelled");
     // Its late reply changes nothing, and the stream's end sends nothing more.
     deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!((host.resumes, host.override_host.clone()), (1, None));
@@ -475,10 +475,77 @@ fn releases_wait_while_the_breaker_is_open_and_go_out_when_it_closes() {
     let ping = host.last_redis_token().unwrap();
     assert_eq!(command(&host, host.redis_calls.len() - 1), vec!["PING".to_string()]);
     f.on_redis_reply(&mut host, ping, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
+    // The -1 that waited for a pick to carry it goes out as the breaker closes, then the cancel.
+    assert_eq!(releases(&host), vec![release_of(&host, 0, false), release_of(&host, 1, true)]);
+}
+
+/// Admits request `ctx` on `pod`; returns the index of its pick among the Redis calls.
+fn admit(
+    f: &mut crate::filter::Filter,
+    host: &mut crate::host::fake::FakeHost,
+    ctx: u32,
+    pod: &str,
+) -> usize {
+    let n = host.redis_calls.len();
+    request_with_reply(f, host, ctx, RedisReply::Ok(pick_reply(pod, 1, true, None)));
+    n
+}
+
+#[test]
+fn a_release_rides_on_the_next_pick_while_other_requests_are_in_flight() {
+    let (mut f, mut host) = setup(&cfg(""));
+    let p7 = admit(&mut f, &mut host, 7, "10.0.0.1:8000");
+    let p9 = admit(&mut f, &mut host, 9, "10.0.0.2:8000");
+    f.on_delete(&mut host, 7);
+    assert_eq!(releases(&host), vec![], "9 is still in flight: 7's -1 waits for the next pick");
+    let calls = host.redis_calls.len();
+    let p11 = admit(&mut f, &mut host, 11, "10.0.0.1:8000");
+    assert_eq!(host.redis_calls.len(), calls + 1, "one call: the pick");
+    let (_, args) = keys_args(&command(&host, p11));
+    assert_eq!(args[3], format!("{},1=10.0.0.1:8000", release_of(&host, p11, false).request));
+    assert_eq!(releases(&host), vec![release_of(&host, p7, false)], "carried by 11's pick");
+    // 9 ends with 11 in flight: waits; 11 is the last one in flight: both go out at once.
+    f.on_delete(&mut host, 9);
+    assert_eq!(releases(&host).len(), 1);
+    f.on_delete(&mut host, 11);
     assert_eq!(
         releases(&host),
-        vec![release_of(&host, 1, None), release_of(&host, 0, Some("10.0.0.1:8000"))]
+        vec![
+            release_of(&host, p7, false),
+            release_of(&host, p9, false),
+            release_of(&host, p11, false)
+        ]
     );
+    assert_eq!(host.redis_calls.len(), calls + 2, "in one release call");
+}
+
+#[test]
+fn a_release_no_pick_carries_goes_out_on_the_next_tick() {
+    let (mut f, mut host) = setup(&cfg(""));
+    let p7 = admit(&mut f, &mut host, 7, "10.0.0.1:8000");
+    admit(&mut f, &mut host, 9, "10.0.0.2:8000");
+    f.on_delete(&mut host, 7);
+    assert!(f.tick_period_ms() <= crate::policy::picker::CARRY_FLUSH_MS);
+    host.now += u64::from(f.tick_period_ms()) * MS;
+    f.on_tick(&mut host);
+    assert_eq!(releases(&host), vec![release_of(&host, p7, false)]);
+}
+
+#[test]
+fn releases_carried_by_a_pick_that_may_not_have_run_are_sent_again() {
+    let (mut f, mut host) = setup(&cfg(""));
+    let p7 = admit(&mut f, &mut host, 7, "10.0.0.1:8000");
+    admit(&mut f, &mut host, 9, "10.0.0.2:8000");
+    f.on_delete(&mut host, 7);
+    // 11's pick carries 7's -1 and is lost (a timeout: it may or may not have run).
+    let p11 = host.redis_calls.len();
+    request_with_reply(&mut f, &mut host, 11, RedisReply::NetworkError);
+    assert_eq!(releases(&host), vec![release_of(&host, p7, false), release_of(&host, p11, true)]);
+    // The next pick carries it again (a release is idempotent per pick record).
+    let p13 = admit(&mut f, &mut host, 13, "10.0.0.3:8000");
+    let (_, args) = keys_args(&command(&host, p13));
+    assert!(args[3].ends_with(",1=10.0.0.1:8000"), "{args:?}");
+    assert_eq!(releases(&host).iter().filter(|r| **r == release_of(&host, p7, false)).count(), 2);
 }
 
 #[test]
@@ -546,4 +613,16 @@ fn routed_requests_are_counted_and_the_decision_header_is_off_by_default() {
     assert_eq!(host.counters.get("ai_lb_least_request_routed"), Some(&1));
     f.on_response_headers(&mut host, 7);
     assert!(host.response_headers_set.is_empty());
+}
+
+#[test]
+fn a_pick_in_flight_is_cancelled_even_after_its_idle_group_was_dropped() {
+    // No slow-pick deadline: the pick waits; the heartbeat tick drops groups idle for 10 minutes.
+    let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":0"#));
+    let p7 = host.redis_calls.len();
+    f.on_request_headers(&mut host, 7, true);
+    host.now += 601_000 * MS;
+    f.on_tick(&mut host);
+    f.on_delete(&mut host, 7);
+    assert_eq!(releases(&host), vec![release_of(&host, p7, true)]);
 }

@@ -14,11 +14,19 @@
 //! back, so its record is reaped one lease later instead of staying forever.
 //!
 //! Exactly-once release: each pick carries a request id (a counter, unique per owner). An
-//! admitted pick writes the chosen host under that id in the owner's hash; `release.lua` deletes
-//! the record and decrements only if it was there. When the plugin gives up on a pick (Redis
+//! admitted pick writes the chosen host under that id in the owner's hash; a release deletes the
+//! record and decrements only if it was there, so a release whose outcome is unknown can be sent
+//! again. When the plugin gives up on a pick (Redis
 //! timeout, a pick slower than `breakerSlowMs`, client gone while waiting), it sends the same
 //! release without a host, "abandoned": if the pick already ran it is undone, and if it has not run
 //! yet (a frozen Redis runs it later) a tombstone makes it a no-op.
+//!
+//! Releases ride on picks: the release of a request that ended while others of this VM on the same
+//! route+cluster are still in flight waits in [`Group::ended`] and goes out inside this VM's next
+//! pick there (one script call per routed request, and the pick's `+1` netted with the releases
+//! per pod). What no pick carried goes out on the next root tick ([`CARRY_FLUSH_MS`] at most), and
+//! the release of a VM's last request in flight goes out at once, so an idle VM (and a draining
+//! gateway) holds no stale count.
 //!
 //! A stalled Redis: [`Breaker`] opens after consecutive failed or slow calls; while it is open,
 //! requests are decided at once without Redis and releases wait in a bounded queue.
@@ -103,6 +111,12 @@ pub const REJECT_BODY: &str = "Exceeded maximum request limit from ai-load-balan
 const MAX_RELEASE_ATTEMPTS: u32 = 10;
 /// At most this many releases wait for Redis to come back (bounded memory per worker).
 const MAX_QUEUED_RELEASES: usize = 16_384;
+/// A finished request's release waits at most about this long for a pick to carry it: the root tick
+/// runs at least this often and sends what no pick carried.
+pub const CARRY_FLUSH_MS: u32 = 100;
+/// A pick carries at most this many releases, and a release call at most this many (bounded
+/// script arguments; the rest go in the next call).
+const MAX_CARRIED: usize = 32;
 /// A route+cluster this VM picked in gets heartbeats (which also reap dead owners, so a dead
 /// gateway's counts return even when no request comes) until it has been idle this long.
 const GROUP_IDLE_NS: u64 = 600 * 1_000_000_000;
@@ -116,6 +130,9 @@ struct Group {
     last_pick_ns: u64,
     /// Every host of the cluster (healthy or not) at the last pick: the cleanup keeps these.
     hosts: Vec<String>,
+    /// Admitted requests that ended (request id, pod) and whose release waits for a pick to carry
+    /// it.
+    ended: Vec<(String, String)>,
 }
 
 /// The keys of one route+cluster's shared state, for one owner.
@@ -187,6 +204,8 @@ pub struct PickCall {
     pub owner_id: String,
     /// This request's id (its pick record), unique per owner.
     pub request_id: String,
+    /// This owner's ended requests (request id, pod) whose releases the pick carries.
+    pub ended: Vec<(String, String)>,
     /// Healthy hosts, shuffled (the script takes the first minimum).
     pub healthy: Vec<String>,
     /// Policy-specific part.
@@ -197,11 +216,18 @@ impl PickCall {
     /// KEYS and ARGV of the script call.
     pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
         let keys = vec![self.keys.inflight.clone()];
+        let mut ids = self.request_id.clone();
+        for (id, pod) in &self.ended {
+            ids.push(',');
+            ids.push_str(id);
+            ids.push('=');
+            ids.push_str(pod);
+        }
         let mut args = vec![
             self.max_inflight.to_string(),
             self.lease_ms.to_string(),
             self.owner_id.clone(),
-            self.request_id.clone(),
+            ids,
         ];
         match &self.kind {
             PickKind::Prefix { chain, ttl_s, hit_load_factor, load } => {
@@ -264,19 +290,29 @@ pub struct ReleaseCall {
     pub inflight_key: String,
     /// The picking owner's id.
     pub owner_id: String,
-    /// The request id (its pick record).
-    pub request_id: String,
-    /// The host an admitted request was sent to; `None` for the cancel of an abandoned pick.
-    pub admitted_to: Option<String>,
+    /// Admitted requests that ended: (request id, the pod it was admitted to).
+    pub ended: Vec<(String, String)>,
+    /// The id of a pick the plugin gave up waiting for: undone if it ran, else tombstoned.
+    pub abandoned: Option<String>,
 }
 
 impl ReleaseCall {
     /// KEYS and ARGV of the script call.
     pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
-        let mut args = vec![self.owner_id.clone(), self.request_id.clone()];
-        // No host: the cancel of an abandoned pick.
-        args.extend(self.admitted_to.iter().cloned());
+        let ended: Vec<String> = self.ended.iter().map(|(id, pod)| format!("{id}={pod}")).collect();
+        let mut args = vec![self.owner_id.clone(), ended.join(",")];
+        args.extend(self.abandoned.iter().cloned());
         (vec![self.inflight_key.clone()], args)
+    }
+
+    /// How many requests' releases this call holds.
+    pub fn len(&self) -> usize {
+        self.ended.len() + usize::from(self.abandoned.is_some())
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -446,6 +482,9 @@ pub(crate) struct PickState {
     used_eval: bool,
     /// The host that got the `+1` (released exactly once at stream end).
     picked: Option<String>,
+    /// Ended requests (request id, pod) whose releases the pick in flight carries: back to the
+    /// group's queue unless the pick is known to have run.
+    carried: Vec<(String, String)>,
     /// The prediction to check against the engine's cache report (`prefix_cache`).
     cache_check: Option<CacheCheck>,
 }
@@ -549,12 +588,12 @@ impl Picker {
         self.metrics.on_http_reply(host, token, reply);
     }
 
-    /// Tick period the picker needs: heartbeats every third of the lease, and slow picks noticed
-    /// within half of `breakerSlowMs`.
+    /// Tick period the picker needs: heartbeats every third of the lease, releases no pick carried
+    /// sent within [`CARRY_FLUSH_MS`], and slow picks noticed within half of `breakerSlowMs`.
     pub fn tick_period_ms(&self) -> u32 {
-        let heartbeat = self.config.state.lease_ms / 3;
+        let heartbeat_or_flush = (self.config.state.lease_ms / 3).min(CARRY_FLUSH_MS);
         let slow = self.config.state.breaker_slow_ms / 2;
-        let mut period = if slow > 0 { heartbeat.min(slow) } else { heartbeat };
+        let mut period = if slow > 0 { heartbeat_or_flush.min(slow) } else { heartbeat_or_flush };
         let scrape = self.metrics.tick_period_ms();
         if scrape > 0 {
             period = period.min(scrape);
@@ -621,14 +660,20 @@ impl Picker {
             held: 0,
             last_pick_ns: 0,
             hosts: Vec::new(),
+            ended: Vec::new(),
         });
         group.hosts = in_cluster;
+        // A pick in flight keeps its group (and heartbeats) alive, as a reply would.
+        group.last_pick_ns = now;
+        let carry = group.ended.len().min(MAX_CARRIED);
+        let ended: Vec<(String, String)> = group.ended.drain(..carry).collect();
         let call = PickCall {
             keys,
             max_inflight: self.config.max_request_count,
             lease_ms: self.config.state.lease_ms,
             owner_id,
             request_id: format!("{:x}", self.next_request),
+            ended,
             healthy,
             kind,
         };
@@ -647,12 +692,14 @@ impl Picker {
                         pending: Some((token, now)),
                         used_eval: false,
                         picked: None,
+                        carried: call.ended,
                         cache_check: None,
                     },
                 );
                 Decision::Pending(token)
             }
             Err(_) => {
+                self.requeue_ended(host, &call.keys.owners, call.ended);
                 self.redis_failed(host);
                 self.without_redis(host, stream, &Fallback::SendFailed, list)
             }
@@ -718,6 +765,8 @@ impl Picker {
         };
         let now = host.now_nanos();
         if let Some(state) = self.picks.get_mut(&stream.id) {
+            // The pick ran: so did the releases it carried.
+            state.carried.clear();
             if let Some(group) = self.groups.get_mut(&state.keys.owners) {
                 group.last_pick_ns = now;
                 if pick.admitted {
@@ -782,15 +831,18 @@ impl Picker {
             return ReplyOutcome::Fallback(why);
         };
         state.pending = None;
-        if why.may_have_run() {
-            let call = ReleaseCall {
-                inflight_key: state.keys.inflight.clone(),
-                owner_id: state.owner_id.clone(),
-                request_id: state.request_id.clone(),
-                admitted_to: None,
-            };
-            let rel = Release { call, failures: 0, use_eval: false };
-            self.send_release(host, rel);
+        // Whether the carried releases ran is not known: they go again (a release is idempotent).
+        let carried = std::mem::take(&mut state.carried);
+        let owners_key = state.keys.owners.clone();
+        let cancel = why.may_have_run().then(|| ReleaseCall {
+            inflight_key: state.keys.inflight.clone(),
+            owner_id: state.owner_id.clone(),
+            ended: Vec::new(),
+            abandoned: Some(state.request_id.clone()),
+        });
+        self.requeue_ended(host, &owners_key, carried);
+        if let Some(call) = cancel {
+            self.send_release(host, Release { call, failures: 0, use_eval: false });
         }
         ReplyOutcome::Fallback(why)
     }
@@ -853,13 +905,19 @@ impl Picker {
 
     /// Redis answered a call: the breaker closes (if it was open, say so).
     fn redis_answered(&mut self, host: &mut dyn Host) {
-        if !self.breaker.is_closed() {
+        let was_open = !self.breaker.is_closed();
+        self.breaker.on_success();
+        if was_open {
             host.log(
                 LogLevel::Info,
                 &format!("{}: redis answers again: breaker closed", self.name),
             );
+            // The releases of requests that ended while it was open go out now.
+            let waiting: Vec<String> = self.groups.keys().cloned().collect();
+            for owners_key in waiting {
+                self.flush_ended(host, &owners_key, None);
+            }
         }
-        self.breaker.on_success();
     }
 
     /// The decision for a reply's outcome: route to the pick, 429 when it was not admitted (the
@@ -940,23 +998,97 @@ impl Picker {
 
     /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
     /// runs before the cancel on the same connection, or finds the tombstone).
+    ///
+    /// An admitted request's release waits for this VM's next pick on the route+cluster to carry
+    /// it, while other requests there are in flight; the last one's goes out at once (with any
+    /// still waiting), and the root tick sends what no pick carried.
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
-        let Some(state) = self.picks.remove(&stream.id) else { return };
-        if state.picked.is_some() {
-            if let Some(g) = self.groups.get_mut(&state.keys.owners) {
-                g.held = g.held.saturating_sub(1);
-            }
-        } else if state.pending.is_none() {
+        let Some(mut state) = self.picks.remove(&stream.id) else { return };
+        let owners_key = state.keys.owners.clone();
+        // A pick still in flight may run or not: its carried releases go again.
+        let carried = std::mem::take(&mut state.carried);
+        self.requeue_ended(host, &owners_key, carried);
+        let (picked, abandoned) = match (state.picked, state.pending) {
+            (Some(pod), _) => (Some(pod), None),
+            (None, Some(_)) => (None, Some(state.request_id.clone())),
+            (None, None) => return,
+        };
+        let group = self.groups.get_mut(&owners_key);
+        let (Some(pod), Some(g)) = (picked.clone(), group) else {
+            // The cancel of a pick still in flight goes at once, after the pick on the same
+            // connection: it undoes the pick or leaves a tombstone. (It needs no group: the
+            // heartbeat may have dropped an idle one meanwhile.)
+            let call = ReleaseCall {
+                inflight_key: state.keys.inflight,
+                owner_id: state.owner_id,
+                ended: picked.map(|pod| (state.request_id, pod)).into_iter().collect(),
+                abandoned,
+            };
+            self.send_release(host, Release { call, failures: 0, use_eval: false });
+            return;
+        };
+        g.held = g.held.saturating_sub(1);
+        if g.ended.len() >= MAX_QUEUED_RELEASES {
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{}: release queue full; dropping request {}",
+                    self.name, state.request_id
+                ),
+            );
+            host.increment_counter(Counter::ReleaseDropped, 1);
+        } else {
+            g.ended.push((state.request_id, pod));
+        }
+        if g.held == 0 {
+            self.flush_ended(host, &owners_key, None);
+        }
+    }
+
+    /// Releases that a pick carried but that may not have run: they wait for the next pick or tick
+    /// again (at the front: they ended first).
+    fn requeue_ended(&mut self, host: &mut dyn Host, owners_key: &str, ids: Vec<(String, String)>) {
+        if ids.is_empty() {
             return;
         }
-        let call = ReleaseCall {
-            inflight_key: state.keys.inflight,
-            owner_id: state.owner_id,
-            request_id: state.request_id,
-            admitted_to: state.picked,
-        };
-        let rel = Release { call, failures: 0, use_eval: false };
-        self.send_release(host, rel);
+        let Some(g) = self.groups.get_mut(owners_key) else { return };
+        let room = MAX_QUEUED_RELEASES.saturating_sub(g.ended.len());
+        if ids.len() > room {
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{}: release queue full; dropping {} releases",
+                    self.name,
+                    ids.len() - room
+                ),
+            );
+            host.increment_counter(Counter::ReleaseDropped, (ids.len() - room) as i64);
+        }
+        let keep = ids.len().min(room);
+        g.ended.splice(0..0, ids.into_iter().take(keep));
+    }
+
+    /// Sends the releases waiting in a group (and `abandoned`, the cancel of a pick given up), at
+    /// most [`MAX_CARRIED`] per call; while the breaker is open they keep waiting in the group.
+    fn flush_ended(&mut self, host: &mut dyn Host, owners_key: &str, abandoned: Option<String>) {
+        let Some(owner_id) = self.owner.clone() else { return };
+        let closed = self.breaker.is_closed();
+        let Some(g) = self.groups.get_mut(owners_key) else { return };
+        let inflight_key = g.inflight_key.clone();
+        let mut calls = Vec::new();
+        let mut abandoned = abandoned;
+        while (closed && !g.ended.is_empty()) || abandoned.is_some() {
+            let n = if closed { g.ended.len().min(MAX_CARRIED) } else { 0 };
+            calls.push(ReleaseCall {
+                inflight_key: inflight_key.clone(),
+                owner_id: owner_id.clone(),
+                ended: g.ended.drain(..n).collect(),
+                abandoned: abandoned.take(),
+            });
+        }
+        for call in calls {
+            self.send_release(host, Release { call, failures: 0, use_eval: false });
+        }
     }
 
     /// Root tick: lease heartbeats (which also reap dead owners), and the breaker's probe when no
@@ -977,12 +1109,24 @@ impl Picker {
             }
             return;
         }
+        // What no pick carried.
+        let waiting: Vec<String> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| !g.ended.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for owners_key in waiting {
+            self.flush_ended(host, &owners_key, None);
+        }
         let every_ns = u64::from(self.config.state.lease_ms / 3) * 1_000_000;
         if now.saturating_sub(self.last_heartbeat_ns) < every_ns {
             return;
         }
         self.last_heartbeat_ns = now;
-        self.groups.retain(|_, g| g.held > 0 || now.saturating_sub(g.last_pick_ns) < GROUP_IDLE_NS);
+        self.groups.retain(|_, g| {
+            g.held > 0 || !g.ended.is_empty() || now.saturating_sub(g.last_pick_ns) < GROUP_IDLE_NS
+        });
         let groups: Vec<String> = self.groups.keys().cloned().collect();
         for owners_key in groups {
             self.send_heartbeat(host, owners_key, false);
@@ -1074,12 +1218,14 @@ impl Picker {
             host.log(
                 LogLevel::Warn,
                 &format!(
-                    "{}: giving up the release of request {} after {} failed sends; the count \
-                     returns when this VM's lease ends",
-                    self.name, rel.call.request_id, rel.failures
+                    "{}: giving up the release of {} request(s) after {} failed sends; the \
+                     counts return when this VM's lease ends",
+                    self.name,
+                    rel.call.len(),
+                    rel.failures
                 ),
             );
-            host.increment_counter(Counter::ReleaseDropped, 1);
+            host.increment_counter(Counter::ReleaseDropped, rel.call.len() as i64);
             return;
         }
         self.queue_release(host, rel);
@@ -1090,11 +1236,12 @@ impl Picker {
             host.log(
                 LogLevel::Warn,
                 &format!(
-                    "{}: release queue full; dropping request {}",
-                    self.name, rel.call.request_id
+                    "{}: release queue full; dropping {} release(s)",
+                    self.name,
+                    rel.call.len()
                 ),
             );
-            host.increment_counter(Counter::ReleaseDropped, 1);
+            host.increment_counter(Counter::ReleaseDropped, rel.call.len() as i64);
             return;
         }
         self.release_queue.push(rel);

@@ -113,6 +113,11 @@ async fn frozen_redis_delays_requests_by_at_most_the_redis_timeout() {
     assert_eq!(r.status, 200);
     assert!(started.elapsed() < Duration::from_secs(4));
     redis.unfreeze().await.unwrap();
+    // The slow picks above opened the workers' breakers (`breakerOpenMs` 1000 by default): until
+    // it runs out a request is decided without Redis, by design. After it, the next request is the
+    // half-open probe and goes to Redis. Without this wait the test raced the breaker (seen under
+    // load: the held request landed inside the open period and never counted).
+    tokio::time::sleep(Duration::from_millis(1300)).await;
 
     // Redis is back: the plugin routes through it again (counters appear for a held request).
     for p in &pods {

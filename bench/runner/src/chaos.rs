@@ -4,7 +4,10 @@
 //! dead (as a load balancer in front of the gateways would); what was in flight on it fails with it.
 //!
 //! Reports: failed requests on the surviving replicas (and those lost with the killed one), p99
-//! latency before and during the outage and the difference, time from SIGCONT until the surviving
+//! latency before and during the outage and the difference; apart, by each request's decision
+//! (the plugin's `decisionHeader`), the requests that paid a Redis wait (`breakerSlowMs` or the
+//! Redis timeout: the picks that open the breaker, and its probes) and the added p99 of the requests
+//! decided at once because the breaker was open; time from SIGCONT until the surviving
 //! replicas decide on Redis again (their `ai_lb_least_request_routed` counters move), and the sum of
 //! the in-flight counts in Redis once the load has stopped and the killed replica's lease has run
 //! out (count drift, must be 0).
@@ -23,6 +26,8 @@ use crate::{load_scenario, start_gateway, start_pods, Paths};
 const REPLICAS: usize = 4;
 const CLIENTS: usize = 20;
 const POLICY: &str = "global_least_request";
+/// The response header naming how the plugin decided each request.
+const DECISION_HEADER: &str = "x-ai-lb-decision";
 const FREEZE_AT: Duration = Duration::from_secs(5);
 const FREEZE_FOR: Duration = Duration::from_secs(10);
 const KILL_AT: Duration = Duration::from_secs(10);
@@ -38,6 +43,20 @@ struct Sent {
     took: Duration,
     replica: usize,
     ok: bool,
+    /// The plugin's decision (`decisionHeader`), empty when absent.
+    decision: String,
+}
+
+impl Sent {
+    /// It waited for Redis in vain: `breakerSlowMs` (a slow pick given up) or the Redis timeout.
+    fn paid_redis_wait(&self) -> bool {
+        self.decision.starts_with("fallback_redis_slow")
+            || self.decision.starts_with("fallback_redis_timeout")
+    }
+    /// Decided at once without Redis because the breaker was open.
+    fn breaker_open(&self) -> bool {
+        self.decision.starts_with("fallback_breaker_open")
+    }
 }
 
 /// What the run measured.
@@ -55,6 +74,12 @@ pub struct ChaosReport {
     pub p99_outage_ms: f64,
     /// Requests during the freeze that took over 100 ms more than the p99 before it.
     pub slow_in_outage: usize,
+    /// Requests that waited for Redis in vain (`breakerSlowMs` or the Redis timeout), whole run.
+    pub paid_redis_wait: usize,
+    /// Requests decided at once because the breaker was open.
+    pub breaker_open_requests: usize,
+    /// p99 latency (ms) of the requests decided at once because the breaker was open.
+    pub p99_breaker_open_ms: f64,
     /// Time from SIGCONT until every surviving replica routed by Redis again (ms).
     pub recover_ms: Option<f64>,
     /// Sum of the in-flight counts in Redis after the load and the settle time.
@@ -98,7 +123,8 @@ async fn routed(admin: &str) -> i64 {
 
 /// Runs the chaos scenario once; prints and returns its report.
 pub async fn run(paths: &Paths) -> Result<ChaosReport> {
-    let sc = load_scenario(paths, "seed")?;
+    let mut sc = load_scenario(paths, "seed")?;
+    sc.lb_config.insert("decisionHeader".into(), DECISION_HEADER.into());
     let mut redis = Redis::start().await?;
     let (pods_proc, pods) = start_pods(paths, &sc).await?;
     let mut gws = Vec::new();
@@ -145,9 +171,15 @@ pub async fn run(paths: &Paths) -> Result<ChaosReport> {
                 let Some(addr) = addrs.get(replica).copied() else { break };
                 let r = http::send(addr, req, Duration::from_secs(30)).await;
                 let ok = r.as_ref().map(|r| r.status == 200).unwrap_or(false);
+                let decision = r
+                    .as_ref()
+                    .ok()
+                    .and_then(|r| r.headers.iter().find(|(k, _)| k == DECISION_HEADER))
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_default();
                 messages.push(json!({"role": "assistant", "content": "ok"}));
                 if let Ok(mut s) = sent.lock() {
-                    s.push(Sent { at, took: started.elapsed(), replica, ok });
+                    s.push(Sent { at, took: started.elapsed(), replica, ok, decision });
                 }
                 n += 1;
             }
@@ -217,6 +249,13 @@ pub async fn run(paths: &Paths) -> Result<ChaosReport> {
         p99_before_ms: p99_before,
         p99_outage_ms: p99(in_outage.iter().map(|s| ms(s)).collect()),
         slow_in_outage: in_outage.iter().filter(|s| ms(s) > p99_before + 100.0).count(),
+        paid_redis_wait: sent.iter().filter(|s| s.paid_redis_wait()).count(),
+        breaker_open_requests: sent.iter().filter(|s| s.ok && s.breaker_open()).count(),
+        p99_breaker_open_ms: p99(sent
+            .iter()
+            .filter(|s| s.ok && s.breaker_open())
+            .map(ms)
+            .collect()),
         recover_ms,
         count_drift,
     };
@@ -230,13 +269,17 @@ pub async fn run(paths: &Paths) -> Result<ChaosReport> {
 /// A Markdown table of the report.
 pub fn table(r: &ChaosReport) -> String {
     format!(
-        "| requests | failed (surviving replicas) | lost with the killed replica | p99 before (ms) | p99 during the freeze (ms) | added p99 (ms) | slow (> p99 + 100 ms) during the freeze | back on Redis after SIGCONT (ms) | count drift |\n|---|---|---|---|---|---|---|---|---|\n| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {} |\n",
+        "| requests | failed (surviving replicas) | lost with the killed replica | p99 before (ms) | p99 during the freeze (ms) | added p99, all requests in the freeze (ms) | paid a Redis wait (breakerSlowMs or timeout) | decided with the breaker open | their p99 (ms) | added p99 after the breaker opened (ms) | slow (> p99 + 100 ms) during the freeze | back on Redis after SIGCONT (ms) | count drift |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.1} | {} | {} | {} |\n",
         r.requests,
         r.failed_on_survivors,
         r.lost_with_killed,
         r.p99_before_ms,
         r.p99_outage_ms,
         r.p99_outage_ms - r.p99_before_ms,
+        r.paid_redis_wait,
+        r.breaker_open_requests,
+        r.p99_breaker_open_ms,
+        r.p99_breaker_open_ms - r.p99_before_ms,
         r.slow_in_outage,
         r.recover_ms.map(|m| format!("{m:.0}")).unwrap_or_else(|| "not within 10 s".into()),
         r.count_drift

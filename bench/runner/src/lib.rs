@@ -306,8 +306,11 @@ pub fn gateway_config(
     let Route::Gateway(mode) = policy.route else {
         return Err(anyhow!("policy {} is not run by our gateway", policy.name));
     };
+    // The interval follows the pods' clock (simulated ms); the timeout stays real time, as it
+    // bounds the gateway's and the machine's own delays.
+    let interval_ms = sc.gateway_health_interval_ms();
     let health = sc.health_check.then(|| {
-        json!({"path": "/health", "interval_ms": 200, "timeout_ms": 1000,
+        json!({"path": "/health", "interval_ms": interval_ms, "timeout_ms": 1000,
             "unhealthy_threshold": 3, "healthy_threshold": 1})
     });
     if mode == GatewayMode::SessionHash {
@@ -338,7 +341,7 @@ pub fn gateway_config(
     }
     if policy.scrapes_metrics() {
         // Like Higress: the health checker keeps each pod's /metrics body for the plugin.
-        llm["health_check"] = json!({"path": "/metrics", "interval_ms": 200, "timeout_ms": 1000,
+        llm["health_check"] = json!({"path": "/metrics", "interval_ms": interval_ms, "timeout_ms": 1000,
             "unhealthy_threshold": 3, "healthy_threshold": 1, "store_metrics": true});
     }
     let mut cfg = json!({

@@ -53,6 +53,29 @@ enum Cmd {
         #[arg(long)]
         reps: Option<usize>,
     },
+    /// Time-scale check: the scenario at each time scale (and, with `--real-clock-health-check`,
+    /// `endpoint_metrics`-style policies with the health check on the real clock), every
+    /// (scale, policy) in one interleaved series; writes <scenario>-ts<scale>[-hc-real].json.
+    Timescale {
+        /// Scenario name or file.
+        scenario: String,
+        /// Time scales (real s per simulated s).
+        #[arg(long, value_delimiter = ',', default_value = "1,0.25")]
+        scales: Vec<f64>,
+        /// Only these policies (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        policies: Vec<String>,
+        /// Repetitions per (scale, policy).
+        #[arg(long)]
+        reps: Option<usize>,
+        /// Only the first N sessions (multi-turn scenarios).
+        #[arg(long)]
+        sessions: Option<usize>,
+        /// Also run the policies that read the pods' /metrics at every scale below 1 with the
+        /// health check every 200 real ms (the harness before it followed the pods' clock).
+        #[arg(long)]
+        real_clock_health_check: bool,
+    },
     /// The scenario's workload through the pods' latency model alone (no HTTP, gateway or Redis),
     /// with round_robin and session_hash: what the model gives, in a second.
     Model {
@@ -244,6 +267,115 @@ async fn sweep(
     Ok(())
 }
 
+/// One series of [`Cmd::Timescale`]: the scenario at one scale, written as its own report.
+struct ScaleVariant {
+    /// Results file stem.
+    name: String,
+    sc: bench::scenario::Scenario,
+}
+
+async fn timescale(
+    paths: Paths,
+    name: String,
+    scales: Vec<f64>,
+    only: Vec<String>,
+    reps: Option<usize>,
+    sessions: Option<usize>,
+    real_clock_health_check: bool,
+) -> Result<()> {
+    let mut base = load_scenario(&paths, &name)?;
+    if let Some(n) = sessions {
+        base.workload = base
+            .workload
+            .with_sessions(n)
+            .ok_or_else(|| anyhow::anyhow!("--sessions applies to multi_turn workloads only"))?;
+    }
+    if !only.is_empty() {
+        base.policies.retain(|p| only.contains(p));
+    }
+    base.repetitions = reps.unwrap_or(base.repetitions).max(1);
+    base.gateway_replicas.truncate(1);
+    for p in &base.policies {
+        bench::policy::lookup(p)?;
+    }
+    let list = scales.iter().map(f64::to_string).collect::<Vec<_>>().join(", ");
+    let shortened = sessions.map(|n| format!("; the first {n} sessions")).unwrap_or_default();
+    let mut variants = Vec::new();
+    for &scale in &scales {
+        if !(scale.is_finite() && scale > 0.0) {
+            bail!("time scale {scale}: must be positive");
+        }
+        let mut sc = base.clone();
+        sc.time_scale = scale;
+        sc.name = format!("{}-ts{scale}", base.name);
+        sc.description = format!(
+            "{} [time-scale check: this series at scale {scale}, interleaved with scales {list}{shortened}; health check every {} simulated ms]",
+            base.description, sc.health_check_interval_ms
+        );
+        let hc = (real_clock_health_check && scale < 1.0).then(|| {
+            let mut hc = sc.clone();
+            hc.policies.retain(|p| {
+                bench::policy::lookup(p).map(|s| s.scrapes_metrics()).unwrap_or(false)
+            });
+            // 200 real ms at this scale: what the harness gave before the interval followed
+            // the pods' clock.
+            hc.health_check_interval_ms = 200.0 / scale;
+            hc.name = format!("{}-hc-real", sc.name);
+            hc.description = format!(
+                "{} [time-scale check: scale {scale} with the health check every 200 real ms ({} simulated ms), interleaved with scales {list}{shortened}]",
+                base.description, hc.health_check_interval_ms
+            );
+            hc
+        });
+        variants.push(ScaleVariant { name: sc.name.clone(), sc });
+        if let Some(hc) = hc.filter(|hc| !hc.policies.is_empty()) {
+            variants.push(ScaleVariant { name: hc.name.clone(), sc: hc });
+        }
+    }
+    let redis = Redis::start().await?;
+    let mut jobs = Vec::new();
+    let mut owner = Vec::new();
+    for (v, var) in variants.iter().enumerate() {
+        for p in &var.sc.policies {
+            jobs.push(bench::Job {
+                sc: var.sc.clone(),
+                replicas: 1,
+                policy: p.clone(),
+                label: format!("{p} ({})", var.name),
+            });
+            owner.push(v);
+        }
+    }
+    let reps = base.repetitions;
+    let runs = bench::run_jobs(&paths, &redis, &jobs, reps).await?;
+    // run_jobs returns the runs in the order it made them: the interleaved order.
+    let order = stats::interleaved(jobs.len(), reps);
+    std::fs::create_dir_all(&paths.results)?;
+    for (v, var) in variants.iter().enumerate() {
+        let mine: Vec<_> = order
+            .iter()
+            .zip(&runs)
+            .filter(|((_, k), _)| owner.get(*k) == Some(&v))
+            .map(|(_, r)| r.clone())
+            .collect();
+        let rep = Report {
+            scenario: var.name.clone(),
+            description: var.sc.description.clone(),
+            stamp: Stamp::now(&paths.root),
+            time_scale: var.sc.time_scale,
+            config: var.sc.clone(),
+            policies: stats::aggregate(&mine),
+            runs: mine,
+        };
+        let json_path = paths.results.join(format!("{}.json", var.name));
+        std::fs::write(&json_path, serde_json::to_string_pretty(&rep)?)?;
+        println!("\n{}: {}\n", var.name, var.sc.description);
+        print!("{}", table(&rep));
+        println!("wrote {}", json_path.display());
+    }
+    Ok(())
+}
+
 fn tables(paths: Paths, write: bool) -> Result<()> {
     let (md, skipped) = bench::tables::render(&paths.results)?;
     for f in skipped {
@@ -400,6 +532,25 @@ async fn main() {
                 run(paths, scenario, policies, reps, sessions).await
             }
             Cmd::Model { scenario } => model(paths, scenario),
+            Cmd::Timescale {
+                scenario,
+                scales,
+                policies,
+                reps,
+                sessions,
+                real_clock_health_check,
+            } => {
+                timescale(
+                    paths,
+                    scenario,
+                    scales,
+                    policies,
+                    reps,
+                    sessions,
+                    real_clock_health_check,
+                )
+                .await
+            }
             Cmd::Sweep { scenario, rates, policies, reps } => {
                 sweep(paths, scenario, rates, policies, reps).await
             }

@@ -2,11 +2,15 @@
 //! `redis-server` with the plugin's own scripts and key layout (the `PickCall` the plugin sends),
 //! beside the machine's floor, a trivial `EVALSHA` that returns 1.
 //!
-//! Per routed request = one pick + its release (both `EVALSHA`), as the plugin sends them (request
-//! ids are a per-VM counter). Not counted: each plugin VM's heartbeat, one small
-//! script per route every third of `leaseMs` whatever the traffic. The workload: 8 pods, 4 plugin
-//! VMs (owners), 5-block chats (prefix_cache) that are sent again with one more block (hits), 16
-//! requests in flight at a time (each release goes out 16 picks after its pick).
+//! Per routed request = one pick + its release, as the plugin sends them (request ids are a per-VM
+//! counter): a request's release rides on its VM's next pick (the ids of the VM's requests that
+//! ended since its last pick, inside the pick's `EVALSHA`); what is left at the end goes in one
+//! `release.lua` call per VM. Not counted: each plugin VM's heartbeat, one small script per route
+//! every third of `leaseMs` whatever the traffic, and the root tick's release call for what no pick
+//! carried (at most one per VM and route every 100 ms, none while picks come faster). The
+//! workload: 8 pods, 4 plugin VMs (owners), 5-block chats (prefix_cache) that are sent again with
+//! one more block (hits), 16 requests in flight at a time (each request ends 16 picks after its
+//! pick).
 //!
 //! Beside them, the Go plugin's way (`go_like/*.lua`: scripts of ours that make the same Redis calls
 //! with the same keys and arguments as its scripts): the pick is `EVAL` with the script's source
@@ -209,6 +213,7 @@ fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: 
         lease_ms: 10_000,
         owner_id,
         request_id: format!("{request:x}"),
+        ended: Vec::new(),
         healthy: healthy(rng),
         kind: match kind {
             Case::PrefixCache => PickKind::Prefix {
@@ -244,9 +249,10 @@ fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: 
     }
 }
 
-/// What a release needs: our `ReleaseCall`, or Go's plain `HINCRBY -1`.
+/// A request in flight: ours (its VM and request id: its release rides on that VM's next pick), or
+/// Go's (released by a plain `HINCRBY -1`).
 enum Pending {
-    Ours(ReleaseCall),
+    Ours { owner: usize, request_id: String, pod: String },
     Go { hash_key: String, host: String },
 }
 
@@ -275,6 +281,8 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     let mut outstanding: VecDeque<Pending> = VecDeque::new();
     let mut requests = [0u64; OWNERS];
+    // Per VM: ids of its requests that ended, carried by its next pick.
+    let mut ended: Vec<Vec<(String, String)>> = vec![Vec::new(); OWNERS];
     let mut top_level_hincrby = 0u64;
     // 5-block chats: a conversation's next turn resends its blocks plus one (prefix hits).
     let mut chats: Vec<Vec<String>> = Vec::new();
@@ -321,21 +329,19 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
                     *r += 1;
                     *r
                 });
-                let call = pick_call(&mut rng, owner, req.unwrap_or(1), &chat, case);
+                let mut call = pick_call(&mut rng, owner, req.unwrap_or(1), &chat, case);
+                if let Some(e) = ended.get_mut(owner) {
+                    call.ended = std::mem::take(e);
+                }
                 let (keys, args) = call.keys_args();
-                let picked = match conn.script(&pick, &keys, &args)? {
+                let pod = match conn.script(&pick, &keys, &args)? {
                     Frame::Array(v) => match v.first() {
                         Some(Frame::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
                         other => bail!("unexpected pick reply {other:?}"),
                     },
                     other => bail!("unexpected pick reply {other:?}"),
                 };
-                Pending::Ours(ReleaseCall {
-                    inflight_key: call.keys.inflight,
-                    owner_id: call.owner_id,
-                    request_id: call.request_id,
-                    admitted_to: Some(picked),
-                })
+                Pending::Ours { owner, request_id: call.request_id, pod }
             }
         };
         chat.truncate(BLOCKS - 1);
@@ -345,12 +351,27 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
         outstanding.push_back(pending);
         if outstanding.len() > IN_FLIGHT {
             if let Some(p) = outstanding.pop_front() {
-                top_level_hincrby += send_release(&mut conn, &release, p)?;
+                top_level_hincrby += end_request(&mut conn, &mut ended, p)?;
             }
         }
     }
     while let Some(p) = outstanding.pop_front() {
-        top_level_hincrby += send_release(&mut conn, &release, p)?;
+        top_level_hincrby += end_request(&mut conn, &mut ended, p)?;
+    }
+    // What no pick carried: one release call per VM (the plugin's tick or last request does this).
+    for (owner, ids) in ended.into_iter().enumerate() {
+        if ids.is_empty() {
+            continue;
+        }
+        let owner_id = format!("{:012x}", 0x5eed_0000 + owner);
+        let call = ReleaseCall {
+            inflight_key: StateKeys::new(ROUTE, CLUSTER, &owner_id).inflight,
+            owner_id,
+            ended: ids,
+            abandoned: None,
+        };
+        let (keys, args) = call.keys_args();
+        conn.script(&release, &keys, &args)?;
     }
     let after = snapshot(&addr).await?;
     let top_level = Some(("hincrby", top_level_hincrby)).filter(|(_, c)| *c > 0);
@@ -367,12 +388,14 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
     })
 }
 
-/// Sends one release; returns the top-level (not scripted) commands it took.
-fn send_release(conn: &mut Conn, release: &Script, p: Pending) -> Result<u64> {
+/// A request ends: ours waits for its VM's next pick; Go's release is sent. Returns the top-level
+/// (not scripted) commands it took.
+fn end_request(conn: &mut Conn, ended: &mut [Vec<(String, String)>], p: Pending) -> Result<u64> {
     match p {
-        Pending::Ours(call) => {
-            let (keys, args) = call.keys_args();
-            conn.script(release, &keys, &args)?;
+        Pending::Ours { owner, request_id, pod } => {
+            if let Some(e) = ended.get_mut(owner) {
+                e.push((request_id, pod));
+            }
             Ok(0)
         }
         Pending::Go { hash_key, host } => {

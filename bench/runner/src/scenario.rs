@@ -24,6 +24,9 @@ fn default_workers() -> usize {
 fn default_reps() -> usize {
     3
 }
+fn default_health_interval() -> f64 {
+    200.0
+}
 
 /// The simulated pods of a scenario.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -115,6 +118,11 @@ pub struct Scenario {
     /// requests sent while it was frozen.
     #[serde(default)]
     pub redis_freeze: Option<RedisFreeze>,
+    /// Our gateway's health-check interval in simulated ms (default 200, Higress's
+    /// `store_metrics` scrape as we configure it): the gateway gets it times `time_scale`, so
+    /// between two scrapes the pods advance as much as they would on real hardware.
+    #[serde(default = "default_health_interval")]
+    pub health_check_interval_ms: f64,
     /// Extra plugin `lb_config` keys per policy (merged over the defaults).
     #[serde(default)]
     pub lb_config: serde_json::Map<String, serde_json::Value>,
@@ -123,6 +131,19 @@ pub struct Scenario {
     pub sweep_rates: Vec<f64>,
     /// The load.
     pub workload: Workload,
+}
+
+impl Scenario {
+    /// The health-check interval our gateway runs, real ms: `health_check_interval_ms` on the
+    /// pods' clock, at least 10 ms (the gateway's floor).
+    pub fn gateway_health_interval_ms(&self) -> u64 {
+        let real = self.health_check_interval_ms * self.time_scale;
+        if real.is_finite() {
+            (real.round() as u64).max(10)
+        } else {
+            200
+        }
+    }
 }
 
 #[cfg(test)]
@@ -155,5 +176,23 @@ mod tests {
             n += 1;
         }
         assert!(n >= 4, "seed, shared-prefix, cache-pressure, replicas");
+    }
+
+    #[test]
+    fn health_check_interval_follows_the_pods_clock() {
+        let mut s: Scenario = serde_yaml::from_str(
+            "name: t\npods: {count: 1}\nworkload: {kind: multi_turn, sessions: 1, turns_mean: 1, input_tokens_mean: 10, output_tokens_mean: 10, concurrency: 1}\n",
+        )
+        .expect("parse");
+        assert_eq!(s.time_scale, 0.25);
+        assert_eq!(s.health_check_interval_ms, 200.0, "default: 200 simulated ms");
+        assert_eq!(s.gateway_health_interval_ms(), 50, "4x faster pods, 4x shorter interval");
+        s.time_scale = 1.0;
+        assert_eq!(s.gateway_health_interval_ms(), 200);
+        s.health_check_interval_ms = 800.0;
+        s.time_scale = 0.25;
+        assert_eq!(s.gateway_health_interval_ms(), 200, "the real-clock 200 ms at scale 0.25");
+        s.time_scale = 0.01;
+        assert_eq!(s.gateway_health_interval_ms(), 10, "the gateway's floor");
     }
 }

@@ -497,18 +497,18 @@ pub fn build_linker(
     higress::add(&mut l)?;
     for imp in module.imports() {
         let key = (imp.module().to_string(), imp.name().to_string());
+        let missing = || {
+            anyhow::anyhow!(
+                "Failed to load Wasm module due to a missing import: {}.{}",
+                imp.module(),
+                imp.name()
+            )
+        };
         if imp.module() == "wasi_snapshot_preview1" || imp.module() == "wasi_unstable" {
             if wasi::provided(imp.name()) {
                 continue;
             }
         } else {
-            let missing = || {
-                anyhow::anyhow!(
-                    "Failed to load Wasm module due to a missing import: {}.{}",
-                    imp.module(),
-                    imp.name()
-                )
-            };
             if abi_specific(imp.name()).is_some_and(|v| !v.contains(&abi)) {
                 return Err(missing());
             }
@@ -521,8 +521,13 @@ pub fn build_linker(
         }
         if let wasmtime::ExternType::Func(ft) = imp.ty() {
             let name = imp.name().to_string();
-            // WASI: ENOSYS (52); proxy-wasm: Unimplemented (12).
-            let code = if imp.module().starts_with("wasi") { 52 } else { status::UNIMPLEMENTED };
+            // WASI: ENOSYS (52), but `path_open` ENOENT (44) as proxy-wasm-cpp-host's (no
+            // preopened directory); proxy-wasm: Unimplemented (12).
+            let code = match (imp.module().starts_with("wasi"), imp.name()) {
+                (true, "path_open") => 44,
+                (true, _) => 52,
+                (false, _) => status::UNIMPLEMENTED,
+            };
             let results: Vec<ValType> = ft.results().collect();
             tracing::debug!("stubbing import {}.{} as Unimplemented", imp.module(), name);
             linker

@@ -6,6 +6,8 @@
 //! `fd_write` to stdout/stderr goes synchronously to the gateway's stderr (stdout is reserved for the
 //! `LISTENING`/`READY` lines), `fd_fdstat_get`/`fd_read`/`fd_seek`/`fd_close` answer for stdio, and the
 //! other file-system calls return ENOSYS (the plugin gets no preopened directories anyway).
+//! `path_open` returns ENOENT, as proxy-wasm-cpp-host's. A WASI import that wasmtime-wasi does not
+//! have refuses the module (missing import), as in Envoy.
 
 use super::HostState;
 use std::io::Write;

@@ -221,10 +221,65 @@ pub struct Recorded {
     pub body: Bytes,
 }
 
+/// Whether the connection's first request is `GET /trailers` (peeked, not consumed).
+async fn starts_with_trailers_request(stream: &tokio::net::TcpStream) -> bool {
+    const LINE: &[u8] = b"GET /trailers ";
+    let mut head = [0u8; 14];
+    for _ in 0..100 {
+        match stream.peek(&mut head).await {
+            Ok(n) if n >= LINE.len() || n == 0 || !LINE.starts_with(&head[..n]) => {
+                return head[..n] == *LINE;
+            }
+            Ok(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            Err(_) => return false,
+        }
+    }
+    false
+}
+
+/// `GET /trailers`, answered by hand (hyper's server writes trailers only to clients that sent
+/// `te: trailers`): a chunked body "hello" ending with the trailer field `x-trailer: t1`, then
+/// the connection closes.
+async fn answer_with_trailers(mut stream: tokio::net::TcpStream, seen: &Mutex<Vec<Recorded>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let mut lines = text.split("\r\n");
+    let mut first = lines.next().unwrap_or_default().split(' ');
+    let (method, path) = (first.next().unwrap_or_default(), first.next().unwrap_or_default());
+    let mut headers = hyper::HeaderMap::new();
+    for l in lines.take_while(|l| !l.is_empty()) {
+        let Some((k, v)) = l.split_once(':') else { continue };
+        if let (Ok(k), Ok(v)) = (
+            hyper::header::HeaderName::from_bytes(k.trim().as_bytes()),
+            hyper::header::HeaderValue::from_str(v.trim()),
+        ) {
+            headers.append(k, v);
+        }
+    }
+    seen.lock().unwrap().push(Recorded {
+        method: method.to_string(),
+        path: path.to_string(),
+        headers,
+        body: Bytes::new(),
+    });
+    let resp = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntrailer: x-trailer\r\nconnection: close\r\n\r\n5\r\nhello\r\n0\r\nx-trailer: t1\r\n\r\n";
+    let _ = stream.write_all(resp.as_bytes()).await;
+    let _ = stream.shutdown().await;
+}
+
 /// A recording upstream. Paths: `/slow` answers after 500 ms; `/secret` a body with "secret"; `/sse` streams 3 events 150 ms
 /// apart; `/sse-forever` streams until the client goes away; `/reset-mid` sends a chunked
 /// response's first chunk and then drops the connection; `/metrics` answers a fixed text;
-/// anything else answers "ok <port>".
+/// `/trailers` a chunked body with a trailer field (then the connection closes); anything else
+/// answers "ok <port>".
 pub struct Upstream {
     pub addr: SocketAddr,
     pub seen: Arc<Mutex<Vec<Recorded>>>,
@@ -244,6 +299,10 @@ impl Upstream {
                 let Ok((stream, _)) = l.accept().await else { continue };
                 let (seen, closed) = (s2.clone(), c2.clone());
                 tokio::spawn(async move {
+                    if starts_with_trailers_request(&stream).await {
+                        answer_with_trailers(stream, &seen).await;
+                        return;
+                    }
                     let svc = hyper::service::service_fn(
                         move |req: hyper::Request<hyper::body::Incoming>| {
                             let (seen, closed) = (seen.clone(), closed.clone());

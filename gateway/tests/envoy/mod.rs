@@ -622,12 +622,15 @@ async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<St
                 Ok(Ok(resp)) => {
                     out.push(format!("status {}", resp.status().as_u16()));
                     out.extend(header_lines(resp.headers(), names));
-                    match resp.into_body().collect().await {
-                        Ok(b) => out.push(format!(
+                    let body = resp.into_body().collect();
+                    match tokio::time::timeout(Duration::from_secs(5), body).await {
+                        Ok(Ok(b)) => out.push(format!(
                             "body {:?}",
                             names.apply(&String::from_utf8_lossy(&b.to_bytes()))
                         )),
-                        Err(_) => out.push("body reset".into()),
+                        Ok(Err(_)) => out.push("body reset".into()),
+                        // E.g. a `content-length` larger than the body that follows.
+                        Err(_) => out.push("body timeout".into()),
                     }
                 }
             }
