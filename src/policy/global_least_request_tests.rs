@@ -335,16 +335,62 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
     assert!(host.logged("breaker open after 3 failed or slow calls"));
     f.on_delete(&mut host, 13);
-    // After breakerOpenMs one request probes; while it is out, others do not wait.
+    // After breakerOpenMs a request still does not wait: the tick carries the probe (a PING), and
+    // while it is out requests are decided at once.
     host.now += 1000 * MS;
-    assert_eq!(f.on_request_headers(&mut host, 15, true), HeaderAction::StopIteration);
+    assert_eq!(f.on_request_headers(&mut host, 15, true), HeaderAction::Continue);
+    assert_eq!(host.redis_calls.len(), calls, "a request never carries the probe");
+    f.on_delete(&mut host, 15);
+    f.on_tick(&mut host);
+    assert_eq!(command(&host, host.redis_calls.len() - 1), vec!["PING".to_string()]);
     let probe = host.last_redis_token().unwrap();
     assert_eq!(f.on_request_headers(&mut host, 17, true), HeaderAction::Continue);
-    deliver(&mut f, &mut host, probe, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
-    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(host.redis_calls.len(), calls + 1, "no call while the probe is out");
+    f.on_delete(&mut host, 17);
+    f.on_redis_reply(&mut host, probe, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
     assert!(host.logged("breaker closed"));
     // Closed again: the next request calls Redis.
     assert_eq!(f.on_request_headers(&mut host, 19, true), HeaderAction::StopIteration);
+}
+
+#[test]
+fn picks_still_waiting_when_the_breaker_opens_are_decided_at_once() {
+    let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
+    // Redis stalls: three picks go out at 0 ms, two more at 100 ms, and none is answered.
+    let mut tokens = Vec::new();
+    for ctx in [7, 9, 11, 13, 15] {
+        if ctx == 13 {
+            host.now += 100 * MS;
+        }
+        f.on_request_headers(&mut host, ctx, true);
+        tokens.push(host.last_redis_token().unwrap());
+    }
+    host.now += 60 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.resumes, 0, "no pick has waited breakerSlowMs yet");
+    // At 210 ms the first three have waited breakerSlowMs: given up, and the breaker opens. The
+    // two younger picks (110 ms) wait on the same stalled Redis: decided in the same tick, not at
+    // their own 200 ms.
+    host.now += 50 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.counters.get("ai_lb_fallback_redis_slow"), Some(&3));
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    assert_eq!(host.resumes, 5, "every held request resumed");
+    assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&2), "not counted as slow");
+    // Their late replies change nothing.
+    for t in tokens {
+        deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
+    }
+    assert_eq!(host.resumes, 5);
+    assert_eq!(host.override_host, None);
+    // Each abandoned pick is cancelled once the probe finds Redis answering again.
+    host.now += 1000 * MS;
+    f.on_tick(&mut host);
+    let ping = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, ping, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
+    let cancels = releases(&host);
+    assert_eq!(cancels.len(), 5, "five cancels, none lost: {cancels:?}");
+    assert!((0..5).all(|i| cancels.contains(&release_of(&host, i, true))));
 }
 
 #[test]

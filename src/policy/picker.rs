@@ -623,7 +623,10 @@ impl Picker {
         let Some((mut healthy, others)) = healthy_hosts(list.as_deref(), host, self.name) else {
             return Decision::Passthrough;
         };
-        if self.breaker.admit(host.now_nanos()) == Admission::Refuse {
+        // While the breaker is open or its probe is out, requests are decided at once. The probe
+        // is the tick's PING, never a request: a request carrying it would wait `breakerSlowMs`
+        // on a still frozen Redis, once per `breakerOpenMs` per worker.
+        if !self.breaker.is_closed() {
             return self.without_redis(host, stream, &Fallback::BreakerOpen, list);
         }
         if let PickKind::Prefix { load: load @ Some(_), .. } = &mut kind {
@@ -968,7 +971,8 @@ impl Picker {
         }
     }
 
-    /// A tick while `stream` waits for its pick: give up a pick slower than `breakerSlowMs`.
+    /// A tick while `stream` waits for its pick: give up a pick slower than `breakerSlowMs`, or
+    /// any pick still waiting once the breaker has opened.
     pub fn on_pending_tick(
         &mut self,
         host: &mut dyn Host,
@@ -976,6 +980,13 @@ impl Picker {
     ) -> Option<Decision> {
         let slow_ns = u64::from(self.config.state.breaker_slow_ms) * 1_000_000;
         let (_, sent) = self.picks.get(&stream.id).and_then(|s| s.pending)?;
+        if !self.breaker.is_closed() {
+            // Other picks opened the breaker while this one waited: it waits on the same stalled
+            // Redis. Decided now, as every new request is, instead of waiting out its own
+            // `breakerSlowMs` (and not counted as one more failure).
+            self.fallback(host, stream, Fallback::Slow);
+            return Some(self.without_redis(host, stream, &Fallback::BreakerOpen, None));
+        }
         let now = host.now_nanos();
         if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
             return None;
