@@ -64,7 +64,48 @@ pub fn points(runs: &[PolicyResult], rates: &[f64]) -> Vec<SweepPoint> {
     out
 }
 
-/// Markdown: one row per (policy, rate).
+/// How much a policy's TTFT must grow over its lightest-load value to count as saturated: queueing
+/// in front of full pods multiplies TTFT, while below the knee it only drifts by tens of percent.
+pub const SATURATION_FACTOR: f64 = 2.0;
+
+/// Where a policy saturated: the lowest offered rate whose TTFT mean (median over repetitions) is
+/// at least [`SATURATION_FACTOR`] times that at the lowest rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Knee {
+    /// Offered sessions per simulated second.
+    pub rate: f64,
+    /// TTFT mean at the lowest rate, ms.
+    pub base_ms: f64,
+    /// TTFT mean at `rate`, ms.
+    pub at_ms: f64,
+}
+
+/// Per policy (first-seen order) its [`Knee`], None when the policy stayed below the factor
+/// within the swept rates.
+pub fn saturation(points: &[SweepPoint]) -> Vec<(String, Option<Knee>)> {
+    let mut out: Vec<(String, Option<Knee>)> = Vec::new();
+    for p in points {
+        if out.iter().any(|(name, _)| *name == p.aggregate.policy) {
+            continue;
+        }
+        let mut mine: Vec<&SweepPoint> =
+            points.iter().filter(|q| q.aggregate.policy == p.aggregate.policy).collect();
+        mine.sort_by(|a, b| a.sessions_per_s.total_cmp(&b.sessions_per_s));
+        let base = mine[0].aggregate.ttft_mean_ms.median;
+        let knee = mine
+            .iter()
+            .find(|q| q.aggregate.ttft_mean_ms.median >= SATURATION_FACTOR * base)
+            .map(|q| Knee {
+                rate: q.sessions_per_s,
+                base_ms: base,
+                at_ms: q.aggregate.ttft_mean_ms.median,
+            });
+        out.push((p.aggregate.policy.clone(), knee));
+    }
+    out
+}
+
+/// Markdown: one row per (policy, rate), then where each policy saturates.
 pub fn table(rep: &SweepReport) -> String {
     let mut t = String::from(
         "| policy | sessions/s offered | runs × req | err | TTFT mean | TTFT p50 | E2E mean | out tok/s | hit rate (pods) | req share max/mean |\n|---|---|---|---|---|---|---|---|---|---|\n",
@@ -85,6 +126,19 @@ pub fn table(rep: &SweepReport) -> String {
             r.prefix_hit_rate.show(1, 100.0),
             r.request_share_max_over_mean.show(2, 1.0),
         ));
+    }
+    let lowest = rep.rates.iter().copied().fold(f64::INFINITY, f64::min);
+    t.push_str(&format!(
+        "\nSaturation (the lowest offered rate at which TTFT mean is at least {SATURATION_FACTOR}x that at {lowest} sessions/s):\n\n"
+    ));
+    for (policy, knee) in saturation(&rep.points) {
+        t.push_str(&match knee {
+            Some(k) => format!(
+                "- {policy}: {} sessions/s (TTFT {:.0} ms against {:.0} ms)\n",
+                k.rate, k.at_ms, k.base_ms
+            ),
+            None => format!("- {policy}: not within the swept rates\n"),
+        });
     }
     t
 }
@@ -132,5 +186,42 @@ mod tests {
                 ("rr", 2.0, 310.0, 2)
             ]
         );
+    }
+
+    #[test]
+    fn saturation_is_the_first_rate_where_ttft_doubles_and_none_when_it_never_does() {
+        let runs = [
+            run("rr", 1.0, 100.0),
+            run("rr", 2.0, 180.0),
+            run("rr", 3.0, 900.0),
+            run("rr", 4.0, 5000.0),
+            run("pc", 1.0, 90.0),
+            run("pc", 2.0, 120.0),
+            run("pc", 3.0, 170.0),
+            run("pc", 4.0, 179.0),
+        ];
+        let pts = points(&runs, &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(
+            saturation(&pts),
+            [
+                ("rr".to_string(), Some(Knee { rate: 3.0, base_ms: 100.0, at_ms: 900.0 })),
+                ("pc".to_string(), None)
+            ]
+        );
+        let rep = SweepReport {
+            scenario: "s".into(),
+            description: "d".into(),
+            stamp: Stamp::default(),
+            config: serde_yaml::from_str(
+                "name: s\ndescription: d\npods: {count: 2}\nworkload: {kind: multi_turn, sessions: 1, turns_mean: 1, input_tokens_mean: 1, output_tokens_mean: 1}\n",
+            )
+            .unwrap(),
+            rates: vec![1.0, 2.0, 3.0, 4.0],
+            points: pts,
+            runs: runs.to_vec(),
+        };
+        let md = table(&rep);
+        assert!(md.contains("- rr: 3 sessions/s (TTFT 900 ms against 100 ms)"), "{md}");
+        assert!(md.contains("- pc: not within the swept rates"), "{md}");
     }
 }
