@@ -107,36 +107,22 @@ impl Stats {
     /// Render plugin metrics + host counters. `upstreams` gives (cluster, host, total, active).
     pub fn render(&self, upstreams: &[(String, String, u64, i64)]) -> String {
         let mut out = String::new();
-        out.push_str("# TYPE gateway_requests_total counter\n");
-        out.push_str(&format!(
-            "gateway_requests_total {}\n",
-            self.requests_total.load(Ordering::Relaxed)
-        ));
-        out.push_str("# TYPE gateway_local_replies_total counter\n");
-        out.push_str(&format!(
-            "gateway_local_replies_total {}\n",
-            self.local_replies_total.load(Ordering::Relaxed)
-        ));
-        out.push_str("# TYPE gateway_vm_traps_total counter\n");
-        out.push_str(&format!(
-            "gateway_vm_traps_total {}\n",
-            self.vm_traps_total.load(Ordering::Relaxed)
-        ));
-        out.push_str("# TYPE gateway_vm_calls_total counter\n");
-        out.push_str(&format!(
-            "gateway_vm_calls_total {}\n",
-            self.vm_calls_total.load(Ordering::Relaxed)
-        ));
-        out.push_str("# TYPE gateway_vm_call_seconds_total counter\n");
-        out.push_str(&format!(
-            "gateway_vm_call_seconds_total {:.9}\n",
-            self.vm_call_nanos_total.load(Ordering::Relaxed) as f64 / 1e9
-        ));
-        out.push_str("# TYPE gateway_vm_memory_bytes_max gauge\n");
-        out.push_str(&format!(
-            "gateway_vm_memory_bytes_max {}\n",
-            self.vm_memory_bytes_max.load(Ordering::Relaxed)
-        ));
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let host_metrics = [
+            ("gateway_requests_total", "counter", load(&self.requests_total).to_string()),
+            ("gateway_local_replies_total", "counter", load(&self.local_replies_total).to_string()),
+            ("gateway_vm_traps_total", "counter", load(&self.vm_traps_total).to_string()),
+            ("gateway_vm_calls_total", "counter", load(&self.vm_calls_total).to_string()),
+            (
+                "gateway_vm_call_seconds_total",
+                "counter",
+                format!("{:.9}", load(&self.vm_call_nanos_total) as f64 / 1e9),
+            ),
+            ("gateway_vm_memory_bytes_max", "gauge", load(&self.vm_memory_bytes_max).to_string()),
+        ];
+        for (name, kind, value) in host_metrics {
+            out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
+        }
         out.push_str("# TYPE gateway_upstream_requests_total counter\n");
         for (c, h, t, _) in upstreams {
             out.push_str(&format!(
