@@ -915,7 +915,7 @@ impl Picker {
             // The releases of requests that ended while it was open go out now.
             let waiting: Vec<String> = self.groups.keys().cloned().collect();
             for owners_key in waiting {
-                self.flush_ended(host, &owners_key, None);
+                self.flush_ended(host, &owners_key);
             }
         }
     }
@@ -1041,7 +1041,7 @@ impl Picker {
             g.ended.push((state.request_id, pod));
         }
         if g.held == 0 {
-            self.flush_ended(host, &owners_key, None);
+            self.flush_ended(host, &owners_key);
         }
     }
 
@@ -1068,22 +1068,22 @@ impl Picker {
         g.ended.splice(0..0, ids.into_iter().take(keep));
     }
 
-    /// Sends the releases waiting in a group (and `abandoned`, the cancel of a pick given up), at
-    /// most [`MAX_CARRIED`] per call; while the breaker is open they keep waiting in the group.
-    fn flush_ended(&mut self, host: &mut dyn Host, owners_key: &str, abandoned: Option<String>) {
+    /// Sends the releases waiting in a group, at most [`MAX_CARRIED`] per call; while the breaker
+    /// is open they keep waiting in the group.
+    fn flush_ended(&mut self, host: &mut dyn Host, owners_key: &str) {
         let Some(owner_id) = self.owner.clone() else { return };
-        let closed = self.breaker.is_closed();
+        if !self.breaker.is_closed() {
+            return;
+        }
         let Some(g) = self.groups.get_mut(owners_key) else { return };
-        let inflight_key = g.inflight_key.clone();
         let mut calls = Vec::new();
-        let mut abandoned = abandoned;
-        while (closed && !g.ended.is_empty()) || abandoned.is_some() {
-            let n = if closed { g.ended.len().min(MAX_CARRIED) } else { 0 };
+        while !g.ended.is_empty() {
+            let n = g.ended.len().min(MAX_CARRIED);
             calls.push(ReleaseCall {
-                inflight_key: inflight_key.clone(),
+                inflight_key: g.inflight_key.clone(),
                 owner_id: owner_id.clone(),
                 ended: g.ended.drain(..n).collect(),
-                abandoned: abandoned.take(),
+                abandoned: None,
             });
         }
         for call in calls {
@@ -1117,7 +1117,7 @@ impl Picker {
             .map(|(k, _)| k.clone())
             .collect();
         for owners_key in waiting {
-            self.flush_ended(host, &owners_key, None);
+            self.flush_ended(host, &owners_key);
         }
         let every_ns = u64::from(self.config.state.lease_ms / 3) * 1_000_000;
         if now.saturating_sub(self.last_heartbeat_ns) < every_ns {
