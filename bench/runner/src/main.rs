@@ -132,7 +132,7 @@ async fn run(
 ) -> Result<()> {
     if name == "chaos" {
         // Faults, not a policy comparison: its own module.
-        return bench::chaos::run(&paths).await.map(|_| ());
+        return bench::chaos::run(&paths, reps.unwrap_or(1)).await.map(|_| ());
     }
     if name == "overhead" {
         // Its own measurement (sequential keep-alive requests per row), not a workload scenario.
