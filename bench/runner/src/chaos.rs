@@ -31,6 +31,10 @@ const DECISION_HEADER: &str = "x-ai-lb-decision";
 const FREEZE_AT: Duration = Duration::from_secs(5);
 const FREEZE_FOR: Duration = Duration::from_secs(10);
 const KILL_AT: Duration = Duration::from_secs(10);
+/// Requests started this long into the freeze find every worker's breaker already open (each opens
+/// after 3 slow picks of `breakerSlowMs` 200 ms): picks that were waiting on Redis when it opened
+/// are decided at that moment and also say `fallback_breaker_open`, but they did wait.
+const OPEN_SETTLE: Duration = Duration::from_secs(1);
 const LOAD_FOR: Duration = Duration::from_secs(25);
 /// The default lease (10 s) plus two heartbeat periods and a margin: the killed replica's counts
 /// must be gone by then.
@@ -58,6 +62,13 @@ impl Sent {
     /// Decided at once without Redis because the breaker was open.
     fn breaker_open(&self) -> bool {
         self.decision.starts_with("fallback_breaker_open")
+    }
+    /// Decided with the breaker open and started once every breaker had opened (at least
+    /// [`OPEN_SETTLE`] into the freeze, before its end): what "after the breaker opens" means.
+    fn after_open(&self) -> bool {
+        self.breaker_open()
+            && self.at >= FREEZE_AT + OPEN_SETTLE
+            && self.at < FREEZE_AT + FREEZE_FOR
     }
     /// The gateway's own added time (real ms), as loadgen measures it for the other scenarios: the
     /// client's time minus the pod's. The replies are not streamed and are short (`max_tokens` 32),
@@ -118,12 +129,15 @@ pub struct ChaosReport {
     pub count_drift: i64,
     /// The gateway's own added time of the requests started before the freeze (Redis answering).
     pub gw_added_before: GatewayAdded,
-    /// The gateway's own added time of the requests decided at once with the breaker open.
+    /// The gateway's own added time of the requests decided with the breaker open (including the
+    /// picks that were waiting on Redis when it opened).
     pub gw_added_breaker_open: GatewayAdded,
+    /// The same for those started at least 1 s into the freeze (every breaker open by then).
+    pub gw_added_after_open: GatewayAdded,
     /// The gateway's added-time samples behind the two figures above (ms), kept so that several
     /// repetitions can be pooled into one p99 over enough requests.
     #[serde(skip)]
-    samples: (Vec<f64>, Vec<f64>),
+    samples: (Vec<f64>, Vec<f64>, Vec<f64>),
 }
 
 /// Nearest-rank quantile (`q` in 0..=1) of `v`; 0 for an empty set.
@@ -197,6 +211,8 @@ pub struct Pooled {
     pub before: GatewayAdded,
     /// Requests decided with the breaker open.
     pub breaker_open: GatewayAdded,
+    /// Those of them started at least 1 s into the freeze.
+    pub after_open: GatewayAdded,
 }
 
 impl Pooled {
@@ -209,6 +225,7 @@ impl Pooled {
             runs: reports.len(),
             before: GatewayAdded::of(cat(&|r| &r.samples.0)),
             breaker_open: GatewayAdded::of(cat(&|r| &r.samples.1)),
+            after_open: GatewayAdded::of(cat(&|r| &r.samples.2)),
         }
     }
 }
@@ -216,7 +233,7 @@ impl Pooled {
 /// A Markdown table of the pooled gateway added time.
 pub fn gateway_added_table(p: &Pooled) -> String {
     format!(
-        "| gateway added time, {} runs pooled | requests | p50 (ms) | p99 (ms) |\n|---|---|---|---|\n| started before the freeze | {} | {:.2} | {:.2} |\n| decided with the breaker open | {} | {:.2} | {:.2} |\n| breaker open minus before | | {:+.2} | {:+.2} |\n",
+        "| gateway added time, {} runs pooled | requests | p50 (ms) | p99 (ms) |\n|---|---|---|---|\n| started before the freeze | {} | {:.2} | {:.2} |\n| decided with the breaker open | {} | {:.2} | {:.2} |\n| of those, started >= 1 s into the freeze | {} | {:.2} | {:.2} |\n| started >= 1 s into the freeze minus before | | {:+.2} | {:+.2} |\n",
         p.runs,
         p.before.requests,
         p.before.p50_ms,
@@ -224,8 +241,11 @@ pub fn gateway_added_table(p: &Pooled) -> String {
         p.breaker_open.requests,
         p.breaker_open.p50_ms,
         p.breaker_open.p99_ms,
-        p.breaker_open.p50_ms - p.before.p50_ms,
-        p.breaker_open.p99_ms - p.before.p99_ms,
+        p.after_open.requests,
+        p.after_open.p50_ms,
+        p.after_open.p99_ms,
+        p.after_open.p50_ms - p.before.p50_ms,
+        p.after_open.p99_ms - p.before.p99_ms,
     )
 }
 
@@ -373,9 +393,11 @@ async fn run_once(paths: &Paths) -> Result<ChaosReport> {
         count_drift,
         gw_added_before: gateway_added(&sent, |s| s.at < FREEZE_AT),
         gw_added_breaker_open: gateway_added(&sent, Sent::breaker_open),
+        gw_added_after_open: gateway_added(&sent, Sent::after_open),
         samples: (
             class_samples(&sent, |s| s.at < FREEZE_AT),
             class_samples(&sent, Sent::breaker_open),
+            class_samples(&sent, Sent::after_open),
         ),
     };
     println!("{}", table(std::slice::from_ref(&report)));
@@ -390,11 +412,11 @@ fn class_samples(sent: &[Sent], class: impl Fn(&Sent) -> bool) -> Vec<f64> {
 /// (the pods' queues dominate them); the last four are the gateway's own added time.
 pub fn table(reports: &[ChaosReport]) -> String {
     let mut t = String::from(
-        "| run | requests | failed (surviving replicas) | lost with the killed replica | E2E p99 before (ms) | E2E p99 during the freeze (ms) | paid a Redis wait (breakerSlowMs or timeout) | decided with the breaker open | their E2E p99 (ms) | slow (> p99 + 100 ms) during the freeze | back on Redis after SIGCONT (ms) | count drift | gw added p50 / p99 before (ms) | gw added p50 / p99 breaker open (ms) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| run | requests | failed (surviving replicas) | lost with the killed replica | E2E p99 before (ms) | E2E p99 during the freeze (ms) | paid a Redis wait (breakerSlowMs or timeout) | decided with the breaker open | their E2E p99 (ms) | slow (> p99 + 100 ms) during the freeze | back on Redis after SIGCONT (ms) | count drift | gw added p50 / p99 before (ms) | gw added p50 / p99 breaker open (ms) | gw added p50 / p99 breaker open, >= 1 s into the freeze (ms) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for (i, r) in reports.iter().enumerate() {
         t.push_str(&format!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {:.1} | {} | {} | {} | {:.2} / {:.2} | {:.2} / {:.2} |\n",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {:.1} | {} | {} | {} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} |\n",
             i + 1,
             r.requests,
             r.failed_on_survivors,
@@ -411,6 +433,8 @@ pub fn table(reports: &[ChaosReport]) -> String {
             r.gw_added_before.p99_ms,
             r.gw_added_breaker_open.p50_ms,
             r.gw_added_breaker_open.p99_ms,
+            r.gw_added_after_open.p50_ms,
+            r.gw_added_after_open.p99_ms,
         ));
     }
     t
@@ -452,6 +476,24 @@ mod tests {
         let open = gateway_added(&v, Sent::breaker_open);
         assert_eq!(open.requests, 1);
         assert!((open.p99_ms - 1.0).abs() < 1e-9, "{open:?}");
+    }
+
+    #[test]
+    fn after_open_leaves_out_the_picks_waiting_when_the_breaker_opened() {
+        let v = vec![
+            // 100 ms into the freeze: it waited ~200 ms for Redis, then the breaker opened.
+            sent(5100, 260, Some(60.0), "fallback_breaker_open", true),
+            // 2 s into the freeze: decided at once.
+            sent(7000, 62, Some(60.0), "fallback_breaker_open", true),
+            // After the thaw, a breaker still open until its probe: not the freeze's.
+            sent(15_100, 61, Some(60.0), "fallback_breaker_open", true),
+        ];
+        let all = gateway_added(&v, Sent::breaker_open);
+        assert_eq!(all.requests, 3);
+        assert!((all.p99_ms - 200.0).abs() < 1e-9, "{all:?}");
+        let after = gateway_added(&v, Sent::after_open);
+        assert_eq!(after.requests, 1);
+        assert!((after.p99_ms - 2.0).abs() < 1e-9, "{after:?}");
     }
 
     #[test]
