@@ -70,6 +70,11 @@ impl Sent {
             && self.at >= FREEZE_AT + OPEN_SETTLE
             && self.at < FREEZE_AT + FREEZE_FOR
     }
+    /// [`Sent::after_open`] and started before the kill: still 4 replicas sharing the load, as
+    /// before the freeze (after the kill 3 replicas carry it, a different load per gateway).
+    fn after_open_before_kill(&self) -> bool {
+        self.after_open() && self.at < KILL_AT
+    }
     /// The gateway's own added time (real ms), as loadgen measures it for the other scenarios: the
     /// client's time minus the pod's. The replies are not streamed and are short (`max_tokens` 32),
     /// so the pod's headers and body leave together and the client's whole-response time stands
@@ -134,10 +139,12 @@ pub struct ChaosReport {
     pub gw_added_breaker_open: GatewayAdded,
     /// The same for those started at least 1 s into the freeze (every breaker open by then).
     pub gw_added_after_open: GatewayAdded,
+    /// Of those, the ones started before the kill (4 replicas, as before the freeze).
+    pub gw_added_after_open_before_kill: GatewayAdded,
     /// The gateway's added-time samples behind the two figures above (ms), kept so that several
     /// repetitions can be pooled into one p99 over enough requests.
     #[serde(skip)]
-    samples: (Vec<f64>, Vec<f64>, Vec<f64>),
+    samples: [Vec<f64>; 4],
 }
 
 /// Nearest-rank quantile (`q` in 0..=1) of `v`; 0 for an empty set.
@@ -213,6 +220,8 @@ pub struct Pooled {
     pub breaker_open: GatewayAdded,
     /// Those of them started at least 1 s into the freeze.
     pub after_open: GatewayAdded,
+    /// Of those, the ones started before the kill (4 replicas sharing the load, as before).
+    pub after_open_before_kill: GatewayAdded,
 }
 
 impl Pooled {
@@ -223,9 +232,10 @@ impl Pooled {
         };
         Self {
             runs: reports.len(),
-            before: GatewayAdded::of(cat(&|r| &r.samples.0)),
-            breaker_open: GatewayAdded::of(cat(&|r| &r.samples.1)),
-            after_open: GatewayAdded::of(cat(&|r| &r.samples.2)),
+            before: GatewayAdded::of(cat(&|r| &r.samples[0])),
+            breaker_open: GatewayAdded::of(cat(&|r| &r.samples[1])),
+            after_open: GatewayAdded::of(cat(&|r| &r.samples[2])),
+            after_open_before_kill: GatewayAdded::of(cat(&|r| &r.samples[3])),
         }
     }
 }
@@ -233,7 +243,7 @@ impl Pooled {
 /// A Markdown table of the pooled gateway added time.
 pub fn gateway_added_table(p: &Pooled) -> String {
     format!(
-        "| gateway added time, {} runs pooled | requests | p50 (ms) | p99 (ms) |\n|---|---|---|---|\n| started before the freeze | {} | {:.2} | {:.2} |\n| decided with the breaker open | {} | {:.2} | {:.2} |\n| of those, started >= 1 s into the freeze | {} | {:.2} | {:.2} |\n| started >= 1 s into the freeze minus before | | {:+.2} | {:+.2} |\n",
+        "| gateway added time, {} runs pooled | requests | p50 (ms) | p99 (ms) |\n|---|---|---|---|\n| started before the freeze | {} | {:.2} | {:.2} |\n| decided with the breaker open | {} | {:.2} | {:.2} |\n| of those, started >= 1 s into the freeze | {} | {:.2} | {:.2} |\n| of those, started before the kill (4 replicas) | {} | {:.2} | {:.2} |\n| started >= 1 s into the freeze minus before | | {:+.2} | {:+.2} |\n",
         p.runs,
         p.before.requests,
         p.before.p50_ms,
@@ -244,6 +254,9 @@ pub fn gateway_added_table(p: &Pooled) -> String {
         p.after_open.requests,
         p.after_open.p50_ms,
         p.after_open.p99_ms,
+        p.after_open_before_kill.requests,
+        p.after_open_before_kill.p50_ms,
+        p.after_open_before_kill.p99_ms,
         p.after_open.p50_ms - p.before.p50_ms,
         p.after_open.p99_ms - p.before.p99_ms,
     )
@@ -394,11 +407,13 @@ async fn run_once(paths: &Paths) -> Result<ChaosReport> {
         gw_added_before: gateway_added(&sent, |s| s.at < FREEZE_AT),
         gw_added_breaker_open: gateway_added(&sent, Sent::breaker_open),
         gw_added_after_open: gateway_added(&sent, Sent::after_open),
-        samples: (
+        gw_added_after_open_before_kill: gateway_added(&sent, Sent::after_open_before_kill),
+        samples: [
             class_samples(&sent, |s| s.at < FREEZE_AT),
             class_samples(&sent, Sent::breaker_open),
             class_samples(&sent, Sent::after_open),
-        ),
+            class_samples(&sent, Sent::after_open_before_kill),
+        ],
     };
     println!("{}", table(std::slice::from_ref(&report)));
     Ok(report)
@@ -494,6 +509,13 @@ mod tests {
         let after = gateway_added(&v, Sent::after_open);
         assert_eq!(after.requests, 1);
         assert!((after.p99_ms - 2.0).abs() < 1e-9, "{after:?}");
+        // 7 s is 2 s before the kill at 10 s; one started after the kill is left out.
+        let mut v = v;
+        v.push(sent(11_000, 90, Some(60.0), "fallback_breaker_open", true));
+        assert_eq!(gateway_added(&v, Sent::after_open).requests, 2);
+        let before_kill = gateway_added(&v, Sent::after_open_before_kill);
+        assert_eq!(before_kill.requests, 1);
+        assert!((before_kill.p99_ms - 2.0).abs() < 1e-9, "{before_kill:?}");
     }
 
     #[test]
