@@ -31,6 +31,10 @@ const DECISION_HEADER: &str = "x-ai-lb-decision";
 const FREEZE_AT: Duration = Duration::from_secs(5);
 const FREEZE_FOR: Duration = Duration::from_secs(10);
 const KILL_AT: Duration = Duration::from_secs(10);
+/// Requests started this long into the freeze find every worker's breaker already open (each opens
+/// after 3 slow picks of `breakerSlowMs` 200 ms): picks that were waiting on Redis when it opened
+/// are decided at that moment and also say `fallback_breaker_open`, but they did wait.
+const OPEN_SETTLE: Duration = Duration::from_secs(1);
 const LOAD_FOR: Duration = Duration::from_secs(25);
 /// The default lease (10 s) plus two heartbeat periods and a margin: the killed replica's counts
 /// must be gone by then.
@@ -45,6 +49,8 @@ struct Sent {
     ok: bool,
     /// The plugin's decision (`decisionHeader`), empty when absent.
     decision: String,
+    /// The pod's own time for it (`x-pod-time-ms`: request received to response headers), real ms.
+    pod_ms: Option<f64>,
 }
 
 impl Sent {
@@ -57,6 +63,48 @@ impl Sent {
     fn breaker_open(&self) -> bool {
         self.decision.starts_with("fallback_breaker_open")
     }
+    /// Decided with the breaker open and started once every breaker had opened (at least
+    /// [`OPEN_SETTLE`] into the freeze, before its end): what "after the breaker opens" means.
+    fn after_open(&self) -> bool {
+        self.breaker_open()
+            && self.at >= FREEZE_AT + OPEN_SETTLE
+            && self.at < FREEZE_AT + FREEZE_FOR
+    }
+    /// [`Sent::after_open`] and started before the kill: still 4 replicas sharing the load, as
+    /// before the freeze (after the kill 3 replicas carry it, a different load per gateway).
+    fn after_open_before_kill(&self) -> bool {
+        self.after_open() && self.at < KILL_AT
+    }
+    /// The gateway's own added time (real ms), as loadgen measures it for the other scenarios: the
+    /// client's time minus the pod's. The replies are not streamed and are short (`max_tokens` 32),
+    /// so the pod's headers and body leave together and the client's whole-response time stands
+    /// for its time to headers. Each request opens its own connection to the gateway, so the
+    /// figure also holds the client's connect (the same for every request class compared).
+    fn gateway_added_ms(&self) -> Option<f64> {
+        self.pod_ms.map(|p| (self.took.as_secs_f64() * 1e3 - p).max(0.0))
+    }
+}
+
+/// p50 and p99 of the gateway's own added time over a class of requests, with how many there were.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct GatewayAdded {
+    /// Requests in the class that answered 200 with the pod's time header.
+    pub requests: usize,
+    /// Median added time (ms).
+    pub p50_ms: f64,
+    /// 99th percentile of the added time (ms).
+    pub p99_ms: f64,
+}
+
+impl GatewayAdded {
+    fn of(v: Vec<f64>) -> Self {
+        Self { requests: v.len(), p50_ms: quantile(v.clone(), 0.5), p99_ms: quantile(v, 0.99) }
+    }
+}
+
+/// The gateway's added time for the requests `class` picks (successful ones with a pod time).
+fn gateway_added(sent: &[Sent], class: impl Fn(&Sent) -> bool) -> GatewayAdded {
+    GatewayAdded::of(class_samples(sent, class))
 }
 
 /// What the run measured.
@@ -84,12 +132,30 @@ pub struct ChaosReport {
     pub recover_ms: Option<f64>,
     /// Sum of the in-flight counts in Redis after the load and the settle time.
     pub count_drift: i64,
+    /// The gateway's own added time of the requests started before the freeze (Redis answering).
+    pub gw_added_before: GatewayAdded,
+    /// The gateway's own added time of the requests decided with the breaker open (including the
+    /// picks that were waiting on Redis when it opened).
+    pub gw_added_breaker_open: GatewayAdded,
+    /// The same for those started at least 1 s into the freeze (every breaker open by then).
+    pub gw_added_after_open: GatewayAdded,
+    /// Of those, the ones started before the kill (4 replicas, as before the freeze).
+    pub gw_added_after_open_before_kill: GatewayAdded,
+    /// The gateway's added-time samples behind the two figures above (ms), kept so that several
+    /// repetitions can be pooled into one p99 over enough requests.
+    #[serde(skip)]
+    samples: [Vec<f64>; 4],
 }
 
-fn p99(mut v: Vec<f64>) -> f64 {
+/// Nearest-rank quantile (`q` in 0..=1) of `v`; 0 for an empty set.
+fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
     v.sort_by(f64::total_cmp);
-    let i = ((v.len() as f64) * 0.99).ceil() as usize;
-    v.get(i.saturating_sub(1)).copied().unwrap_or(0.0)
+    let i = ((v.len() as f64) * q).ceil() as usize;
+    v.get(i.saturating_sub(1).min(v.len().saturating_sub(1))).copied().unwrap_or(0.0)
+}
+
+fn p99(v: Vec<f64>) -> f64 {
+    quantile(v, 0.99)
 }
 
 fn signal(pid: u32, sig: &str) -> Result<()> {
@@ -121,8 +187,83 @@ async fn routed(admin: &str) -> i64 {
         .unwrap_or(0)
 }
 
-/// Runs the chaos scenario once; prints and returns its report.
-pub async fn run(paths: &Paths) -> Result<ChaosReport> {
+/// Runs the chaos scenario `reps` times; prints a table (a row per run and, over all runs
+/// together, the gateway's added time), writes `bench/results/chaos.json` and returns the reports.
+pub async fn run(paths: &Paths, reps: usize) -> Result<Vec<ChaosReport>> {
+    let mut reports = Vec::new();
+    for rep in 0..reps.max(1) {
+        println!("chaos: run {} of {}", rep + 1, reps.max(1));
+        reports.push(run_once(paths).await?);
+    }
+    let pooled = Pooled::of(&reports);
+    let out = paths.results.join("chaos.json");
+    std::fs::create_dir_all(&paths.results)?;
+    let stamp = crate::Stamp::now(&paths.root);
+    std::fs::write(
+        &out,
+        serde_json::to_string_pretty(&json!({"stamp": stamp, "runs": &reports, "pooled": pooled}))?,
+    )?;
+    println!("{}", table(&reports));
+    println!("{}", gateway_added_table(&pooled));
+    println!("wrote {}", out.display());
+    Ok(reports)
+}
+
+/// The gateway's added time over every run's requests together (a p99 over more requests).
+#[derive(Debug, Serialize)]
+pub struct Pooled {
+    /// Runs pooled.
+    pub runs: usize,
+    /// Requests started before the freeze.
+    pub before: GatewayAdded,
+    /// Requests decided with the breaker open.
+    pub breaker_open: GatewayAdded,
+    /// Those of them started at least 1 s into the freeze.
+    pub after_open: GatewayAdded,
+    /// Of those, the ones started before the kill (4 replicas sharing the load, as before).
+    pub after_open_before_kill: GatewayAdded,
+}
+
+impl Pooled {
+    /// Pools the added-time samples of `reports`.
+    pub fn of(reports: &[ChaosReport]) -> Self {
+        let cat = |f: &dyn Fn(&ChaosReport) -> &Vec<f64>| {
+            reports.iter().flat_map(|r| f(r).iter().copied()).collect::<Vec<f64>>()
+        };
+        Self {
+            runs: reports.len(),
+            before: GatewayAdded::of(cat(&|r| &r.samples[0])),
+            breaker_open: GatewayAdded::of(cat(&|r| &r.samples[1])),
+            after_open: GatewayAdded::of(cat(&|r| &r.samples[2])),
+            after_open_before_kill: GatewayAdded::of(cat(&|r| &r.samples[3])),
+        }
+    }
+}
+
+/// A Markdown table of the pooled gateway added time.
+pub fn gateway_added_table(p: &Pooled) -> String {
+    format!(
+        "| gateway added time, {} runs pooled | requests | p50 (ms) | p99 (ms) |\n|---|---|---|---|\n| started before the freeze | {} | {:.2} | {:.2} |\n| decided with the breaker open | {} | {:.2} | {:.2} |\n| of those, started >= 1 s into the freeze | {} | {:.2} | {:.2} |\n| of those, started before the kill (4 replicas) | {} | {:.2} | {:.2} |\n| started >= 1 s into the freeze minus before | | {:+.2} | {:+.2} |\n",
+        p.runs,
+        p.before.requests,
+        p.before.p50_ms,
+        p.before.p99_ms,
+        p.breaker_open.requests,
+        p.breaker_open.p50_ms,
+        p.breaker_open.p99_ms,
+        p.after_open.requests,
+        p.after_open.p50_ms,
+        p.after_open.p99_ms,
+        p.after_open_before_kill.requests,
+        p.after_open_before_kill.p50_ms,
+        p.after_open_before_kill.p99_ms,
+        p.after_open.p50_ms - p.before.p50_ms,
+        p.after_open.p99_ms - p.before.p99_ms,
+    )
+}
+
+/// Runs the chaos scenario once and returns its report.
+async fn run_once(paths: &Paths) -> Result<ChaosReport> {
     let mut sc = load_scenario(paths, "seed")?;
     sc.lb_config.insert("decisionHeader".into(), DECISION_HEADER.into());
     let mut redis = Redis::start().await?;
@@ -177,9 +318,14 @@ pub async fn run(paths: &Paths) -> Result<ChaosReport> {
                     .and_then(|r| r.headers.iter().find(|(k, _)| k == DECISION_HEADER))
                     .map(|(_, v)| v.clone())
                     .unwrap_or_default();
+                let pod_ms = r
+                    .as_ref()
+                    .ok()
+                    .and_then(|r| r.headers.iter().find(|(k, _)| k == "x-pod-time-ms"))
+                    .and_then(|(_, v)| v.parse::<f64>().ok());
                 messages.push(json!({"role": "assistant", "content": "ok"}));
                 if let Ok(mut s) = sent.lock() {
-                    s.push(Sent { at, took: started.elapsed(), replica, ok, decision });
+                    s.push(Sent { at, took: started.elapsed(), replica, ok, decision, pod_ms });
                 }
                 n += 1;
             }
@@ -258,30 +404,126 @@ pub async fn run(paths: &Paths) -> Result<ChaosReport> {
             .collect()),
         recover_ms,
         count_drift,
+        gw_added_before: gateway_added(&sent, |s| s.at < FREEZE_AT),
+        gw_added_breaker_open: gateway_added(&sent, Sent::breaker_open),
+        gw_added_after_open: gateway_added(&sent, Sent::after_open),
+        gw_added_after_open_before_kill: gateway_added(&sent, Sent::after_open_before_kill),
+        samples: [
+            class_samples(&sent, |s| s.at < FREEZE_AT),
+            class_samples(&sent, Sent::breaker_open),
+            class_samples(&sent, Sent::after_open),
+            class_samples(&sent, Sent::after_open_before_kill),
+        ],
     };
-    let out = paths.results.join("chaos.json");
-    std::fs::write(&out, serde_json::to_string_pretty(&report)?)?;
-    println!("{}", table(&report));
-    println!("wrote {}", out.display());
+    println!("{}", table(std::slice::from_ref(&report)));
     Ok(report)
 }
 
-/// A Markdown table of the report.
-pub fn table(r: &ChaosReport) -> String {
-    format!(
-        "| requests | failed (surviving replicas) | lost with the killed replica | p99 before (ms) | p99 during the freeze (ms) | added p99, all requests in the freeze (ms) | paid a Redis wait (breakerSlowMs or timeout) | decided with the breaker open | their p99 (ms) | added p99 after the breaker opened (ms) | slow (> p99 + 100 ms) during the freeze | back on Redis after SIGCONT (ms) | count drift |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n| {} | {} | {} | {:.1} | {:.1} | {:.1} | {} | {} | {:.1} | {:.1} | {} | {} | {} |\n",
-        r.requests,
-        r.failed_on_survivors,
-        r.lost_with_killed,
-        r.p99_before_ms,
-        r.p99_outage_ms,
-        r.p99_outage_ms - r.p99_before_ms,
-        r.paid_redis_wait,
-        r.breaker_open_requests,
-        r.p99_breaker_open_ms,
-        r.p99_breaker_open_ms - r.p99_before_ms,
-        r.slow_in_outage,
-        r.recover_ms.map(|m| format!("{m:.0}")).unwrap_or_else(|| "not within 10 s".into()),
-        r.count_drift
-    )
+fn class_samples(sent: &[Sent], class: impl Fn(&Sent) -> bool) -> Vec<f64> {
+    sent.iter().filter(|s| s.ok && class(s)).filter_map(Sent::gateway_added_ms).collect()
+}
+
+/// A Markdown table of the reports, a row per run. Latencies in the first columns are end to end
+/// (the pods' queues dominate them); the last four are the gateway's own added time.
+pub fn table(reports: &[ChaosReport]) -> String {
+    let mut t = String::from(
+        "| run | requests | failed (surviving replicas) | lost with the killed replica | E2E p99 before (ms) | E2E p99 during the freeze (ms) | paid a Redis wait (breakerSlowMs or timeout) | decided with the breaker open | their E2E p99 (ms) | slow (> p99 + 100 ms) during the freeze | back on Redis after SIGCONT (ms) | count drift | gw added p50 / p99 before (ms) | gw added p50 / p99 breaker open (ms) | gw added p50 / p99 breaker open, >= 1 s into the freeze (ms) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for (i, r) in reports.iter().enumerate() {
+        t.push_str(&format!(
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {:.1} | {} | {} | {} | {:.2} / {:.2} | {:.2} / {:.2} | {:.2} / {:.2} |\n",
+            i + 1,
+            r.requests,
+            r.failed_on_survivors,
+            r.lost_with_killed,
+            r.p99_before_ms,
+            r.p99_outage_ms,
+            r.paid_redis_wait,
+            r.breaker_open_requests,
+            r.p99_breaker_open_ms,
+            r.slow_in_outage,
+            r.recover_ms.map(|m| format!("{m:.0}")).unwrap_or_else(|| "not within 10 s".into()),
+            r.count_drift,
+            r.gw_added_before.p50_ms,
+            r.gw_added_before.p99_ms,
+            r.gw_added_breaker_open.p50_ms,
+            r.gw_added_breaker_open.p99_ms,
+            r.gw_added_after_open.p50_ms,
+            r.gw_added_after_open.p99_ms,
+        ));
+    }
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sent(at_ms: u64, took_ms: u64, pod_ms: Option<f64>, decision: &str, ok: bool) -> Sent {
+        Sent {
+            at: Duration::from_millis(at_ms),
+            took: Duration::from_millis(took_ms),
+            replica: 0,
+            ok,
+            decision: decision.into(),
+            pod_ms,
+        }
+    }
+
+    #[test]
+    fn gateway_added_is_client_time_minus_pod_time_per_class() {
+        let v = vec![
+            // Before the freeze: 2 ms and 4 ms added, whatever the pods took.
+            sent(100, 302, Some(300.0), "least_request", true),
+            sent(200, 54, Some(50.0), "least_request", true),
+            // Breaker open: 1 ms added on a slow pod reply; a failed one and one without the
+            // pod's header do not count.
+            sent(6000, 901, Some(900.0), "fallback_breaker_open", true),
+            sent(6100, 500, Some(10.0), "fallback_breaker_open", false),
+            sent(6200, 500, None, "fallback_breaker_open", true),
+            // A Redis wait is neither class.
+            sent(6300, 250, Some(40.0), "fallback_redis_slow", true),
+        ];
+        let before = gateway_added(&v, |s| s.at < FREEZE_AT);
+        assert_eq!(before.requests, 2);
+        assert!((before.p50_ms - 2.0).abs() < 1e-9, "{before:?}");
+        assert!((before.p99_ms - 4.0).abs() < 1e-9, "{before:?}");
+        let open = gateway_added(&v, Sent::breaker_open);
+        assert_eq!(open.requests, 1);
+        assert!((open.p99_ms - 1.0).abs() < 1e-9, "{open:?}");
+    }
+
+    #[test]
+    fn after_open_leaves_out_the_picks_waiting_when_the_breaker_opened() {
+        let v = vec![
+            // 100 ms into the freeze: it waited ~200 ms for Redis, then the breaker opened.
+            sent(5100, 260, Some(60.0), "fallback_breaker_open", true),
+            // 2 s into the freeze: decided at once.
+            sent(7000, 62, Some(60.0), "fallback_breaker_open", true),
+            // After the thaw, a breaker still open until its probe: not the freeze's.
+            sent(15_100, 61, Some(60.0), "fallback_breaker_open", true),
+        ];
+        let all = gateway_added(&v, Sent::breaker_open);
+        assert_eq!(all.requests, 3);
+        assert!((all.p99_ms - 200.0).abs() < 1e-9, "{all:?}");
+        let after = gateway_added(&v, Sent::after_open);
+        assert_eq!(after.requests, 1);
+        assert!((after.p99_ms - 2.0).abs() < 1e-9, "{after:?}");
+        // 7 s is 2 s before the kill at 10 s; one started after the kill is left out.
+        let mut v = v;
+        v.push(sent(11_000, 90, Some(60.0), "fallback_breaker_open", true));
+        assert_eq!(gateway_added(&v, Sent::after_open).requests, 2);
+        let before_kill = gateway_added(&v, Sent::after_open_before_kill);
+        assert_eq!(before_kill.requests, 1);
+        assert!((before_kill.p99_ms - 2.0).abs() < 1e-9, "{before_kill:?}");
+    }
+
+    #[test]
+    fn quantile_is_nearest_rank() {
+        let v: Vec<f64> = (1..=1000).map(f64::from).collect();
+        assert_eq!(quantile(v.clone(), 0.99), 990.0);
+        assert_eq!(quantile(v, 0.5), 500.0);
+        assert_eq!(quantile(vec![], 0.99), 0.0);
+        assert_eq!(quantile(vec![7.0], 0.99), 7.0);
+    }
 }

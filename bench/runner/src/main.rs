@@ -37,6 +37,10 @@ enum Cmd {
         /// the report records it.
         #[arg(long)]
         sessions: Option<usize>,
+        /// Write the results as <scenario>-<TAG>.json/.png, beside the scenario's main results
+        /// instead of over them (e.g. extra policies with same-run references).
+        #[arg(long)]
+        tag: Option<String>,
     },
     /// Load sweep: the scenario's sessions as an open loop (Poisson) at each offered rate, every
     /// policy at every rate, interleaved repetitions; writes <scenario>-sweep.json and .png.
@@ -129,10 +133,11 @@ async fn run(
     only: Vec<String>,
     reps: Option<usize>,
     sessions: Option<usize>,
+    tag: Option<String>,
 ) -> Result<()> {
     if name == "chaos" {
         // Faults, not a policy comparison: its own module.
-        return bench::chaos::run(&paths).await.map(|_| ());
+        return bench::chaos::run(&paths, reps.unwrap_or(1)).await.map(|_| ());
     }
     if name == "overhead" {
         // Its own measurement (sequential keep-alive requests per row), not a workload scenario.
@@ -149,6 +154,9 @@ async fn run(
     }
     if !only.is_empty() {
         sc.policies.retain(|p| only.contains(p));
+    }
+    if let Some(t) = tag {
+        sc.name = format!("{}-{t}", sc.name);
     }
     if let Some(r) = reps {
         sc.repetitions = r;
@@ -528,8 +536,8 @@ async fn main() {
     let paths = Paths::new(&root(&cli));
     let work = async move {
         match cli.cmd {
-            Cmd::Run { scenario, policies, reps, sessions } => {
-                run(paths, scenario, policies, reps, sessions).await
+            Cmd::Run { scenario, policies, reps, sessions, tag } => {
+                run(paths, scenario, policies, reps, sessions, tag).await
             }
             Cmd::Model { scenario } => model(paths, scenario),
             Cmd::Timescale {
