@@ -82,6 +82,9 @@ pub struct Global {
     pub live_streams: std::sync::atomic::AtomicUsize,
     /// Redis calls sent whose reply (or failure) has not reached the plugin yet, all workers.
     pub redis_outstanding: std::sync::atomic::AtomicUsize,
+    /// Workers whose root context has not finished stopping yet (set by the drain, see
+    /// [`WorkerEvent::Stop`]).
+    pub roots_stopping: std::sync::atomic::AtomicUsize,
 }
 
 /// The gateway's stop sequence, as Envoy drains on SIGTERM.
@@ -122,6 +125,11 @@ pub enum WorkerEvent {
         /// VM generation.
         gen: u64,
     },
+    /// The gateway stops (after the drain of its streams): the root context's `proxy_on_done`,
+    /// then `proxy_on_delete` at once (on_done returned true) or once the plugin calls
+    /// `proxy_done`, as proxy-wasm-cpp-host's `WasmBase::startShutdown` / `done` do. The worker
+    /// then decrements [`Global::roots_stopping`].
+    Stop,
     /// A shared queue got an item.
     QueueReady {
         /// VM generation that registered the queue.

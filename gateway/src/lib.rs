@@ -72,6 +72,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         shutdown: tokio::sync::watch::Sender::new(global::Shutdown::Running),
         live_streams: Default::default(),
         redis_outstanding: Default::default(),
+        roots_stopping: Default::default(),
     });
     let drain_timeout = std::time::Duration::from_millis(cfg.drain_timeout_ms);
 
@@ -264,18 +265,38 @@ async fn drain(
         g.shutdown.send_replace(global::Shutdown::Cut);
         settled(|| live() == 0, std::time::Duration::from_secs(2)).await;
     }
+    // The root contexts stop: Envoy's thread-local Wasm handles are destroyed at shutdown, which
+    // calls the root context's on_done (and on_delete once done). Redis commands they send (e.g.
+    // releases a plugin queued) are waited for below.
+    let roots_done = stop_roots(g).await;
     let redis_done = settled(
         || g.redis_outstanding.load(Ordering::Relaxed) == 0,
         std::time::Duration::from_secs(2),
     )
     .await;
     tracing::info!(
-        "stopped after {:?} ({} stream(s) left, Redis {})",
+        "stopped after {:?} ({} stream(s) left, root contexts {}, Redis {})",
         started.elapsed(),
         live(),
+        if roots_done { "done" } else { "not done within 2 s" },
         if redis_done { "flushed" } else { "not flushed within 2 s" }
     );
     Ok(())
+}
+
+/// Asks every worker (and the main thread's VM) to stop its root context and waits up to 2 s
+/// until all did (a plugin whose on_done returned false has that long to call `proxy_done`).
+async fn stop_roots(g: &Arc<global::Global>) -> bool {
+    use std::sync::atomic::Ordering;
+    let Some(workers) = g.worker_events.get() else { return true };
+    g.roots_stopping.store(workers.len(), Ordering::Relaxed);
+    for w in workers {
+        if w.send(global::WorkerEvent::Stop).is_err() {
+            g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    settled(|| g.roots_stopping.load(Ordering::Relaxed) == 0, std::time::Duration::from_secs(2))
+        .await
 }
 
 /// Waits until `done()` holds, checking every 10 ms; false when `within` passed first.

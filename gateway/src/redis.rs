@@ -41,6 +41,9 @@ pub struct RedisConfig {
     pub max_buffer: usize,
     /// Connect timeout (the cluster's).
     pub connect_timeout: Duration,
+    /// Every query parameter of the cluster string, as Envoy keeps them (`params_`): part of the
+    /// configuration a re-init compares.
+    pub params: std::collections::BTreeMap<String, String>,
 }
 
 impl RedisConfig {
@@ -68,9 +71,12 @@ impl RedisConfig {
             flush_timeout: Duration::from_millis(3),
             max_buffer: 1024,
             connect_timeout,
+            params: Default::default(),
         };
-        for kv in query.split('&') {
+        for kv in query.split('&').filter(|kv| !kv.is_empty()) {
             let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+            // The first occurrence of a key wins, as in Envoy's query-string parser.
+            cfg.params.entry(k.to_string()).or_insert_with(|| v.to_string());
             match k {
                 "db" if !v.is_empty() => cfg.db = Some(v.to_string()),
                 "buffer_flush_timeout" => {
@@ -87,6 +93,18 @@ impl RedisConfig {
             }
         }
         cfg
+    }
+
+    /// Whether a re-init with `other` changes nothing Envoy's async client compares
+    /// (`currentConfigEquals` in Higress's `async_client_impl.cc`): credentials, the query
+    /// parameters, the op timeout and the batching settings.
+    pub fn same_settings(&self, other: &RedisConfig) -> bool {
+        self.username == other.username
+            && self.password == other.password
+            && self.params == other.params
+            && self.timeout == other.timeout
+            && self.max_buffer == other.max_buffer
+            && self.flush_timeout == other.flush_timeout
     }
 }
 
@@ -126,12 +144,29 @@ pub struct RedisClient {
     /// Settings.
     pub cfg: RedisConfig,
     tx: Option<mpsc::UnboundedSender<NodeRequest>>,
+    /// Set by `proxy_redis_init` (a client first used by a call without init has defaults).
+    initialized: bool,
 }
 
 impl RedisClient {
     /// New client; the connection is opened on the first call.
     pub fn new(cfg: RedisConfig) -> RedisClient {
-        RedisClient { cfg, tx: None }
+        RedisClient { cfg, tx: None, initialized: false }
+    }
+
+    /// `proxy_redis_init` on an existing client, as Higress's Envoy does it
+    /// (`AsyncClientImpl::initialize`): after a first init, the same settings again change
+    /// nothing (the connection and the calls in flight on it stay; Higress #4086, a plugin
+    /// reload re-inits); other settings close the connection (its calls in flight fail with
+    /// NetworkError) and the next call connects with the new ones.
+    pub fn initialize(&mut self, cfg: RedisConfig) {
+        if self.initialized && self.cfg.same_settings(&cfg) {
+            return;
+        }
+        // Dropping the sender ends the connection task, which fails what is pending.
+        self.tx = None;
+        self.cfg = cfg;
+        self.initialized = true;
     }
 
     /// Queue a raw command. The reply arrives as a `WorkerEvent::Redis`.

@@ -1,7 +1,7 @@
 //! Workers: each one is a thread with its own Tokio runtime and its own plugin VM (wasmtime
 //! Store + instance of the module compiled once), like Envoy workers.
 
-use crate::abi::{self, AbiVersion, Action, HostState, StreamState};
+use crate::abi::{self, AbiVersion, Action, HostState, RootStop, StreamState};
 use crate::body::HttpClient;
 use crate::config::{FailurePolicy, PluginConfig};
 use crate::global::{Global, WorkerEvent};
@@ -250,6 +250,7 @@ impl Worker {
             events: self.events.clone(),
             http_client: self.client.clone(),
             next_ctx: self.next_ctx.clone(),
+            root_stop: RootStop::Running,
         };
         let mut store = Store::new(&p.engine, state);
         let instance: Instance = p
@@ -353,7 +354,10 @@ impl Worker {
         stats.vm_calls_total.fetch_add(1, Ordering::Relaxed);
         stats.vm_call_nanos_total.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         match r {
-            Ok(x) => Ok(x),
+            Ok(x) => {
+                self.after_root_done();
+                Ok(x)
+            }
             Err(e) => {
                 let policy = self.failure_policy();
                 tracing::error!(worker = self.idx, plugin = %self.g.plugin_name, ?policy, "plugin trapped in {name}: {e:?}");
@@ -368,6 +372,70 @@ impl Worker {
                 Err(Trapped)
             }
         }
+    }
+
+    /// The plugin called `proxy_done` during the VM call that just returned: the root context's
+    /// `proxy_on_delete` now (cpp-host defers it out of the `done` hostcall), and the stop is
+    /// over for this worker.
+    fn after_root_done(&self) {
+        let root = {
+            let mut vm = self.vm.borrow_mut();
+            let Some(vm) = vm.as_mut() else { return };
+            if vm.state().root_stop != RootStop::DoneCalled {
+                return;
+            }
+            vm.state().root_stop = RootStop::Deleted;
+            vm.root_id
+        };
+        let _ = self.vm_call(root, "proxy_on_delete", &[root as i32]);
+        self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// The gateway stops: the root context's `proxy_on_done`; `proxy_on_delete` at once when it
+    /// returned true, else when the plugin calls `proxy_done` (see [`Worker::after_root_done`]).
+    /// A worker without a running VM (none, or failed) has nothing to stop.
+    fn stop_root(&self) {
+        let root = {
+            let mut vm = self.vm.borrow_mut();
+            match vm.as_mut() {
+                Some(vm) if vm.store.data().root_stop == RootStop::Running => {
+                    vm.state().root_stop = RootStop::AwaitingDone;
+                    Some(vm.root_id)
+                }
+                _ => None,
+            }
+        };
+        let Some(root) = root else {
+            self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
+            return;
+        };
+        match self.vm_call(root, "proxy_on_done", &[root as i32]) {
+            // Done at once (a module without proxy_on_done counts as done).
+            Ok((r, _)) if r.is_none_or(|r| r != 0) => {
+                let mut vm = self.vm.borrow_mut();
+                let awaiting =
+                    vm.as_mut().is_some_and(|vm| vm.state().root_stop == RootStop::AwaitingDone);
+                if awaiting {
+                    if let Some(vm) = vm.as_mut() {
+                        vm.state().root_stop = RootStop::Deleted;
+                    }
+                    drop(vm);
+                    let _ = self.vm_call(root, "proxy_on_delete", &[root as i32]);
+                    self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+            // Not done: the plugin calls proxy_done later (or already did in on_done).
+            Ok(_) => {}
+            // Trapped: the VM is gone, nothing more will run.
+            Err(Trapped) => {
+                self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The root context was deleted at a stop: its callbacks are dropped.
+    fn root_deleted(&self) -> bool {
+        self.vm.borrow_mut().as_mut().is_some_and(|vm| vm.state().root_stop == RootStop::Deleted)
     }
 
     /// Drops the VM; streams waiting on it are woken (they see it gone).
@@ -422,15 +490,24 @@ impl Worker {
 
     /// Deliver an asynchronous event to the root context.
     pub fn handle_event(&self, ev: WorkerEvent) {
+        if let WorkerEvent::Stop = ev {
+            return self.stop_root();
+        }
+        if let WorkerEvent::Redis { .. } = ev {
+            let _ = self.g.redis_outstanding.fetch_update(
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+                |n| n.checked_sub(1),
+            );
+        }
         let Some(root) = self.root_id() else { return };
+        if self.root_deleted() {
+            return;
+        }
         let cur = self.gen.get();
         match ev {
+            WorkerEvent::Stop => {}
             WorkerEvent::Redis { gen, token, reply } => {
-                let _ = self.g.redis_outstanding.fetch_update(
-                    std::sync::atomic::Ordering::Relaxed,
-                    std::sync::atomic::Ordering::Relaxed,
-                    |n| n.checked_sub(1),
-                );
                 if gen != cur {
                     return;
                 }

@@ -1851,3 +1851,193 @@ async fn redis_restart_reconnects_with_auth_and_select_again() {
         "AUTH and SELECT again on the new connection: {c:?}"
     );
 }
+
+/// A Redis whose `SLOW` command answers `+SLOW` after 400 ms (replies stay in order: one
+/// command at a time per connection); everything else as `restarting_redis`'s later connections.
+/// Records each connection's commands with their arguments.
+async fn slow_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<Vec<String>>>>)
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let c2 = conns.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = l.accept().await else { continue };
+            let idx = {
+                let mut c = c2.lock().unwrap();
+                c.push(Vec::new());
+                c.len() - 1
+            };
+            let conns = c2.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut tmp = [0u8; 4096];
+                loop {
+                    let got = match s.read(&mut tmp).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(got) => got,
+                    };
+                    buf.extend_from_slice(&tmp[..got]);
+                    while let Ok(Some((frame, used))) = redis_protocol::resp2::decode::decode(&buf)
+                    {
+                        buf.drain(..used);
+                        let args: Vec<String> = match frame {
+                            redis_protocol::resp2::types::OwnedFrame::Array(items) => items
+                                .into_iter()
+                                .map(|f| match f {
+                                    redis_protocol::resp2::types::OwnedFrame::BulkString(b) => {
+                                        String::from_utf8_lossy(&b).into_owned()
+                                    }
+                                    other => format!("{other:?}"),
+                                })
+                                .collect(),
+                            other => vec![format!("{other:?}")],
+                        };
+                        conns.lock().unwrap()[idx].push(args.join(" "));
+                        let reply: &[u8] = match args.first().map(String::as_str) {
+                            Some("SLOW") => {
+                                tokio::time::sleep(Duration::from_millis(400)).await;
+                                b"+SLOW\r\n"
+                            }
+                            Some("PING") => b"+PONG\r\n",
+                            _ => b"+OK\r\n",
+                        };
+                        if s.write_all(reply).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, conns)
+}
+
+/// A second `proxy_redis_init` (a plugin that inits again after a failed init, Higress #1517, or
+/// on reconfigure), as Higress's Envoy does it (`AsyncClientImpl::initialize` in its
+/// `source/common/redis/async_client_impl.cc`): the same settings again change nothing, so the
+/// connection and the call in flight on it stay (Higress #4086: reloading a plugin re-inits);
+/// other settings close the connection, the call in flight on it fails with NetworkError, and
+/// the next call connects with the new settings (`AUTH`, then `SELECT` of the new db).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_redis_init_keeps_the_connection_unless_its_settings_change() {
+    let up = Upstream::start().await;
+    let (addr, conns) = slow_redis().await;
+    // The plugin inits `CLUSTER?db=1` with password "secret" in on_configure.
+    let gw = Gateway::start(&redis_config(&up, &addr.to_string()), Some(&redis_plugin()), 1);
+    let slow_call = |url: String| async move {
+        request("POST", &url, &[("x-cluster", CLUSTER)], &resp(&["SLOW"])).await
+    };
+    // The re-init comes once the SLOW command is at Redis (in flight on the connection).
+    let slow_at_redis = |n: usize| {
+        let conns = conns.clone();
+        async move {
+            let started = Instant::now();
+            while conns.lock().unwrap().iter().flatten().filter(|c| *c == "SLOW").count() < n {
+                assert!(started.elapsed() < Duration::from_secs(10), "SLOW never reached Redis");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    let held = tokio::spawn(slow_call(gw.url("/r")));
+    slow_at_redis(1).await;
+    let same = format!("{CLUSTER}?db=1");
+    let r = request(
+        "POST",
+        &gw.url("/r"),
+        &[("x-cluster", CLUSTER), ("x-init", &same)],
+        &resp(&["PING"]),
+    )
+    .await;
+    assert_eq!((r.status, r.text().as_str()), (200, "+PONG\r\n"));
+    let r = held.await.unwrap();
+    assert_eq!(
+        (r.status, r.text().as_str()),
+        (200, "+SLOW\r\n"),
+        "the call in flight during a re-init with the same settings was answered"
+    );
+    assert_eq!(conns.lock().unwrap().len(), 1, "same settings: one connection");
+
+    let held = tokio::spawn(slow_call(gw.url("/r")));
+    slow_at_redis(2).await;
+    let other = format!("{CLUSTER}?db=2");
+    let r = request(
+        "POST",
+        &gw.url("/r"),
+        &[("x-cluster", CLUSTER), ("x-init", &other)],
+        &resp(&["PING"]),
+    )
+    .await;
+    assert_eq!((r.status, r.text().as_str()), (200, "+PONG\r\n"));
+    let r = held.await.unwrap();
+    assert_eq!(r.status, 503, "the call in flight on the closed connection: NetworkError");
+    let c = conns.lock().unwrap().clone();
+    assert_eq!(c.len(), 2, "other settings: a new connection: {c:?}");
+    assert_eq!(c[0], vec!["AUTH secret", "SELECT 1", "SLOW", "PING", "SLOW"], "{c:?}");
+    assert_eq!(c[1], vec!["AUTH secret", "SELECT 2", "PING"], "{c:?}");
+    let ev =
+        gw.wait_events(|e| e.iter().filter(|e| *e == "reinit 0").count() == 2, "2 re-inits").await;
+    assert!(ev.iter().any(|e| e.starts_with("redis ") && e.contains(" 1 0")), "{ev:?}");
+}
+
+/// A plugin whose root context, when the gateway stops, sends a Redis command from `on_done`,
+/// answers "not done yet" (false), and calls `proxy_done` from the reply; it logs each step and
+/// its root `on_delete`. `proxy_done` is also called once outside a stop (at configure).
+fn stopping_root_plugin() -> String {
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (import "env" "proxy_done" (func $proxy_done (result i32)))
+  (global $root (mut i32) (i32.const 0))
+  (func (export "proxy_on_configure") (param $root i32) (param $size i32) (result i32)
+    (global.set $root (local.get $root))
+    (drop (call $proxy_redis_init {cluster} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 1000)))
+    (call $ev_start {ev_early}) (call $ev_num (call $proxy_done)) (call $ev_end)
+    (i32.const 1))
+  (func (export "proxy_on_done") (param $ctx i32) (result i32)
+    (if (i32.ne (local.get $ctx) (global.get $root)) (then (return (i32.const 1))))
+    (call $ev_start {ev_done}) (call $ev_num (call $proxy_redis_call {cluster} {cmd} (i32.const 264))) (call $ev_end)
+    (i32.const 0))
+  (func (export "proxy_on_redis_call_response") (param $root i32) (param $token i32) (param $status i32) (param $size i32)
+    (call $ev_start {ev_reply}) (call $ev_num (local.get $status)) (call $ev_num (call $proxy_done)) (call $ev_end))
+  (func (export "proxy_on_delete") (param $ctx i32)
+    (if (i32.eq (local.get $ctx) (global.get $root)) (then (call $ev_start {ev_delete}) (call $ev_end))))
+"#,
+        cluster = w.s(CLUSTER),
+        cmd = w.s(&resp(&["SET", "released", "1"])),
+        ev_early = w.s("early_done"),
+        ev_done = w.s("root_done"),
+        ev_reply = w.s("reply"),
+        ev_delete = w.s("root_delete"),
+    );
+    w.module("0_2_100", &body)
+}
+
+/// A stop (SIGTERM) stops the root context as Envoy does when it destroys a VM
+/// (proxy-wasm-cpp-host `WasmBase::startShutdown` and `done`): `proxy_on_done` on the root; it
+/// answered false, so the gateway waits, delivers the reply to the Redis command sent from
+/// on_done (the command reaches Redis before the exit), takes `proxy_done` (Ok now; NotFound
+/// outside a stop) and then runs the root's `proxy_on_delete`, before it exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_runs_the_root_on_done_flushes_its_redis_command_and_waits_for_proxy_done() {
+    let up = Upstream::start().await;
+    let (addr, seen) = fake_redis().await;
+    let mut gw =
+        Gateway::start(&redis_config(&up, &addr.to_string()), Some(&stopping_root_plugin()), 1);
+    assert_eq!(get(&gw.url("/p"), &[]).await.status, 200);
+    let status = gw.terminate(Duration::from_secs(10)).await;
+    assert!(status.is_some_and(|s| s.success()), "the gateway did not exit cleanly: {status:?}");
+    let ev = gw.events();
+    // One worker and the main thread's VM: each root context stops.
+    assert_eq!(ev.iter().filter(|e| *e == "early_done 1").count(), 2, "NotFound: {ev:?}");
+    assert_eq!(ev.iter().filter(|e| *e == "root_done 0").count(), 2, "{ev:?}");
+    assert_eq!(ev.iter().filter(|e| *e == "reply 0 0").count(), 2, "reply Ok, done Ok: {ev:?}");
+    assert_eq!(ev.iter().filter(|e| *e == "root_delete").count(), 2, "{ev:?}");
+    let first_delete = ev.iter().position(|e| e == "root_delete").unwrap();
+    let first_reply = ev.iter().position(|e| e == "reply 0 0").unwrap();
+    assert!(first_reply < first_delete, "on_delete only after proxy_done: {ev:?}");
+    let sets = seen.lock().unwrap().iter().filter(|c| c[0] == "SET").count();
+    assert_eq!(sets, 2, "each root's command reached Redis before the exit");
+}

@@ -6,6 +6,7 @@
 //! received, counts requests in flight, and can add latency, hold requests open until released,
 //! answer 5xx, or stop altogether.
 
+use std::collections::HashSet;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -80,21 +81,33 @@ struct State {
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
     release: watch::Sender<u64>,
-    /// Message lists of the chats served, as a prefix cache remembers them.
-    cached_chats: Mutex<Vec<Vec<serde_json::Value>>>,
+    /// The message-list prefixes of the chats served, as a prefix cache remembers them: one hash
+    /// per prefix (see `cached_tokens`).
+    cached_chats: Mutex<HashSet<u64>>,
 }
 
 /// Prompt tokens this pod finds cached for `messages`: the longest run of leading messages equal to
 /// those of a chat it served before (a prefix cache at message granularity), at 4 bytes a token.
-/// The chat is then remembered.
+/// The chat is then remembered. Every prefix of every chat served is kept as a hash, so the
+/// lookup costs the same however many chats came before (a scan of all of them made the pod
+/// slower as a benchmark went on, which showed up as latency of whatever row ran later).
 fn cached_tokens(state: &State, messages: &[serde_json::Value]) -> usize {
+    use std::hash::{Hash, Hasher};
     let Ok(mut seen) = state.cached_chats.lock() else { return 0 };
-    let shared = seen
-        .iter()
-        .map(|old| old.iter().zip(messages).take_while(|(a, b)| a == b).count())
-        .max()
-        .unwrap_or(0);
-    seen.push(messages.to_vec());
+    // The hash of messages[..=k], chained message by message; the set holds every prefix of
+    // every chat, so the first unseen prefix ends the shared run.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    let mut shared = 0;
+    let mut prefixes = Vec::with_capacity(messages.len());
+    for (k, m) in messages.iter().enumerate() {
+        m.to_string().hash(&mut h);
+        let key = h.finish();
+        if shared == k && seen.contains(&key) {
+            shared = k + 1;
+        }
+        prefixes.push(key);
+    }
+    seen.extend(prefixes);
     messages.iter().take(shared).map(|m| m.to_string().len() / 4).sum()
 }
 
@@ -147,7 +160,7 @@ impl Pod {
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
             release,
-            cached_chats: Mutex::new(Vec::new()),
+            cached_chats: Mutex::new(HashSet::new()),
         });
         let tasks: Arc<Mutex<Vec<AbortHandle>>> = Arc::new(Mutex::new(Vec::new()));
         let accept_state = state.clone();

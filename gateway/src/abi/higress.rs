@@ -4,7 +4,8 @@
 //!
 //! Redis calls run on the root context: tokens start at 7 and step by 4, the reply is delivered to
 //! `proxy_on_redis_call_response(root_id, token, status, size)` with the raw RESP bytes in buffer 9.
-//! Unknown cluster: BadArgument at once; no endpoint: InternalFailure.
+//! Unknown cluster: BadArgument at once; no endpoint: InternalFailure. A second
+//! `proxy_redis_init` with the same settings keeps the connection; with others it closes it.
 //! `get_upstream_hosts` lists the hosts of the effective stream's cluster as header-map pairs
 //! (`ip:port`, `{"health_status": ..., "metrics": ...}`); `set_upstream_override_host` always
 //! returns Ok and is read by the router when the request headers leave this filter (non-strict).
@@ -42,8 +43,16 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             let Some(cluster) = st.g.clusters.get(&name) else { return status::BAD_ARGUMENT };
             let cfg =
                 RedisConfig::parse(&full, user, pass, timeout as u32, cluster.connect_timeout);
-            // Re-init closes the existing connection of this worker's client (dropped here).
-            st.redis_clients.insert(name, RedisClient::new(cfg));
+            // A re-init with the same settings keeps the connection; other settings close it
+            // (see `RedisClient::initialize`).
+            match st.redis_clients.get_mut(&name) {
+                Some(client) => client.initialize(cfg),
+                None => {
+                    let mut client = RedisClient::new(cfg.clone());
+                    client.initialize(cfg);
+                    st.redis_clients.insert(name, client);
+                }
+            }
             status::OK
         },
     )?;

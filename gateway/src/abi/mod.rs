@@ -312,6 +312,22 @@ pub struct HostState {
     pub http_client: crate::body::HttpClient,
     /// Next context id (shared counter, never reused across VM generations).
     pub next_ctx: Arc<std::sync::atomic::AtomicU32>,
+    /// Where the root context is in stopping (see [`RootStop`]).
+    pub root_stop: RootStop,
+}
+
+/// The root context's stop, as proxy-wasm-cpp-host runs it (`WasmBase::startShutdown`, `done`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RootStop {
+    /// Not stopping: `proxy_done` is NotFound.
+    #[default]
+    Running,
+    /// `proxy_on_done` returned false: the plugin finishes its work and calls `proxy_done`.
+    AwaitingDone,
+    /// `proxy_done` was called: `proxy_on_delete` runs once the current VM call returned.
+    DoneCalled,
+    /// `proxy_on_delete` ran: callbacks for the root context are dropped.
+    Deleted,
 }
 
 impl HostState {

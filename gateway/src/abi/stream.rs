@@ -127,7 +127,17 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             status::BAD_ARGUMENT
         }
     })?;
-    l.func("proxy_done", |_c: Caller<'_, HostState>| -> i32 { status::OK })?;
+    // Only a root context whose `proxy_on_done` returned false may say it is done
+    // (cpp-host `WasmBase::done`: NotFound otherwise); its on_delete follows the current VM call.
+    l.func("proxy_done", |mut c: Caller<'_, HostState>| -> i32 {
+        let st = c.data_mut();
+        if st.root_stop == super::RootStop::AwaitingDone {
+            st.root_stop = super::RootStop::DoneCalled;
+            status::OK
+        } else {
+            status::NOT_FOUND
+        }
+    })?;
     l.func(
         "proxy_call_foreign_function",
         |_c: Caller<'_, HostState>,

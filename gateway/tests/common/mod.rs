@@ -129,6 +129,28 @@ impl Gateway {
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
     }
+
+    /// Asks the process to stop (SIGTERM) and waits up to `within` for it to exit; its exit
+    /// status, or None if it still runs.
+    pub async fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(sent, "kill -TERM failed");
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                // Let the log reader take the last lines.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{}", self.admin, path)
     }
@@ -541,7 +563,8 @@ pub fn one_cluster_config(up: &str, plugin: bool, extra_clusters: &str) -> Strin
     )
 }
 
-/// Plugin for the Redis tests: POST body = raw RESP query, header x-cluster = cluster string.
+/// Plugin for the Redis tests: POST body = raw RESP query, header x-cluster = cluster string,
+/// optional header x-init = a cluster string to `proxy_redis_init` again before the call.
 pub fn redis_plugin() -> String {
     redis_plugin_with("outbound|6379||redis.static?db=1")
 }
@@ -563,6 +586,10 @@ pub fn redis_plugin_with(init_cluster: &str) -> String {
     (if (i32.eqz (local.get $eos)) (then (return (i32.const 1))))
     (drop (call $proxy_get_buffer_bytes (i32.const 0) (i32.const 0) (local.get $size) (i32.const 512) (i32.const 516)))
     (drop (call $proxy_get_header_map_value (i32.const 0) {hk} (i32.const 520) (i32.const 524)))
+    ;; `x-init: <cluster string>`: init again first (same password), as a plugin does after a
+    ;; failed init or on reconfigure.
+    (if (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {ik} (i32.const 528) (i32.const 532)))
+      (then (call $ev_start {ev_reinit}) (call $ev_num (call $proxy_redis_init (i32.load (i32.const 528)) (i32.load (i32.const 532)) (i32.const 0) (i32.const 0) {pw} (i32.const 1000))) (call $ev_end)))
     (local.set $r (call $proxy_redis_call (i32.load (i32.const 520)) (i32.load (i32.const 524)) (i32.load (i32.const 512)) (i32.load (i32.const 516)) (i32.const 264)))
     (call $ev_start {ev_call}) (call $ev_num (local.get $r)) (call $ev_num (i32.load (i32.const 264))) (call $ev_end)
     ;; The stream of each token (tokens are small here), so concurrent calls answer their own.
@@ -582,6 +609,8 @@ pub fn redis_plugin_with(init_cluster: &str) -> String {
         cl_init = w.s(init_cluster),
         pw = w.s("secret"),
         hk = w.s("x-cluster"),
+        ik = w.s("x-init"),
+        ev_reinit = w.s("reinit"),
         ev_call = w.s("call"),
         ev_resp = w.s("redis"),
     );
