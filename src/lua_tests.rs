@@ -90,6 +90,11 @@ impl Redis {
         }
     }
 
+    /// A prefix key's holders (its value without the `@<time written>` suffix).
+    fn holders(&mut self, key: &str) -> Option<String> {
+        self.get(key).map(|v| v.split('@').next().unwrap_or_default().to_string())
+    }
+
     fn count(&mut self, host: &str) -> Option<i64> {
         match self.cmd(&["HGET", "inflight", host]) {
             Frame::BulkString(b) => Some(String::from_utf8(b).unwrap().parse().unwrap()),
@@ -297,8 +302,8 @@ fn prefix_miss_writes_the_chain_to_the_least_loaded_host() {
     r.cmd(&["HSET", "inflight", "a", "5"]);
     let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
-    assert_eq!(r.get("pfx:k1").as_deref(), Some("b"));
-    assert_eq!(r.get("pfx:k2").as_deref(), Some("b"));
+    assert_eq!(r.holders("pfx:k1").as_deref(), Some("b"));
+    assert_eq!(r.holders("pfx:k2").as_deref(), Some("b"));
     assert!((590..=600).contains(&r.ttl("pfx:k2")));
 }
 
@@ -311,8 +316,27 @@ fn prefix_hit_routes_to_the_holder_refreshes_and_extends_the_chain() {
     r.cmd(&["HSET", "inflight", "a", "3", "b", "0"]);
     let f = r.run(&s, &pc(&["k1", "k2", "k3"], 0, 600, 0.0, &["b", "a"]));
     assert_eq!(pick(&f), ("a".to_string(), 4, 1, 2));
-    assert!(r.ttl("pfx:k1") > 10, "matched keys refreshed");
-    assert_eq!(r.get("pfx:k3").as_deref(), Some("a"));
+    assert!(r.ttl("pfx:k1") > 10, "matched keys written long ago refreshed");
+    assert_eq!(r.holders("pfx:k3").as_deref(), Some("a"));
+    // Keys written within the last eighth of their TTL are left as they are (no write per block
+    // per hit); older ones get a new time and the full TTL.
+    let now: u64 = match r.cmd(&["TIME"]) {
+        Frame::Array(t) => match t.first() {
+            Some(Frame::BulkString(b)) => String::from_utf8_lossy(b).parse().unwrap(),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    };
+    let recent = format!("a@{}", now - 10);
+    let old = format!("a@{}", now - 100);
+    r.cmd(&["SET", "pfx:k1", &recent, "EX", "500"]);
+    r.cmd(&["SET", "pfx:k2", &old, "EX", "500"]);
+    let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 0.0, &["b", "a"]));
+    assert_eq!(pick(&f), ("a".to_string(), 5, 1, 2));
+    assert_eq!((r.get("pfx:k1"), r.ttl("pfx:k1") <= 500), (Some(recent), true), "10 s < 600/8");
+    let written = r.get("pfx:k2").and_then(|v| v.strip_prefix("a@")?.parse::<u64>().ok());
+    assert!(written.is_some_and(|t| t >= now), "k2 written again: {written:?}");
+    assert!(r.ttl("pfx:k2") > 500, "k2's TTL back to 600");
 }
 
 #[test]
@@ -326,7 +350,7 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
     let f = r.run(&s, &pc(&["k1", "k2", "k3", "k4"], 0, 600, 0.0, &["b", "a"]));
     assert_eq!(pick(&f), ("a".to_string(), 1, 1, 1), "longest prefix on a healthy host");
     for k in ["pfx:k1", "pfx:k2", "pfx:k3", "pfx:k4"] {
-        assert_eq!(r.get(k).as_deref(), Some("a"), "{k} re-homed in place");
+        assert_eq!(r.holders(k).as_deref(), Some("a"), "{k} re-homed in place");
     }
     // Everything on a gone host: least-loaded host takes the whole chain, same keys.
     r.cmd(&["SET", "pfx:j1", "gone"]);
@@ -334,8 +358,8 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
     r.cmd(&["HSET", "inflight", "a", "9"]);
     let f = r.run(&s, &pc(&["j1", "j2"], 0, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
-    assert_eq!(r.get("pfx:j1").as_deref(), Some("b"));
-    assert_eq!(r.get("pfx:j2").as_deref(), Some("b"));
+    assert_eq!(r.holders("pfx:j1").as_deref(), Some("b"));
+    assert_eq!(r.holders("pfx:j2").as_deref(), Some("b"));
     let keys = r.cmd(&["KEYS", "*"]);
     let Frame::Array(keys) = keys else { panic!() };
     assert_eq!(
@@ -355,8 +379,8 @@ fn prefix_load_guard_and_max_request_count() {
     let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 2.0, &["a", "b"]));
     assert_eq!(pick(&f).0, "b");
     assert!(parse_pick(&f).is_some_and(|p| p.diverted && p.matched == 1), "a diverted hit");
-    assert_eq!(r.get("pfx:k1").as_deref(), Some("a"), "a still holds the matched prefix");
-    assert_eq!(r.get("pfx:k2").as_deref(), Some("b"));
+    assert_eq!(r.holders("pfx:k1").as_deref(), Some("a"), "a still holds the matched prefix");
+    assert_eq!(r.holders("pfx:k2").as_deref(), Some("b"));
     // Guard off: the hit wins despite the load.
     let f = r.run(&s, &pc(&["k1"], 0, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f).0, "a");
@@ -371,7 +395,7 @@ fn prefix_load_guard_and_max_request_count() {
     assert_eq!(pick(&f).2, 0);
     assert_eq!(r.count("a"), Some(11));
     assert_eq!(r.count("b"), Some(11));
-    assert_eq!(r.get("pfx:k9"), None);
+    assert_eq!(r.holders("pfx:k9"), None);
 }
 
 #[test]
@@ -478,7 +502,7 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     let f = r.run(&s, &late);
     assert!(parse_pick(&f).is_none(), "no pick: {f:?}");
     assert_eq!(r.count("a"), None, "never counted: the tombstone is found before the +1");
-    assert_eq!(r.get("pfx:k1"), None, "nothing written");
+    assert_eq!(r.holders("pfx:k1"), None, "nothing written");
     assert_eq!(r.hget("own:vm1", &late.request_id), None, "tombstone consumed");
     // Cancel after the pick ran (same connection order): undone.
     let ran = pc(&["k1"], 0, 600, 0.0, &["a"]);
@@ -570,6 +594,67 @@ fn a_late_pick_of_a_reaped_owner_registers_it_again_so_its_count_is_reaped_too()
 }
 
 #[test]
+fn a_late_pick_carrying_releases_of_a_reaped_owner_registers_it_again() {
+    // As above, but the late pick carries releases: their records went with the reaped hash, so
+    // they prove nothing and the pick reads the owners set and registers its owner.
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let first = as_owner("dead", 1000, &["a", "b"]);
+    assert_eq!(pick(&r.run(&s, &first)).0, "a");
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!((r.count("a"), r.cmd(&["ZSCORE", "owners", "dead"])), (Some(0), Frame::Null));
+    let late = PickCall {
+        ended: vec![(first.request_id.clone(), "a".into())],
+        ..as_owner("dead", 1000, &["b"])
+    };
+    assert_eq!(pick(&r.run(&s, &late)), ("b".to_string(), 1, 1, 0), "the late pick");
+    assert_eq!(r.count("a"), Some(0), "the reaped request is not released twice");
+    assert!(matches!(r.cmd(&["ZSCORE", "owners", "dead"]), Frame::BulkString(_)), "registered");
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.count("b"), Some(0), "reaped one lease later");
+}
+
+/// Calls of `cmd` run inside scripts since the last `CONFIG RESETSTAT` (INFO commandstats).
+fn calls(r: &mut Redis, cmd: &str) -> u64 {
+    let Frame::BulkString(info) = r.cmd(&["INFO", "commandstats"]) else { return 0 };
+    let info = String::from_utf8_lossy(&info).into_owned();
+    let line = format!("cmdstat_{cmd}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[test]
+fn a_pick_carrying_a_release_skips_the_owner_read_and_writes_counts_once() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let first = lr(&["a", "b"]);
+    assert_eq!(pick(&r.run(&s, &first)).0, "a");
+    r.cmd(&["CONFIG", "RESETSTAT"]);
+    // The carried record of `a` was there: its owner is registered without a ZSCORE. Its -1 on
+    // `a` and the +1 on the chosen pod go out in one HSET.
+    let next = PickCall { ended: vec![(first.request_id.clone(), "a".into())], ..lr(&["b", "a"]) };
+    assert_eq!(pick(&r.run(&s, &next)), ("b".to_string(), 1, 1, 0));
+    assert_eq!((r.count("a"), r.count("b")), (Some(0), Some(1)));
+    assert_eq!(calls(&mut r, "zscore"), 0, "owner proven by its carried record");
+    assert_eq!((calls(&mut r, "hset"), calls(&mut r, "hincrby")), (1, 0), "one count write");
+    // Sent again (unknown outcome): the record is gone, so nothing is released twice, and the
+    // owner is checked the ordinary way.
+    let again = PickCall { ended: next.ended.clone(), ..lr(&["a"]) };
+    assert_eq!(pick(&r.run(&s, &again)), ("a".to_string(), 1, 1, 0));
+    assert_eq!((r.count("a"), r.count("b")), (Some(1), Some(1)));
+    assert_eq!(calls(&mut r, "zscore"), 1);
+    // A release whose pod is no longer a candidate still goes down (by HINCRBY).
+    let gone = PickCall { ended: vec![(again.request_id.clone(), "a".into())], ..lr(&["b"]) };
+    assert_eq!(pick(&r.run(&s, &gone)), ("b".to_string(), 2, 1, 0));
+    assert_eq!((r.count("a"), r.count("b")), (Some(0), Some(2)));
+}
+
+#[test]
 fn least_request_hosts_go_as_a_shared_prefix_and_suffix_plus_each_hosts_own_part() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
@@ -630,8 +715,8 @@ fn load_aware_hit_is_kept_when_its_pod_is_not_overloaded() {
     // a: queue 3 above b's, 3 more in flight: under every threshold.
     let p = la_pick(&mut r, &["k1", "k2"], &[("b", 0.0, 0.1, 0), ("a", 3.0, 0.2, 3)]);
     assert_eq!((p.host.as_str(), p.matched, p.diverted, p.holder_added), ("a", 1, false, false));
-    assert_eq!(r.get("pfx:k1").as_deref(), Some("a"));
-    assert_eq!(r.get("pfx:k2").as_deref(), Some("a"));
+    assert_eq!(r.holders("pfx:k1").as_deref(), Some("a"));
+    assert_eq!(r.holders("pfx:k2").as_deref(), Some("a"));
 }
 
 #[test]
@@ -645,8 +730,8 @@ fn load_aware_hit_is_diverted_by_a_deep_queue_and_the_pod_becomes_a_holder() {
     );
     // b: 2 in flight + 0 queued + 8 × 0.2 = 3.6 -> 4; c: 1 + 1 + 2 = 4 (ties: first wins).
     assert_eq!((p.host.as_str(), p.matched, p.diverted, p.holder_added), ("b", 1, true, true));
-    assert_eq!(r.get("pfx:k1").as_deref(), Some("a,b"), "b holds the matched prefix too");
-    assert_eq!(r.get("pfx:k2").as_deref(), Some("b"), "the new block is b's");
+    assert_eq!(r.holders("pfx:k1").as_deref(), Some("a,b"), "b holds the matched prefix too");
+    assert_eq!(r.holders("pfx:k2").as_deref(), Some("b"), "the new block is b's");
     assert!((590..=600).contains(&r.ttl("pfx:k1")));
 }
 
@@ -680,7 +765,7 @@ fn load_aware_miss_goes_to_the_least_combined_load_not_the_least_in_flight() {
     // b has fewer in flight but a queue and a fuller KV cache: a wins (2 vs 1 + 3 + 4).
     let p = la_pick(&mut r, &["k1"], &[("b", 3.0, 0.5, 1), ("a", 0.0, 0.0, 2)]);
     assert_eq!((p.host.as_str(), p.matched, p.diverted), ("a", 0, false));
-    assert_eq!(r.get("pfx:k1").as_deref(), Some("a"));
+    assert_eq!(r.holders("pfx:k1").as_deref(), Some("a"));
     // Without load arguments (stale metrics: as today) the in-flight count alone decides.
     r.cmd(&["HSET", "inflight", "a", "2", "b", "1"]);
     let f = r.run(&Script::new(PREFIX_CACHE_LUA), &pc(&["j1"], 0, 600, 0.0, &["b", "a"]));
@@ -695,7 +780,7 @@ fn load_aware_later_requests_take_the_least_loaded_holder() {
     assert_eq!((p.host.as_str(), p.matched, p.diverted), ("b", 1, false), "a hit on b, not a miss");
     let p = la_pick(&mut r, &["k1"], &[("a", 0.0, 0.1, 1), ("b", 0.0, 0.1, 3), ("c", 0.0, 0.0, 0)]);
     assert_eq!((p.host.as_str(), p.diverted), ("a", false));
-    assert_eq!(r.get("pfx:k1").as_deref(), Some("a,b"), "holders unchanged");
+    assert_eq!(r.holders("pfx:k1").as_deref(), Some("a,b"), "holders unchanged");
     // A holder that left (or is unhealthy) is not taken; the other one is.
     let p = la_pick(&mut r, &["k1"], &[("b", 0.0, 0.1, 3), ("c", 0.0, 0.0, 0)]);
     assert_eq!((p.host.as_str(), p.matched), ("b", 1));
@@ -708,7 +793,7 @@ fn load_aware_holders_never_ping_pong() {
     // Both holders overloaded: diverted to c, but the key is full: a and b stay its holders.
     let p = la_pick(&mut r, &["k1"], &[("a", 9.0, 0.1, 9), ("b", 9.0, 0.1, 9), ("c", 0.0, 0.0, 0)]);
     assert_eq!((p.host.as_str(), p.diverted, p.holder_added), ("c", true, false));
-    assert_eq!(r.get("pfx:k1").as_deref(), Some("a,b"));
+    assert_eq!(r.holders("pfx:k1").as_deref(), Some("a,b"));
     // The load swings back and forth: the key's value never changes.
     for i in 0..6 {
         let (qa, qb) = if i % 2 == 0 { (0.0, 9.0) } else { (9.0, 0.0) };
@@ -716,7 +801,7 @@ fn load_aware_holders_never_ping_pong() {
             la_pick(&mut r, &["k1"], &[("a", qa, 0.1, 0), ("b", qb, 0.1, 0), ("c", 9.0, 0.9, 9)]);
         assert_eq!(p.host, if i % 2 == 0 { "a" } else { "b" });
         assert!(!p.diverted, "the less loaded holder is a plain hit");
-        assert_eq!(r.get("pfx:k1").as_deref(), Some("a,b"), "round {i}");
+        assert_eq!(r.holders("pfx:k1").as_deref(), Some("a,b"), "round {i}");
     }
     // A one-holder key grows once, then stays.
     r.cmd(&["SET", "pfx:j1", "a"]);
@@ -724,5 +809,5 @@ fn load_aware_holders_never_ping_pong() {
     assert!(p.holder_added);
     let p = la_pick(&mut r, &["j1"], &[("a", 9.0, 0.1, 0), ("b", 9.0, 0.1, 0), ("c", 0.0, 0.1, 0)]);
     assert_eq!((p.host.as_str(), p.diverted, p.holder_added), ("c", true, false));
-    assert_eq!(r.get("pfx:j1").as_deref(), Some("a,b"));
+    assert_eq!(r.holders("pfx:j1").as_deref(), Some("a,b"));
 }

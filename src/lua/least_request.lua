@@ -15,11 +15,8 @@ for i = 1, n do hosts[i] = p .. ARGV[6 + i] .. s end
 local counts = redis.call('HMGET', inflight, unpack(hosts))
 local best, bestc = nil, nil
 for i = 1, n do
-  if (tonumber(counts[i]) or 0) < 0 then
-    -- a decrement outlived a cleanup: repair instead of favouring this host forever
-    redis.call('HSET', inflight, hosts[i], 0)
-  end
-  local c = count_after_releases(hosts[i], counts[i])
+  -- (a count below 0, a decrement that outlived a cleanup, counts as 0 and commit repairs it)
+  local c = read_count(hosts[i], counts[i])
   if bestc == nil or c < bestc then best, bestc = hosts[i], c end
 end
 local after = bestc + 1

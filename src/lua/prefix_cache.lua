@@ -1,6 +1,10 @@
 -- ai-load-balancer: prefix-cache pick, one round trip (after lease.lua). Chain values are
 -- computed by the plugin; their keys are `<base>pfx:<hex>`; a key's value is its holder, or with
--- `loadAware` up to `maxHolders` holders joined by ','.
+-- `loadAware` up to `maxHolders` holders joined by ',', then '@' and the time it was written
+-- (Redis's clock, s). A matched key is written again (new time, full TTL) only once an eighth of
+-- its TTL has passed since it was written: a key lives at least 7/8 of `redisKeyTTL` after its
+-- last use, and a hit does not pay one write per matched block (a value without a time, as an
+-- older version wrote it, counts as written long ago).
 -- ARGV[5]  key TTL (s)   ARGV[6] hit load factor (0 = off)
 -- ARGV[7]  K = number of chain values (key_i = key_{i-1} XOR sha1(block_i)), value = host
 -- ARGV[8 .. 7+K]  the chain values, upper-case hex, shortest prefix first
@@ -35,7 +39,14 @@ if la then
   flags = ARGV[first + n + 3] or ''
 end
 
--- A key's healthy holders, or nil.
+-- A key's value split into its holders and the time it was written (0 when absent).
+local function split(v)
+  local at = string.find(v, '@', 1, true)
+  if not at then return v, 0 end
+  return string.sub(v, 1, at - 1), tonumber(string.sub(v, at + 1)) or 0
+end
+
+-- A key's healthy holders (`v`: its holders part), or nil.
 local function live(v)
   if idx[v] then return {v} end
   if not string.find(v, ',', 1, true) then return nil end
@@ -48,9 +59,12 @@ end
 -- Longest present prefix of the chain, then the longest part of it with a healthy holder. Keys past
 -- that point name gone/unhealthy hosts: they are re-homed below (same key, new host), so the chain
 -- stays aligned.
-local matched, held, vals = 0, nil, nil
+local matched, held, vals, written = 0, nil, nil, {}
 if nk > 0 then
   vals = redis.call('MGET', unpack(chain))
+  for i = 1, nk do
+    if vals[i] then vals[i], written[i] = split(vals[i]) end
+  end
   local present = 0
   for i = 1, nk do
     if vals[i] then present = i else break end
@@ -73,8 +87,7 @@ local target, targets, targetc, ti = nil, nil, 0, 0
 local count = {}
 for i = 1, n do
   local h = ARGV[first - 1 + i]
-  if (tonumber(counts[i]) or 0) < 0 then redis.call('HSET', inflight, h, 0) end
-  local c = count_after_releases(h, counts[i])
+  local c = read_count(h, counts[i])
   count[h] = c
   local s = c
   if la then s = c + (tonumber(ARGV[first + n + 3 + i]) or 0) end
@@ -118,6 +131,9 @@ if not commit(chosen) then return {'', 0, 0, 0, 0, 0} end
 -- lives, so a key cannot flip between pods; a full key keeps its holders until it expires).
 local added = 0
 local grow = la and diverted() == 1
+local now = nk > 0 and math.floor(now_ms() / 1000) or 0
+local stamp = '@' .. now
+local fresh = ttl / 8
 for i = 1, nk do
   local k = chain[i]
   if i <= matched then
@@ -125,16 +141,16 @@ for i = 1, nk do
     local has = false
     for _, h in ipairs(hs or {}) do if h == chosen then has = true end end
     if grow and hs == nil then
-      redis.call('SET', k, chosen, 'EX', ttl)
+      redis.call('SET', k, chosen .. stamp, 'EX', ttl)
     elseif grow and not has and #hs < maxh then
       hs[#hs + 1] = chosen
-      redis.call('SET', k, table.concat(hs, ','), 'EX', ttl)
+      redis.call('SET', k, table.concat(hs, ',') .. stamp, 'EX', ttl)
       if i == matched then added = 1 end
-    else
-      redis.call('EXPIRE', k, ttl)
+    elseif now - written[i] >= fresh then
+      redis.call('SET', k, vals[i] .. stamp, 'EX', ttl)
     end
   else
-    redis.call('SET', k, chosen, 'EX', ttl)
+    redis.call('SET', k, chosen .. stamp, 'EX', ttl)
   end
 end
 return {chosen, after, 1, matched, diverted(), added}

@@ -6,10 +6,12 @@ local inflight = KEYS[1]
 local base = string.sub(inflight, 1, #inflight - 8)
 local owners = base .. 'owners'
 
--- Redis's clock in ms (every gateway uses the same clock for leases). Redis before 5 needs effects
--- replication for a write after TIME; callers call this before any write.
+-- Redis before 5 needs effects replication for a write after TIME (now_ms), and asks for it
+-- before any write: here, first thing in every script.
+if redis.replicate_commands then redis.replicate_commands() end
+
+-- Redis's clock in ms (every gateway uses the same clock for leases).
 local function now_ms()
-  if redis.replicate_commands then redis.replicate_commands() end
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end

@@ -9,9 +9,10 @@
 //! So the counts of a gateway that was SIGKILLed, ran out of memory or got cut off return to the
 //! truth within one lease plus one heartbeat period, with no help from it, and no key correctness
 //! depends on has a TTL that eviction could remove. Every pick registers its owner if it is not
-//! registered (a read, and a write only then): a pick that Redis runs late, after the reaper removed
-//! its owner (a frozen Redis reading the socket of a gateway that died meanwhile), brings the owner
-//! back, so its record is reaped one lease later instead of staying forever.
+//! registered (a carried release whose record was still there proves it; else a read, and a write
+//! only then): a pick that Redis runs late, after the reaper removed its owner (a frozen Redis
+//! reading the socket of a gateway that died meanwhile), brings the owner back, so its record is
+//! reaped one lease later instead of staying forever.
 //!
 //! Exactly-once release: each pick carries a request id (a counter, unique per owner). An
 //! admitted pick writes the chosen host under that id in the owner's hash; a release deletes the

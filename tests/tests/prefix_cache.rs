@@ -263,7 +263,9 @@ async fn redis_holds_the_conversation_keys_with_ttl() {
     let found = c.keys("*:pfx:*").await.unwrap();
     assert_eq!(found, expected, "prefix keys in Redis");
     for key in &found {
-        assert_eq!(c.get(key).await.unwrap().as_deref(), Some(home.as_str()), "{key}");
+        // The value is the pod, then `@` and when it was written (Redis's clock, s).
+        let value = c.get(key).await.unwrap().unwrap_or_default();
+        assert_eq!(value.split('@').next(), Some(home.as_str()), "{key}: {value}");
         let ttl = c.ttl(key).await.unwrap();
         assert!(ttl > 0 && ttl <= TTL_S, "key {key} has TTL {ttl}, expected 1..={TTL_S}");
     }
@@ -271,9 +273,15 @@ async fn redis_holds_the_conversation_keys_with_ttl() {
     let inflight = c.keys(&format!("{base}:inflight")).await.unwrap();
     assert_eq!(inflight.len(), 1, "in-flight hash {base}:inflight missing");
 
-    // A hit refreshes the TTL of the matched keys.
+    // A hit refreshes the TTL of a matched key written more than an eighth of its TTL ago (here
+    // made so: the same pod, written an hour ago, 20 s left).
     let first = &expected.iter().find(|k| k.ends_with(&chain[0])).unwrap().clone();
-    c.cmd(&["EXPIRE", first, "20"]).await.unwrap();
+    let long_ago = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() - 3600)
+        .unwrap_or(0);
+    let old_value = format!("{home}@{long_ago}");
+    c.cmd(&["SET", first, &old_value, "EX", "20"]).await.unwrap();
     assert!(c.ttl(first).await.unwrap() <= 20);
     assert_eq!(conv.turn(&gw, &question(4)).await.unwrap(), home);
     let ttl = c.ttl(first).await.unwrap();
@@ -477,13 +485,16 @@ fn load_aware_config(route: &str, pods: &[Pod], redis: &RedisFixture) -> Gateway
     .metrics_health_check(LLM_CLUSTER, 100)
 }
 
-/// The prefix keys whose value names more than one holder.
+/// The prefix keys whose value names more than one holder, with their holders (the value without
+/// its `@<time written>`).
 async fn shared_keys(redis: &RedisFixture) -> Vec<(String, String)> {
     let mut c = redis.client().await.unwrap();
     let mut out = Vec::new();
     for k in c.keys("*:pfx:*").await.unwrap() {
-        if let Some(v) = c.get(&k).await.unwrap().filter(|v| v.contains(',')) {
-            out.push((k, v));
+        let value = c.get(&k).await.unwrap().unwrap_or_default();
+        let holders = value.split('@').next().unwrap_or_default();
+        if holders.contains(',') {
+            out.push((k, holders.to_string()));
         }
     }
     out
