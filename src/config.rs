@@ -44,6 +44,12 @@ pub const DEFAULT_OVERLOAD_RATIO: f64 = 1.5;
 pub const DEFAULT_LOAD_KV_WEIGHT: f64 = 8.0;
 /// Most pods one prefix key may name as holders (a hot prefix spread by diverted hits).
 pub const DEFAULT_MAX_HOLDERS: u32 = 2;
+/// A pod twice as slow as the fastest (by the decode rate this gateway observes) counts as this
+/// many more requests in flight in the combined load signal. 0 (the default): the latency signal
+/// is off; the bench has not shown it to help yet (README, "Slow pods").
+pub const DEFAULT_LOAD_LATENCY_WEIGHT: f64 = 0.0;
+/// A hit's pod this many times as slow as the fastest pod is overloaded (0 = never for slowness).
+pub const DEFAULT_OVERLOAD_LATENCY: f64 = 0.0;
 /// Default age (ms) after which scraped metrics count as unknown (ours).
 pub const DEFAULT_METRICS_STALE_MS: u64 = 5000;
 /// Default scrape interval (ms) when the host list carries no metrics (ours).
@@ -206,6 +212,12 @@ pub struct LoadAwareConfig {
     pub kv_weight: f64,
     /// `maxHolders`: most pods one prefix key names (1-8).
     pub max_holders: u32,
+    /// `loadLatencyWeight`: a pod's observed slowness over the fastest pod's, minus 1, times this
+    /// is added to its combined load (in requests).
+    pub latency_weight: f64,
+    /// `overloadLatency`: a hit's pod at least this many times as slow as the fastest is
+    /// overloaded (0 = off).
+    pub latency_ratio: f64,
 }
 
 impl Default for LoadAwareConfig {
@@ -218,6 +230,8 @@ impl Default for LoadAwareConfig {
             ratio: DEFAULT_OVERLOAD_RATIO,
             kv_weight: DEFAULT_LOAD_KV_WEIGHT,
             max_holders: DEFAULT_MAX_HOLDERS,
+            latency_weight: DEFAULT_LOAD_LATENCY_WEIGHT,
+            latency_ratio: DEFAULT_OVERLOAD_LATENCY,
         }
     }
 }
@@ -987,6 +1001,13 @@ fn parse_load_aware(f: &Fields<'_>) -> Result<Option<LoadAwareConfig>, ConfigErr
     if ratio < 1.0 {
         return Err(err(&f.path("overloadRatio"), format!("expected a number >= 1, got {ratio}")));
     }
+    let latency_ratio = f.float("overloadLatency")?.unwrap_or(DEFAULT_OVERLOAD_LATENCY);
+    if latency_ratio != 0.0 && latency_ratio < 1.0 {
+        return Err(err(
+            &f.path("overloadLatency"),
+            format!("expected 0 (off) or a number >= 1, got {latency_ratio}"),
+        ));
+    }
     let max_holders = f.uint("maxHolders", 8)?.unwrap_or(u64::from(DEFAULT_MAX_HOLDERS));
     if max_holders == 0 {
         return Err(err(&f.path("maxHolders"), "expected an integer between 1 and 8, got 0"));
@@ -1000,6 +1021,8 @@ fn parse_load_aware(f: &Fields<'_>) -> Result<Option<LoadAwareConfig>, ConfigErr
         ratio,
         kv_weight: f.float("loadKvWeight")?.unwrap_or(DEFAULT_LOAD_KV_WEIGHT),
         max_holders: max_holders as u32,
+        latency_weight: f.float("loadLatencyWeight")?.unwrap_or(DEFAULT_LOAD_LATENCY_WEIGHT),
+        latency_ratio,
     };
     Ok(f.boolean("loadAware")?.unwrap_or(false).then_some(cfg))
 }

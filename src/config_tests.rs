@@ -223,6 +223,12 @@ fn error_load_aware_keys() {
     expect_err(&prefix(r#","overloadRatio":0.5"#), "lb_config.overloadRatio", ">= 1");
     expect_err(&prefix(r#","loadKvWeight":-8"#), "lb_config.loadKvWeight", "non-negative");
     expect_err(&prefix(r#","maxHolders":0"#), "lb_config.maxHolders", "between 1 and 8");
+    expect_err(&prefix(r#","overloadLatency":0.5"#), "lb_config.overloadLatency", ">= 1");
+    expect_err(
+        &prefix(r#","loadLatencyWeight":-1"#),
+        "lb_config.loadLatencyWeight",
+        "non-negative",
+    );
     expect_err(&prefix(r#","maxHolders":9"#), "lb_config.maxHolders", "between 0 and 8");
 }
 #[test]
@@ -234,7 +240,7 @@ fn load_aware_is_off_by_default_and_reads_its_thresholds() {
     };
     assert_eq!(policy(""), None, "a Go config routes as Go does");
     assert_eq!(policy(r#","overloadQueue":2"#), None, "thresholds alone do not turn it on");
-    let l = policy(r#","loadAware":true,"overloadQueue":2,"overloadKvCache":"0.3","overloadInflight":6,"overloadRatio":2,"loadKvWeight":4,"maxHolders":3"#).unwrap();
+    let l = policy(r#","loadAware":true,"overloadQueue":2,"overloadKvCache":"0.3","overloadInflight":6,"overloadRatio":2,"loadKvWeight":4,"maxHolders":3,"loadLatencyWeight":2,"overloadLatency":1.8"#).unwrap();
     assert_eq!(
         l,
         LoadAwareConfig {
@@ -243,8 +249,15 @@ fn load_aware_is_off_by_default_and_reads_its_thresholds() {
             inflight_gap: 6,
             ratio: 2.0,
             kv_weight: 4.0,
-            max_holders: 3
+            max_holders: 3,
+            latency_weight: 2.0,
+            latency_ratio: 1.8,
         }
+    );
+    let d = policy(r#","loadAware":true"#).unwrap();
+    assert_eq!(
+        (d.latency_weight, d.latency_ratio),
+        (DEFAULT_LOAD_LATENCY_WEIGHT, DEFAULT_OVERLOAD_LATENCY)
     );
     let d = policy(r#","loadAware":true"#).unwrap();
     assert_eq!(

@@ -701,7 +701,11 @@ fn la_pick(
     let hosts: Vec<&str> = pods.iter().map(|p| p.0).collect();
     let mut call = pc(chain, 0, 600, 0.0, &hosts);
     if let PickKind::Prefix { load, .. } = &mut call.kind {
-        *load = Some(crate::policy::picker::LoadAware { config: cfg, args: Some(args) });
+        *load = Some(crate::policy::picker::LoadAware {
+            config: cfg,
+            args: Some(args),
+            slowness: Vec::new(),
+        });
     }
     let s = Script::new(PREFIX_CACHE_LUA);
     let f = r.run(&s, &call);

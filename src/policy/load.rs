@@ -76,6 +76,25 @@ pub fn load_args(cfg: &LoadAwareConfig, pods: &[PodView]) -> Option<LoadArgs> {
 }
 
 impl LoadArgs {
+    /// Adds each pod's observed slowness (its decode time per byte over the fastest pod's, from
+    /// [`super::latency::PodSpeed`]): `loadLatencyWeight` × (slowness − 1) more requests in its
+    /// combined load, and overloaded at `overloadLatency` times the fastest (when set). Pods not
+    /// in `slowness` are unchanged.
+    pub fn add_slowness(mut self, cfg: &LoadAwareConfig, slowness: &[(String, f64)]) -> LoadArgs {
+        for h in &mut self.hosts {
+            let Some(&(_, s)) = slowness.iter().find(|(a, _)| *a == h.address) else { continue };
+            if !s.is_finite() || s <= 1.0 {
+                continue;
+            }
+            let extra = (cfg.latency_weight * (s - 1.0)).round().min(f64::from(u32::MAX)) as u32;
+            h.penalty = h.penalty.saturating_add(extra);
+            if cfg.latency_ratio >= 1.0 && s >= cfg.latency_ratio {
+                h.overloaded = true;
+            }
+        }
+        self
+    }
+
     /// The script's load arguments for `healthy` (in that order): in-flight gap, ratio, max
     /// holders, one flag character per host (`1` overloaded), then one penalty per host. A host
     /// without a load entry (it cannot happen: both come from one host list) reads as idle.

@@ -69,3 +69,24 @@ fn arguments_follow_the_calls_host_order() {
     a.args(&["b".to_string(), "a".to_string()], &mut out);
     assert_eq!(out, vec!["4", "1.5", "2", "10", "13", "0"]);
 }
+
+#[test]
+fn a_slow_pod_gets_a_penalty_and_is_overloaded_only_past_overload_latency() {
+    let slow = vec![("a".to_string(), 1.0), ("b".to_string(), 2.0), ("c".to_string(), 1.2)];
+    let base =
+        load_args(&cfg(), &[pod("a", 0.0, 0.0), pod("b", 0.0, 0.0), pod("c", 0.0, 0.0)]).unwrap();
+    let weighted = LoadAwareConfig { latency_weight: 4.0, ..cfg() };
+    let a = base.clone().add_slowness(&weighted, &slow);
+    // loadLatencyWeight 4: twice as slow = 4 more requests; 1.2x = 0.8, rounded to 1.
+    assert_eq!(
+        flags(&a),
+        vec![("a".into(), false, 0), ("b".into(), false, 4), ("c".into(), false, 1)]
+    );
+    let eager = LoadAwareConfig { latency_ratio: 1.8, ..weighted.clone() };
+    let a = base.clone().add_slowness(&eager, &slow);
+    assert_eq!(
+        flags(&a),
+        vec![("a".into(), false, 0), ("b".into(), true, 4), ("c".into(), false, 1)]
+    );
+    assert_eq!(flags(&base.clone().add_slowness(&cfg(), &slow)), flags(&base), "off by default");
+}

@@ -35,6 +35,7 @@ mod cache_check;
 pub mod cluster_metrics;
 pub mod endpoint_metrics;
 pub mod global_least_request;
+pub mod latency;
 pub mod load;
 pub mod picker;
 pub mod prefix_cache;

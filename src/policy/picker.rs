@@ -192,6 +192,8 @@ pub struct LoadAware {
     pub config: LoadAwareConfig,
     /// The script's load arguments, once known.
     pub args: Option<LoadArgs>,
+    /// Each pod's observed slowness (`prefix_cache`'s [`super::latency::PodSpeed`]).
+    pub slowness: Vec<(String, f64)>,
 }
 
 /// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
@@ -643,7 +645,10 @@ impl Picker {
                 .take()
                 .and_then(|l| self.metrics.gather(host, &stream.cluster, l, now_ms))
                 .and_then(|pods| {
-                    load.as_ref().and_then(|l| load_args::load_args(&l.config, &pods))
+                    load.as_ref().and_then(|l| {
+                        load_args::load_args(&l.config, &pods)
+                            .map(|a| a.add_slowness(&l.config, &l.slowness))
+                    })
                 });
             match (args, load.as_mut()) {
                 (Some(args), Some(l)) => l.args = Some(args),

@@ -14,6 +14,7 @@
 //! goes to the pod with the least combined load, and a diverted hit adds its pod as a holder of
 //! the prefix (a key names up to `maxHolders` pods; later requests take the least loaded one).
 
+use super::latency::PodSpeed;
 use super::picker::{LoadAware, PickKind, PickResult, Picker, Routed};
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
@@ -404,6 +405,9 @@ fn routed(host: &mut dyn Host, pick: &PickResult) -> Routed {
 pub struct PrefixCache {
     picker: Picker,
     config: PrefixCacheConfig,
+    /// `loadAware` with `loadLatencyWeight` or `overloadLatency` only: each pod's decode rate as
+    /// this worker observes it.
+    speed: Option<PodSpeed>,
 }
 
 impl PrefixCache {
@@ -415,8 +419,23 @@ impl PrefixCache {
                 redis::PREFIX_CACHE_LUA,
                 "prefix_cache",
             ),
+            // Timed only when the latency signal is used.
+            speed: config
+                .load_aware
+                .as_ref()
+                .is_some_and(|l| l.latency_weight > 0.0 || l.latency_ratio >= 1.0)
+                .then(PodSpeed::default),
             config,
         }
+    }
+
+    /// The healthy pods' observed slowness (`loadAware`; empty without two pods to compare).
+    fn slowness(&self, host: &dyn Host) -> Vec<(String, f64)> {
+        let Some(speed) = &self.speed else { return Vec::new() };
+        let Some(list) = host.upstream_hosts() else { return Vec::new() };
+        let pods: Vec<&str> =
+            list.iter().filter(|h| h.is_healthy()).map(|h| h.address.as_str()).collect();
+        speed.slowness(&pods, host.now_nanos())
     }
 
     fn pick(&mut self, host: &mut dyn Host, stream: &mut Stream, chain: &[String]) -> Decision {
@@ -424,11 +443,11 @@ impl PrefixCache {
             chain: chain.to_vec(),
             ttl_s: self.config.redis_key_ttl_s,
             hit_load_factor: self.config.hit_load_factor,
-            load: self
-                .config
-                .load_aware
-                .as_ref()
-                .map(|config| LoadAware { config: config.clone(), args: None }),
+            load: self.config.load_aware.as_ref().map(|config| LoadAware {
+                config: config.clone(),
+                args: None,
+                slowness: self.slowness(host),
+            }),
         };
         self.picker.start(host, stream, kind)
     }
@@ -465,6 +484,18 @@ impl Policy for PrefixCache {
         self.pick(host, stream, &keys)
     }
 
+    fn on_response_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) {
+        let Some(speed) = self.speed.as_mut() else { return };
+        // The pod that answers, whoever chose it (this plugin, or the gateway's own balancing).
+        let pod = host
+            .get_property(&["upstream", "address"])
+            .and_then(|b| String::from_utf8(b).ok())
+            .filter(|a| !a.is_empty());
+        if let Some(pod) = pod {
+            speed.on_response_headers(stream.id, pod, host.now_nanos());
+        }
+    }
+
     fn on_response_body(
         &mut self,
         host: &mut dyn Host,
@@ -472,6 +503,9 @@ impl Policy for PrefixCache {
         size: usize,
         end_of_stream: bool,
     ) {
+        if let Some(speed) = self.speed.as_mut() {
+            speed.on_response_body(stream.id, host.now_nanos(), size, end_of_stream);
+        }
         self.picker.on_response_body(host, stream, size, end_of_stream);
     }
 

@@ -287,6 +287,26 @@ fn without_redis_a_prompt_goes_to_the_pod_with_room_by_its_metrics() {
 }
 
 #[test]
+fn without_redis_a_burst_decided_on_one_metrics_sample_is_spread_over_the_pods() {
+    // Both pods idle (no queue), .1 with a little less KV in use. When the breaker opens, every
+    // pick that waited on the frozen Redis is decided at once, on the same sample: counted as
+    // queued where they went, they alternate instead of all landing on .1.
+    let (mut f, mut host) = setup(&cfg(""));
+    set_hosts_with_metrics(&mut host, vllm_metrics(2, 0, 0.10), vllm_metrics(2, 0, 0.20));
+    host.redis_call_error = Some(crate::host::HostError::InternalFailure);
+    let mut routed = Vec::new();
+    for ctx in 1..=6 {
+        f.on_request_headers(&mut host, ctx, false);
+        host.request_body = CHAT.as_bytes().to_vec();
+        f.on_request_body(&mut host, ctx, CHAT.len(), true);
+        routed.push(host.override_host.take().expect("routed by metrics"));
+    }
+    let to_one = routed.iter().filter(|a| *a == "10.0.0.1:8000").count();
+    assert_eq!((to_one, routed.len() - to_one), (3, 3), "{routed:?}");
+    assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&6));
+}
+
+#[test]
 fn odd_message_shapes_read_as_a_parsed_object_would() {
     let blocks = |b: &str| blocks_from_body(b.as_bytes(), false);
     // A message that is not an object has an empty role and no content; a non-string role is "".
@@ -371,6 +391,62 @@ fn load_aware_sends_each_pods_overload_flag_and_penalty_from_its_metrics() {
     assert_eq!(host.counters.get("ai_lb_prefix_hit_diverted"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_prefix_holder_added"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), None);
+}
+
+/// Stream `ctx`'s pick goes to `pod`, which answers: first chunk now, then 20 chunks of 100
+/// bytes `every_ms` apart.
+fn stream_from(f: &mut Filter, host: &mut FakeHost, ctx: u32, pod: &str, every_ms: u64) {
+    let t = host.last_redis_token().expect("a pick was sent");
+    deliver(f, host, t, RedisReply::Ok(pick_reply(pod, 1, true, Some(0))));
+    assert_eq!(host.override_host.as_deref(), Some(pod));
+    host.properties.insert("upstream.address".into(), pod.as_bytes().to_vec());
+    f.on_response_headers(host, ctx);
+    f.on_response_body(host, ctx, 100, false);
+    for i in 0..20 {
+        host.now += every_ms * 1_000_000;
+        f.on_response_body(host, ctx, 100, i == 19);
+    }
+    f.on_stream_end(host, ctx);
+}
+
+#[test]
+fn load_aware_counts_a_pod_that_streams_slower_as_more_loaded() {
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true,"loadLatencyWeight":4"#));
+    set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
+    host.now = 1_000_000_000;
+    // Before any response: no opinion on speed, no penalty.
+    send_chat(&mut f, &mut host, 1);
+    let (_, mut per_host) = load_args_of(&host, 0).expect("load arguments");
+    per_host.sort();
+    assert_eq!(per_host.iter().map(|h| h.2).collect::<Vec<_>>(), vec![0, 0]);
+    // .1 streams 20 ms per chunk, .2 60 ms per chunk (three times as slow).
+    stream_from(&mut f, &mut host, 1, "10.0.0.1:8000", 20);
+    send_chat(&mut f, &mut host, 2);
+    stream_from(&mut f, &mut host, 2, "10.0.0.2:8000", 60);
+    send_chat(&mut f, &mut host, 3);
+    let n = host.redis_calls.len() - 1;
+    let (_, mut per_host) = load_args_of(&host, n).expect("load arguments");
+    per_host.sort();
+    assert_eq!(
+        per_host,
+        vec![
+            ("10.0.0.1:8000".to_string(), false, 0),
+            ("10.0.0.2:8000".to_string(), false, 8), // loadLatencyWeight 4 × (3 - 1)
+        ]
+    );
+}
+
+#[test]
+fn a_go_config_does_not_time_the_pods() {
+    let (mut f, mut host) = setup(&cfg(""));
+    set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
+    send_chat(&mut f, &mut host, 1);
+    stream_from(&mut f, &mut host, 1, "10.0.0.1:8000", 20);
+    send_chat(&mut f, &mut host, 2);
+    stream_from(&mut f, &mut host, 2, "10.0.0.2:8000", 60);
+    send_chat(&mut f, &mut host, 3);
+    let n = host.redis_calls.len() - 1;
+    assert_eq!(load_args_of(&host, n), None, "Go's call, no load arguments");
 }
 
 #[test]

@@ -579,3 +579,51 @@ async fn load_aware_without_pod_metrics_routes_as_go_does_and_says_so() {
     assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 1, "{stats}");
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_aware_sends_new_conversations_away_from_a_pod_that_streams_slowly() {
+    // Three pods with the same idle metrics (no queue, no KV in use) and nothing in flight between
+    // the sequential requests below: queue, KV and in-flight cannot tell them apart. C streams its
+    // answers ten times as slowly, what a half-speed GPU or a throttled one looks like to clients.
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pc-slow", 3).await.unwrap();
+    for p in &pods {
+        p.set_metrics(samples::vllm_v1(1, 0, 0.0));
+        p.set_stream_chunk_delay(Duration::from_millis(4));
+    }
+    let slow = &pods[2];
+    slow.set_stream_chunk_delay(Duration::from_millis(40));
+    // The latency signal on (off by default). One worker: the speed each pod streams at is
+    // observed per worker VM.
+    let cfg = redis_policy_config(
+        "route-slow",
+        &pods,
+        &redis,
+        "prefix_cache",
+        json!({"redisKeyTTL": TTL_S, "timeout": 1000, "loadAware": true, "loadLatencyWeight": 4}),
+    )
+    .metrics_health_check(LLM_CLUSTER, 100)
+    .workers(1);
+    let gw = Gateway::start(&cfg).await.unwrap();
+    wait_scrapes(&pods, &[0, 0, 0], 2, Duration::from_secs(15)).await.unwrap();
+
+    // Until the gateway has seen every pod stream, new conversations go anywhere (coin tosses).
+    let mut warm_up = 0;
+    while pods.iter().any(|p| p.inference_count() == 0) {
+        warm_up += 1;
+        assert!(warm_up <= 40, "40 new conversations never reached every pod");
+        let mut conv = Conversation::new(&format!("warm-up {}", paths::unique_name("w")));
+        conv.stream = true;
+        conv.turn(&gw, &question(1)).await.unwrap();
+    }
+    // Then the slow pod is passed over for every new conversation.
+    let before = slow.inference_count();
+    let mut served = Vec::new();
+    for _ in 0..12 {
+        let mut conv = Conversation::new(&format!("new {}", paths::unique_name("n")));
+        conv.stream = true;
+        served.push(conv.turn(&gw, &question(1)).await.unwrap());
+    }
+    assert_eq!(slow.inference_count(), before, "the slow pod got new conversations: {served:?}");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}

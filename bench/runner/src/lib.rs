@@ -501,6 +501,11 @@ pub async fn run_policy(
     let records =
         loadgen::run(sc.workload.plan(), target, sc.workload.concurrency(), progress).await;
     let wall = t0.elapsed().as_secs_f64();
+    if let Some(dir) = std::env::var_os("BENCH_DUMP_RECORDS") {
+        // Diagnosis: every request's record (start, pod, TTFT, cached tokens), one file per run.
+        let path = std::path::Path::new(&dir).join(format!("{policy}-{repetition}.json"));
+        std::fs::write(&path, serde_json::to_vec(&records)?)?;
+    }
     if let Some(f) = freezer {
         // A run shorter than the freeze still gets Redis back before the next one.
         f.await.map_err(|e| anyhow!("freezer: {e}"))??;

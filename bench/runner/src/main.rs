@@ -405,7 +405,7 @@ fn model(paths: Paths, name: String) -> Result<()> {
     println!("{} (model only, profile {}):\n", sc.name, sc.pods.profile);
     println!("| policy | req | TTFT mean | E2E mean | out tok/s | out tokens/reply | hit rate |");
     println!("|---|---|---|---|---|---|---|");
-    for policy in ["round_robin", "session_hash"] {
+    for policy in ["round_robin", "session_hash", "sticky_balanced"] {
         let r = bench::model::run(&sc, policy)?;
         println!(
             "| {policy} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}% |",

@@ -3,8 +3,11 @@
 //! gives (no harness overhead, no time-scale distortion) and is what hardware profiles are fitted
 //! with; `bench model <scenario>` prints it next to nothing else, in a second.
 //!
-//! Only client-side policies exist here: `round_robin` over requests and `session_hash`
-//! (sticky per session, the same hash as the load generator's).
+//! Only client-side policies exist here: `round_robin` over requests, `session_hash` (sticky per
+//! session, the same hash as the load generator's) and `sticky_balanced`, an ideal router no
+//! real one beats on both counts: every turn of a session on the pod of its first turn (perfect
+//! affinity: the hit rate is the oracle's), and a new session on the pod with the fewest sessions
+//! in progress (balanced).
 
 use crate::scenario::Scenario;
 use anyhow::{anyhow, bail, Result};
@@ -64,8 +67,8 @@ impl Active {
 
 /// Runs `sc`'s workload with `policy` (`round_robin` or `session_hash`) on its pods' model.
 pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
-    if !matches!(policy, "round_robin" | "session_hash") {
-        bail!("model-only runs know round_robin and session_hash, not {policy}");
+    if !matches!(policy, "round_robin" | "session_hash" | "sticky_balanced") {
+        bail!("model-only runs know round_robin, session_hash and sticky_balanced, not {policy}");
     }
     if sc.workload.open_loop() {
         bail!("model-only runs are closed loop");
@@ -100,25 +103,41 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
     let (mut ttft, mut e2e, mut out, mut done) = (0.0, 0.0, 0usize, 0usize);
     let mut now = 0.0f64;
 
-    let start_turn =
-        |a: &mut Active, now: f64, arriving: &mut Vec<(f64, u64)>, id: u64, rr: &mut usize| {
-            let turn = &a.plan.turns[a.turn];
-            a.history.push(Message { role: "user".into(), content: turn.user.clone() });
-            a.sent_at = now + turn.think_ms;
-            a.first_token = None;
-            a.reply.clear();
-            a.pod = if policy == "session_hash" {
-                sticky.value(a.plan.id).and_then(|v| v.parse().ok()).unwrap_or(0)
-            } else {
+    // The pod with the fewest sessions in progress (`sticky_balanced`'s choice for a new one).
+    let least_busy = |active: &BTreeMap<u64, Active>| {
+        let mut sessions = vec![0usize; n];
+        for a in active.values() {
+            sessions[a.pod] += 1;
+        }
+        (0..n).min_by_key(|&i| sessions[i]).unwrap_or(0)
+    };
+    let start_turn = |a: &mut Active,
+                      now: f64,
+                      arriving: &mut Vec<(f64, u64)>,
+                      id: u64,
+                      rr: &mut usize,
+                      least: usize| {
+        let turn = &a.plan.turns[a.turn];
+        a.history.push(Message { role: "user".into(), content: turn.user.clone() });
+        a.sent_at = now + turn.think_ms;
+        a.first_token = None;
+        a.reply.clear();
+        a.pod = match policy {
+            "session_hash" => sticky.value(a.plan.id).and_then(|v| v.parse().ok()).unwrap_or(0),
+            "sticky_balanced" if a.turn == 0 => least,
+            "sticky_balanced" => a.pod,
+            _ => {
                 *rr += 1;
                 (*rr - 1) % n
-            };
-            arriving.push((a.sent_at + overhead, id));
+            }
         };
+        arriving.push((a.sent_at + overhead, id));
+    };
     for _ in 0..sc.workload.concurrency() {
         let Some(plan) = queue.pop_front() else { break };
         let mut a = Active::new(plan);
-        start_turn(&mut a, now, &mut arriving, next_id, &mut rr);
+        let least = least_busy(&active);
+        start_turn(&mut a, now, &mut arriving, next_id, &mut rr, least);
         active.insert(next_id, a);
         next_id += 1;
     }
@@ -178,7 +197,8 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
                 queue.pop_front().map(Active::new)
             };
             if let Some(mut a) = next {
-                start_turn(&mut a, now, &mut arriving, next_id, &mut rr);
+                let least = least_busy(&active);
+                start_turn(&mut a, now, &mut arriving, next_id, &mut rr, least);
                 active.insert(next_id, a);
                 next_id += 1;
             }

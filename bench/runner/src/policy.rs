@@ -148,6 +148,25 @@ pub const POLICIES: &[Policy] = &[
             go_keys_only: false,
         }),
     },
+    // loadAware with the observed-latency signal (off by default): a pod twice as slow as the
+    // fastest counts 4 more requests.
+    Policy {
+        name: "prefix_cache_load_aware_latency",
+        route: Route::Gateway(GatewayMode::Plugin {
+            lb_policy: "prefix_cache",
+            extra_lb_config: r#"{"loadAware":true,"loadLatencyWeight":4}"#,
+            go_keys_only: false,
+        }),
+    },
+    // ... and that also diverts hits off a pod observed 1.6x as slow as the fastest.
+    Policy {
+        name: "prefix_cache_load_aware_divert_slow",
+        route: Route::Gateway(GatewayMode::Plugin {
+            lb_policy: "prefix_cache",
+            extra_lb_config: r#"{"loadAware":true,"loadLatencyWeight":4,"overloadLatency":1.6}"#,
+            go_keys_only: false,
+        }),
+    },
     plugin("endpoint_metrics", "endpoint_metrics"),
     external("sglang_round_robin", Router::Sglang, "round_robin"),
     external("sglang_cache_aware", Router::Sglang, "cache_aware"),

@@ -1,0 +1,118 @@
+//! `prefix_cache` with `loadAware`: how fast each pod answers, as this worker sees it. A pod's
+//! queue and KV-cache use say nothing about its speed: a pod on an older GPU, throttled or with
+//! a noisy neighbour runs every step slower with an empty queue and little KV in use. The gateway
+//! sees that speed directly: the time between the response's first body byte and its end, per
+//! response byte (the engine's decode rate under its current batch, what a client waits per
+//! token). Prefix hits do not change it (unlike the time to first byte, which a hit shortens), so
+//! a pod that only gets hits is not mistaken for a fast one.
+//!
+//! Per pod an exponentially weighted moving average of that time per byte (Finagle's and
+//! linkerd's EWMA load balancers track latency the same way); a pod's *slowness* is its average
+//! over the fastest pod's, `1.0` for the fastest or a pod without a recent sample.
+
+use std::collections::HashMap;
+
+/// Weight of a new sample in a pod's average: about the last 5 responses count.
+const EWMA_ALPHA: f64 = 0.3;
+/// A response shorter than this after its first body chunk says little about the decode rate.
+const MIN_SAMPLE_BYTES: u64 = 512;
+/// An average not updated for this long is forgotten (the pod may have recovered).
+const STALE_NS: u64 = 30_000_000_000;
+/// At most this many streams and pods are tracked per worker (bounded memory).
+const MAX_TRACKED: usize = 4096;
+/// A stream timed for longer than this without its end seen (reset, cut) is dropped when the
+/// table is full.
+const STREAM_FORGET_NS: u64 = 600_000_000_000;
+
+/// One response being timed.
+struct Timing {
+    pod: String,
+    /// When its response headers came (ns).
+    headers_ns: u64,
+    /// When its first body chunk came (ns).
+    first_ns: Option<u64>,
+    /// Body bytes after the first chunk.
+    bytes: u64,
+}
+
+/// See the module docs.
+#[derive(Default)]
+pub struct PodSpeed {
+    /// Per pod: average ns per response byte, and when it was last updated.
+    per_pod: HashMap<String, (f64, u64)>,
+    /// Streams whose response is being timed, by stream id.
+    streams: HashMap<u32, Timing>,
+}
+
+impl PodSpeed {
+    /// The response of `stream` comes from `pod` (`upstream.address` at its headers), at
+    /// `now_ns`.
+    pub fn on_response_headers(&mut self, stream: u32, pod: String, now_ns: u64) {
+        if self.streams.len() >= MAX_TRACKED {
+            // Streams whose end was never seen (reset): dropped, never grown without bound.
+            self.streams.retain(|_, t| now_ns.saturating_sub(t.headers_ns) < STREAM_FORGET_NS);
+            if self.streams.len() >= MAX_TRACKED {
+                self.streams.clear();
+            }
+        }
+        self.streams.insert(stream, Timing { pod, headers_ns: now_ns, first_ns: None, bytes: 0 });
+    }
+
+    /// A response body chunk of `size` bytes at `now_ns`; at the end of the stream a long enough
+    /// response updates its pod's average.
+    pub fn on_response_body(&mut self, stream: u32, now_ns: u64, size: usize, end: bool) {
+        let Some(t) = self.streams.get_mut(&stream) else { return };
+        match t.first_ns {
+            None if size > 0 => t.first_ns = Some(now_ns),
+            None => {}
+            Some(_) => t.bytes = t.bytes.saturating_add(size as u64),
+        }
+        if !end {
+            return;
+        }
+        let Some(t) = self.streams.remove(&stream) else { return };
+        let Some(first) = t.first_ns else { return };
+        let span = now_ns.saturating_sub(first);
+        if t.bytes < MIN_SAMPLE_BYTES || span == 0 {
+            // A one-chunk (non-streamed) or short response: no decode rate in it.
+            return;
+        }
+        self.sample(t.pod, span as f64 / t.bytes as f64, now_ns);
+    }
+
+    fn sample(&mut self, pod: String, ns_per_byte: f64, now_ns: u64) {
+        if !self.per_pod.contains_key(&pod) && self.per_pod.len() >= MAX_TRACKED {
+            self.per_pod.retain(|_, (_, at)| now_ns.saturating_sub(*at) < STALE_NS);
+            if self.per_pod.len() >= MAX_TRACKED {
+                return;
+            }
+        }
+        let e = self.per_pod.entry(pod).or_insert((ns_per_byte, now_ns));
+        let fresh = now_ns.saturating_sub(e.1) < STALE_NS;
+        e.0 = if fresh { e.0 + EWMA_ALPHA * (ns_per_byte - e.0) } else { ns_per_byte };
+        e.1 = now_ns;
+    }
+
+    /// Each of `pods`' slowness at `now_ns`: its average over the fastest of them (`>= 1`);
+    /// `1.0` for a pod without a recent average. Empty when fewer than two pods have one (there
+    /// is nothing to compare).
+    pub fn slowness(&self, pods: &[&str], now_ns: u64) -> Vec<(String, f64)> {
+        let avg = |p: &str| {
+            self.per_pod
+                .get(p)
+                .filter(|(_, at)| now_ns.saturating_sub(*at) < STALE_NS)
+                .map(|(v, _)| *v)
+                .filter(|v| v.is_finite() && *v > 0.0)
+        };
+        let known: Vec<f64> = pods.iter().filter_map(|p| avg(p)).collect();
+        if known.len() < 2 {
+            return Vec::new();
+        }
+        let fastest = known.iter().copied().fold(f64::INFINITY, f64::min);
+        pods.iter().map(|p| (p.to_string(), avg(p).map_or(1.0, |v| v / fastest))).collect()
+    }
+}
+
+#[cfg(test)]
+#[path = "latency_tests.rs"]
+mod tests;

@@ -1,0 +1,79 @@
+//! `loadAware`'s observed pod speed: what counts as a sample, and the slowness it gives.
+
+use super::*;
+
+const MS: u64 = 1_000_000;
+
+/// One streamed response from `pod`: headers at `t`, first chunk 100 ms later, then `chunks`
+/// chunks of 100 bytes `every_ms` apart. Returns the time after its end.
+fn stream(s: &mut PodSpeed, id: u32, pod: &str, t: u64, chunks: u64, every_ms: u64) -> u64 {
+    s.on_response_headers(id, pod.into(), t);
+    let mut now = t + 100 * MS;
+    s.on_response_body(id, now, 100, false);
+    for i in 0..chunks {
+        now += every_ms * MS;
+        s.on_response_body(id, now, 100, i + 1 == chunks);
+    }
+    now
+}
+
+#[test]
+fn a_pod_decoding_at_half_the_rate_is_twice_as_slow() {
+    let mut s = PodSpeed::default();
+    let t = stream(&mut s, 1, "a", 0, 20, 10);
+    let t = stream(&mut s, 2, "b", t, 20, 20);
+    let t = stream(&mut s, 3, "c", t, 20, 10);
+    let slow = s.slowness(&["a", "b", "c", "d"], t);
+    let get = |p: &str| slow.iter().find(|(a, _)| a == p).map(|(_, v)| *v);
+    assert_eq!(get("a"), Some(1.0));
+    assert!((get("b").unwrap() - 2.0).abs() < 1e-9, "{slow:?}");
+    assert_eq!(get("c"), Some(1.0));
+    assert_eq!(get("d"), Some(1.0), "no sample: not penalised");
+}
+
+#[test]
+fn the_time_to_the_first_byte_does_not_count_so_hits_do_not_look_fast() {
+    // b's responses start sooner (prefix hits) but decode at the same rate: same speed.
+    let mut s = PodSpeed::default();
+    s.on_response_headers(1, "a".into(), 0);
+    s.on_response_body(1, 900 * MS, 100, false);
+    s.on_response_body(1, 1100 * MS, 1000, true);
+    s.on_response_headers(2, "b".into(), 0);
+    s.on_response_body(2, 10 * MS, 100, false);
+    s.on_response_body(2, 210 * MS, 1000, true);
+    assert_eq!(s.slowness(&["a", "b"], 2000 * MS), vec![("a".into(), 1.0), ("b".into(), 1.0)]);
+}
+
+#[test]
+fn short_one_chunk_cut_and_stale_responses_give_no_opinion() {
+    let mut s = PodSpeed::default();
+    // A non-streamed answer (one chunk) and a short one: no decode rate.
+    s.on_response_headers(1, "a".into(), 0);
+    s.on_response_body(1, 50 * MS, 5000, true);
+    s.on_response_headers(2, "b".into(), 0);
+    s.on_response_body(2, 10 * MS, 100, false);
+    s.on_response_body(2, 500 * MS, 200, true);
+    // A stream cut before its end.
+    s.on_response_headers(3, "b".into(), 0);
+    s.on_response_body(3, 10 * MS, 100, false);
+    s.on_response_body(3, 900 * MS, 5000, false);
+    assert!(s.slowness(&["a", "b"], MS * 1000).is_empty(), "nothing to compare");
+    // Two pods with samples compare; 30 s later they are forgotten.
+    let t = stream(&mut s, 4, "a", 0, 20, 10);
+    let t = stream(&mut s, 5, "b", t, 20, 30);
+    assert_eq!(s.slowness(&["a", "b"], t).len(), 2);
+    assert!(s.slowness(&["a", "b"], t + 31_000 * MS).is_empty());
+}
+
+#[test]
+fn the_average_follows_a_pod_that_recovers() {
+    let mut s = PodSpeed::default();
+    let mut t = stream(&mut s, 1, "a", 0, 20, 10);
+    t = stream(&mut s, 2, "b", t, 20, 30);
+    let b = |s: &PodSpeed, t| s.slowness(&["a", "b"], t)[1].1;
+    assert!((b(&s, t) - 3.0).abs() < 1e-9);
+    for id in 3..20 {
+        t = stream(&mut s, id, "b", t, 20, 10);
+    }
+    assert!(b(&s, t) < 1.05, "back to the fastest pod's rate: {}", b(&s, t));
+}
