@@ -34,12 +34,6 @@ pub struct Ranking {
     pub window_size: usize,
     /// How long a request stays remembered (ms).
     pub window_ms: u64,
-    /// Count this worker's picks since a pod's sample as queued there even when the pod was not
-    /// queueing. `endpoint_metrics` (as Go) leaves them out for a pod with an empty queue; the
-    /// Redis policies' fallback counts them, because it starts with a burst: when the breaker
-    /// opens, every pick that waited on the frozen Redis is decided in the same tick, on the same
-    /// sample, and would all go to the one pod with the least KV use.
-    pub count_own_picks: bool,
 }
 
 impl Ranking {
@@ -51,7 +45,6 @@ impl Ranking {
             rate_limit: 1.0,
             window_size: 100,
             window_ms: 60_000,
-            count_own_picks: true,
         }
     }
 }
@@ -196,36 +189,19 @@ impl MetricsRouter {
         now_ms: u64,
     ) -> Option<String> {
         let interval = u64::from(self.scrape_interval_ms);
-        // Requests sent after the sample are not in it yet. Host-provided metrics carry no time:
-        // assume they are one scrape interval old.
-        let pending = |recent: &RecentPicks, p: &PodView| {
-            let since = p.sampled_ms.unwrap_or_else(|| now_ms.saturating_sub(interval));
-            recent.count_since(&p.address, since)
-        };
-        // `count_own_picks`: the picks since the sample join every pod's queue.
-        let queued: Vec<Option<PodMetrics>> = pods
-            .iter()
-            .map(|p| {
-                let m = p.metrics.as_ref()?;
-                if !self.ranking.count_own_picks {
-                    return None;
-                }
-                let mut m = m.clone();
-                m.waiting = m.waiting.map(|w| w + f64::from(pending(&self.recent, p)));
-                Some(m)
-            })
-            .collect();
         // One pod without metrics: no opinion for the whole request, as in Go.
         let candidates: Vec<Candidate<'_>> = pods
             .iter()
-            .zip(&queued)
-            .map(|(p, q)| match q {
-                Some(m) => Some(Candidate { address: &p.address, metrics: m, pending: 0 }),
-                None => Some(Candidate {
+            .map(|p| {
+                let m = p.metrics.as_ref()?;
+                // Requests sent after the sample are not in it yet. Host-provided metrics carry no
+                // time: assume they are one scrape interval old.
+                let since = p.sampled_ms.unwrap_or_else(|| now_ms.saturating_sub(interval));
+                Some(Candidate {
                     address: &p.address,
-                    metrics: p.metrics.as_ref()?,
-                    pending: pending(&self.recent, p),
-                }),
+                    metrics: m,
+                    pending: self.recent.count_since(&p.address, since),
+                })
             })
             .collect::<Option<_>>()?;
         let survivors = schedule::filter(self.ranking.policy, model, &candidates);

@@ -52,7 +52,6 @@ impl EndpointMetrics {
             rate_limit: config.rate_limit,
             window_size: config.window_size,
             window_ms: config.window_seconds.saturating_mul(1000),
-            count_own_picks: false,
         };
         EndpointMetrics { router: MetricsRouter::new(&config.source, ranking) }
     }
