@@ -287,26 +287,6 @@ fn without_redis_a_prompt_goes_to_the_pod_with_room_by_its_metrics() {
 }
 
 #[test]
-fn without_redis_a_burst_decided_on_one_metrics_sample_is_spread_over_the_pods() {
-    // Both pods idle (no queue), .1 with a little less KV in use. When the breaker opens, every
-    // pick that waited on the frozen Redis is decided at once, on the same sample: counted as
-    // queued where they went, they alternate instead of all landing on .1.
-    let (mut f, mut host) = setup(&cfg(""));
-    set_hosts_with_metrics(&mut host, vllm_metrics(2, 0, 0.10), vllm_metrics(2, 0, 0.20));
-    host.redis_call_error = Some(crate::host::HostError::InternalFailure);
-    let mut routed = Vec::new();
-    for ctx in 1..=6 {
-        f.on_request_headers(&mut host, ctx, false);
-        host.request_body = CHAT.as_bytes().to_vec();
-        f.on_request_body(&mut host, ctx, CHAT.len(), true);
-        routed.push(host.override_host.take().expect("routed by metrics"));
-    }
-    let to_one = routed.iter().filter(|a| *a == "10.0.0.1:8000").count();
-    assert_eq!((to_one, routed.len() - to_one), (3, 3), "{routed:?}");
-    assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&6));
-}
-
-#[test]
 fn odd_message_shapes_read_as_a_parsed_object_would() {
     let blocks = |b: &str| blocks_from_body(b.as_bytes(), false);
     // A message that is not an object has an empty role and no content; a non-string role is "".
