@@ -865,7 +865,7 @@ impl Drive {
                         None => {
                             it.body = None;
                             it.body_done = true;
-                            if !(it.held && it.stop_all) && !it.wedged {
+                            if !(it.wedged || it.held && it.stop_all) {
                                 if let Err(f) = self.on_data(dir, &mut it, true) {
                                     return f;
                                 }
@@ -892,7 +892,7 @@ impl Drive {
                             if dir == Dir::Response && it.data_stopped && self.data_buffering && over_limit {
                                 return Flow::Local(payload_too_large(dir));
                             }
-                            if !(it.held && it.stop_all) && !it.wedged {
+                            if !(it.wedged || it.held && it.stop_all) {
                                 if let Err(f) = self.on_data(dir, &mut it, false) {
                                     return f;
                                 }
@@ -983,7 +983,7 @@ impl Drive {
         // A body shorter than the `content-length` the plugin left (it rewrote the body): Envoy
         // sends what it has and waits for the response, the upstream for the rest, until the
         // route timeout. Ending the body would make hyper abort the request at once.
-        if !self.req_owed.is_some_and(|n| n > 0) {
+        if self.req_owed.is_none_or(|n| n == 0) {
             up.body_tx = None;
         }
         // The router has the whole request: Envoy's route timeout starts.
