@@ -186,6 +186,8 @@ type UpResult = Result<Response<Incoming>, UpError>;
 #[derive(Debug)]
 enum UpError {
     Connect,
+    /// The upstream closed the connection before the response started.
+    Terminated,
     Timeout,
     Other,
 }
@@ -347,6 +349,9 @@ struct Iteration {
     stop_all: bool,
     /// The last body callback stopped: the data stays buffered.
     data_stopped: bool,
+    /// Stopped for good by a Stop after a `continue_stream` inside the headers callback: the
+    /// body is buffered, never passed on nor shown to the plugin.
+    wedged: bool,
 }
 
 /// How a direction's iteration ended.
@@ -386,6 +391,10 @@ struct Drive {
     data_buffering: bool,
     /// Reports when hyper took every chunk sent to the client (see `abort_downstream`).
     down_caught_up: Option<Arc<ReaderCaughtUp>>,
+    /// Bytes of the response's `content-length` not sent yet (see `flush_response`).
+    down_owed: Option<u64>,
+    /// The same for the request's (see `flush_request`).
+    req_owed: Option<u64>,
     /// Counts this stream in [`Global::live_streams`] until it is dropped (after `finish`).
     _live: LiveStream,
 }
@@ -546,6 +555,8 @@ impl Drive {
             data_watermark: false,
             data_buffering: false,
             down_caught_up: None,
+            down_owed: None,
+            req_owed: None,
             _live: live,
         }
     }
@@ -643,6 +654,7 @@ impl Drive {
                 let Err(e) = *r else { return self.finish() };
                 let lr = match e {
                     UpError::Connect => local(503, "upstream_reset_before_response_started{connection_failure}", "upstream connect error or disconnect/reset before headers. reset reason: connection failure"),
+                    UpError::Terminated => local(503, "upstream_reset_before_response_started{connection_termination}", "upstream connect error or disconnect/reset before headers. reset reason: connection termination"),
                     UpError::Timeout => route_timeout(),
                     UpError::Other => local(502, "upstream_reset_before_response_started{protocol_error}", "upstream connect error or disconnect/reset before headers. reset reason: protocol error"),
                 };
@@ -716,6 +728,7 @@ impl Drive {
             held: false,
             stop_all: false,
             data_stopped: false,
+            wedged: false,
         };
         let n = self.lock().headers(dir).len();
         let action = match self.header_action(dir.headers_callback(), n, headers_eos) {
@@ -724,11 +737,27 @@ impl Drive {
         };
         it.held = action != HeaderAction::Continue;
         it.stop_all = action == HeaderAction::StopAll;
+        // `continue_stream` inside the headers callback that then answers Stop: Envoy runs the
+        // continue right after the callback, while the filter is not stopped yet, so the headers
+        // go on to the next filter; the Stop then stops the filter for good: the body is never
+        // passed on nor shown to the plugin, the peer waits (until it or a timeout gives up).
+        // (With a Continue answer Envoy passes the headers on twice; not modelled.)
+        if it.stop_all && !headers_eos && std::mem::take(self.lock().continue_flag(dir)) {
+            it.held = false;
+            it.data_stopped = true;
+            it.wedged = true;
+        }
         if !it.held {
             // Envoy drops its pointer to headers a callback continued.
             self.lock().set_headers_access(dir, false);
             if let Err(f) = self.release_headers(dir, headers_eos) {
                 return f;
+            }
+            // The router sends the headers upstream at once.
+            if it.wedged && dir == Dir::Request {
+                if let Some(f) = self.flush_request(Bytes::new(), false).await {
+                    return f;
+                }
             }
         }
         loop {
@@ -771,6 +800,7 @@ impl Drive {
                     }
                 }
                 it.data_stopped = false;
+                it.wedged = false;
             }
             // Buffer limit while this filter holds data. Over it, a request body whose filter
             // asked for watermark buffering gets flow control (reading pauses below); otherwise
@@ -835,7 +865,7 @@ impl Drive {
                         None => {
                             it.body = None;
                             it.body_done = true;
-                            if !(it.held && it.stop_all) {
+                            if !(it.wedged || it.held && it.stop_all) {
                                 if let Err(f) = self.on_data(dir, &mut it, true) {
                                     return f;
                                 }
@@ -862,7 +892,7 @@ impl Drive {
                             if dir == Dir::Response && it.data_stopped && self.data_buffering && over_limit {
                                 return Flow::Local(payload_too_large(dir));
                             }
-                            if !(it.held && it.stop_all) {
+                            if !(it.wedged || it.held && it.stop_all) {
                                 if let Err(f) = self.on_data(dir, &mut it, false) {
                                     return f;
                                 }
@@ -928,12 +958,20 @@ impl Drive {
     /// Released request data to the upstream; at the end of the body, wait for its response.
     async fn flush_request(&mut self, mut chunk: Bytes, end: bool) -> Option<Flow> {
         if let Some(b) = self.pending_req.take() {
-            let full = if end { Some(std::mem::take(&mut chunk)) } else { None };
+            self.req_owed = b
+                .headers_ref()
+                .and_then(|h| h.get("content-length"))
+                .and_then(|v| v.to_str().ok()?.trim().parse::<u64>().ok());
+            let short = self.req_owed.is_some_and(|n| n > chunk.len() as u64);
+            let full = if end && !short { Some(std::mem::take(&mut chunk)) } else { None };
             if let Err(lr) = self.start_upstream(b, full) {
                 return Some(Flow::Local(lr));
             }
         }
         let up = self.upstream.as_mut()?;
+        if let Some(owed) = &mut self.req_owed {
+            *owed = owed.saturating_sub(chunk.len() as u64);
+        }
         if !chunk.is_empty() {
             if let Some(tx) = &up.body_tx {
                 let _ = tx.send(Ok(chunk)).await;
@@ -942,7 +980,12 @@ impl Drive {
         if !end {
             return None;
         }
-        up.body_tx = None;
+        // A body shorter than the `content-length` the plugin left (it rewrote the body): Envoy
+        // sends what it has and waits for the response, the upstream for the rest, until the
+        // route timeout. Ending the body would make hyper abort the request at once.
+        if self.req_owed.is_none_or(|n| n == 0) {
+            up.body_tx = None;
+        }
         // The router has the whole request: Envoy's route timeout starts.
         let route_deadline =
             (!self.timeout.is_zero()).then(|| tokio::time::Instant::now() + self.timeout);
@@ -969,6 +1012,12 @@ impl Drive {
     /// Released response data to the client; the stream is over at the end of the body.
     async fn flush_response(&mut self, chunk: Bytes, end: bool) -> Option<Flow> {
         if !chunk.is_empty() {
+            if let Some(owed) = &mut self.down_owed {
+                *owed = owed.saturating_sub(chunk.len() as u64);
+            }
+            // A body longer than the `content-length` sent: hyper writes only the announced
+            // bytes, as the client reads them from Envoy (which writes all, the rest is junk
+            // before the connection's next response).
             let sent = match &self.down {
                 Some(tx) => tx.send(Ok(chunk)).await.is_ok(),
                 None => true,
@@ -979,7 +1028,15 @@ impl Drive {
             self.idle.touch();
         }
         if end {
-            self.down = None;
+            if let Some(tx) = self.down.take() {
+                if self.down_owed.is_some_and(|n| n > 0) {
+                    // A body shorter than its `content-length`: Envoy's HTTP/1 codec ends the
+                    // stream after the bytes the filter let go and leaves the connection open;
+                    // the client waits for the rest. Ending the body would make hyper close the
+                    // connection, so the body stays open until the client goes away.
+                    tokio::spawn(async move { tx.closed().await });
+                }
+            }
             return Some(Flow::Over);
         }
         None
@@ -1097,8 +1154,14 @@ impl Drive {
         // No timeout here: the route timeout runs from the end of the request (`route_deadline`).
         let fut = async move {
             client.request(req).await.map_err(|e| {
+                let source = std::error::Error::source(&e);
                 if e.is_connect() {
                     UpError::Connect
+                } else if source
+                    .and_then(|s| s.downcast_ref::<hyper::Error>())
+                    .is_some_and(hyper::Error::is_incomplete_message)
+                {
+                    UpError::Terminated
                 } else {
                     UpError::Other
                 }
@@ -1129,13 +1192,16 @@ impl Drive {
         let mut resp = Response::new(body);
         *resp.status_mut() =
             hyper::StatusCode::from_u16(status).unwrap_or(hyper::StatusCode::BAD_GATEWAY);
-        let modified = self.lock().resp_body_modified;
+        // Envoy keeps the upstream's `content-length` even when the plugin changed the body
+        // (a plugin that rewrites a body removes it itself): see `flush_response`.
+        self.down_owed = (!eos)
+            .then(|| header_value(&headers, "content-length").and_then(|v| v.trim().parse().ok()))
+            .flatten();
         for (k, v) in &headers {
             if k.starts_with(':')
                 // Envoy passes the response's `trailer` header on (its HTTP/1 codec drops the
                 // trailers themselves).
                 || (HOP_BY_HOP.contains(&k.as_str()) && k != "trailer")
-                || (modified && k == "content-length")
             {
                 continue;
             }

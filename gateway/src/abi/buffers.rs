@@ -119,16 +119,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             match with_buffer(&mut c, ty, |b| {
                 b.set(start as u32 as usize, len as u32 as usize, &data)
             }) {
-                Ok(()) => {
-                    if ty == 1 {
-                        if let Some(s) = c.data().effective_stream() {
-                            if let Ok(mut s) = s.lock() {
-                                s.resp_body_modified = true;
-                            }
-                        }
-                    }
-                    status::OK
-                }
+                Ok(()) => status::OK,
                 Err(e) => e,
             }
         },

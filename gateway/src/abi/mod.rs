@@ -166,8 +166,6 @@ pub struct StreamState {
     pub resp_body: BytesMut,
     /// Plugin may read/write the response body buffer.
     pub resp_body_access: bool,
-    /// The plugin changed the response body (content-length is dropped).
-    pub resp_body_modified: bool,
     /// `proxy_on_log` is running: the request and response headers are readable (Envoy's
     /// access-log phase), a missing map is NotFound instead of BadArgument.
     pub log_phase: bool,
@@ -226,7 +224,6 @@ impl StreamState {
             resp_hdr_access: false,
             resp_body: BytesMut::new(),
             resp_body_access: false,
-            resp_body_modified: false,
             log_phase: false,
             resp_trailers: Vec::new(),
             continue_req: false,

@@ -297,7 +297,7 @@ async fn answer_with_trailers(mut stream: tokio::net::TcpStream, seen: &Mutex<Ve
     let _ = stream.shutdown().await;
 }
 
-/// A recording upstream. Paths: `/slow` answers after 500 ms; `/secret` a body with "secret"; `/sse` streams 3 events 150 ms
+/// A recording upstream. Paths: `/close` closes the connection without a response; `/slow` answers after 500 ms; `/secret` a body with "secret"; `/sse` streams 3 events 150 ms
 /// apart; `/sse-forever` streams until the client goes away; `/reset-mid` sends a chunked
 /// response's first chunk and then drops the connection; `/metrics` answers a fixed text;
 /// `/trailers` a chunked body with a trailer field (then the connection closes); anything else
@@ -340,6 +340,11 @@ impl Upstream {
                                     body,
                                 });
                                 let resp = match path.as_str() {
+                                    // A service error: hyper closes the connection without
+                                    // a response.
+                                    "/close" => {
+                                        return Err(std::io::Error::other("closed by the test"));
+                                    }
                                     "/slow" => {
                                         tokio::time::sleep(Duration::from_millis(500)).await;
                                         hyper::Response::new(GwBody::full(Bytes::from("slow")))
@@ -402,7 +407,7 @@ impl Upstream {
                                         addr.port()
                                     )))),
                                 };
-                                Ok::<_, std::convert::Infallible>(resp)
+                                Ok::<_, std::io::Error>(resp)
                             }
                         },
                     );
