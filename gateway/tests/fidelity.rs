@@ -356,18 +356,7 @@ async fn fake_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<
                     while let Ok(Some((frame, used))) = redis_protocol::resp2::decode::decode(&buf)
                     {
                         buf.drain(..used);
-                        let args: Vec<String> = match frame {
-                            redis_protocol::resp2::types::OwnedFrame::Array(items) => items
-                                .into_iter()
-                                .map(|f| match f {
-                                    redis_protocol::resp2::types::OwnedFrame::BulkString(b) => {
-                                        String::from_utf8_lossy(&b).into_owned()
-                                    }
-                                    other => format!("{other:?}"),
-                                })
-                                .collect(),
-                            other => vec![format!("{other:?}")],
-                        };
+                        let args = command_args(frame);
                         seen.lock().unwrap().push(args.clone());
                         let reply: &[u8] =
                             match args.first().map(|a| a.to_ascii_uppercase()).as_deref() {
@@ -1883,18 +1872,7 @@ async fn slow_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<
                     while let Ok(Some((frame, used))) = redis_protocol::resp2::decode::decode(&buf)
                     {
                         buf.drain(..used);
-                        let args: Vec<String> = match frame {
-                            redis_protocol::resp2::types::OwnedFrame::Array(items) => items
-                                .into_iter()
-                                .map(|f| match f {
-                                    redis_protocol::resp2::types::OwnedFrame::BulkString(b) => {
-                                        String::from_utf8_lossy(&b).into_owned()
-                                    }
-                                    other => format!("{other:?}"),
-                                })
-                                .collect(),
-                            other => vec![format!("{other:?}")],
-                        };
+                        let args = command_args(frame);
                         conns.lock().unwrap()[idx].push(args.join(" "));
                         let reply: &[u8] = match args.first().map(String::as_str) {
                             Some("SLOW") => {
@@ -2040,4 +2018,19 @@ async fn sigterm_runs_the_root_on_done_flushes_its_redis_command_and_waits_for_p
     assert!(first_reply < first_delete, "on_delete only after proxy_done: {ev:?}");
     let sets = seen.lock().unwrap().iter().filter(|c| c[0] == "SET").count();
     assert_eq!(sets, 2, "each root's command reached Redis before the exit");
+}
+
+/// A RESP command frame as its arguments (a fake Redis server's view of what the gateway sent).
+fn command_args(frame: redis_protocol::resp2::types::OwnedFrame) -> Vec<String> {
+    use redis_protocol::resp2::types::OwnedFrame;
+    match frame {
+        OwnedFrame::Array(items) => items
+            .into_iter()
+            .map(|f| match f {
+                OwnedFrame::BulkString(b) => String::from_utf8_lossy(&b).into_owned(),
+                other => format!("{other:?}"),
+            })
+            .collect(),
+        other => vec![format!("{other:?}")],
+    }
 }
