@@ -924,7 +924,10 @@ impl Picker {
                 &format!("{}: redis answers again: breaker closed", self.name),
             );
             // The releases of requests that ended while it was open go out now.
-            self.flush_all_ended(host, false);
+            let waiting: Vec<String> = self.groups.keys().cloned().collect();
+            for owners_key in waiting {
+                self.flush_ended(host, &owners_key);
+            }
         }
     }
 
@@ -1052,14 +1055,8 @@ impl Picker {
 
     /// The VM stops (its root context's `on_done`): the releases no pick or tick carried yet go
     /// out now, so a stopping gateway leaves no count behind (the host waits for sent commands,
-    /// as Envoy's drain does; what a stop cuts short, the lease removes). They go with the
-    /// script's source: no reply reaches a stopped root, so a NOSCRIPT could not be answered.
+    /// as Envoy's drain does; what a stop cuts short, the lease removes).
     pub fn on_vm_stop(&mut self, host: &mut dyn Host) {
-        self.flush_all_ended(host, true);
-    }
-
-    /// Sends the releases waiting in every group (`use_eval`: with the script's source).
-    fn flush_all_ended(&mut self, host: &mut dyn Host, use_eval: bool) {
         let waiting: Vec<String> = self
             .groups
             .iter()
@@ -1067,7 +1064,7 @@ impl Picker {
             .map(|(k, _)| k.clone())
             .collect();
         for owners_key in waiting {
-            self.flush_ended(host, &owners_key, use_eval);
+            self.flush_ended(host, &owners_key);
         }
     }
 
@@ -1096,7 +1093,7 @@ impl Picker {
 
     /// Sends the releases waiting in a group, at most [`MAX_CARRIED`] per call; while the breaker
     /// is open they keep waiting in the group.
-    fn flush_ended(&mut self, host: &mut dyn Host, owners_key: &str, use_eval: bool) {
+    fn flush_ended(&mut self, host: &mut dyn Host, owners_key: &str) {
         let Some(owner_id) = self.owner.clone() else { return };
         if !self.breaker.is_closed() {
             return;
@@ -1113,7 +1110,7 @@ impl Picker {
             });
         }
         for call in calls {
-            self.send_release(host, Release { call, failures: 0, use_eval });
+            self.send_release(host, Release { call, failures: 0, use_eval: false });
         }
     }
 
@@ -1136,7 +1133,7 @@ impl Picker {
             return;
         }
         // What no pick carried.
-        self.flush_all_ended(host, false);
+        self.on_vm_stop(host);
         let every_ns = u64::from(self.config.state.lease_ms / 3) * 1_000_000;
         if now.saturating_sub(self.last_heartbeat_ns) < every_ns {
             return;
