@@ -625,17 +625,10 @@ pub extern "C" fn proxy_on_log(ctx: u32) {
     with_filter(ctx, (), |f, _| f.on_stream_end(&mut WasmHost, ctx));
 }
 
-/// Context done: a stream's end, or the VM stopping (a root context: the policies send what they
-/// queue; done at once, since the host waits for Redis commands already sent).
+/// Context done.
 #[no_mangle]
 pub extern "C" fn proxy_on_done(ctx: u32) -> u32 {
-    with_filter(ctx, (), |f, root| {
-        if root == ctx {
-            f.on_vm_stop(&mut WasmHost);
-        } else {
-            f.on_stream_end(&mut WasmHost, ctx);
-        }
-    });
+    with_filter(ctx, (), |f, _| f.on_stream_end(&mut WasmHost, ctx));
     1
 }
 

@@ -180,13 +180,6 @@ impl Filter {
             .unwrap_or(0)
     }
 
-    /// The VM stops (root context's `on_done`): every policy sends what it still queues.
-    pub fn on_vm_stop(&mut self, host: &mut dyn Host) {
-        for r in &self.routes {
-            r.call((), |p| p.on_vm_stop(host));
-        }
-    }
-
     /// Root tick: every policy's periodic work, then each held stream's policy may give up on the
     /// call it waits for (the stream is made the effective context to resume it).
     pub fn on_tick(&mut self, host: &mut dyn Host) {

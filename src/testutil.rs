@@ -28,14 +28,6 @@ pub fn route_to(f: &mut Filter, host: &mut FakeHost, ctx: u32, addr: &str) {
     deliver(f, host, t, RedisReply::Ok(pick_reply(addr, 1, true, None)));
 }
 
-/// Ends stream `ctx` and lets the next root tick come: the release of a VM's last request in
-/// flight waits for a pick or that tick.
-pub fn end_and_tick(f: &mut Filter, host: &mut FakeHost, ctx: u32) {
-    f.on_delete(host, ctx);
-    host.now += u64::from(f.tick_period_ms()) * 1_000_000;
-    f.on_tick(host);
-}
-
 /// The `n`-th Redis command sent, as strings.
 pub fn command(host: &FakeHost, n: usize) -> Vec<String> {
     match decode_reply(&host.redis_calls[n].query).expect("valid RESP") {
@@ -127,15 +119,6 @@ pub fn releases(host: &FakeHost) -> Vec<ReleaseSent> {
         }
     }
     out
-}
-
-/// The token of the last release script call (a tick may also send a heartbeat after it).
-pub fn last_release_token(host: &FakeHost) -> u32 {
-    (0..host.redis_calls.len())
-        .rev()
-        .find(|&i| runs(&command(host, i), crate::redis::RELEASE_LUA))
-        .map(|i| host.redis_calls[i].token)
-        .expect("a release was sent")
 }
 
 /// The release the plugin must send for the pick sent as the `n`-th Redis command: of a request

@@ -130,8 +130,7 @@ fn decrement_exactly_once_when_the_stream_ends() {
     // on_log, on_done and on_delete all end the stream; only the first counts.
     f.on_stream_end(&mut host, 7);
     f.on_stream_end(&mut host, 7);
-    end_and_tick(&mut f, &mut host, 7);
-    end_and_tick(&mut f, &mut host, 7);
+    f.on_delete(&mut host, 7);
     assert_eq!(releases(&host), vec![release_of(&host, 0, false)]);
     assert_eq!(f.live_streams(), 0);
 }
@@ -142,7 +141,7 @@ fn decrement_on_delete_alone_for_reset_streams() {
     f.on_request_headers(&mut host, 7, false);
     let t = host.last_redis_token().unwrap();
     deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
-    end_and_tick(&mut f, &mut host, 7); // no on_log (e.g. a reset stream)
+    f.on_delete(&mut host, 7); // no on_log (e.g. a reset stream)
     assert_eq!(releases(&host).len(), 1);
 }
 
@@ -254,10 +253,10 @@ fn replies_for_other_tokens_do_not_resume() {
 fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
     let (mut f, mut host) = setup(&cfg(""));
     route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
-    end_and_tick(&mut f, &mut host, 7);
+    f.on_delete(&mut host, 7);
     let first = release_of(&host, 0, false);
     // Higress closes the pipeline on an op timeout: the -1 may never have reached Redis.
-    let lost = last_release_token(&host);
+    let lost = host.last_redis_token().unwrap();
     f.on_redis_reply(&mut host, lost, &RedisReply::NetworkError, false);
     assert_eq!(
         releases(&host),
@@ -289,11 +288,11 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
 fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
     let (mut f, mut host) = setup(&cfg(""));
     route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
-    end_and_tick(&mut f, &mut host, 7);
+    f.on_delete(&mut host, 7);
     let mut ctx = 9;
     for _ in 0..15 {
         // Every send of the release is lost, every pick is answered.
-        let rt = last_release_token(&host);
+        let rt = host.last_redis_token().unwrap();
         f.on_redis_reply(&mut host, rt, &RedisReply::NetworkError, false);
         f.on_request_headers(&mut host, ctx, true);
         let pt = host.last_redis_token().unwrap();
@@ -505,13 +504,10 @@ fn a_release_rides_on_the_next_pick_while_other_requests_are_in_flight() {
     let (_, args) = keys_args(&command(&host, p11));
     assert_eq!(args[3], format!("{},1=10.0.0.1:8000", release_of(&host, p11, false).request));
     assert_eq!(releases(&host), vec![release_of(&host, p7, false)], "carried by 11's pick");
-    // 9 and 11 end: 11 is the VM's last request in flight, and its release waits too (a
-    // sequential client's next pick carries it); the VM's stop sends both.
+    // 9 ends with 11 in flight: waits; 11 is the last one in flight: both go out at once.
     f.on_delete(&mut host, 9);
     assert_eq!(releases(&host).len(), 1);
     f.on_delete(&mut host, 11);
-    assert_eq!(releases(&host).len(), 1, "the last request's release waits for a pick or tick");
-    f.on_vm_stop(&mut host);
     assert_eq!(
         releases(&host),
         vec![
@@ -521,26 +517,6 @@ fn a_release_rides_on_the_next_pick_while_other_requests_are_in_flight() {
         ]
     );
     assert_eq!(host.redis_calls.len(), calls + 2, "in one release call");
-}
-
-#[test]
-fn a_sequential_clients_release_rides_on_its_next_pick() {
-    let (mut f, mut host) = setup(&cfg(""));
-    let p7 = admit(&mut f, &mut host, 7, "10.0.0.1:8000");
-    f.on_delete(&mut host, 7);
-    assert_eq!(releases(&host), vec![], "the VM's last request: its -1 waits");
-    let calls = host.redis_calls.len();
-    let p9 = admit(&mut f, &mut host, 9, "10.0.0.1:8000");
-    assert_eq!(host.redis_calls.len(), calls + 1, "one Redis call for the second request");
-    assert_eq!(releases(&host), vec![release_of(&host, p7, false)], "carried by 9's pick");
-    f.on_delete(&mut host, 9);
-    host.now += u64::from(f.tick_period_ms()) * MS;
-    f.on_tick(&mut host);
-    assert_eq!(
-        releases(&host),
-        vec![release_of(&host, p7, false), release_of(&host, p9, false)],
-        "an idle VM's last release goes out on the next tick"
-    );
 }
 
 #[test]

@@ -166,9 +166,6 @@ pub trait Policy {
     /// Periodic work at root level.
     fn on_tick(&mut self, _host: &mut dyn Host) {}
 
-    /// The VM stops (the root context's `on_done`): send what waits for a later call.
-    fn on_vm_stop(&mut self, _host: &mut dyn Host) {}
-
     /// At each tick, for each stream this policy holds with a call in flight: `None` keeps
     /// waiting; a decision gives up on the call and is applied at once (the call's late reply then
     /// comes without the stream).

@@ -25,10 +25,9 @@
 //! Releases ride on picks: the release of a request that ended while others of this VM on the same
 //! route+cluster are still in flight waits in [`Group::ended`] and goes out inside this VM's next
 //! pick there (one script call per routed request, and the pick's `+1` netted with the releases
-//! per pod). What no pick carried goes out on the next root tick ([`CARRY_FLUSH_MS`] at most), the
-//! release of a VM's last request in flight included: a sequential client's next request carries
-//! it instead of paying a second Redis round trip, an idle VM holds a stale count for at most one
-//! tick, and a stopping VM sends what is queued from its root context's `on_done`.
+//! per pod). What no pick carried goes out on the next root tick ([`CARRY_FLUSH_MS`] at most), and
+//! the release of a VM's last request in flight goes out at once, so an idle VM (and a draining
+//! gateway) holds no stale count.
 //!
 //! A stalled Redis: [`Breaker`] opens after consecutive failed or slow calls; while it is open,
 //! requests are decided at once without Redis and releases wait in a bounded queue.
@@ -92,10 +91,6 @@ macro_rules! delegate_to_picker {
 
         fn on_tick(&mut self, host: &mut dyn Host) {
             self.picker.on_tick(host);
-        }
-
-        fn on_vm_stop(&mut self, host: &mut dyn Host) {
-            self.picker.on_vm_stop(host);
         }
 
         fn on_pending_tick(
@@ -1011,8 +1006,8 @@ impl Picker {
     /// runs before the cancel on the same connection, or finds the tombstone).
     ///
     /// An admitted request's release waits for this VM's next pick on the route+cluster to carry
-    /// it; the root tick sends what no pick carried within [`CARRY_FLUSH_MS`] (a VM's last request
-    /// in flight too: sending it at once cost every sequential request a second round trip).
+    /// it, while other requests there are in flight; the last one's goes out at once (with any
+    /// still waiting), and the root tick sends what no pick carried.
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         let Some(mut state) = self.picks.remove(&stream.id) else { return };
         let owners_key = state.keys.owners.clone();
@@ -1051,19 +1046,7 @@ impl Picker {
         } else {
             g.ended.push((state.request_id, pod));
         }
-    }
-
-    /// The VM stops (its root context's `on_done`): the releases no pick or tick carried yet go
-    /// out now, so a stopping gateway leaves no count behind (the host waits for sent commands,
-    /// as Envoy's drain does; what a stop cuts short, the lease removes).
-    pub fn on_vm_stop(&mut self, host: &mut dyn Host) {
-        let waiting: Vec<String> = self
-            .groups
-            .iter()
-            .filter(|(_, g)| !g.ended.is_empty())
-            .map(|(k, _)| k.clone())
-            .collect();
-        for owners_key in waiting {
+        if g.held == 0 {
             self.flush_ended(host, &owners_key);
         }
     }
@@ -1133,7 +1116,15 @@ impl Picker {
             return;
         }
         // What no pick carried.
-        self.on_vm_stop(host);
+        let waiting: Vec<String> = self
+            .groups
+            .iter()
+            .filter(|(_, g)| !g.ended.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect();
+        for owners_key in waiting {
+            self.flush_ended(host, &owners_key);
+        }
         let every_ns = u64::from(self.config.state.lease_ms / 3) * 1_000_000;
         if now.saturating_sub(self.last_heartbeat_ns) < every_ns {
             return;

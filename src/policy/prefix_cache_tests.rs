@@ -152,7 +152,7 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     assert_eq!(host.resumes, 1);
     assert_eq!(host.counters.get("ai_lb_prefix_hit"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_prefix_matched_blocks"), Some(&2));
-    end_and_tick(&mut f, &mut host, 7);
+    f.on_delete(&mut host, 7);
     assert_eq!(releases(&host), vec![release_of(&host, 0, false)]);
 }
 
