@@ -16,11 +16,11 @@ if comma then
   rec = string.sub(rec, 1, comma - 1)
 end
 local maxc = tonumber(ARGV[1]) or 0
--- The carried releases: their records deleted first (on a Redis Cluster slot being migrated, the
--- owner's hash is the one key a pick may write without having read it, and touching a key the old
--- master no longer holds fails the call there: before any count changes). Their counts go down in
--- commit, netted with the pick's +1; the pick scripts choose on the counts as they are once these
--- releases are applied (read_count).
+-- The carried releases: which of their records are still there, read first (on a Redis Cluster
+-- slot being migrated, touching a key the old master no longer holds fails the call there, so that
+-- must happen before any write). Their records are deleted and their counts go down in commit,
+-- netted with the pick's +1; the pick scripts choose on the counts as they are once these releases
+-- are applied (read_count).
 local carried, freed = parse_ended(ended)
 -- The owner must be registered, or its record would sit under an owner no reaper sees: a pick that
 -- Redis runs late (frozen, or read from the socket of a gateway that died meanwhile) after the
@@ -28,7 +28,8 @@ local carried, freed = parse_ended(ended)
 -- without a read: a record is only written by a pick whose owner was registered, and only the
 -- reaper unregisters an owner, deleting its whole hash in the same script. So only a pick that
 -- found none of its carried records (none carried, or reaped) reads the owners set.
-if release_ended(mine, carried, freed) == 0 and not redis.call('ZSCORE', owners, ARGV[3]) then
+local held = held_ended(mine, carried, freed)
+if #held == 0 and not redis.call('ZSCORE', owners, ARGV[3]) then
   redis.call('ZADD', owners, now_ms() + (tonumber(ARGV[2]) or 10000), ARGV[3])
 end
 -- Each candidate host's count as this pick read it (the pick scripts fill it from their HMGET,
@@ -69,8 +70,9 @@ local function write_counts(delta)
 end
 -- The count writes of a pick, after all its reads: the carried releases' -1s, and with `h` the
 -- pick itself: its record (for release.lua and, if the owner dies first, reap.lua) and its +1,
--- netted with the releases per pod. Without carried releases the record is the first write to the
--- owner's hash, before any count changes (see above).
+-- netted with the releases per pod. The record is the first write to the owner's hash (when the
+-- hash is missing on a master migrating the slot, the call fails there before any count changes)
+-- and the carried records' deletion the last (see delete_fields).
 -- Returns false when a tombstone is there: the plugin gave up on this pick before it ran (a stalled
 -- Redis runs it late); the pick then does nothing (the releases still apply).
 local function commit(h)
@@ -82,9 +84,10 @@ local function commit(h)
       admitted = true
       delta[h] = (delta[h] or 0) + 1
     else
-      redis.call('HDEL', mine, rec)
+      held[#held + 1] = rec
     end
   end
+  delete_fields(mine, held)
   write_counts(delta)
   return admitted
 end

@@ -38,10 +38,10 @@ end
 
 -- The releases of an owner's ended requests, `id=pod` joined by ',' (carried by its next pick, or
 -- sent by release.lua): the pods' counts as the plugin expects them after the releases (`freed`,
--- pod -> how many), before any write. `release_ended` then deletes each record, and a record already
--- gone (this release ran before and was sent again after an unknown outcome, or the owner was
--- reaped) is taken back out of `freed`: exactly once, and a release may always be sent again. One
--- HDEL per request: its reply says whether that record was there, with no read before it.
+-- pod -> how many), before any write. `held_ended` then reads which records are still there, and a
+-- record already gone (this release ran before and was sent again after an unknown outcome, or the
+-- owner was reaped) is taken back out of `freed`: exactly once, and a release may always be sent
+-- again. The records are deleted by the script's last write to the owner's hash (`delete_fields`).
 local function parse_ended(list)
   local ended, freed = {}, {}
   for id, h in string.gmatch(list, '([^,=]+)=([^,]+)') do
@@ -50,16 +50,24 @@ local function parse_ended(list)
   end
   return ended, freed
 end
-local function release_ended(mine, ended, freed)
-  local n = 0
-  for _, e in ipairs(ended) do
-    if redis.call('HDEL', mine, e[1]) == 1 then
-      n = n + 1
-    else
-      freed[e[2]] = freed[e[2]] - 1
-    end
+local function held_ended(mine, ended, freed)
+  if #ended == 0 then return {} end
+  local ids = {}
+  for i, e in ipairs(ended) do ids[i] = e[1] end
+  local vals = redis.call('HMGET', mine, unpack(ids))
+  local held = {}
+  for i, e in ipairs(ended) do
+    if vals[i] then held[#held + 1] = e[1] else freed[e[2]] = freed[e[2]] - 1 end
   end
-  return n
+  return held
+end
+
+-- Deletes fields of the owner's hash: always a script's last write to that hash. Deleting its last
+-- field deletes the hash, and on a Redis Cluster slot being migrated a write to a key the old master
+-- no longer holds fails the script there; any later write to the hash would then fail after the
+-- records are gone and before their counts went down, and the resent release would find nothing.
+local function delete_fields(mine, fields)
+  if #fields > 0 then redis.call('HDEL', mine, unpack(fields)) end
 end
 
 -- Adds delta[pod] to each pod's in-flight count (one HINCRBY per pod whose count changes);

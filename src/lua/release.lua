@@ -12,18 +12,20 @@
 -- subtracted and its hash deleted: the release then does nothing.
 local mine = base .. 'own:' .. ARGV[1]
 local ended, freed = parse_ended(ARGV[2] or '')
-local n = release_ended(mine, ended, freed)
+local held = held_ended(mine, ended, freed)
+local n = #held
 local abandoned = ARGV[3]
 if abandoned then
   local h = redis.call('HGET', mine, abandoned)
   if not h then
     redis.call('HSET', mine, abandoned, '')
   elseif h ~= '' then
-    redis.call('HDEL', mine, abandoned)
+    held[#held + 1] = abandoned
     freed[h] = (freed[h] or 0) + 1
     n = n + 1
   end
 end
+delete_fields(mine, held)
 local delta = {}
 for h, c in pairs(freed) do delta[h] = -c end
 add_counts(delta)

@@ -231,3 +231,63 @@ async fn prefix_hits_and_a_failover_under_load() {
     assert_eq!(on_new.len(), 1, "the in-flight hash is on the new master: {on_new:?}");
     assert_eq!(stat(&stats, "gateway_vm_traps_total"), 0);
 }
+
+/// The plugin's pick script on a slot being migrated, called directly (no gateway): a pick that
+/// carries its owner's only record. Whatever the call answers, no count may be left without a
+/// record (a release sent again finds the record or finds the count already down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pick_carrying_its_owners_last_record_on_a_migrating_slot_keeps_counts_and_records_equal()
+{
+    use ai_load_balancer::policy::picker::{PickCall, PickKind, StateKeys};
+    use ai_load_balancer::redis::LEAST_REQUEST_LUA;
+    use testkit::redis::RedisValue;
+
+    const POD: &str = "10.0.0.1:8000";
+    let rc = RedisClusterFixture::start(3, 0).await.unwrap();
+    let keys = StateKeys::new("route-rc-script", LLM_CLUSTER, "vm1");
+    let slot = keyslot(&keys.inflight);
+    let pick = |request: &str, ended: Vec<(String, String)>| PickCall {
+        keys: keys.clone(),
+        max_inflight: 0,
+        lease_ms: 60_000,
+        owner_id: "vm1".into(),
+        request_id: request.into(),
+        ended,
+        healthy: vec![POD.into()],
+        kind: PickKind::LeastRequest,
+    };
+    let eval = |call: PickCall| {
+        let (k, a) = call.keys_args();
+        let mut cmd = vec!["EVAL".to_string(), LEAST_REQUEST_LUA.to_string(), k.len().to_string()];
+        cmd.extend(k);
+        cmd.extend(a);
+        cmd
+    };
+    let source = rc.slot_owner(slot).await.unwrap();
+    let mut src = rc.client(source).await.unwrap();
+    let first = src.cmd(&eval(pick("1", vec![]))).await.unwrap();
+    assert!(!matches!(first, RedisValue::Error(_)), "first pick: {first:?}");
+
+    // The slot starts moving; every key is still on the old master.
+    let to = rc.master_ports().await.unwrap().into_iter().find(|&p| p != source).unwrap();
+    rc.start_slot_move(slot, to).await.unwrap();
+    let second = src.cmd(&eval(pick("2", vec![("1".into(), POD.into())]))).await.unwrap();
+
+    // Counts and records on the old master (a key it no longer holds answers an error: none).
+    let count = match src.cmd(&["HGET", &keys.inflight, POD]).await.unwrap() {
+        RedisValue::Bulk(Some(v)) => String::from_utf8(v).unwrap().parse::<i64>().unwrap(),
+        other => panic!("in-flight count: {other:?}"),
+    };
+    let records = match src.cmd(&["HLEN", &keys.owner]).await.unwrap() {
+        RedisValue::Int(n) => n,
+        RedisValue::Error(_) => 0,
+        other => panic!("records: {other:?}"),
+    };
+    assert_eq!(
+        count, records,
+        "the pod's count must equal the records naming it (pick answered {second:?})"
+    );
+    assert!(!matches!(second, RedisValue::Error(_)), "the pick can run here: {second:?}");
+    assert_eq!(count, 1, "request 1 released, request 2 counted");
+    rc.finish_slot_move(slot, to).await.unwrap();
+}
