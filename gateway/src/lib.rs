@@ -57,7 +57,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(p) = &plugin {
         tracing::info!("plugin ABI marker: {:?}", p.abi);
     }
-    let g = Arc::new(global::Global {
+    let g = global_state(&cfg, &args)?;
+    let drain_timeout = std::time::Duration::from_millis(cfg.drain_timeout_ms);
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    warm_clusters(&rt, &g);
+    let listeners = bind_listeners(&cfg)?;
+    start_workers(args.workers, &g, plugin.as_ref(), &listeners)?;
+    let admin = match &cfg.admin {
+        Some(a) => Some(
+            std::net::TcpListener::bind(&a.address)
+                .map_err(|e| anyhow::anyhow!("admin: bind {}: {e}", a.address))?,
+        ),
+        None => None,
+    };
+    announce(&listeners, admin.as_ref())?;
+    // Each worker accepts on its own clone of every listening socket; with these gone, the sockets
+    // close (new connections are refused) once the workers drop theirs at a drain.
+    drop(listeners);
+    rt.block_on(async move {
+        let serve_admin = admin::serve(admin, g.clone());
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = serve_admin => r,
+            _ = term.recv() => drain(&g, drain_timeout, "SIGTERM").await,
+            _ = tokio::signal::ctrl_c() => drain(&g, drain_timeout, "SIGINT").await,
+        }
+    })
+}
+
+/// The state every worker shares: clusters, routes, stats, shared data and queues, the plugin's
+/// identity, the shutdown signal.
+fn global_state(cfg: &config::Config, args: &Args) -> anyhow::Result<Arc<global::Global>> {
+    Ok(Arc::new(global::Global {
         clusters: cluster::Clusters::new(&cfg.clusters)?,
         routes: cfg.routes.clone(),
         stats: stats::Stats::default(),
@@ -73,11 +105,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         live_streams: Default::default(),
         redis_outstanding: Default::default(),
         roots_stopping: Default::default(),
-    });
-    let drain_timeout = std::time::Duration::from_millis(cfg.drain_timeout_ms);
+    }))
+}
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-    // Like Envoy cluster warming: one health-check round before serving.
+/// Like Envoy's cluster warming: one health-check round before serving, then the periodic checks.
+fn warm_clusters(rt: &tokio::runtime::Runtime, g: &Arc<global::Global>) {
     rt.block_on(async {
         let mut tasks = Vec::new();
         for c in g.clusters.all() {
@@ -87,11 +119,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let _ = t.await;
         }
     });
-    {
-        let _guard = rt.enter();
-        cluster::spawn_health_checks(&g.clusters);
-    }
+    let _guard = rt.enter();
+    cluster::spawn_health_checks(&g.clusters);
+}
 
+/// Binds every configured listener (non-blocking, for the workers' runtimes).
+fn bind_listeners(cfg: &config::Config) -> anyhow::Result<Vec<Listener>> {
     let mut listeners = Vec::new();
     for l in &cfg.listeners {
         let sock = std::net::TcpListener::bind(&l.address)
@@ -103,39 +136,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             (l.per_connection_buffer_limit_bytes as usize, l.timers()),
         ));
     }
+    Ok(listeners)
+}
 
-    start_workers(args.workers, &g, plugin.as_ref(), &listeners)?;
-
-    let admin = match &cfg.admin {
-        Some(a) => Some(
-            std::net::TcpListener::bind(&a.address)
-                .map_err(|e| anyhow::anyhow!("admin: bind {}: {e}", a.address))?,
-        ),
-        None => None,
-    };
-    {
-        let mut out = std::io::stdout().lock();
-        for (name, s, _) in &listeners {
-            writeln!(out, "LISTENING {name} {}", s.local_addr()?)?;
-        }
-        if let Some(a) = &admin {
-            writeln!(out, "ADMIN {}", a.local_addr()?)?;
-        }
-        writeln!(out, "READY")?;
-        out.flush()?;
+/// Prints `LISTENING <name> <addr>` per listener, `ADMIN <addr>`, then `READY` (what the test
+/// harness and the bench wait for).
+fn announce(listeners: &[Listener], admin: Option<&std::net::TcpListener>) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    for (name, s, _) in listeners {
+        writeln!(out, "LISTENING {name} {}", s.local_addr()?)?;
     }
-    // Each worker accepts on its own clone of every listening socket; with these gone, the sockets
-    // close (new connections are refused) once the workers drop theirs at a drain.
-    drop(listeners);
-    rt.block_on(async move {
-        let serve_admin = admin::serve(admin, g.clone());
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            r = serve_admin => r,
-            _ = term.recv() => drain(&g, drain_timeout, "SIGTERM").await,
-            _ = tokio::signal::ctrl_c() => drain(&g, drain_timeout, "SIGINT").await,
-        }
-    })
+    if let Some(a) = admin {
+        writeln!(out, "ADMIN {}", a.local_addr()?)?;
+    }
+    writeln!(out, "READY")?;
+    out.flush()?;
+    Ok(())
 }
 
 /// A listening socket with its per-connection buffer limit and timers.
