@@ -4,7 +4,10 @@
 //! error, a timeout, an open breaker): then the pods' queues and KV-cache use decide instead of
 //! the gateway's round robin.
 
-use super::schedule::{self, Candidate, MetricPolicy, RecentPicks};
+use super::schedule::{
+    self, Candidate, InFlightPicks, MetricPolicy, OwnPicks, RecentPicks, IN_FLIGHT_MAX_AGE_MS,
+    MAX_IN_FLIGHT,
+};
 use super::scrape::Scraper;
 use super::{prometheus, PodMetrics};
 use crate::config::PodMetricsSource;
@@ -34,10 +37,14 @@ pub struct Ranking {
     pub window_size: usize,
     /// How long a request stays remembered (ms).
     pub window_ms: u64,
+    /// Which pods count this worker's picks since their sample, still in flight, as queued.
+    pub own_picks: OwnPicks,
 }
 
 impl Ranking {
-    /// The GIE filter chain with no rate limit: what the Redis policies use without Redis.
+    /// The GIE filter chain with no rate limit: what the Redis policies use without Redis. Their
+    /// own picks since a pod's sample count on every pod: the fallback starts with the burst of
+    /// picks that waited on the frozen Redis, decided together on one sample.
     pub fn filter_chain() -> Ranking {
         Ranking {
             policy: MetricPolicy::Default,
@@ -45,6 +52,7 @@ impl Ranking {
             rate_limit: 1.0,
             window_size: 100,
             window_ms: 60_000,
+            own_picks: OwnPicks::Always,
         }
     }
 }
@@ -52,7 +60,10 @@ impl Ranking {
 /// The pods' metrics and the decision over them, for one policy instance in one worker VM.
 pub struct MetricsRouter {
     ranking: Ranking,
+    /// Picks for `rate_limit`.
     recent: RecentPicks,
+    /// Picks whose streams have not ended: the load a pod's last sample does not show yet.
+    in_flight: InFlightPicks,
     /// Scrapes pods itself when `scrapeCluster` names an ORIGINAL_DST cluster to do it through.
     scraper: Option<Scraper>,
     scrape_interval_ms: u32,
@@ -83,6 +94,7 @@ impl MetricsRouter {
         MetricsRouter {
             ranking,
             recent,
+            in_flight: InFlightPicks::new(IN_FLIGHT_MAX_AGE_MS, MAX_IN_FLIGHT),
             scraper,
             scrape_interval_ms: source.scrape_interval_ms,
             parsed: HashMap::new(),
@@ -180,27 +192,39 @@ impl MetricsRouter {
         )
     }
 
-    /// The pod to route to, or `None` when some pod has no usable metrics.
+    /// The pod to route stream `stream` to, or `None` when some pod has no usable metrics. The pick
+    /// counts as load on its pod until [`MetricsRouter::on_stream_done`].
     pub fn choose(
         &mut self,
         host: &mut dyn Host,
+        stream: u32,
         pods: &[PodView],
         model: &str,
         now_ms: u64,
     ) -> Option<String> {
         let interval = u64::from(self.scrape_interval_ms);
+        // Requests sent after the sample are not in it yet. Host-provided metrics carry no time:
+        // assume they are one scrape interval old.
+        let since: HashMap<&str, u64> = pods
+            .iter()
+            .map(|p| {
+                (
+                    p.address.as_str(),
+                    p.sampled_ms.unwrap_or_else(|| now_ms.saturating_sub(interval)),
+                )
+            })
+            .collect();
+        let pending = self.in_flight.count_since(now_ms, &since);
+        let own_picks = self.ranking.own_picks;
         // One pod without metrics: no opinion for the whole request, as in Go.
         let candidates: Vec<Candidate<'_>> = pods
             .iter()
             .map(|p| {
-                let m = p.metrics.as_ref()?;
-                // Requests sent after the sample are not in it yet. Host-provided metrics carry no
-                // time: assume they are one scrape interval old.
-                let since = p.sampled_ms.unwrap_or_else(|| now_ms.saturating_sub(interval));
                 Some(Candidate {
                     address: &p.address,
-                    metrics: m,
-                    pending: self.recent.count_since(&p.address, since),
+                    metrics: p.metrics.as_ref()?,
+                    pending: pending.get(p.address.as_str()).copied().unwrap_or(0),
+                    own_picks,
                 })
             })
             .collect::<Option<_>>()?;
@@ -222,7 +246,19 @@ impl MetricsRouter {
         }
         let fin = fin.to_string();
         self.recent.push(now_ms, &fin);
+        self.in_flight.start(stream, now_ms, &fin);
         Some(fin)
+    }
+
+    /// Stream `stream` ended: its pick, if this router made one, no longer loads its pod.
+    pub fn on_stream_done(&mut self, stream: u32) {
+        self.in_flight.end(stream);
+    }
+
+    /// Picks remembered in flight (for tests).
+    #[cfg(test)]
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
     }
 
     /// An HTTP-call reply; the scraper ignores tokens that are not its scrapes.

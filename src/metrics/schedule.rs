@@ -27,10 +27,12 @@
 //!   vLLM V1 and SGLang names count.
 //! - LoRA: adapters in `waiting_lora_adapters` count as present (newer GIE does the same), and a
 //!   request without `model` skips the LoRA steps.
-//! - `pending`: requests this worker sent to a pod after its metrics were sampled are added to the
-//!   queue of a pod that was already queueing (or had ≥ 80% KV cache in use), so a burst between two
-//!   samples does not pile onto one saturated pod. A pod with an empty queue and free KV admits
-//!   new requests into its running batch, so for it they are not counted.
+//! - `pending`: requests this worker sent to a pod after its metrics were sampled and that are still
+//!   in flight are added to the queue of a pod that was already queueing (or had ≥ 80% KV cache in
+//!   use), so a burst between two samples does not pile onto one saturated pod. A pod with an empty
+//!   queue and free KV admits new requests into its running batch, so for it they are not counted
+//!   ([`OwnPicks::WhenQueueing`]) — except in the Redis policies' fallback
+//!   ([`OwnPicks::Always`]), which starts with a burst decided on one sample.
 
 use super::prometheus::PodMetrics;
 
@@ -42,6 +44,21 @@ pub const KV_CACHE_THRESHOLD: f64 = 0.8;
 
 pub use crate::config::MetricPolicy;
 
+/// Which pods count this worker's requests sent since their sample ([`Candidate::pending`]) as
+/// queued.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnPicks {
+    /// Only a pod already queueing (or with its KV cache nearly full): such a pod queues new
+    /// requests too, while one with an empty queue and free KV admits them straight into its
+    /// running batch. `endpoint_metrics`, whose steady stream of picks keeps the Go plugin's
+    /// ranking of idle pods.
+    WhenQueueing,
+    /// Every pod. The Redis policies' fallback: when the breaker opens, every pick that waited on
+    /// the frozen Redis is decided in the same tick on the same sample, and counted only on
+    /// queueing pods they would all go to the one idle pod with the least KV in use.
+    Always,
+}
+
 /// One schedulable pod: its address, its metrics and how many requests this worker sent it since
 /// those metrics were sampled.
 #[derive(Clone, Debug)]
@@ -50,17 +67,19 @@ pub struct Candidate<'a> {
     pub address: &'a str,
     /// Latest fresh metrics.
     pub metrics: &'a PodMetrics,
-    /// Requests routed here after the sample (not yet visible in the metrics).
+    /// Requests routed here after the sample and still in flight (not visible in the metrics).
     pub pending: u32,
+    /// Whether `pending` counts as queued on a pod that was not queueing.
+    pub own_picks: OwnPicks,
 }
 
 impl Candidate<'_> {
-    /// Queue length, plus the requests sent since the sample when the pod was already queueing
-    /// (or its KV cache nearly full): such a pod queues new requests too. A pod with an empty queue
-    /// and free KV admits new requests straight into its running batch, so they do not count.
+    /// Queue length, plus the requests sent since the sample and still in flight when
+    /// [`OwnPicks`] says they count on this pod.
     fn waiting(&self) -> f64 {
         let w = self.metrics.waiting.unwrap_or(0.0);
-        if w > 0.0 || self.kv() >= KV_CACHE_THRESHOLD {
+        let queueing = w > 0.0 || self.kv() >= KV_CACHE_THRESHOLD;
+        if queueing || self.own_picks == OwnPicks::Always {
             w + f64::from(self.pending)
         } else {
             w
@@ -173,7 +192,7 @@ fn default_chain(model: &str, pods: &[Candidate<'_>], all: Vec<usize>) -> Vec<us
 }
 
 /// Recent routing decisions of this worker: the basis of `rate_limit` (a pod's share of the recent
-/// requests) and of the `pending` count. Bounded by `max_entries` and by age (`window_ms`), like the
+/// requests). Bounded by `max_entries` and by age (`window_ms`), like the
 /// Go plugin's `window_size` / `window_seconds`.
 #[derive(Clone, Debug)]
 pub struct RecentPicks {
@@ -217,11 +236,93 @@ impl RecentPicks {
         let n = self.entries.iter().filter(|(_, a)| a == addr).count();
         n as f64 / self.entries.len() as f64
     }
+}
 
-    /// Picks of `addr` made strictly after `since_ms`.
-    pub fn count_since(&self, addr: &str, since_ms: u64) -> u32 {
-        let n = self.entries.iter().filter(|(t, a)| *t > since_ms && a == addr).count();
-        u32::try_from(n).unwrap_or(u32::MAX)
+/// A pick still in flight after this long is forgotten: its stream's end never came (a host that
+/// lost it), and a request counted forever would keep its pod looking loaded. Generous: an LLM
+/// stream of several minutes still counts until it ends.
+pub const IN_FLIGHT_MAX_AGE_MS: u64 = 600_000;
+
+/// At most this many picks are remembered in flight per policy instance and worker; beyond, the
+/// oldest is forgotten (bounded memory whatever the host does).
+pub const MAX_IN_FLIGHT: usize = 16_384;
+
+/// This worker's picks whose streams have not ended yet, by stream id: the basis of the `pending`
+/// count. A pick that ended is no longer in the pod, and one made before the pod's sample is in
+/// it already; only those in between are load the sample does not show.
+#[derive(Clone, Debug)]
+pub struct InFlightPicks {
+    /// Stream id → (pick time in ms, pod address).
+    picks: std::collections::HashMap<u32, (u64, String)>,
+    max_age_ms: u64,
+    max_entries: usize,
+    last_purge_ms: u64,
+}
+
+impl InFlightPicks {
+    /// Empty; picks older than `max_age_ms` are forgotten, and beyond `max_entries` the oldest.
+    pub fn new(max_age_ms: u64, max_entries: usize) -> Self {
+        InFlightPicks {
+            picks: Default::default(),
+            max_age_ms: max_age_ms.max(1),
+            max_entries: max_entries.max(1),
+            last_purge_ms: 0,
+        }
+    }
+
+    /// Picks remembered (for tests of the bounds).
+    pub fn len(&self) -> usize {
+        self.picks.len()
+    }
+
+    /// Whether none is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.picks.is_empty()
+    }
+
+    /// Stream `stream` was sent to `addr` at `now_ms` (a stream decided twice counts once, where it
+    /// went last).
+    pub fn start(&mut self, stream: u32, now_ms: u64, addr: &str) {
+        // Aged picks go at most once per second: a scan per pick would cost O(in flight).
+        if now_ms.saturating_sub(self.last_purge_ms) >= 1_000 {
+            self.last_purge_ms = now_ms;
+            let cutoff = now_ms.saturating_sub(self.max_age_ms);
+            self.picks.retain(|_, (t, _)| *t >= cutoff);
+        }
+        if !self.picks.contains_key(&stream) && self.picks.len() >= self.max_entries {
+            let oldest = self.picks.iter().min_by_key(|(_, (t, _))| *t).map(|(id, _)| *id);
+            if let Some(id) = oldest {
+                self.picks.remove(&id);
+            }
+        }
+        self.picks.insert(stream, (now_ms, addr.to_string()));
+    }
+
+    /// Stream `stream` ended (unknown streams are ignored: not every stream is routed here).
+    pub fn end(&mut self, stream: u32) {
+        self.picks.remove(&stream);
+    }
+
+    /// Picks still in flight per pod made strictly after that pod's `since_ms` (and younger than
+    /// the age bound at `now_ms`): `since` gives each pod's sample time, `None` for a pod not
+    /// asked about.
+    pub fn count_since<'a>(
+        &self,
+        now_ms: u64,
+        since: &std::collections::HashMap<&'a str, u64>,
+    ) -> std::collections::HashMap<&'a str, u32> {
+        let cutoff = now_ms.saturating_sub(self.max_age_ms);
+        let mut counts: std::collections::HashMap<&'a str, u32> =
+            since.keys().map(|a| (*a, 0)).collect();
+        for (t, addr) in self.picks.values() {
+            let Some((key, since_ms)) = since.get_key_value(addr.as_str()) else { continue };
+            if *t > *since_ms && *t >= cutoff {
+                if let Some(c) = counts.get_mut(key) {
+                    *c = c.saturating_add(1);
+                }
+            }
+        }
+        counts
     }
 }
 

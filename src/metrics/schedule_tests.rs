@@ -29,7 +29,14 @@ fn names(pods: &[Candidate<'_>], idx: &[usize]) -> Vec<String> {
 }
 
 fn cands<'a>(ms: &'a [(&'a str, PodMetrics)]) -> Vec<Candidate<'a>> {
-    ms.iter().map(|(a, m)| Candidate { address: a, metrics: m, pending: 0 }).collect()
+    ms.iter()
+        .map(|(a, m)| Candidate {
+            address: a,
+            metrics: m,
+            pending: 0,
+            own_picks: OwnPicks::WhenQueueing,
+        })
+        .collect()
 }
 
 #[test]
@@ -165,5 +172,56 @@ fn recent_picks_expire_by_age_and_size() {
     }
     // Only the 3 newest picks remain: b, b, b.
     assert_eq!(recent.share(3_010, "b"), 1.0);
-    assert_eq!(recent.count_since("b", 3_002), 2);
+}
+
+#[test]
+fn own_picks_always_spread_a_burst_over_idle_pods_too() {
+    // Both idle, a with a little less KV in use: the chain alone keeps only a.
+    let ms = [("a", pm(0.0, 0.10)), ("b", pm(0.0, 0.20))];
+    let mut pods = cands(&ms);
+    pods[0].pending = 2;
+    assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["a"], "WhenQueueing");
+    for p in &mut pods {
+        p.own_picks = OwnPicks::Always;
+    }
+    assert_eq!(names(&pods, &filter(MetricPolicy::Default, "", &pods)), ["b"]);
+}
+
+fn since(pods: &[(&'static str, u64)]) -> std::collections::HashMap<&'static str, u64> {
+    pods.iter().copied().collect()
+}
+
+#[test]
+fn in_flight_picks_count_after_the_sample_until_they_end() {
+    let mut f = InFlightPicks::new(600_000, 100);
+    f.start(1, 1_000, "a");
+    f.start(2, 1_200, "a");
+    f.start(3, 1_300, "b");
+    let s = since(&[("a", 1_100), ("b", 1_100), ("c", 1_100)]);
+    let n = f.count_since(1_400, &s);
+    // Stream 1 was picked before a's sample: already in it.
+    assert_eq!((n["a"], n["b"], n["c"]), (1, 1, 0));
+    f.end(2);
+    f.end(99); // not ours: ignored
+    let n = f.count_since(1_400, &s);
+    assert_eq!((n["a"], n["b"]), (0, 1), "an ended pick is no load");
+    // Decided again (a resent pick): counted once, where it went last.
+    f.start(3, 1_350, "a");
+    let n = f.count_since(1_400, &s);
+    assert_eq!((n["a"], n["b"]), (1, 0));
+}
+
+#[test]
+fn in_flight_picks_that_never_end_are_forgotten_by_age_and_count() {
+    let mut f = InFlightPicks::new(10_000, 3);
+    for id in 0..5 {
+        f.start(id, 1_000 + u64::from(id), "a");
+    }
+    assert_eq!(f.len(), 3, "the oldest forgotten beyond the bound");
+    let s = since(&[("a", 0)]);
+    assert_eq!(f.count_since(2_000, &s)["a"], 3);
+    // Past the age bound they no longer count, and the next pick drops them.
+    assert_eq!(f.count_since(11_100, &s)["a"], 0);
+    f.start(9, 12_000, "a");
+    assert_eq!(f.len(), 1);
 }

@@ -21,6 +21,7 @@ use super::{Decision, Policy, Stream};
 use crate::config::EndpointMetricsConfig;
 use crate::host::{Counter, Host, HttpReply, LogLevel};
 use crate::metrics::router::{MetricsRouter, PodView, Ranking};
+use crate::metrics::schedule::OwnPicks;
 
 /// The `endpoint_metrics` policy (one per config per worker VM).
 pub struct EndpointMetrics {
@@ -52,6 +53,9 @@ impl EndpointMetrics {
             rate_limit: config.rate_limit,
             window_size: config.window_size,
             window_ms: config.window_seconds.saturating_mul(1000),
+            // As before (and as close to Go as a worker's own picks allow): an idle pod takes new
+            // requests into its running batch, so they count only on a queueing pod.
+            own_picks: OwnPicks::WhenQueueing,
         };
         EndpointMetrics { router: MetricsRouter::new(&config.source, ranking) }
     }
@@ -71,7 +75,7 @@ impl EndpointMetrics {
         model: &str,
         now: u64,
     ) -> Decision {
-        match self.router.choose(host, pods, model, now) {
+        match self.router.choose(host, stream.id, pods, model, now) {
             Some(pod) => {
                 host.log(LogLevel::Debug, &format!("endpoint_metrics: model {model:?} -> {pod}"));
                 host.increment_counter(Counter::MetricsRouted, 1);
@@ -139,6 +143,10 @@ impl Policy for EndpointMetrics {
     ) -> Decision {
         self.router.on_http_reply(host, token, reply);
         Decision::Passthrough
+    }
+
+    fn on_stream_done(&mut self, _host: &mut dyn Host, stream: &mut Stream) {
+        self.router.on_stream_done(stream.id);
     }
 
     fn tick_period_ms(&self) -> u32 {

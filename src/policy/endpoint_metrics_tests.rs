@@ -63,8 +63,11 @@ fn scrape_calls(h: &FakeHost) -> Vec<(u32, String)> {
         .collect()
 }
 
+/// A new stream of the routed cluster (each with its own id, as the host gives them).
 fn stream() -> Stream {
-    Stream { cluster: CLUSTER.to_string(), ..Default::default() }
+    static NEXT_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+    let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Stream { id, cluster: CLUSTER.to_string(), ..Default::default() }
 }
 
 fn bodiless() -> Stream {
@@ -119,6 +122,28 @@ fn a_burst_between_samples_is_spread_by_pending_requests() {
     let b: u32 = count.get("10.0.0.2:8000").copied().unwrap_or(0);
     assert_eq!(a + b, 40);
     assert!(a.abs_diff(b) <= 2, "burst not spread: {a} vs {b}");
+}
+
+#[test]
+fn requests_that_ended_since_the_sample_do_not_count_as_queued() {
+    // Both pods queueing, 10.0.0.1 less: it stays the better pod for a sequential client whose
+    // every request ends before the next, all within one metrics sample.
+    let mut h = two_healthy_pods(vllm(2, 1, 0.3, None), vllm(2, 2, 0.3, None));
+    let mut p = EndpointMetrics::new(config("{}"));
+    for _ in 0..20 {
+        let mut s = bodiless();
+        assert_eq!(p.on_request_headers(&mut h, &mut s), Decision::Route("10.0.0.1:8000".into()));
+        p.on_stream_done(&mut h, &mut s);
+        h.now += 1_000_000; // 1 ms: same metrics sample
+    }
+    // Left in flight, two of them make it look as queued as 10.0.0.2: both pods are picked.
+    let mut seen = std::collections::HashSet::new();
+    for _ in 0..40 {
+        if let Decision::Route(a) = route(&mut p, &mut h) {
+            seen.insert(a);
+        }
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
 }
 
 #[test]

@@ -868,7 +868,7 @@ impl Picker {
         let pod = list
             .or_else(|| host.upstream_hosts())
             .and_then(|list| self.metrics.gather(host, &stream.cluster, list, now_ms))
-            .and_then(|pods| self.metrics.choose(host, &pods, "", now_ms));
+            .and_then(|pods| self.metrics.choose(host, stream.id, &pods, "", now_ms));
         // While the breaker is open every request comes here: its opening was logged once.
         let level = if *why == Fallback::BreakerOpen { LogLevel::Debug } else { LogLevel::Warn };
         match pod {
@@ -1009,6 +1009,8 @@ impl Picker {
     /// it, while other requests there are in flight; the last one's goes out at once (with any
     /// still waiting), and the root tick sends what no pick carried.
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
+        // A pick made by the pods' metrics (Redis down) no longer loads its pod.
+        self.metrics.on_stream_done(stream.id);
         let Some(mut state) = self.picks.remove(&stream.id) else { return };
         let owners_key = state.keys.owners.clone();
         // A pick still in flight may run or not: its carried releases go again.

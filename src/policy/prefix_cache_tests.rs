@@ -286,6 +286,42 @@ fn without_redis_a_prompt_goes_to_the_pod_with_room_by_its_metrics() {
     assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&1));
 }
 
+/// Six chat requests while Redis fails, with two idle pods (.1 with a little less KV in use than
+/// .2); each request ends before the next when `sequential`. Returns how many went to .1 and to .2.
+fn six_requests_without_redis(sequential: bool) -> (usize, usize) {
+    let (mut f, mut host) = setup(&cfg(""));
+    set_hosts_with_metrics(&mut host, vllm_metrics(2, 0, 0.10), vllm_metrics(2, 0, 0.20));
+    host.redis_call_error = Some(crate::host::HostError::InternalFailure);
+    let mut routed = Vec::new();
+    for ctx in (1..=6).map(|i| i * 2 + 1) {
+        f.on_request_headers(&mut host, ctx, false);
+        host.request_body = CHAT.as_bytes().to_vec();
+        f.on_request_body(&mut host, ctx, CHAT.len(), true);
+        routed.push(host.override_host.take().expect("routed by metrics"));
+        if sequential {
+            f.on_delete(&mut host, ctx);
+        }
+    }
+    assert_eq!(host.counters.get("ai_lb_redis_down_routed_by_metrics"), Some(&6));
+    let to_one = routed.iter().filter(|a| *a == "10.0.0.1:8000").count();
+    (to_one, routed.len() - to_one)
+}
+
+#[test]
+fn without_redis_a_burst_decided_on_one_metrics_sample_is_spread_over_the_pods() {
+    // When the breaker opens, every pick that waited on the frozen Redis is decided at once, on
+    // the same sample: still in flight, each counts as queued where it went, so they alternate
+    // instead of all landing on .1.
+    assert_eq!(six_requests_without_redis(false), (3, 3));
+}
+
+#[test]
+fn without_redis_sequential_requests_that_ended_do_not_make_a_pod_look_loaded() {
+    // Each request ends before the next: none is load the sample misses, so all go to .1, the
+    // pod with the most room.
+    assert_eq!(six_requests_without_redis(true), (6, 0));
+}
+
 #[test]
 fn odd_message_shapes_read_as_a_parsed_object_would() {
     let blocks = |b: &str| blocks_from_body(b.as_bytes(), false);
