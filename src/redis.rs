@@ -178,6 +178,11 @@ impl RedisClient {
         RedisClient { init, call_cluster, inited: false, last_attempt_ns: None }
     }
 
+    /// The cluster name `proxy_redis_call` gets.
+    pub fn call_cluster(&self) -> &str {
+        &self.call_cluster
+    }
+
     /// The cluster name passed to `proxy_redis_init`: [`RedisConfig::cluster`] plus the buffering
     /// parameters.
     pub fn init_cluster(&self) -> &str {

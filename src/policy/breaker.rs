@@ -59,6 +59,25 @@ impl Breaker {
         matches!(self.state, State::Closed { .. })
     }
 
+    /// When an open breaker lets its probe through (`None` while closed or half-open).
+    pub fn open_until(&self) -> Option<u64> {
+        match self.state {
+            State::Open { until_ns } => Some(until_ns),
+            State::Closed { .. } | State::HalfOpen => None,
+        }
+    }
+
+    /// Another worker's breaker on the same Redis opened until `until_ns`: a closed breaker opens
+    /// until then too (it would find the same stall with its own failed calls). Returns true when
+    /// it opened.
+    pub fn follow(&mut self, now_ns: u64, until_ns: u64) -> bool {
+        if self.failures == 0 || until_ns <= now_ns || !self.is_closed() {
+            return false;
+        }
+        self.state = State::Open { until_ns };
+        true
+    }
+
     /// Redis answered a call.
     pub fn on_success(&mut self) {
         self.state = State::Closed { consecutive_failures: 0 };

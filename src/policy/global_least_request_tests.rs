@@ -394,6 +394,47 @@ fn picks_still_waiting_when_the_breaker_opens_are_decided_at_once() {
 }
 
 #[test]
+fn a_breaker_opened_by_one_worker_opens_the_others_at_their_next_tick() {
+    // Two workers' VMs of one gateway: one host (its shared data is the gateway's).
+    let (mut a, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
+    let mut b = crate::filter::Filter::new();
+    assert!(b.configure(&mut host, cfg(r#","breakerSlowMs":200"#).as_bytes()));
+    // Worker b has a pick waiting on the stalled Redis; worker a's three picks open its breaker.
+    b.on_request_headers(&mut host, 101, true);
+    let b_calls = host.redis_calls.len();
+    for ctx in [7, 9, 11] {
+        a.on_request_headers(&mut host, ctx, true);
+    }
+    host.now += 210 * MS;
+    a.on_tick(&mut host);
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    // b's next tick follows: its waiting pick is decided at once, not at its own breakerSlowMs,
+    // and its next request does not call Redis.
+    let resumed = host.resumes;
+    host.now += 5 * MS;
+    b.on_tick(&mut host);
+    assert!(host.logged("breaker open in another worker"));
+    assert_eq!(host.resumes, resumed + 1, "b's waiting pick decided at the tick");
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1), "only a detected the stall");
+    let calls = host.redis_calls.len();
+    assert_eq!(b.on_request_headers(&mut host, 103, true), HeaderAction::Continue);
+    assert_eq!(host.redis_calls.len(), calls, "b decides without Redis while a's breaker is open");
+    assert!(calls > b_calls);
+    // After breakerOpenMs b probes on its own; Redis answering closes b's breaker.
+    host.now += 1000 * MS;
+    b.on_tick(&mut host);
+    assert_eq!(command(&host, host.redis_calls.len() - 1), vec!["PING".to_string()]);
+    let probe = host.last_redis_token().unwrap();
+    b.on_redis_reply(&mut host, probe, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
+    assert_eq!(b.on_request_headers(&mut host, 105, true), HeaderAction::StopIteration);
+    // The shared value is in the past now: b does not open again from it.
+    b.on_tick(&mut host);
+    let calls = host.redis_calls.len();
+    assert_eq!(b.on_request_headers(&mut host, 107, true), HeaderAction::StopIteration);
+    assert_eq!(host.redis_calls.len(), calls + 1);
+}
+
+#[test]
 fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
     assert_eq!(f.tick_period_ms(), 100, "slow picks are noticed within half of breakerSlowMs");

@@ -893,8 +893,43 @@ impl Picker {
     }
 
     /// A Redis call failed or was too slow: one step towards opening the breaker.
+    /// The shared-data key through which this gateway's workers tell each other that the breaker
+    /// on this Redis opened (value: until when, host-clock ns, in decimal).
+    fn breaker_key(&self) -> String {
+        format!("ai-lb/breaker/{}", self.redis.call_cluster())
+    }
+
+    /// Follows an open breaker of another worker of this gateway on the same Redis (root tick):
+    /// each worker would otherwise find a frozen Redis with its own `breakerFailures` slow picks,
+    /// and every request that arrives while they wait waits with them.
+    fn follow_shared_breaker(&mut self, host: &mut dyn Host) {
+        if !self.breaker.is_closed() {
+            return;
+        }
+        let (value, _) = host.get_shared_data(&self.breaker_key());
+        let until = value
+            .and_then(|v| String::from_utf8(v).ok())
+            .and_then(|v| v.trim().parse::<u64>().ok());
+        let Some(until) = until else { return };
+        if self.breaker.follow(host.now_nanos(), until) {
+            host.log(
+                LogLevel::Info,
+                &format!(
+                    "{}: redis breaker open in another worker of this gateway: deciding without \
+                     redis here too, then probing",
+                    self.name
+                ),
+            );
+        }
+    }
+
     fn redis_failed(&mut self, host: &mut dyn Host) {
         if self.breaker.on_failure(host.now_nanos()) {
+            if let Some(until) = self.breaker.open_until() {
+                // The other workers follow at their next tick (a failed write only costs them
+                // their own detection).
+                let _ = host.set_shared_data(&self.breaker_key(), until.to_string().as_bytes(), 0);
+            }
             host.log(
                 LogLevel::Warn,
                 &format!(
@@ -1104,6 +1139,7 @@ impl Picker {
     pub fn on_tick(&mut self, host: &mut dyn Host) {
         let now = host.now_nanos();
         self.metrics.on_tick(host, now / 1_000_000);
+        self.follow_shared_breaker(host);
         if !self.breaker.is_closed() {
             if self.breaker.admit(now) == Admission::Probe {
                 match self.redis.call(host, &redis::encode_command(&["PING"])) {
