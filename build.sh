@@ -6,7 +6,7 @@
 #   ./build.sh test       all tests: plugin unit tests (native and as wasm in node), gateway fidelity
 #                         tests, end-to-end tests of the .wasm with real Redis and HTTP, packaging tests
 #   ./build.sh demo       route a multi-turn conversation through the gateway to simulated pods, with Redis
-#   ./build.sh bench S    run benchmark scenario S (seed, shared-prefix, shared-prefix-split,
+#   ./build.sh bench S    run benchmark scenario S (seed, seed-p99, shared-prefix, shared-prefix-split,
 #                         cache-pressure, replicas, cross-replica, hot-spot, unequal-pods, pod-failure,
 #                         seed-aiperf: the published test driven by NVIDIA AIPerf; chaos: Redis frozen
 #                         and a gateway replica killed under load)

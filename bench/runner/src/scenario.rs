@@ -178,6 +178,32 @@ mod tests {
         assert!(n >= 4, "seed, shared-prefix, cache-pressure, replicas");
     }
 
+    fn shipped(name: &str) -> Scenario {
+        let file = format!("{}/../scenarios/{name}.yaml", env!("CARGO_MANIFEST_DIR"));
+        serde_yaml::from_str(&std::fs::read_to_string(&file).expect("read")).expect("parse")
+    }
+
+    #[test]
+    fn seed_p99_is_the_seed_with_enough_requests_per_run_for_a_p99() {
+        let seed = shipped("seed");
+        let long = shipped("seed-p99");
+        let plan = long.workload.plan();
+        let requests: usize = plan.iter().map(|s| s.turns.len()).sum();
+        // The table shows a p99 only when every run has this many TTFTs; a margin covers a
+        // request or two failing.
+        assert!(
+            requests >= loadgen::stats::MIN_SAMPLES_FOR_P99 + 10,
+            "{requests} requests per run"
+        );
+        // The same pods, clock and load, and its sessions start with the seed's very sessions.
+        assert_eq!(long.pods, seed.pods);
+        assert_eq!(long.time_scale, seed.time_scale);
+        assert_eq!(long.workload.concurrency(), seed.workload.concurrency());
+        let seed_plan = seed.workload.plan();
+        assert_eq!(plan[..seed_plan.len()], seed_plan[..]);
+        assert!(long.repetitions >= 3);
+    }
+
     #[test]
     fn health_check_interval_follows_the_pods_clock() {
         let mut s: Scenario = serde_yaml::from_str(
