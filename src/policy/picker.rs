@@ -892,7 +892,6 @@ impl Picker {
         }
     }
 
-    /// A Redis call failed or was too slow: one step towards opening the breaker.
     /// The shared-data key through which this gateway's workers tell each other that the breaker
     /// on this Redis opened (value: until when, host-clock ns, in decimal).
     fn breaker_key(&self) -> String {
@@ -923,6 +922,8 @@ impl Picker {
         }
     }
 
+    /// A Redis call failed or was too slow: one step towards opening the breaker (shared with
+    /// the gateway's other workers when it opens).
     fn redis_failed(&mut self, host: &mut dyn Host) {
         if self.breaker.on_failure(host.now_nanos()) {
             if let Some(until) = self.breaker.open_until() {
