@@ -704,7 +704,7 @@ fn la_pick(
         *load = Some(crate::policy::picker::LoadAware {
             config: cfg,
             args: Some(args),
-            slowness: Vec::new(),
+            decode_averages: Vec::new(),
         });
     }
     let s = Script::new(PREFIX_CACHE_LUA);

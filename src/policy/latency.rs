@@ -97,20 +97,30 @@ impl PodSpeed {
     /// `1.0` for a pod without a recent average. Empty when fewer than two pods have one (there
     /// is nothing to compare).
     pub fn slowness(&self, pods: &[&str], now_ns: u64) -> Vec<(String, f64)> {
-        let avg = |p: &str| {
-            self.per_pod
-                .get(p)
-                .filter(|(_, at)| now_ns.saturating_sub(*at) < STALE_NS)
-                .map(|(v, _)| *v)
-                .filter(|v| v.is_finite() && *v > 0.0)
-        };
-        let known: Vec<f64> = pods.iter().filter_map(|p| avg(p)).collect();
-        if known.len() < 2 {
-            return Vec::new();
-        }
-        let fastest = known.iter().copied().fold(f64::INFINITY, f64::min);
-        pods.iter().map(|p| (p.to_string(), avg(p).map_or(1.0, |v| v / fastest))).collect()
+        relative_slowness(&self.averages(now_ns), pods)
     }
+
+    /// Each pod's recent average (ns per byte) at `now_ns`: the pods with one, unordered.
+    pub fn averages(&self, now_ns: u64) -> Vec<(String, f64)> {
+        self.per_pod
+            .iter()
+            .filter(|(_, (v, at))| {
+                now_ns.saturating_sub(*at) < STALE_NS && v.is_finite() && *v > 0.0
+            })
+            .map(|(p, (v, _))| (p.clone(), *v))
+            .collect()
+    }
+}
+
+/// `pods`' slowness from [`PodSpeed::averages`]: see [`PodSpeed::slowness`].
+pub fn relative_slowness(averages: &[(String, f64)], pods: &[&str]) -> Vec<(String, f64)> {
+    let avg = |p: &str| averages.iter().find(|(a, _)| a == p).map(|(_, v)| *v);
+    let known: Vec<f64> = pods.iter().filter_map(|p| avg(p)).collect();
+    if known.len() < 2 {
+        return Vec::new();
+    }
+    let fastest = known.iter().copied().fold(f64::INFINITY, f64::min);
+    pods.iter().map(|p| (p.to_string(), avg(p).map_or(1.0, |v| v / fastest))).collect()
 }
 
 #[cfg(test)]

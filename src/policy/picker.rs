@@ -39,6 +39,7 @@
 
 use super::breaker::{Admission, Breaker};
 use super::cache_check::CacheCheck;
+use super::latency;
 use super::load::{self as load_args, LoadArgs};
 use super::{healthy_hosts, Decision, Stream};
 use crate::config::{GlobalLeastRequestConfig, LoadAwareConfig};
@@ -187,8 +188,9 @@ pub struct LoadAware {
     pub config: LoadAwareConfig,
     /// The script's load arguments, once known.
     pub args: Option<LoadArgs>,
-    /// Each pod's observed slowness (`prefix_cache`'s [`super::latency::PodSpeed`]).
-    pub slowness: Vec<(String, f64)>,
+    /// Each pod's recent decode time per byte (`prefix_cache`'s [`super::latency::PodSpeed`]),
+    /// compared over the healthy pods when the pick starts.
+    pub decode_averages: Vec<(String, f64)>,
 }
 
 /// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
@@ -641,8 +643,14 @@ impl Picker {
                 .and_then(|l| self.metrics.gather(host, &stream.cluster, l, now_ms))
                 .and_then(|pods| {
                     load.as_ref().and_then(|l| {
-                        load_args::load_args(&l.config, &pods)
-                            .map(|a| a.add_slowness(&l.config, &l.slowness))
+                        load_args::load_args(&l.config, &pods).map(|a| {
+                            if l.decode_averages.is_empty() {
+                                return a;
+                            }
+                            let names: Vec<&str> = healthy.iter().map(String::as_str).collect();
+                            let slowness = latency::relative_slowness(&l.decode_averages, &names);
+                            a.add_slowness(&l.config, &slowness)
+                        })
                     })
                 });
             match (args, load.as_mut()) {

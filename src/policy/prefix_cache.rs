@@ -429,15 +429,6 @@ impl PrefixCache {
         }
     }
 
-    /// The healthy pods' observed slowness (`loadAware`; empty without two pods to compare).
-    fn slowness(&self, host: &dyn Host) -> Vec<(String, f64)> {
-        let Some(speed) = &self.speed else { return Vec::new() };
-        let Some(list) = host.upstream_hosts() else { return Vec::new() };
-        let pods: Vec<&str> =
-            list.iter().filter(|h| h.is_healthy()).map(|h| h.address.as_str()).collect();
-        speed.slowness(&pods, host.now_nanos())
-    }
-
     fn pick(&mut self, host: &mut dyn Host, stream: &mut Stream, chain: &[String]) -> Decision {
         let kind = PickKind::Prefix {
             chain: chain.to_vec(),
@@ -446,7 +437,12 @@ impl PrefixCache {
             load: self.config.load_aware.as_ref().map(|config| LoadAware {
                 config: config.clone(),
                 args: None,
-                slowness: self.slowness(host),
+                // Compared over the healthy pods by the picker, from the host list it reads.
+                decode_averages: self
+                    .speed
+                    .as_ref()
+                    .map(|speed| speed.averages(host.now_nanos()))
+                    .unwrap_or_default(),
             }),
         };
         self.picker.start(host, stream, kind)

@@ -241,7 +241,7 @@ fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: 
                     chain: chain.to_vec(),
                     ttl_s: 1800,
                     hit_load_factor: 0.0,
-                    load: Some(LoadAware { config, args, slowness: Vec::new() }),
+                    load: Some(LoadAware { config, args, decode_averages: Vec::new() }),
                 }
             }
             _ => PickKind::LeastRequest,
