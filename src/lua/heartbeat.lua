@@ -5,7 +5,7 @@
 -- ARGV[1]  lease (ms)   ARGV[2] owner id   ARGV[3] cleanup interval (s, 0 = never)
 -- ARGV[4 ..] every host still in the cluster (healthy or not), as this VM last saw it
 local now = now_ms()
-redis.call('ZADD', owners, now + (tonumber(ARGV[1]) or 10000), ARGV[2])
+register(base .. 'own:' .. ARGV[2], ARGV[2], now + (tonumber(ARGV[1]) or 10000))
 reap(now)
 local interval = tonumber(ARGV[3]) or 0
 if interval > 0 and #ARGV >= 4 then

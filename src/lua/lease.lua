@@ -16,21 +16,28 @@ if comma then
   rec = string.sub(rec, 1, comma - 1)
 end
 local maxc = tonumber(ARGV[1]) or 0
--- The carried releases: which of their records are still there, read first (on a Redis Cluster
--- slot being migrated, touching a key the old master no longer holds fails the call there, so that
--- must happen before any write). Their records are deleted and their counts go down in commit,
--- netted with the pick's +1; the pick scripts choose on the counts as they are once these releases
--- are applied (read_count).
+-- The carried releases (parsed here, applied by settle): `freed` is pod -> how many the pick
+-- scripts subtract from the counts they read.
 local carried, freed = parse_ended(ended)
+local settled = false
+-- Deletes the carried releases' records and keeps in `freed` only those whose record was still
+-- there (exactly once: a release sent again, or of a reaped owner, finds nothing). The pick scripts
+-- call it after their reads and before anything they write: on a Redis Cluster slot being migrated,
+-- a key the old master no longer holds fails the call at its first access, and every key accessed
+-- after these deletions was read before them. Deleting a record can never empty the owner's hash,
+-- whose marker field stays until the reaper deletes the hash (see register), so the later writes to
+-- it cannot fail there either.
 -- The owner must be registered, or its record would sit under an owner no reaper sees: a pick that
 -- Redis runs late (frozen, or read from the socket of a gateway that died meanwhile) after the
 -- reaper removed its owner brings the owner back. A carried record that was still there proves it
 -- without a read: a record is only written by a pick whose owner was registered, and only the
 -- reaper unregisters an owner, deleting its whole hash in the same script. So only a pick that
 -- found none of its carried records (none carried, or reaped) reads the owners set.
-local held = held_ended(mine, carried, freed)
-if #held == 0 and not redis.call('ZSCORE', owners, ARGV[3]) then
-  redis.call('ZADD', owners, now_ms() + (tonumber(ARGV[2]) or 10000), ARGV[3])
+local function settle()
+  settled = true
+  if #take_ended(mine, carried, freed) == 0 and not redis.call('ZSCORE', owners, ARGV[3]) then
+    register(mine, ARGV[3], now_ms() + (tonumber(ARGV[2]) or 10000))
+  end
 end
 -- Each candidate host's count as this pick read it (the pick scripts fill it from their HMGET,
 -- through read_count), so that commit writes every changed count in one HSET instead of one
@@ -68,14 +75,13 @@ local function write_counts(delta)
   add_counts(other)
   if #set > 0 then redis.call('HSET', inflight, unpack(set)) end
 end
--- The count writes of a pick, after all its reads: the carried releases' -1s, and with `h` the
--- pick itself: its record (for release.lua and, if the owner dies first, reap.lua) and its +1,
--- netted with the releases per pod. The record is the first write to the owner's hash (when the
--- hash is missing on a master migrating the slot, the call fails there before any count changes)
--- and the carried records' deletion the last (see delete_fields).
+-- The count writes of a pick, after settle: the carried releases' -1s, and with `h` the pick
+-- itself: its record (for release.lua and, if the owner dies first, reap.lua) and its +1, netted
+-- with the releases per pod.
 -- Returns false when a tombstone is there: the plugin gave up on this pick before it ran (a stalled
--- Redis runs it late); the pick then does nothing (the releases still apply).
+-- Redis runs it late); the pick then does nothing but delete it (the releases still apply).
 local function commit(h)
+  if not settled then settle() end
   local delta = {}
   for host, c in pairs(freed) do delta[host] = -c end
   local admitted = false
@@ -84,10 +90,9 @@ local function commit(h)
       admitted = true
       delta[h] = (delta[h] or 0) + 1
     else
-      held[#held + 1] = rec
+      redis.call('HDEL', mine, rec)
     end
   end
-  delete_fields(mine, held)
   write_counts(delta)
   return admitted
 end

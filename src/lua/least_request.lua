@@ -13,6 +13,7 @@ end
 local hosts = {}
 for i = 1, n do hosts[i] = p .. ARGV[6 + i] .. s end
 local counts = redis.call('HMGET', inflight, unpack(hosts))
+settle()
 local best, bestc = nil, nil
 for i = 1, n do
   -- (a count below 0, a decrement that outlived a cleanup, counts as 0 and commit repairs it)

@@ -82,6 +82,7 @@ end
 -- Each host's load: in flight, plus (loadAware) its queue and KV pressure. The least loaded host
 -- (the miss path, and where a diverted hit goes), and the least loaded holder (the target).
 local counts = redis.call('HMGET', inflight, unpack(ARGV, first, first + n - 1))
+settle()
 local least, leasts, minc = nil, nil, nil
 local target, targets, targetc, ti = nil, nil, 0, 0
 local count = {}

@@ -41,7 +41,7 @@ end
 -- pod -> how many), before any write. `held_ended` then reads which records are still there, and a
 -- record already gone (this release ran before and was sent again after an unknown outcome, or the
 -- owner was reaped) is taken back out of `freed`: exactly once, and a release may always be sent
--- again. The records are deleted by the script's last write to the owner's hash (`delete_fields`).
+-- again.
 local function parse_ended(list)
   local ended, freed = {}, {}
   for id, h in string.gmatch(list, '([^,=]+)=([^,]+)') do
@@ -62,12 +62,33 @@ local function held_ended(mine, ended, freed)
   return held
 end
 
--- Deletes fields of the owner's hash: always a script's last write to that hash. Deleting its last
--- field deletes the hash, and on a Redis Cluster slot being migrated a write to a key the old master
--- no longer holds fails the script there; any later write to the hash would then fail after the
--- records are gone and before their counts went down, and the resent release would find nothing.
-local function delete_fields(mine, fields)
-  if #fields > 0 then redis.call('HDEL', mine, unpack(fields)) end
+-- Every owner's hash holds this field (value '', skipped like a tombstone by reap) from the owner's
+-- registration until the reaper deletes the hash, so deleting records can never delete the hash:
+-- on a Redis Cluster slot being migrated, a script's access to a key the old master no longer holds
+-- fails there, and a write after a record's deletion would then fail after the record was gone and
+-- before its count went down (the release, sent again, would find nothing). Request ids are hex.
+local MARKER = '~'
+
+-- Registers an owner until `expires` (ms): its marker first, so that no owner is ever registered
+-- without one (if that write fails, nothing is registered).
+local function register(mine, owner, expires)
+  redis.call('HSET', mine, MARKER, '')
+  redis.call('ZADD', owners, expires, owner)
+end
+
+-- The carried releases' records that are still there, deleted (a pick's first write, after its
+-- reads): the ids held, and `freed` keeps only their pods. One HDEL whose reply says it for a single
+-- release (the common case), else one HMGET then one HDEL.
+local function take_ended(mine, ended, freed)
+  if #ended == 1 then
+    local e = ended[1]
+    if redis.call('HDEL', mine, e[1]) == 1 then return {e[1]} end
+    freed[e[2]] = freed[e[2]] - 1
+    return {}
+  end
+  local held = held_ended(mine, ended, freed)
+  if #held > 0 then redis.call('HDEL', mine, unpack(held)) end
+  return held
 end
 
 -- Adds delta[pod] to each pod's in-flight count (one HINCRBY per pod whose count changes);

@@ -15,18 +15,23 @@ local ended, freed = parse_ended(ARGV[2] or '')
 local held = held_ended(mine, ended, freed)
 local n = #held
 local abandoned = ARGV[3]
+local tomb = false
 if abandoned then
   local h = redis.call('HGET', mine, abandoned)
   if not h then
-    redis.call('HSET', mine, abandoned, '')
+    tomb = true
   elseif h ~= '' then
     held[#held + 1] = abandoned
     freed[h] = (freed[h] or 0) + 1
     n = n + 1
   end
 end
-delete_fields(mine, held)
+-- The counts go down before the records go (every key is read or written once before the first
+-- write to the owner's hash: on a Redis Cluster slot being migrated, a key the old master no longer
+-- holds fails the call at its first access, so it fails before any write or not at all).
 local delta = {}
 for h, c in pairs(freed) do delta[h] = -c end
 add_counts(delta)
+if tomb then redis.call('HSET', mine, abandoned, '') end
+if #held > 0 then redis.call('HDEL', mine, unpack(held)) end
 return n
