@@ -551,6 +551,29 @@ fn heartbeats_keep_a_live_owners_counts() {
 }
 
 #[test]
+fn an_owner_is_registered_with_its_marker_and_keeps_it_until_reaped() {
+    // The marker keeps the owner's hash alive while records come and go (deleting its last record
+    // must not delete it: see reap.lua); a heartbeat registers with it, and the reaper removes it.
+    let mut r = Redis::start();
+    assert_eq!(r.heartbeat("vm9", 1000), Frame::Integer(1));
+    assert_eq!(r.cmd(&["HKEYS", "own:vm9"]), Frame::Array(vec![Frame::BulkString("~".into())]));
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let first = as_owner("vm9", 1000, &["a"]);
+    assert_eq!(pick(&r.run(&s, &first)).0, "a");
+    let next = PickCall {
+        ended: vec![(first.request_id.clone(), "a".into())],
+        ..as_owner("vm9", 1000, &["a"])
+    };
+    assert_eq!(pick(&r.run(&s, &next)), ("a".to_string(), 1, 1, 0), "first released, next counted");
+    assert_eq!(r.release("vm9", &next.request_id, Some("a")), Frame::Integer(1));
+    assert_eq!(r.cmd(&["HKEYS", "own:vm9"]), Frame::Array(vec![Frame::BulkString("~".into())]));
+    std::thread::sleep(Duration::from_millis(1100));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.cmd(&["EXISTS", "own:vm9"]), Frame::Integer(0), "reaped with its marker");
+    assert_eq!(r.count("a"), Some(0));
+}
+
+#[test]
 fn no_key_the_counts_depend_on_has_a_ttl() {
     // Under a volatile-* maxmemory policy Redis evicts only keys with a TTL.
     let mut r = Redis::start();

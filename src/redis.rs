@@ -9,9 +9,10 @@
 //! * `higress:ai-lb:{<route>|<cluster>}:pfx:<40 upper-case hex>` prefix chain key -> host (TTL)
 //! * `higress:ai-lb:{<route>|<cluster>}:owners`     sorted set: owner (one plugin VM) -> lease
 //!   expiry (ms, Redis clock)
-//! * `higress:ai-lb:{<route>|<cluster>}:own:<owner>` hash: `r:<request>` -> host of each admitted
-//!   pick of that owner not released yet (an empty value is the tombstone of an abandoned pick).
-//!   Deleted, and its picks subtracted, once the owner's lease runs out.
+//! * `higress:ai-lb:{<route>|<cluster>}:own:<owner>` hash: `<request>` (hex) -> host of each
+//!   admitted pick of that owner not released yet (an empty value is the tombstone of an abandoned
+//!   pick), and the marker `~` (empty) from the owner's registration on. Deleted, and its picks
+//!   subtracted, once the owner's lease runs out.
 //!
 //! The scripts get only the in-flight key and derive the others from it (same hash tag, one slot).
 //!

@@ -24,7 +24,8 @@ local settled = false
 -- there (exactly once: a release sent again, or of a reaped owner, finds nothing). The pick scripts
 -- call it after their reads and before anything they write: on a Redis Cluster slot being migrated,
 -- a key the old master no longer holds fails the call at its first access, and every key accessed
--- after these deletions was read before them. Deleting a record can never empty the owner's hash,
+-- after these deletions was read before them or is KEYS[1], which Redis checks before the script
+-- runs. Deleting a record can never empty the owner's hash,
 -- whose marker field stays until the reaper deletes the hash (see register), so the later writes to
 -- it cannot fail there either.
 -- The owner must be registered, or its record would sit under an owner no reaper sees: a pick that

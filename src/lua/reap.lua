@@ -38,8 +38,8 @@ end
 
 -- The releases of an owner's ended requests, `id=pod` joined by ',' (carried by its next pick, or
 -- sent by release.lua): the pods' counts as the plugin expects them after the releases (`freed`,
--- pod -> how many), before any write. `held_ended` then reads which records are still there, and a
--- record already gone (this release ran before and was sent again after an unknown outcome, or the
+-- pod -> how many), before any write. `take_ended` (a pick) or `held_ended` (release.lua) then
+-- finds which records are still there, and a record already gone (this release ran before and was sent again after an unknown outcome, or the
 -- owner was reaped) is taken back out of `freed`: exactly once, and a release may always be sent
 -- again.
 local function parse_ended(list)
@@ -65,8 +65,9 @@ end
 -- Every owner's hash holds this field (value '', skipped like a tombstone by reap) from the owner's
 -- registration until the reaper deletes the hash, so deleting records can never delete the hash:
 -- on a Redis Cluster slot being migrated, a script's access to a key the old master no longer holds
--- fails there, and a write after a record's deletion would then fail after the record was gone and
--- before its count went down (the release, sent again, would find nothing). Request ids are hex.
+-- (Redis checks only KEYS[1], the in-flight hash, before the script runs) fails there, and a write
+-- after a record's deletion would then fail after the record was gone and before its count went
+-- down (the release, sent again, would find nothing). Request ids are hex.
 local MARKER = '~'
 
 -- Registers an owner until `expires` (ms): its marker first, so that no owner is ever registered

@@ -26,9 +26,8 @@ if abandoned then
     n = n + 1
   end
 end
--- The counts go down before the records go (every key is read or written once before the first
--- write to the owner's hash: on a Redis Cluster slot being migrated, a key the old master no longer
--- holds fails the call at its first access, so it fails before any write or not at all).
+-- The counts go down, then the records go: the owner's hash (read above) is the only key written
+-- after a record is deleted, and its marker keeps it (reap.lua).
 local delta = {}
 for h, c in pairs(freed) do delta[h] = -c end
 add_counts(delta)
