@@ -795,6 +795,22 @@ fn load_aware_hit_is_diverted_by_in_flight_past_gap_and_ratio() {
 }
 
 #[test]
+fn load_aware_in_flight_gap_is_measured_against_where_a_diverted_hit_would_go() {
+    // s has nothing in flight only because its queue keeps requests away; a diverted hit would go
+    // to b (least combined load), which has 1: a's 5 is not past the gap over b, so a keeps it.
+    let mut r = Redis::start();
+    r.cmd(&["SET", "pfx:k1", "a"]);
+    let pods = [("a", 0.0, 0.1, 5), ("b", 0.0, 0.1, 1), ("s", 10.0, 0.1, 0)];
+    let p = la_pick(&mut r, &["k1"], &pods);
+    assert_eq!((p.host.as_str(), p.diverted), ("a", false));
+    // With 6 in flight it is past both (5 > 4, 6 > 1.5): diverted to b, not to s.
+    r.cmd(&["SET", "pfx:k2", "a"]);
+    let pods = [("a", 0.0, 0.1, 6), ("b", 0.0, 0.1, 1), ("s", 10.0, 0.1, 0)];
+    let p = la_pick(&mut r, &["k2"], &pods);
+    assert_eq!((p.host.as_str(), p.diverted), ("b", true));
+}
+
+#[test]
 fn load_aware_miss_goes_to_the_least_combined_load_not_the_least_in_flight() {
     let mut r = Redis::start();
     // b has fewer in flight but a queue and a fuller KV cache: a wins (2 vs 1 + 3 + 4).

@@ -104,8 +104,12 @@ if target ~= nil then
   chosen = target
   -- Load guard (ours): a hot prefix must not pile every request onto one pod.
   if factor > 0 and targetc > factor * (minc + 1) then chosen = least end
-  -- loadAware: overloaded by its metrics, or by in-flight past both the gap and the ratio.
-  if la and (string.byte(flags, ti) == 49 or (targetc - minc > gap and targetc > ratio * minc)) then
+  -- loadAware: overloaded by its metrics, or by in-flight past both the gap and the ratio over the
+  -- pod a diverted request would go to (the least loaded by the combined signal). Not over the pod
+  -- with the fewest in flight: a pod that has few only because its queue, KV use or slowness keeps
+  -- requests away would make every hit elsewhere look overloaded and send it to a third pod.
+  local lc = count[least]
+  if la and (string.byte(flags, ti) == 49 or (targetc - lc > gap and targetc > ratio * lc)) then
     chosen = least
   end
 end
