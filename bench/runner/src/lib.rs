@@ -743,17 +743,18 @@ pub fn label(r: &PolicyAggregate, multi_replica: bool) -> String {
 pub fn table(rep: &Report) -> String {
     let multi = rep.config.gateway_replicas.len() > 1;
     let mut t = String::from(
-        "| policy | runs × req | err | TTFT mean | TTFT p50 | TTFT p99 | E2E mean | out tok/s | hit rate (pods) | oracle | req share max/mean | in-flight max/mean | gw added p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| policy | runs × req | err | TTFT mean | TTFT p50 | TTFT p90 | TTFT p99 | E2E mean | out tok/s | hit rate (pods) | oracle | req share max/mean | in-flight max/mean | gw added p50 ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in &rep.policies {
         t.push_str(&format!(
-            "| {} | {} × {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} × {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
             label(r, multi),
             r.repetitions,
             r.requests_per_run,
             r.errors,
             r.ttft_mean_ms.show(0, 1.0),
             r.ttft_p50_ms.show(0, 1.0),
+            r.ttft_p90_ms.show(0, 1.0),
             r.ttft_p99_ms.map(|s| s.show(0, 1.0)).unwrap_or_else(|| "n/a".into()),
             r.e2e_mean_ms.show(0, 1.0),
             r.output_tokens_per_s.show(0, 1.0),

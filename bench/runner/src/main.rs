@@ -403,14 +403,17 @@ fn tables(paths: Paths, write: bool) -> Result<()> {
 fn model(paths: Paths, name: String) -> Result<()> {
     let sc = load_scenario(&paths, &name)?;
     println!("{} (model only, profile {}):\n", sc.name, sc.pods.profile);
-    println!("| policy | req | TTFT mean | E2E mean | out tok/s | out tokens/reply | hit rate |");
-    println!("|---|---|---|---|---|---|---|");
-    for policy in ["round_robin", "session_hash", "sticky_balanced"] {
+    println!(
+        "| policy | req | TTFT mean | TTFT p90 | E2E mean | out tok/s | out tokens/reply | hit rate |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for policy in ["round_robin", "session_hash", "sticky_balanced", "sticky_speed_balanced"] {
         let r = bench::model::run(&sc, policy)?;
         println!(
-            "| {policy} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}% |",
+            "| {policy} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}% |",
             r.requests,
             r.ttft_mean_ms,
+            r.ttft_p90_ms,
             r.e2e_mean_ms,
             r.output_tokens_per_s,
             r.output_tokens_mean,

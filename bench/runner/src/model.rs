@@ -7,7 +7,9 @@
 //! session, the same hash as the load generator's) and `sticky_balanced`, an ideal router no
 //! real one beats on both counts: every turn of a session on the pod of its first turn (perfect
 //! affinity: the hit rate is the oracle's), and a new session on the pod with the fewest sessions
-//! in progress (balanced).
+//! in progress (balanced). `sticky_speed_balanced` is the same with the pods' speeds known: a new
+//! session goes to the pod with the fewest sessions in progress per unit of speed (for scenarios
+//! with unequal pods).
 
 use crate::scenario::Scenario;
 use anyhow::{anyhow, bail, Result};
@@ -25,6 +27,8 @@ pub struct ModelResult {
     pub requests: usize,
     /// Mean TTFT, simulated ms (API overhead + queue + prefill).
     pub ttft_mean_ms: f64,
+    /// 90th percentile TTFT, simulated ms (nearest rank).
+    pub ttft_p90_ms: f64,
     /// Mean end-to-end latency, simulated ms.
     pub e2e_mean_ms: f64,
     /// Generated tokens per simulated second over the run.
@@ -67,8 +71,14 @@ impl Active {
 
 /// Runs `sc`'s workload with `policy` (`round_robin` or `session_hash`) on its pods' model.
 pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
-    if !matches!(policy, "round_robin" | "session_hash" | "sticky_balanced") {
-        bail!("model-only runs know round_robin, session_hash and sticky_balanced, not {policy}");
+    if !matches!(
+        policy,
+        "round_robin" | "session_hash" | "sticky_balanced" | "sticky_speed_balanced"
+    ) {
+        bail!(
+            "model-only runs know round_robin, session_hash, sticky_balanced and \
+             sticky_speed_balanced, not {policy}"
+        );
     }
     if sc.workload.open_loop() {
         bail!("model-only runs are closed loop");
@@ -76,6 +86,7 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
     let profile = Profile::named(&sc.pods.profile)
         .ok_or_else(|| anyhow!("unknown profile {}", sc.pods.profile))?;
     let n = sc.pods.count.max(1);
+    let speeds: Vec<f64> = (0..n).map(|i| sc.pods.speed.get(i).copied().unwrap_or(1.0)).collect();
     let mut pods: Vec<(Scheduler, Option<f64>)> = (0..n)
         .map(|i| {
             let speed = sc.pods.speed.get(i).copied().unwrap_or(1.0);
@@ -100,16 +111,20 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
     let mut active: BTreeMap<u64, Active> = BTreeMap::new();
     let mut next_id = 0u64;
     let mut rr = 0usize;
-    let (mut ttft, mut e2e, mut out, mut done) = (0.0, 0.0, 0usize, 0usize);
+    let (mut ttfts, mut e2e, mut out, mut done) = (Vec::new(), 0.0, 0usize, 0usize);
     let mut now = 0.0f64;
 
-    // The pod with the fewest sessions in progress (`sticky_balanced`'s choice for a new one).
+    // The pod with the fewest sessions in progress (`sticky_balanced`'s choice for a new one), per
+    // unit of speed for `sticky_speed_balanced` (ties: the first).
+    let weigh_speed = policy == "sticky_speed_balanced";
     let least_busy = |active: &BTreeMap<u64, Active>| {
-        let mut sessions = vec![0usize; n];
+        let mut sessions = vec![0.0f64; n];
         for a in active.values() {
-            sessions[a.pod] += 1;
+            sessions[a.pod] += 1.0;
         }
-        (0..n).min_by_key(|&i| sessions[i]).unwrap_or(0)
+        let load =
+            |i: usize| if weigh_speed { (sessions[i] + 1.0) / speeds[i] } else { sessions[i] };
+        (0..n).min_by(|&a, &b| load(a).total_cmp(&load(b))).unwrap_or(0)
     };
     let start_turn = |a: &mut Active,
                       now: f64,
@@ -124,8 +139,8 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
         a.reply.clear();
         a.pod = match policy {
             "session_hash" => sticky.value(a.plan.id).and_then(|v| v.parse().ok()).unwrap_or(0),
-            "sticky_balanced" if a.turn == 0 => least,
-            "sticky_balanced" => a.pod,
+            "sticky_balanced" | "sticky_speed_balanced" if a.turn == 0 => least,
+            "sticky_balanced" | "sticky_speed_balanced" => a.pod,
             _ => {
                 *rr += 1;
                 (*rr - 1) % n
@@ -177,7 +192,7 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
                             a.reply.push_str(&t);
                         }
                         Event::Done(u, _) => {
-                            ttft += a.first_token.unwrap_or(now) - a.sent_at;
+                            ttfts.push(a.first_token.unwrap_or(now) - a.sent_at);
                             e2e += now - a.sent_at;
                             out += u.completion_tokens;
                             done += 1;
@@ -213,9 +228,11 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
         (p + s.counters().prompt_tokens, c + s.counters().cached_tokens)
     });
     let k = done.max(1) as f64;
+    ttfts.sort_by(f64::total_cmp);
     Ok(ModelResult {
         requests: done,
-        ttft_mean_ms: ttft / k,
+        ttft_mean_ms: ttfts.iter().sum::<f64>() / k,
+        ttft_p90_ms: loadgen::stats::percentile(&ttfts, 90.0),
         e2e_mean_ms: e2e / k,
         output_tokens_per_s: if now > 0.0 { out as f64 / (now / 1000.0) } else { 0.0 },
         output_tokens_mean: out as f64 / k,
@@ -227,9 +244,14 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
 mod tests {
     use super::*;
 
+    fn scenario(name: &str) -> Scenario {
+        let file = format!("{}/../scenarios/{name}.yaml", env!("CARGO_MANIFEST_DIR"));
+        serde_yaml::from_str(&std::fs::read_to_string(&file).expect("scenario file"))
+            .expect("parse")
+    }
+
     fn seed() -> Scenario {
-        let file = concat!(env!("CARGO_MANIFEST_DIR"), "/../scenarios/seed.yaml");
-        serde_yaml::from_str(&std::fs::read_to_string(file).expect("seed.yaml")).expect("parse")
+        scenario("seed")
     }
 
     #[test]
@@ -252,5 +274,20 @@ mod tests {
         assert!(sticky.hit_rate > 0.75, "{sticky:?}");
         assert!(sticky.ttft_mean_ms < 0.8 * rr.ttft_mean_ms, "{sticky:?} vs {rr:?}");
         assert!(run(&seed(), "prefix_cache").is_err(), "plugin policies need the harness");
+    }
+
+    #[test]
+    fn knowing_the_pods_speeds_lowers_the_p90_on_unequal_pods() {
+        // The half-speed pod's requests are the slow tail: an ideal router that weighs sessions by
+        // speed sends it fewer, and the p90 falls; on equal pods the two are the same router.
+        let sc = scenario("unequal-pods");
+        let plain = run(&sc, "sticky_balanced").expect("sticky_balanced");
+        let speed = run(&sc, "sticky_speed_balanced").expect("sticky_speed_balanced");
+        assert!(plain.ttft_p90_ms >= plain.ttft_mean_ms, "{plain:?}");
+        assert!(speed.ttft_p90_ms < plain.ttft_p90_ms, "{speed:?} vs {plain:?}");
+        assert!((speed.hit_rate - plain.hit_rate).abs() < 0.01, "both keep sessions on their pods");
+        let seed = seed();
+        let (a, b) = (run(&seed, "sticky_balanced"), run(&seed, "sticky_speed_balanced"));
+        assert_eq!(a.expect("a"), b.expect("b"));
     }
 }

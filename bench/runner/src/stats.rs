@@ -57,6 +57,8 @@ pub struct PolicyAggregate {
     pub ttft_mean_ms: Spread,
     /// Client TTFT median, simulated ms.
     pub ttft_p50_ms: Spread,
+    /// Client TTFT p90, simulated ms (the routing goals are stated in it).
+    pub ttft_p90_ms: Spread,
     /// Client TTFT p99, simulated ms (only when each run had at least 1000 requests).
     pub ttft_p99_ms: Option<Spread>,
     /// End-to-end latency mean, simulated ms.
@@ -124,6 +126,7 @@ pub fn aggregate(results: &[PolicyResult]) -> Vec<PolicyAggregate> {
                 errors: runs.iter().map(|r| r.errors).sum(),
                 ttft_mean_ms: sp(&|r| r.ttft_ms.mean),
                 ttft_p50_ms: sp(&|r| r.ttft_ms.p50),
+                ttft_p90_ms: sp(&|r| r.ttft_ms.p90),
                 ttft_p99_ms: if p99s.iter().all(Option::is_some) {
                     Spread::of(p99s.into_iter().flatten())
                 } else {
