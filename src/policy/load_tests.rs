@@ -88,5 +88,11 @@ fn a_slow_pod_gets_a_penalty_and_is_overloaded_only_past_overload_latency() {
         flags(&a),
         vec![("a".into(), false, 0), ("b".into(), true, 4), ("c".into(), false, 1)]
     );
-    assert_eq!(flags(&base.clone().add_slowness(&cfg(), &slow)), flags(&base), "off by default");
+    // The default weight, 16: twice as slow = 16 more; 1.2x = 3.2, rounded to 3. Weight 0: off.
+    assert_eq!(
+        flags(&base.clone().add_slowness(&cfg(), &slow)),
+        vec![("a".into(), false, 0), ("b".into(), false, 16), ("c".into(), false, 3)]
+    );
+    let off = LoadAwareConfig { latency_weight: 0.0, ..cfg() };
+    assert_eq!(flags(&base.clone().add_slowness(&off, &slow)), flags(&base), "weight 0: off");
 }

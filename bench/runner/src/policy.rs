@@ -148,22 +148,22 @@ pub const POLICIES: &[Policy] = &[
             go_keys_only: false,
         }),
     },
-    // loadAware with the observed-latency signal (off by default): a pod twice as slow as the
-    // fastest counts 4 more requests.
+    // loadAware without the observed-latency signal (on by default, weight 16).
     Policy {
-        name: "prefix_cache_load_aware_latency",
+        name: "prefix_cache_load_aware_no_latency",
         route: Route::Gateway(GatewayMode::Plugin {
             lb_policy: "prefix_cache",
-            extra_lb_config: r#"{"loadAware":true,"loadLatencyWeight":4}"#,
+            extra_lb_config: r#"{"loadAware":true,"loadLatencyWeight":0}"#,
             go_keys_only: false,
         }),
     },
-    // ... and that also diverts hits off a pod observed 1.6x as slow as the fastest.
+    // loadAware that also diverts hits off a pod observed 1.6x as slow as the fastest (off by
+    // default).
     Policy {
         name: "prefix_cache_load_aware_divert_slow",
         route: Route::Gateway(GatewayMode::Plugin {
             lb_policy: "prefix_cache",
-            extra_lb_config: r#"{"loadAware":true,"loadLatencyWeight":4,"overloadLatency":1.6}"#,
+            extra_lb_config: r#"{"loadAware":true,"overloadLatency":1.6}"#,
             go_keys_only: false,
         }),
     },
