@@ -25,9 +25,8 @@ local settled = false
 -- call it after their reads and before anything they write: on a Redis Cluster slot being migrated,
 -- a key the old master no longer holds fails the call at its first access, and every key accessed
 -- after these deletions was read before them or is KEYS[1], which Redis checks before the script
--- runs. Deleting a record can never empty the owner's hash,
--- whose marker field stays until the reaper deletes the hash (see register), so the later writes to
--- it cannot fail there either.
+-- runs. Deleting a record can never empty the owner's hash, whose marker field stays until the
+-- reaper deletes the hash (see register), so the later writes to it cannot fail there either.
 -- The owner must be registered, or its record would sit under an owner no reaper sees: a pick that
 -- Redis runs late (frozen, or read from the socket of a gateway that died meanwhile) after the
 -- reaper removed its owner brings the owner back. A carried record that was still there proves it

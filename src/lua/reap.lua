@@ -39,9 +39,9 @@ end
 -- The releases of an owner's ended requests, `id=pod` joined by ',' (carried by its next pick, or
 -- sent by release.lua): the pods' counts as the plugin expects them after the releases (`freed`,
 -- pod -> how many), before any write. `take_ended` (a pick) or `held_ended` (release.lua) then
--- finds which records are still there, and a record already gone (this release ran before and was sent again after an unknown outcome, or the
--- owner was reaped) is taken back out of `freed`: exactly once, and a release may always be sent
--- again.
+-- finds which records are still there, and a record already gone (this release ran before and was
+-- sent again after an unknown outcome, or the owner was reaped) is taken back out of `freed`:
+-- exactly once, and a release may always be sent again.
 local function parse_ended(list)
   local ended, freed = {}, {}
   for id, h in string.gmatch(list, '([^,=]+)=([^,]+)') do

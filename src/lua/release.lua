@@ -26,8 +26,8 @@ if abandoned then
     n = n + 1
   end
 end
--- The counts go down, then the records go: the owner's hash (read above) is the only key written
--- after a record is deleted, and its marker keeps it (reap.lua).
+-- The counts go down and the tombstone is written before the records go: nothing is written after
+-- a record's deletion (see MARKER in reap.lua for why that order matters).
 local delta = {}
 for h, c in pairs(freed) do delta[h] = -c end
 add_counts(delta)
