@@ -57,7 +57,9 @@ pub struct PolicyAggregate {
     pub ttft_mean_ms: Spread,
     /// Client TTFT median, simulated ms.
     pub ttft_p50_ms: Spread,
-    /// Client TTFT p90, simulated ms (the routing goals are stated in it).
+    /// Client TTFT p90, simulated ms (the routing goals are stated in it). Reports written before
+    /// it existed have it only per run: [`crate::tables::render`] fills it from the runs.
+    #[serde(default)]
     pub ttft_p90_ms: Spread,
     /// Client TTFT p99, simulated ms (only when each run had at least 1000 requests).
     pub ttft_p99_ms: Option<Spread>,

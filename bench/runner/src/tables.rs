@@ -3,6 +3,7 @@
 //! profile, repetitions and time scale it was made with. `bench tables --write` puts them into
 //! README.md between the two marker lines.
 
+use crate::stats::Spread;
 use crate::{failure_table, redis_table, table, Report};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -89,7 +90,15 @@ pub fn render(dir: &Path) -> Result<(String, Vec<String>)> {
     for f in files {
         let text = std::fs::read_to_string(&f)?;
         // A scenario report, a sweep or the routers' overhead; anything else is skipped.
-        if let Ok(rep) = serde_json::from_str::<Report>(&text) {
+        if let Ok(mut rep) = serde_json::from_str::<Report>(&text) {
+            // The runs are the source: reports older than the p90 column carry it only there.
+            for p in &mut rep.policies {
+                let runs = rep
+                    .runs
+                    .iter()
+                    .filter(|r| r.policy == p.policy && r.gateway_replicas == p.gateway_replicas);
+                p.ttft_p90_ms = Spread::of(runs.map(|r| r.ttft_ms.p90)).unwrap_or_default();
+            }
             out.push_str(&section(&rep));
         } else if let Ok(sw) = serde_json::from_str::<crate::sweep::SweepReport>(&text) {
             out.push_str(&sweep_section(&sw));
@@ -229,11 +238,20 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("dir");
         let json = serde_json::to_string(&report()).expect("json");
         std::fs::write(dir.join("t.json"), json).expect("write");
+        // A report written before the p90 column: its p90 comes from the runs.
+        let mut older = serde_json::to_value(report()).expect("value");
+        older["scenario"] = "older".into();
+        for p in older["policies"].as_array_mut().expect("policies") {
+            p.as_object_mut().expect("policy").remove("ttft_p90_ms");
+        }
+        std::fs::write(dir.join("older.json"), older.to_string()).expect("write");
         std::fs::write(dir.join("old.json"), "{\"scenario\": \"old\"}").expect("write");
         let (md, skipped) = render(&dir).expect("render");
         std::fs::remove_dir_all(&dir).ok();
         assert!(md.contains("2026-11-24 07:49 UTC · commit `abc123` · vm · profile `published-testbed` · 3 repetitions"), "{md}");
-        assert!(md.contains("| round_robin | 3 × 300 | 0 | 110 (100–120) |"), "{md}");
+        let row =
+            "| round_robin | 3 × 300 | 0 | 110 (100–120) | 110 (100–120) | 110 (100–120) | n/a |";
+        assert_eq!(md.matches(row).count(), 2, "p50 and p90 in both reports: {md}");
         assert!(md.contains("| 40.0 (40.0–40.0) |"), "{md}");
         assert_eq!(skipped.len(), 1, "the old-format file is skipped: {skipped:?}");
         assert!(!md.contains("Redis per routed request"), "no Redis table without a Redis policy");
