@@ -95,7 +95,9 @@ impl PodSpeed {
 
     /// Each of `pods`' slowness at `now_ns`: its average over the fastest of them (`>= 1`);
     /// `1.0` for a pod without a recent average. Empty when fewer than two pods have one (there
-    /// is nothing to compare).
+    /// is nothing to compare). The plugin compares [`PodSpeed::averages`] in the picker, over the
+    /// healthy pods it already read; this is the same for the estimate's tests.
+    #[cfg(test)]
     pub fn slowness(&self, pods: &[&str], now_ns: u64) -> Vec<(String, f64)> {
         relative_slowness(&self.averages(now_ns), pods)
     }

@@ -89,11 +89,10 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
     let speeds: Vec<f64> = (0..n).map(|i| sc.pods.speed.get(i).copied().unwrap_or(1.0)).collect();
     let mut pods: Vec<(Scheduler, Option<f64>)> = (0..n)
         .map(|i| {
-            let speed = sc.pods.speed.get(i).copied().unwrap_or(1.0);
             let cfg = EngineConfig {
                 capacity_tokens: sc.pods.kv_capacity_tokens,
                 max_running: sc.pods.max_running,
-                model: profile.model.at_speed(speed),
+                model: profile.model.at_speed(speeds[i]),
                 eos_mean_tokens: sc.pods.eos_mean_tokens,
                 ..EngineConfig::default()
             };
