@@ -116,13 +116,14 @@ impl PodSpeed {
 
 /// `pods`' slowness from [`PodSpeed::averages`]: see [`PodSpeed::slowness`].
 pub fn relative_slowness(averages: &[(String, f64)], pods: &[&str]) -> Vec<(String, f64)> {
-    let avg = |p: &str| averages.iter().find(|(a, _)| a == p).map(|(_, v)| *v);
-    let known: Vec<f64> = pods.iter().filter_map(|p| avg(p)).collect();
-    if known.len() < 2 {
+    let by_pod = super::first_by_key(averages.iter().map(|(a, v)| (a.as_str(), *v)));
+    // Each pod's average, looked up once.
+    let avgs: Vec<Option<f64>> = pods.iter().map(|p| by_pod.get(p).copied()).collect();
+    if avgs.iter().flatten().count() < 2 {
         return Vec::new();
     }
-    let fastest = known.iter().copied().fold(f64::INFINITY, f64::min);
-    pods.iter().map(|p| (p.to_string(), avg(p).map_or(1.0, |v| v / fastest))).collect()
+    let fastest = avgs.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+    pods.iter().zip(avgs).map(|(p, a)| (p.to_string(), a.map_or(1.0, |v| v / fastest))).collect()
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! behind on a long prefill holds KV), but lag by a sample; the in-flight counts are live and
 //! shared by every gateway, but say nothing about how fast a pod drains them.
 
+use super::first_by_key;
 use crate::config::LoadAwareConfig;
 use crate::metrics::router::PodView;
 
@@ -81,8 +82,9 @@ impl LoadArgs {
     /// combined load, and overloaded at `overloadLatency` times the fastest (when set). Pods not
     /// in `slowness` are unchanged.
     pub fn add_slowness(mut self, cfg: &LoadAwareConfig, slowness: &[(String, f64)]) -> LoadArgs {
+        let by_pod = first_by_key(slowness.iter().map(|(a, s)| (a.as_str(), *s)));
         for h in &mut self.hosts {
-            let Some(&(_, s)) = slowness.iter().find(|(a, _)| *a == h.address) else { continue };
+            let Some(&s) = by_pod.get(h.address.as_str()) else { continue };
             if !s.is_finite() || s <= 1.0 {
                 continue;
             }
@@ -103,7 +105,8 @@ impl LoadArgs {
         out.push(self.inflight_gap.to_string());
         out.push(format!("{}", self.ratio));
         out.push(self.max_holders.to_string());
-        let find = |h: &String| self.hosts.iter().find(|l| l.address == *h);
+        let by_address = first_by_key(self.hosts.iter().map(|l| (l.address.as_str(), l)));
+        let find = |h: &String| by_address.get(h.as_str()).copied();
         out.push(
             healthy
                 .iter()

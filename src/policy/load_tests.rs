@@ -96,3 +96,28 @@ fn a_slow_pod_gets_a_penalty_and_is_overloaded_only_past_overload_latency() {
     let off = LoadAwareConfig { latency_weight: 0.0, ..cfg() };
     assert_eq!(flags(&base.clone().add_slowness(&off, &slow)), flags(&base), "weight 0: off");
 }
+
+#[test]
+fn every_pod_of_a_large_cluster_gets_its_own_load_and_slowness() {
+    // 300 pods (looked up by address, not by position): pod i queues i requests, and every third
+    // pod streams twice as slowly as the fastest.
+    let names: Vec<String> =
+        (0..300).map(|i| format!("10.0.{}.{}:8000", i / 256, i % 256)).collect();
+    let pods: Vec<PodView> = names.iter().enumerate().map(|(i, n)| pod(n, i as f64, 0.0)).collect();
+    let averages: Vec<(String, f64)> = names
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.clone(), if i % 3 == 0 { 2.0 } else { 1.0 }))
+        .collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let slowness = crate::policy::latency::relative_slowness(&averages, &refs);
+    let a = load_args(&cfg(), &pods).unwrap().add_slowness(&cfg(), &slowness);
+    // The call's host order is the reverse of the metrics' order.
+    let order: Vec<String> = names.iter().rev().cloned().collect();
+    let mut out = Vec::new();
+    a.args(&order, &mut out);
+    let penalties: Vec<u32> = out[4..].iter().map(|p| p.parse().unwrap()).collect();
+    let expected: Vec<u32> =
+        (0..300u32).rev().map(|i| i + if i % 3 == 0 { 16 } else { 0 }).collect();
+    assert_eq!(penalties, expected);
+}

@@ -223,3 +223,15 @@ pub fn healthy_hosts(
     }
     Some((healthy, other))
 }
+
+/// `pairs` indexed by key, the first pair of a key kept (as a linear `find` would): every pick
+/// looks up each healthy pod once, so a large cluster costs linear time, not quadratic.
+pub fn first_by_key<'a, V>(
+    pairs: impl Iterator<Item = (&'a str, V)>,
+) -> rustc_hash::FxHashMap<&'a str, V> {
+    let mut map = rustc_hash::FxHashMap::default();
+    for (k, v) in pairs {
+        map.entry(k).or_insert(v);
+    }
+    map
+}
