@@ -12,10 +12,17 @@ if interval > 0 and #ARGV >= 4 then
   local last_clean = base .. 'last_clean'
   local last = tonumber(redis.call('GET', last_clean) or '0') or 0
   if now / 1000 - last >= interval then
+    -- Only a count at 0 (or below) goes: this VM's view may be older than another gateway's (an
+    -- idle group, or endpoints that reached that gateway first), and a new pod it has not seen may
+    -- already have requests in flight. A pod that left with requests in flight reaches 0 as they
+    -- end (or as their owner is reaped) and goes at a later cleanup. A missing field reads as 0,
+    -- so deleting a 0 changes no pick.
     local keep = {}
     for i = 4, #ARGV do keep[ARGV[i]] = true end
-    for _, h in ipairs(redis.call('HKEYS', inflight)) do
-      if not keep[h] then redis.call('HDEL', inflight, h) end
+    local all = redis.call('HGETALL', inflight)
+    for i = 1, #all, 2 do
+      local h = all[i]
+      if not keep[h] and (tonumber(all[i + 1]) or 0) <= 0 then redis.call('HDEL', inflight, h) end
     end
     redis.call('SET', last_clean, math.floor(now / 1000))
   end
