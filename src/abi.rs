@@ -644,6 +644,11 @@ pub extern "C" fn proxy_on_delete(ctx: u32) {
     });
 }
 
+/// An HTTP-call reply body larger than this is not read into the VM (the plugin's only calls are
+/// metrics scrapes: a vLLM or SGLang `/metrics` is tens of KiB); the call then counts as a reply
+/// without metrics. A VM's linear memory only grows, so one huge reply would cost it for good.
+pub const MAX_HTTP_REPLY_BODY: usize = 4 << 20;
+
 /// HTTP-call reply (on the root context).
 #[no_mangle]
 pub extern "C" fn proxy_on_http_call_response(
@@ -671,7 +676,18 @@ pub extern "C" fn proxy_on_http_call_response(
         .find(|(k, _)| k == ":status")
         .and_then(|(_, v)| v.parse::<u16>().ok())
         .unwrap_or(0);
-    let body = buffer_bytes(BufferType::HttpCallResponseBody, 0, body_size).unwrap_or_default();
+    let body = if body_size > MAX_HTTP_REPLY_BODY {
+        WasmHost.log(
+            LogLevel::Warn,
+            &format!(
+                "ai-load-balancer: HTTP-call reply of {body_size} bytes not read (over \
+                 {MAX_HTTP_REPLY_BODY}): no metrics from it"
+            ),
+        );
+        Vec::new()
+    } else {
+        buffer_bytes(BufferType::HttpCallResponseBody, 0, body_size).unwrap_or_default()
+    };
     let reply = HttpReply { status, headers, body };
     if vm_busy() {
         defer(Deferred::Http(root, token, reply));

@@ -137,10 +137,10 @@ pub struct GlobalLeastRequestConfig {
     /// `maxRequestCount` (default 0 = unlimited): above this many in-flight requests on the least
     /// loaded host, answer 429.
     pub max_request_count: u64,
-    /// `cleanInterval` in minutes (default 60; 0 disables): hosts that left the cluster are removed
-    /// from the in-flight table this often.
+    /// `cleanInterval` in minutes (default 60, also for 0 or negative, as in Go): hosts that left
+    /// the cluster, at a count of 0, are removed from the in-flight table this often.
     pub clean_interval_min: u64,
-    /// `enableDetailLog` (default true): log each pick with the counts.
+    /// `enableDetailLog` (default true): log each pick with its count, at debug level as Go does.
     pub enable_detail_log: bool,
     /// Leases and the Redis breaker (ours).
     pub state: SharedStateConfig,

@@ -183,7 +183,10 @@ impl Filter {
     /// Root tick: every policy's periodic work, then each held stream's policy may give up on the
     /// call it waits for (the stream is made the effective context to resume it).
     pub fn on_tick(&mut self, host: &mut dyn Host) {
-        for r in &self.routes {
+        // The previous configuration's policies too: the requests they routed before a
+        // reconfigure still end, and their releases and lease heartbeats go out on the tick (else
+        // their owner would be reaped with those requests in flight, and counts run low).
+        for r in self.routes.iter().chain(&self.previous) {
             r.call((), |p| p.on_tick(host));
         }
         let mut held: Vec<u32> = self

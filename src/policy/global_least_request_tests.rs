@@ -302,6 +302,22 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
     let first = release_of(&host, 0, false);
     assert_eq!(releases(&host).iter().filter(|r| **r == first).count(), 10, "bounded resends");
     assert!(host.logged("giving up the release"));
+    // The lost release's record would hold its +1 while this VM renews its lease: the VM takes a
+    // new owner id and leaves the old one (and that record) to the reaper.
+    let owner =
+        |host: &crate::host::fake::FakeHost, i: usize| keys_args(&command(host, i)).1[2].clone();
+    let old = owner(&host, 0);
+    f.on_request_headers(&mut host, ctx, true);
+    let new = owner(&host, host.redis_calls.len() - 1);
+    assert_ne!(new, old, "a new owner after the drop");
+    assert_eq!(new.len(), 12);
+    host.now += 10 * 1_000_000_000;
+    let before = host.redis_calls.len();
+    f.on_tick(&mut host);
+    let sent: Vec<Vec<String>> =
+        (before..host.redis_calls.len()).map(|i| command(&host, i)).collect();
+    assert!(sent.iter().any(|c| c.contains(&new)), "the new owner's heartbeat: {sent:?}");
+    assert!(!sent.iter().any(|c| c.contains(&old)), "the old owner is not renewed: {sent:?}");
 }
 
 const MS: u64 = 1_000_000;
@@ -570,6 +586,33 @@ fn a_release_no_pick_carries_goes_out_on_the_next_tick() {
     host.now += u64::from(f.tick_period_ms()) * MS;
     f.on_tick(&mut host);
     assert_eq!(releases(&host), vec![release_of(&host, p7, false)]);
+}
+
+#[test]
+fn a_request_routed_before_a_reconfigure_is_released_on_the_next_tick() {
+    let (mut f, mut host) = setup(&cfg(""));
+    let p7 = admit(&mut f, &mut host, 7, "10.0.0.1:8000");
+    admit(&mut f, &mut host, 9, "10.0.0.2:8000");
+    // A new configuration (its own policy and owner) while 7 and 9 are in flight.
+    assert!(f.configure(&mut host, cfg(r#","maxRequestCount":50"#).as_bytes()));
+    f.on_delete(&mut host, 7);
+    host.now += u64::from(f.tick_period_ms()) * MS;
+    f.on_tick(&mut host);
+    assert_eq!(releases(&host), vec![release_of(&host, p7, false)]);
+}
+
+#[test]
+fn each_pick_is_logged_at_debug_level_unless_enable_detail_log_is_false() {
+    let pick_lines = |host: &crate::host::fake::FakeHost| -> Vec<crate::types::LogLevel> {
+        let logs = host.logs.borrow();
+        logs.iter().filter(|(_, m)| m.contains("host=10.0.0.1:8000")).map(|(l, _)| *l).collect()
+    };
+    let (mut f, mut host) = setup(&cfg(""));
+    admit(&mut f, &mut host, 7, "10.0.0.1:8000");
+    assert_eq!(pick_lines(&host), vec![crate::types::LogLevel::Debug]);
+    let (mut f, mut host) = setup(&cfg(r#","enableDetailLog":false"#));
+    admit(&mut f, &mut host, 7, "10.0.0.1:8000");
+    assert_eq!(pick_lines(&host), vec![]);
 }
 
 #[test]

@@ -791,9 +791,12 @@ impl Picker {
                 state.picked = Some(pick.host.clone());
             }
         }
+        // Debug, as the Go plugin logs it: one line per routed request at the gateway's default
+        // level (info) would flood a busy gateway's log; the decision counters are the
+        // always-on view.
         if self.config.enable_detail_log {
             host.log(
-                LogLevel::Info,
+                LogLevel::Debug,
                 &format!(
                     "{}: route={} cluster={} host={} inflight={} admitted={} matched={}",
                     self.name,
@@ -1080,19 +1083,15 @@ impl Picker {
             return;
         };
         g.held = g.held.saturating_sub(1);
-        if g.ended.len() >= MAX_QUEUED_RELEASES {
-            host.log(
-                LogLevel::Warn,
-                &format!(
-                    "{}: release queue full; dropping request {}",
-                    self.name, state.request_id
-                ),
-            );
-            host.increment_counter(Counter::ReleaseDropped, 1);
-        } else {
+        let full = g.ended.len() >= MAX_QUEUED_RELEASES;
+        if !full {
             g.ended.push((state.request_id, pod));
         }
-        if g.held == 0 {
+        let idle = g.held == 0;
+        if full {
+            self.drop_releases(host, 1, "release queue full");
+        }
+        if idle {
             self.flush_ended(host, &owners_key);
         }
     }
@@ -1105,19 +1104,12 @@ impl Picker {
         }
         let Some(g) = self.groups.get_mut(owners_key) else { return };
         let room = MAX_QUEUED_RELEASES.saturating_sub(g.ended.len());
-        if ids.len() > room {
-            host.log(
-                LogLevel::Warn,
-                &format!(
-                    "{}: release queue full; dropping {} releases",
-                    self.name,
-                    ids.len() - room
-                ),
-            );
-            host.increment_counter(Counter::ReleaseDropped, (ids.len() - room) as i64);
-        }
+        let lost = ids.len().saturating_sub(room);
         let keep = ids.len().min(room);
         g.ended.splice(0..0, ids.into_iter().take(keep));
+        if lost > 0 {
+            self.drop_releases(host, lost, "release queue full");
+        }
     }
 
     /// Sends the releases waiting in a group, at most [`MAX_CARRIED`] per call; while the breaker
@@ -1268,17 +1260,8 @@ impl Picker {
             rel.failures = rel.failures.saturating_add(1);
         }
         if rel.failures >= MAX_RELEASE_ATTEMPTS {
-            host.log(
-                LogLevel::Warn,
-                &format!(
-                    "{}: giving up the release of {} request(s) after {} failed sends; the \
-                     counts return when this VM's lease ends",
-                    self.name,
-                    rel.call.len(),
-                    rel.failures
-                ),
-            );
-            host.increment_counter(Counter::ReleaseDropped, rel.call.len() as i64);
+            let why = format!("giving up the release after {} failed sends", rel.failures);
+            self.drop_releases(host, rel.call.len(), &why);
             return;
         }
         self.queue_release(host, rel);
@@ -1286,18 +1269,28 @@ impl Picker {
 
     fn queue_release(&mut self, host: &mut dyn Host, rel: Release) {
         if self.release_queue.len() >= MAX_QUEUED_RELEASES {
-            host.log(
-                LogLevel::Warn,
-                &format!(
-                    "{}: release queue full; dropping {} release(s)",
-                    self.name,
-                    rel.call.len()
-                ),
-            );
-            host.increment_counter(Counter::ReleaseDropped, rel.call.len() as i64);
+            self.drop_releases(host, rel.call.len(), "release queue full");
             return;
         }
         self.release_queue.push(rel);
+    }
+
+    /// `n` releases lost for good (`why`). Their records would keep their +1s for as long as this
+    /// VM renews its lease, i.e. until the gateway stops; so the VM takes a new owner id at its next
+    /// pick and stops renewing the old one, whose records the reaper subtracts within about a
+    /// lease: the lost +1s, and those of this VM's requests still in flight (whose own releases
+    /// then find no record). Counts run low for those requests until they end, not high for good.
+    fn drop_releases(&mut self, host: &mut dyn Host, n: usize, why: &str) {
+        let old = self.owner.take().unwrap_or_default();
+        host.log(
+            LogLevel::Warn,
+            &format!(
+                "{}: {why}: dropping {n} release(s); owner {old} is left to the reaper and this VM \
+                 takes a new owner id",
+                self.name
+            ),
+        );
+        host.increment_counter(Counter::ReleaseDropped, n as i64);
     }
 
     fn flush_release_queue(&mut self, host: &mut dyn Host) {

@@ -182,3 +182,25 @@ async fn without_a_scrape_cluster_the_plugin_never_scrapes() {
     assert_eq!(scrape_counts(&pods), vec![0, 0], "no scrape without an ORIGINAL_DST cluster");
     assert!(gw.logs().contains("no scrapeCluster set"), "the plugin says so at start");
 }
+
+/// A `/metrics` reply over the plugin's cap (4 MiB) is not read into the VM: that pod has no
+/// metrics, so requests take normal balancing, and the plugin says why. Read whole, the big pod's
+/// metrics (idle, against a queueing pod) would have drawn every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metrics_reply_over_the_cap_is_not_read_and_requests_still_served() {
+    let pods = start_pods("big-metrics", 2).await.unwrap();
+    let mut huge = samples::vllm_v1(0, 0, 0.1);
+    let line = format!("# {}\n", "x".repeat(1000));
+    while huge.len() <= 5 << 20 {
+        huge.push_str(&line);
+    }
+    pods[0].set_metrics(huge);
+    pods[1].set_metrics(samples::vllm_v1(8, 20, 0.9));
+    let lb = json!({"scrapeIntervalMs": 200});
+    let gw = Gateway::start(&metrics_config("big-metrics", &pods, lb, false)).await.unwrap();
+    send_many(&gw, 2).await;
+    wait_scrapes(&pods, &[0, 0], 2, Duration::from_secs(15)).await.unwrap();
+    let sent = send_many(&gw, 8).await;
+    assert_eq!(tally(&sent).len(), 2, "normal balancing over both pods: {:?}", tally(&sent));
+    assert!(gw.logs().contains("not read (over 4194304)"), "the plugin says why");
+}
