@@ -117,6 +117,10 @@ enum Cmd {
         /// Repetitions per case (interleaved); medians are reported.
         #[arg(long, default_value_t = 3)]
         reps: usize,
+        /// Pods in the cluster (every pick reads each one's count; the Go way sends each one).
+        /// Other than the default, the report goes to `redis-cost-pods<N>.json`.
+        #[arg(long, default_value_t = bench::redis_cost::DEFAULT_PODS)]
+        pods: usize,
     },
 }
 
@@ -423,15 +427,20 @@ fn model(paths: Paths, name: String) -> Result<()> {
     Ok(())
 }
 
-async fn redis_cost(paths: Paths, requests: u64, reps: usize) -> Result<()> {
-    let rows = bench::redis_cost::measure(requests, reps).await?;
+async fn redis_cost(paths: Paths, requests: u64, reps: usize, pods: usize) -> Result<()> {
+    let rows = bench::redis_cost::measure(requests, reps, pods).await?;
     let table = bench::redis_cost::table(&rows, reps);
     std::fs::create_dir_all(&paths.results)?;
-    let out = paths.results.join("redis-cost.json");
+    let out = if pods == bench::redis_cost::DEFAULT_PODS {
+        paths.results.join("redis-cost.json")
+    } else {
+        paths.results.join(format!("redis-cost-pods{pods}.json"))
+    };
     let json = serde_json::json!({
         "unix_time": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "requests_per_rep": requests,
         "reps": reps,
+        "pods": pods,
         "cases": rows,
     });
     std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
@@ -567,7 +576,9 @@ async fn main() {
             }
             Cmd::Tables { write } => tables(paths, write),
             Cmd::Demo => demo(paths).await,
-            Cmd::RedisCost { requests, reps } => redis_cost(paths, requests, reps).await,
+            Cmd::RedisCost { requests, reps, pods } => {
+                redis_cost(paths, requests, reps, pods).await
+            }
             Cmd::RouterOverhead { requests, reps, targets } => {
                 router_overhead(paths, requests, reps, targets).await
             }

@@ -8,7 +8,7 @@
 //! `release.lua` call per VM. Not counted: each plugin VM's heartbeat, one small script per route
 //! every third of `leaseMs` whatever the traffic, and the root tick's release call for what no pick
 //! carried (at most one per VM and route every 100 ms, none while picks come faster). The
-//! workload: 8 pods, 4 plugin VMs (owners), 5-block chats (prefix_cache) that are sent again with
+//! workload: 8 pods (`--pods`), 4 plugin VMs (owners), 5-block chats (prefix_cache) that are sent again with
 //! one more block (hits), 16 requests in flight at a time (each request ends 16 picks after its
 //! pick).
 //!
@@ -42,7 +42,8 @@ use std::net::TcpStream;
 
 use crate::procs::{redis_info, Redis};
 
-const PODS: usize = 8;
+/// Pods in the cluster unless `--pods` says otherwise.
+pub const DEFAULT_PODS: usize = 8;
 const OWNERS: usize = 4;
 const BLOCKS: usize = 5;
 const IN_FLIGHT: usize = 16;
@@ -195,8 +196,13 @@ async fn redis_usec(addr: &str, top_level: Option<(&str, u64)>) -> Result<f64> {
     Ok(usec)
 }
 
-fn healthy(rng: &mut Rng) -> Vec<String> {
-    let mut healthy: Vec<String> = (0..PODS).map(|i| format!("10.0.0.{}:8000", i + 1)).collect();
+/// Pod `i`'s address (distinct for any number of pods).
+fn pod_address(i: usize) -> String {
+    format!("10.0.{}.{}:8000", i / 250, i % 250 + 1)
+}
+
+fn healthy(rng: &mut Rng, pods: usize) -> Vec<String> {
+    let mut healthy: Vec<String> = (0..pods).map(pod_address).collect();
     let n = healthy.len();
     for i in (1..n).rev() {
         healthy.swap(i, (rng.next() % (i as u64 + 1)) as usize);
@@ -205,7 +211,14 @@ fn healthy(rng: &mut Rng) -> Vec<String> {
 }
 
 /// The plugin's pick: `request` is the owner's request counter.
-fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: Case) -> PickCall {
+fn pick_call(
+    rng: &mut Rng,
+    pods: usize,
+    owner: usize,
+    request: u64,
+    chain: &[String],
+    kind: Case,
+) -> PickCall {
     let owner_id = format!("{:012x}", 0x5eed_0000 + owner);
     PickCall {
         keys: StateKeys::new(ROUTE, CLUSTER, &owner_id),
@@ -214,7 +227,7 @@ fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: 
         owner_id,
         request_id: format!("{request:x}"),
         ended: Vec::new(),
-        healthy: healthy(rng),
+        healthy: healthy(rng, pods),
         kind: match kind {
             Case::PrefixCache => PickKind::Prefix {
                 chain: chain.to_vec(),
@@ -225,9 +238,9 @@ fn pick_call(rng: &mut Rng, owner: usize, request: u64, chain: &[String], kind: 
             Case::PrefixCacheLoadAware => {
                 // Pods with queues of 0-3 and KV use of 0-0.5, none overloaded by its metrics.
                 let config = LoadAwareConfig::default();
-                let pods: Vec<PodView> = (0..PODS)
+                let pods: Vec<PodView> = (0..pods)
                     .map(|i| PodView {
-                        address: format!("10.0.0.{}:8000", i + 1),
+                        address: pod_address(i),
                         metrics: Some(PodMetrics {
                             waiting: Some((i % 4) as f64),
                             kv_cache_usage: Some((i % 6) as f64 / 10.0),
@@ -257,7 +270,7 @@ enum Pending {
 }
 
 /// Runs one case for `n` routed requests against a fresh Redis.
-async fn run_case(case: Case, n: u64) -> Result<Cost> {
+async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
     let redis = Redis::start().await?;
     let addr = redis.addr.clone();
     let pick = Script::new(match case {
@@ -304,8 +317,8 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
         let owner = (i as usize) % OWNERS;
         let pending = match case {
             Case::GoLeastRequest | Case::GoPrefixCache => {
-                let hosts = healthy(&mut rng);
-                let default = hosts.get((rng.next() % PODS as u64) as usize).cloned();
+                let hosts = healthy(&mut rng, pods);
+                let default = hosts.get((rng.next() % pods as u64) as usize).cloned();
                 let first = if case == Case::GoPrefixCache {
                     "1800".to_string()
                 } else {
@@ -329,7 +342,7 @@ async fn run_case(case: Case, n: u64) -> Result<Cost> {
                     *r += 1;
                     *r
                 });
-                let mut call = pick_call(&mut rng, owner, req.unwrap_or(1), &chat, case);
+                let mut call = pick_call(&mut rng, pods, owner, req.unwrap_or(1), &chat, case);
                 if let Some(e) = ended.get_mut(owner) {
                     call.ended = std::mem::take(e);
                 }
@@ -414,8 +427,9 @@ fn range(v: &[f64]) -> (f64, f64) {
     (v.iter().copied().fold(f64::INFINITY, f64::min), v.iter().copied().fold(0.0, f64::max))
 }
 
-/// Runs every case `reps` times (interleaved) with `n` requests each; returns one summary per case.
-pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
+/// Runs every case `reps` times (interleaved) with `n` requests each over `pods` pods; returns one
+/// summary per case.
+pub async fn measure(n: u64, reps: usize, pods: usize) -> Result<Vec<Summary>> {
     let cases = [
         Case::Baseline,
         Case::LeastRequest,
@@ -427,7 +441,7 @@ pub async fn measure(n: u64, reps: usize) -> Result<Vec<Summary>> {
     let mut runs: Vec<Vec<Cost>> = vec![Vec::new(); cases.len()];
     for _ in 0..reps.max(1) {
         for (i, c) in cases.iter().enumerate() {
-            let cost = run_case(*c, n).await?;
+            let cost = run_case(*c, n, pods.max(1)).await?;
             if let Some(r) = runs.get_mut(i) {
                 r.push(cost);
             }
@@ -485,4 +499,21 @@ pub fn table(rows: &[Summary], reps: usize) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_pod_of_a_large_cluster_has_its_own_valid_address() {
+        let addrs: std::collections::HashSet<String> = (0..1000).map(pod_address).collect();
+        assert_eq!(addrs.len(), 1000);
+        assert!(addrs.iter().all(|a| a.parse::<std::net::SocketAddr>().is_ok()), "{addrs:?}");
+        let mut rng = Rng(7);
+        let mut hosts = healthy(&mut rng, 300);
+        hosts.sort();
+        hosts.dedup();
+        assert_eq!(hosts.len(), 300, "each pod once in a pick's host list");
+    }
 }
