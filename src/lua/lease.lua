@@ -39,7 +39,7 @@ local function settle()
     register(mine, ARGV[3], now_ms() + (tonumber(ARGV[2]) or 10000))
   end
 end
--- Each candidate host's count as this pick read it (the pick scripts fill it from their HMGET,
+-- Each candidate host's count as this pick read it (the pick scripts fill it from all_counts,
 -- through read_count), so that commit writes every changed count in one HSET instead of one
 -- HINCRBY per pod.
 local stored = {}

@@ -12,12 +12,12 @@ if n < 1 then
 end
 local hosts = {}
 for i = 1, n do hosts[i] = p .. ARGV[6 + i] .. s end
-local counts = redis.call('HMGET', inflight, unpack(hosts))
+local counts = all_counts()
 settle()
 local best, bestc = nil, nil
 for i = 1, n do
   -- (a count below 0, a decrement that outlived a cleanup, counts as 0 and commit repairs it)
-  local c = read_count(hosts[i], counts[i])
+  local c = read_count(hosts[i], counts[hosts[i]])
   if bestc == nil or c < bestc then best, bestc = hosts[i], c end
 end
 local after = bestc + 1

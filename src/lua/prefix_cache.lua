@@ -81,14 +81,14 @@ end
 
 -- Each host's load: in flight, plus (loadAware) its queue and KV pressure. The least loaded host
 -- (the miss path, and where a diverted hit goes), and the least loaded holder (the target).
-local counts = redis.call('HMGET', inflight, unpack(ARGV, first, first + n - 1))
+local counts = all_counts()
 settle()
 local least, leasts, minc = nil, nil, nil
 local target, targets, targetc, ti = nil, nil, 0, 0
 local count = {}
 for i = 1, n do
   local h = ARGV[first - 1 + i]
-  local c = read_count(h, counts[i])
+  local c = read_count(h, counts[h])
   count[h] = c
   local s = c
   if la then s = c + (tonumber(ARGV[first + n + 3 + i]) or 0) end

@@ -77,6 +77,18 @@ local function register(mine, owner, expires)
   redis.call('ZADD', owners, expires, owner)
 end
 
+-- Every count of the in-flight hash, host -> stored value: the pick scripts' read of the counts.
+-- One HGETALL rather than an HMGET of the candidates: inside a script Redis pays for each command
+-- argument (about 0.5 us each past its small cache of argument objects, Redis 7), so an HMGET of 256
+-- hosts took 150 us where an HGETALL of the same hash took 35 (equal at 8 hosts). The hash holds
+-- only this route+cluster's pods (and, until the cleanup, pods that left).
+local function all_counts()
+  local a = redis.call('HGETALL', inflight)
+  local m = {}
+  for i = 1, #a, 2 do m[a[i]] = a[i + 1] end
+  return m
+end
+
 -- The carried releases' records that are still there, deleted (a pick's first write, after its
 -- reads): the ids held, and `freed` keeps only their pods. One HDEL whose reply says it for a single
 -- release (the common case), else one HMGET then one HDEL.
