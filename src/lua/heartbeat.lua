@@ -19,10 +19,8 @@ if interval > 0 and #ARGV >= 4 then
     -- so deleting a 0 changes no pick.
     local keep = {}
     for i = 4, #ARGV do keep[ARGV[i]] = true end
-    local all = redis.call('HGETALL', inflight)
-    for i = 1, #all, 2 do
-      local h = all[i]
-      if not keep[h] and (tonumber(all[i + 1]) or 0) <= 0 then redis.call('HDEL', inflight, h) end
+    for h, c in pairs(all_counts()) do
+      if not keep[h] and (tonumber(c) or 0) <= 0 then redis.call('HDEL', inflight, h) end
     end
     redis.call('SET', last_clean, math.floor(now / 1000))
   end
