@@ -132,6 +132,9 @@ pub struct Cluster {
     pub redis_cluster: RedisClusterConfig,
     /// Envoy's `ignore_new_hosts_until_first_hc`.
     pub ignore_new_hosts_until_first_hc: bool,
+    /// Round-robin position. Starts at a random value, as Envoy's round-robin LB starts each
+    /// worker's index at a random seed: gateways (or workers) started together do not all send
+    /// their first requests to the same endpoint.
     rr: AtomicUsize,
 }
 
@@ -288,7 +291,7 @@ impl Clusters {
                     use_http_header: cfg.original_dst_lb_config.use_http_header,
                     redis_cluster: cfg.redis_cluster,
                     ignore_new_hosts_until_first_hc: cfg.ignore_new_hosts_until_first_hc,
-                    rr: AtomicUsize::new(0),
+                    rr: AtomicUsize::new(rand::random::<u32>() as usize),
                 }),
             );
         }
@@ -448,6 +451,28 @@ mod tests {
         let ignored = picks_before_first_check(true);
         assert!(ignored.iter().all(|a| a == "127.0.0.1:1"), "{ignored:?}");
         assert_eq!(ignored.len(), 30);
+    }
+
+    /// Envoy seeds each round-robin index at random: clusters built from one config do not all
+    /// begin at the first endpoint (all 64 would with a counter starting at 0; at random, the
+    /// chance of that is 4^-63).
+    #[test]
+    fn round_robin_starts_at_a_random_endpoint() {
+        let cfg: ClusterConfig = serde_json::from_value(serde_json::json!({
+            "name": "c",
+            "endpoints": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"],
+        }))
+        .unwrap();
+        let firsts: std::collections::HashSet<String> = (0..64)
+            .filter_map(|_| Clusters::new(std::slice::from_ref(&cfg)).ok()?.get("c")?.pick())
+            .map(|e| e.address.clone())
+            .collect();
+        assert!(firsts.len() > 1, "{firsts:?}");
+        // Still a rotation from there: four picks visit every endpoint once.
+        let c = Clusters::new(&[cfg]).unwrap().get("c").unwrap();
+        let four: std::collections::HashSet<String> =
+            (0..4).filter_map(|_| c.pick()).map(|e| e.address.clone()).collect();
+        assert_eq!(four.len(), 4, "{four:?}");
     }
 
     #[test]
