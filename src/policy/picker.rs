@@ -247,44 +247,10 @@ impl PickCall {
                     load.args(&self.healthy, &mut args);
                 }
             }
-            PickKind::LeastRequest => {
-                // What every host starts and ends with goes once (pod addresses share most of
-                // theirs: `10.0.0.` and `:8000`), then each host's own part.
-                let (pre, suf) = common_affixes(&self.healthy);
-                args.reserve(2 + self.healthy.len());
-                args.push(self.healthy.first().and_then(|h| h.get(..pre)).unwrap_or("").into());
-                args.push(
-                    self.healthy.first().and_then(|h| h.get(h.len() - suf..)).unwrap_or("").into(),
-                );
-                for h in &self.healthy {
-                    args.push(h.get(pre..h.len() - suf).unwrap_or(h).into());
-                }
-            }
+            PickKind::LeastRequest => args.extend(self.healthy.iter().cloned()),
         }
         (keys, args)
     }
-}
-
-/// Lengths in bytes of the longest prefix and, after it, the longest suffix that all of `hosts`
-/// share, both on character boundaries (so every host is `prefix + own part + suffix`).
-pub fn common_affixes(hosts: &[String]) -> (usize, usize) {
-    let Some(first) = hosts.first() else { return (0, 0) };
-    let mut pre = first.len();
-    for h in hosts {
-        pre = pre.min(first.bytes().zip(h.bytes()).take_while(|(a, b)| a == b).count());
-    }
-    while !first.is_char_boundary(pre) {
-        pre -= 1;
-    }
-    let shortest = hosts.iter().map(String::len).min().unwrap_or(0);
-    let mut suf = shortest - pre;
-    for h in hosts {
-        suf = suf.min(first.bytes().rev().zip(h.bytes().rev()).take_while(|(a, b)| a == b).count());
-    }
-    while !first.is_char_boundary(first.len() - suf) {
-        suf -= 1;
-    }
-    (pre, suf)
 }
 
 /// One `release.lua` call, typed: [`ReleaseCall::keys_args`] is the one place that writes KEYS
