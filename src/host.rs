@@ -253,8 +253,11 @@ pub enum Counter {
     FallbackNoMetrics,
     /// The Redis breaker opened.
     BreakerOpened,
-    /// An in-flight count release was given up (the lease returns it later).
+    /// An in-flight count release was given up (the next heartbeat releases its record).
     ReleaseDropped,
+    /// Records of this VM's requests that a heartbeat released because their releases could not
+    /// come (Redis restarted from older state, or releases were dropped).
+    StaleRecordsReleased,
     /// `prefix_cache`: prompt tokens the engines reported (`usage.prompt_tokens`).
     EnginePromptTokens,
     /// `prefix_cache`: prompt tokens the engines found cached
@@ -293,6 +296,7 @@ impl Counter {
             Counter::FallbackNoMetrics => "ai_lb_fallback_no_metrics",
             Counter::BreakerOpened => "ai_lb_breaker_opened",
             Counter::ReleaseDropped => "ai_lb_release_dropped",
+            Counter::StaleRecordsReleased => "ai_lb_stale_records_released",
             Counter::EnginePromptTokens => "ai_lb_engine_prompt_tokens",
             Counter::EngineCachedTokens => "ai_lb_engine_cached_tokens",
             Counter::PredictedHitEngineHit => "ai_lb_predicted_hit_engine_hit",

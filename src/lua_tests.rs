@@ -137,9 +137,21 @@ impl Redis {
         self.raw(&Script::new(RELEASE_LUA).command(&keys, &args, true))
     }
 
-    /// A heartbeat of `owner` with no cleanup.
+    /// A heartbeat of `owner` with no cleanup, from a VM that still needs every record it has.
     fn heartbeat(&mut self, owner: &str, lease_ms: u32) -> Frame {
         self.heartbeat_cleaning(owner, lease_ms, 0, &[])
+    }
+
+    /// A heartbeat of `owner` from a VM that needs only the records of `live`.
+    fn heartbeat_needing(&mut self, owner: &str, lease_ms: u32, live: &[&str]) -> Frame {
+        self.heartbeat_call(HeartbeatCall {
+            inflight_key: "inflight".into(),
+            lease_ms,
+            owner_id: owner.into(),
+            clean_interval_s: 0,
+            live: live.iter().map(|id| id.to_string()).collect(),
+            hosts: Vec::new(),
+        })
     }
 
     fn heartbeat_cleaning(
@@ -149,13 +161,27 @@ impl Redis {
         clean_interval_s: u64,
         in_cluster: &[&str],
     ) -> Frame {
-        let call = HeartbeatCall {
+        let live = match self.cmd(&["HKEYS", &format!("own:{owner}")]) {
+            Frame::Array(ids) => ids
+                .into_iter()
+                .filter_map(|f| match f {
+                    Frame::BulkString(b) => String::from_utf8(b).ok(),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        self.heartbeat_call(HeartbeatCall {
             inflight_key: "inflight".into(),
             lease_ms,
             owner_id: owner.into(),
             clean_interval_s,
+            live,
             hosts: in_cluster.iter().map(|h| h.to_string()).collect(),
-        };
+        })
+    }
+
+    fn heartbeat_call(&mut self, call: HeartbeatCall) -> Frame {
         let (keys, args) = call.keys_args();
         self.raw(&Script::new(HEARTBEAT_LUA).command(&keys, &args, true))
     }
@@ -530,11 +556,11 @@ fn a_dead_owners_counts_are_subtracted_once_its_lease_runs_out() {
     assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["b", "c"]))).0, "b");
     assert_eq!(pick(&r.run(&s, &as_owner("vm2", 10_000, &["c"]))).0, "c");
     // Within the lease nothing is taken away.
-    assert_eq!(r.heartbeat("vm2", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("vm2", 10_000), Frame::Integer(0));
     assert_eq!((r.count("a"), r.count("b")), (Some(1), Some(1)));
     std::thread::sleep(Duration::from_millis(1100));
     // The next heartbeat of any live VM subtracts vm1's picks.
-    assert_eq!(r.heartbeat("vm2", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("vm2", 10_000), Frame::Integer(0));
     assert_eq!((r.count("a"), r.count("b"), r.count("c")), (Some(0), Some(0), Some(1)));
     let f = r.run(&s, &as_owner("vm2", 10_000, &["a", "c"]));
     assert_eq!(pick(&f), ("a".to_string(), 1, 1, 0));
@@ -552,7 +578,7 @@ fn heartbeats_keep_a_live_owners_counts() {
     assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["a"]))).0, "a");
     for _ in 0..3 {
         std::thread::sleep(Duration::from_millis(400));
-        assert_eq!(r.heartbeat("vm1", 1000), Frame::Integer(1));
+        assert_eq!(r.heartbeat("vm1", 1000), Frame::Integer(0));
     }
     r.run(&s, &PickCall { max_inflight: 1, ..as_owner("vm2", 1000, &["b"]) });
     assert_eq!(r.count("a"), Some(1), "1.2 s later, vm1's lease is still running");
@@ -563,7 +589,7 @@ fn an_owner_is_registered_with_its_marker_and_keeps_it_until_reaped() {
     // The marker keeps the owner's hash alive while records come and go (deleting its last record
     // must not delete it: see reap.lua); a heartbeat registers with it, and the reaper removes it.
     let mut r = Redis::start();
-    assert_eq!(r.heartbeat("vm9", 1000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("vm9", 1000), Frame::Integer(0));
     assert_eq!(r.cmd(&["HKEYS", "own:vm9"]), Frame::Array(vec![Frame::BulkString("~".into())]));
     let s = Script::new(LEAST_REQUEST_LUA);
     let first = as_owner("vm9", 1000, &["a"]);
@@ -576,7 +602,7 @@ fn an_owner_is_registered_with_its_marker_and_keeps_it_until_reaped() {
     assert_eq!(r.release("vm9", &next.request_id, Some("a")), Frame::Integer(1));
     assert_eq!(r.cmd(&["HKEYS", "own:vm9"]), Frame::Array(vec![Frame::BulkString("~".into())]));
     std::thread::sleep(Duration::from_millis(1100));
-    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
     assert_eq!(r.cmd(&["EXISTS", "own:vm9"]), Frame::Integer(0), "reaped with its marker");
     assert_eq!(r.count("a"), Some(0));
 }
@@ -599,10 +625,10 @@ fn a_live_owners_heartbeat_reaps_a_dead_one_without_any_pick() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
     assert_eq!(pick(&r.run(&s, &as_owner("dead", 500, &["a"]))).0, "a");
-    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
     assert_eq!(r.count("a"), Some(1));
     std::thread::sleep(Duration::from_millis(600));
-    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
     assert_eq!(r.count("a"), Some(0), "the dead owner's +1 is gone");
     assert_eq!(r.cmd(&["ZSCORE", "owners", "dead"]), Frame::Null);
 }
@@ -615,12 +641,12 @@ fn a_late_pick_of_a_reaped_owner_registers_it_again_so_its_count_is_reaped_too()
     let s = Script::new(LEAST_REQUEST_LUA);
     assert_eq!(pick(&r.run(&s, &as_owner("dead", 1000, &["a"]))).0, "a");
     std::thread::sleep(Duration::from_millis(1100));
-    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
     assert_eq!((r.count("a"), r.cmd(&["ZSCORE", "owners", "dead"])), (Some(0), Frame::Null));
     assert_eq!(pick(&r.run(&s, &as_owner("dead", 1000, &["a"]))).0, "a", "the late pick");
     assert!(matches!(r.cmd(&["ZSCORE", "owners", "dead"]), Frame::BulkString(_)), "registered");
     std::thread::sleep(Duration::from_millis(1100));
-    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
     assert_eq!(r.count("a"), Some(0), "reaped one lease later");
 }
 
@@ -633,7 +659,7 @@ fn a_late_pick_carrying_releases_of_a_reaped_owner_registers_it_again() {
     let first = as_owner("dead", 1000, &["a", "b"]);
     assert_eq!(pick(&r.run(&s, &first)).0, "a");
     std::thread::sleep(Duration::from_millis(1100));
-    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
     assert_eq!((r.count("a"), r.cmd(&["ZSCORE", "owners", "dead"])), (Some(0), Frame::Null));
     let late = PickCall {
         ended: vec![(first.request_id.clone(), "a".into())],
@@ -643,8 +669,45 @@ fn a_late_pick_carrying_releases_of_a_reaped_owner_registers_it_again() {
     assert_eq!(r.count("a"), Some(0), "the reaped request is not released twice");
     assert!(matches!(r.cmd(&["ZSCORE", "owners", "dead"]), Frame::BulkString(_)), "registered");
     std::thread::sleep(Duration::from_millis(1100));
-    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(1));
+    assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
     assert_eq!(r.count("b"), Some(0), "reaped one lease later");
+}
+
+#[test]
+fn a_heartbeat_releases_the_records_its_vm_no_longer_needs_exactly_once() {
+    // Redis came back from a snapshot older than vm1's releases: records of requests that ended
+    // since are there again, with their +1s. vm1's heartbeat lists what it still needs (one
+    // request in flight, one whose release is on its way); the others are released.
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let ids: Vec<String> = (0..4)
+        .map(|_| {
+            let call = as_owner("vm1", 10_000, &["a"]);
+            assert_eq!(pick(&r.run(&s, &call)).0, "a");
+            call.request_id
+        })
+        .collect();
+    assert_eq!(pick(&r.run(&s, &as_owner("vm2", 10_000, &["b"]))).0, "b");
+    // A tombstone: vm1 gave up a pick that has not run yet.
+    assert_eq!(r.release("vm1", "late", None), Frame::Integer(0));
+    assert_eq!(r.count("a"), Some(4));
+    let live = [ids[0].as_str(), ids[1].as_str()];
+    assert_eq!(r.heartbeat_needing("vm1", 10_000, &live), Frame::Integer(2));
+    assert_eq!(r.count("a"), Some(2), "two +1s left: the requests vm1 still needs");
+    assert_eq!(r.count("b"), Some(1), "another owner's records are its own business");
+    assert_eq!(r.hget("own:vm1", &ids[2]), None);
+    assert_eq!(r.hget("own:vm1", "late").as_deref(), Some(""), "the tombstone stays");
+    assert_eq!(r.hget("own:vm1", "~").as_deref(), Some(""), "and the marker");
+    // Exactly once: the next heartbeat and a late release of a released record change nothing;
+    // the releases vm1 still sends work as before.
+    assert_eq!(r.heartbeat_needing("vm1", 10_000, &live), Frame::Integer(0));
+    assert_eq!(r.release("vm1", &ids[2], Some("a")), Frame::Integer(0));
+    assert_eq!(r.release("vm1", &ids[1], Some("a")), Frame::Integer(1));
+    assert_eq!(r.count("a"), Some(1));
+    // The pick that was given up arrives late: the tombstone still stops it.
+    let late = PickCall { request_id: "late".into(), ..as_owner("vm1", 10_000, &["a"]) };
+    assert!(parse_pick(&r.run(&s, &late)).is_none());
+    assert_eq!(r.count("a"), Some(1));
 }
 
 /// `HKEYS` of an owner's hash holding no record: only the marker that keeps it (reap.lua).

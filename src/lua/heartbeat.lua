@@ -1,14 +1,41 @@
 -- ai-load-balancer: every third of a lease, each plugin VM renews its lease for a route+cluster it
 -- uses, reaps owners whose lease ran out (so a dead gateway's counts return even when no request
--- comes), and runs the periodic cleanup of hosts that left the cluster (after reap.lua).
+-- comes), releases its own records that it no longer knows, and runs the periodic cleanup of hosts
+-- that left the cluster (after reap.lua).
 -- KEYS[1]  in-flight hash
 -- ARGV[1]  lease (ms)   ARGV[2] owner id   ARGV[3] cleanup interval (s, 0 = never)
--- ARGV[4 ..] every host still in the cluster (healthy or not), as this VM last saw it
+-- ARGV[4]  the owner's requests whose records must stay, joined by ',': picks not answered yet,
+--          admitted requests not ended, and ended ones whose release is still on its way
+-- ARGV[5 ..] every host still in the cluster (healthy or not), as this VM last saw it
+-- Returns how many of the owner's records it released.
 local now = now_ms()
-register(base .. 'own:' .. ARGV[2], ARGV[2], now + (tonumber(ARGV[1]) or 10000))
+local mine = base .. 'own:' .. ARGV[2]
+register(mine, ARGV[2], now + (tonumber(ARGV[1]) or 10000))
 reap(now)
+-- Any other record of this owner is one whose release can no longer come: Redis came back from a
+-- snapshot or a lagging replica older than the releases the VM sent, the VM gave a release up, or
+-- (Redis Cluster) a release ran where the record had not arrived yet. Every release is sent before
+-- this heartbeat on the same connection or is listed, and the owner's next picks come after it, so
+-- what is released here was released by nobody else and never will be: exactly once still. Counts
+-- go down before the records go (see MARKER in reap.lua); tombstones ('') stay for their late picks.
+local keep = {}
+for id in string.gmatch(ARGV[4] or '', '[^,]+') do keep[id] = true end
+local records = redis.call('HGETALL', mine)
+local gone, delta = {}, {}
+for i = 1, #records, 2 do
+  local id, h = records[i], records[i + 1]
+  if h ~= '' and not keep[id] then
+    gone[#gone + 1] = id
+    delta[h] = (delta[h] or 0) - 1
+  end
+end
+add_counts(delta)
+-- (HDEL in slices: unpack has a limit on how many values it returns)
+for i = 1, #gone, 1000 do
+  redis.call('HDEL', mine, unpack(gone, i, math.min(i + 999, #gone)))
+end
 local interval = tonumber(ARGV[3]) or 0
-if interval > 0 and #ARGV >= 4 then
+if interval > 0 and #ARGV >= 5 then
   local last_clean = base .. 'last_clean'
   local last = tonumber(redis.call('GET', last_clean) or '0') or 0
   if now / 1000 - last >= interval then
@@ -17,12 +44,12 @@ if interval > 0 and #ARGV >= 4 then
     -- already have requests in flight. A pod that left with requests in flight reaches 0 as they
     -- end (or as their owner is reaped) and goes at a later cleanup. A missing field reads as 0,
     -- so deleting a 0 changes no pick.
-    local keep = {}
-    for i = 4, #ARGV do keep[ARGV[i]] = true end
+    local in_cluster = {}
+    for i = 5, #ARGV do in_cluster[ARGV[i]] = true end
     for h, c in pairs(all_counts()) do
-      if not keep[h] and (tonumber(c) or 0) <= 0 then redis.call('HDEL', inflight, h) end
+      if not in_cluster[h] and (tonumber(c) or 0) <= 0 then redis.call('HDEL', inflight, h) end
     end
     redis.call('SET', last_clean, math.floor(now / 1000))
   end
 end
-return 1
+return #gone

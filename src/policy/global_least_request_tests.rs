@@ -301,22 +301,29 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
     let first = release_of(&host, 0, false);
     assert_eq!(releases(&host).iter().filter(|r| **r == first).count(), 10, "bounded resends");
     assert!(host.logged("giving up the release"));
-    // The lost release's record would hold its +1 while this VM renews its lease: the VM takes a
-    // new owner id and leaves the old one (and that record) to the reaper.
+    // The lost release's record would hold its +1 while this VM renews its lease: the next
+    // heartbeat no longer lists it among the records the VM needs, so Redis releases it.
     let owner =
         |host: &crate::host::fake::FakeHost, i: usize| keys_args(&command(host, i)).1[2].clone();
     let old = owner(&host, 0);
     f.on_request_headers(&mut host, ctx, true);
-    let new = owner(&host, host.redis_calls.len() - 1);
-    assert_ne!(new, old, "a new owner after the drop");
-    assert_eq!(new.len(), 12);
+    assert_eq!(owner(&host, host.redis_calls.len() - 1), old, "the owner stays");
     host.now += 10 * 1_000_000_000;
     let before = host.redis_calls.len();
     f.on_tick(&mut host);
-    let sent: Vec<Vec<String>> =
-        (before..host.redis_calls.len()).map(|i| command(&host, i)).collect();
-    assert!(sent.iter().any(|c| c.contains(&new)), "the new owner's heartbeat: {sent:?}");
-    assert!(!sent.iter().any(|c| c.contains(&old)), "the old owner is not renewed: {sent:?}");
+    let sha = crate::redis::sha1_hex_lower(crate::redis::HEARTBEAT_LUA.as_bytes());
+    let heartbeat = (before..host.redis_calls.len())
+        .find(|&i| command(&host, i).get(1) == Some(&sha))
+        .expect("a heartbeat");
+    let (_, args) = keys_args(&command(&host, heartbeat));
+    let needed: Vec<&str> = args[3].split(',').filter(|id| !id.is_empty()).collect();
+    let in_flight = release_of(&host, before - 1, false).request;
+    assert_eq!(needed, vec![in_flight.as_str()], "only the pick in flight: {args:?}");
+    assert!(!needed.contains(&first.request.as_str()), "the dropped release's record goes");
+    // Redis says it released it.
+    let token = host.redis_calls[heartbeat].token;
+    f.on_redis_reply(&mut host, token, &RedisReply::Ok(b":1\r\n".to_vec()), false);
+    assert_eq!(host.counters.get("ai_lb_stale_records_released"), Some(&1));
 }
 
 const MS: u64 = 1_000_000;
@@ -491,11 +498,11 @@ fn leases_are_renewed_every_third_of_the_lease_while_the_route_is_used() {
     let (keys, args) = keys_args(&command(&host, host.redis_calls.len() - 1));
     assert_eq!(keys, vec![inflight_key("r1", CLUSTER)]);
     assert_eq!(
-        args[..3],
-        ["3000".to_string(), owner, "3600".into()],
-        "lease, owner, cleanInterval s"
+        args[..4],
+        ["3000".to_string(), owner, "3600".into(), "1".into()],
+        "lease, owner, cleanInterval s, the requests whose records the VM needs (one in flight)"
     );
-    let mut in_cluster = args[3..].to_vec();
+    let mut in_cluster = args[4..].to_vec();
     in_cluster.sort();
     assert_eq!(
         in_cluster,

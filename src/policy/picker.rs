@@ -298,6 +298,10 @@ pub struct HeartbeatCall {
     pub owner_id: String,
     /// `cleanInterval` in seconds (0 = never).
     pub clean_interval_s: u64,
+    /// The request ids whose records must stay: picks not answered yet, admitted requests not
+    /// ended, and ended ones whose release is still on its way. The script releases any other
+    /// record of the owner.
+    pub live: Vec<String>,
     /// Every host of the cluster (healthy or not): the cleanup keeps these.
     pub hosts: Vec<String>,
 }
@@ -305,10 +309,11 @@ pub struct HeartbeatCall {
 impl HeartbeatCall {
     /// KEYS and ARGV of the script call.
     pub fn keys_args(&self) -> (Vec<String>, Vec<String>) {
-        let mut args = Vec::with_capacity(3 + self.hosts.len());
+        let mut args = Vec::with_capacity(4 + self.hosts.len());
         args.push(self.lease_ms.to_string());
         args.push(self.owner_id.clone());
         args.push(self.clean_interval_s.to_string());
+        args.push(self.live.join(","));
         args.extend(self.hosts.iter().cloned());
         (vec![self.inflight_key.clone()], args)
     }
@@ -1144,8 +1149,35 @@ impl Picker {
         }
     }
 
-    /// Renews this VM's lease on one route+cluster, reaps dead owners there, and (every
-    /// `cleanInterval`) cleans out hosts that left the cluster (`heartbeat.lua`).
+    /// The request ids of `group` whose records this VM still needs: every pick of a live stream
+    /// (not answered yet, or admitted), and every ended request whose release has not been
+    /// answered (waiting for a pick, carried by a pick in flight, queued, or sent). The heartbeat
+    /// releases the owner's other records: their releases will never come.
+    fn unreleased(&self, owners_key: &str, group: &Group) -> Vec<String> {
+        let mut ids: Vec<String> = Vec::new();
+        for s in self.picks.values().filter(|s| s.keys.owners == owners_key) {
+            if s.pending.is_some() || s.picked.is_some() {
+                ids.push(s.request_id.clone());
+            }
+            ids.extend(s.carried.iter().map(|(id, _)| id.clone()));
+        }
+        ids.extend(group.ended.iter().map(|(id, _)| id.clone()));
+        let sent = self.root_calls.values().filter_map(|c| match c {
+            RootCall::Release(r) => Some(r),
+            _ => None,
+        });
+        for r in self.release_queue.iter().chain(sent) {
+            if r.call.inflight_key == group.inflight_key {
+                ids.extend(r.call.ended.iter().map(|(id, _)| id.clone()));
+                ids.extend(r.call.abandoned.iter().cloned());
+            }
+        }
+        ids
+    }
+
+    /// Renews this VM's lease on one route+cluster, reaps dead owners there, releases this VM's
+    /// records that it no longer needs (see [`Picker::unreleased`]), and (every `cleanInterval`)
+    /// cleans out hosts that left the cluster (`heartbeat.lua`).
     fn send_heartbeat(&mut self, host: &mut dyn Host, owners_key: String, use_eval: bool) {
         let Some(owner) = self.owner.clone() else { return };
         let Some(group) = self.groups.get(&owners_key) else { return };
@@ -1154,6 +1186,7 @@ impl Picker {
             lease_ms: self.config.state.lease_ms,
             owner_id: owner,
             clean_interval_s: self.config.clean_interval_min.saturating_mul(60),
+            live: self.unreleased(&owners_key, group),
             hosts: group.hosts.clone(),
         };
         let (keys, args) = call.keys_args();
@@ -1211,6 +1244,19 @@ impl Picker {
             RootCall::Heartbeat { owners_key, use_eval } => {
                 if noscript && !use_eval {
                     self.send_heartbeat(host, owners_key, true);
+                } else if let Some(Frame::Integer(n @ 1..)) = frame {
+                    // Records whose releases could not come: Redis restarted from older state,
+                    // or releases were dropped.
+                    host.log(
+                        LogLevel::Warn,
+                        &format!(
+                            "{}: the heartbeat released {n} record(s) of this VM whose releases \
+                             will never come (redis restarted from older state, or releases were \
+                             dropped)",
+                            self.name
+                        ),
+                    );
+                    host.increment_counter(Counter::StaleRecordsReleased, n);
                 }
             }
             RootCall::Probe => {}
@@ -1241,18 +1287,13 @@ impl Picker {
         self.release_queue.push(rel);
     }
 
-    /// `n` releases lost for good (`why`). Their records would keep their +1s for as long as this
-    /// VM renews its lease, i.e. until the gateway stops; so the VM takes a new owner id at its next
-    /// pick and stops renewing the old one, whose records the reaper subtracts within about a
-    /// lease: the lost +1s, and those of this VM's requests still in flight (whose own releases
-    /// then find no record). Counts run low for those requests until they end, not high for good.
+    /// `n` releases lost for good (`why`). Their records are no longer among those this VM needs,
+    /// so its next heartbeat that Redis runs releases them (see [`Picker::unreleased`]).
     fn drop_releases(&mut self, host: &mut dyn Host, n: usize, why: &str) {
-        let old = self.owner.take().unwrap_or_default();
         host.log(
             LogLevel::Warn,
             &format!(
-                "{}: {why}: dropping {n} release(s); owner {old} is left to the reaper and this VM \
-                 takes a new owner id",
+                "{}: {why}: dropping {n} release(s); the next heartbeat releases their records",
                 self.name
             ),
         );
