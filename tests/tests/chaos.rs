@@ -489,17 +489,21 @@ async fn redis_restarted_from_an_older_snapshot_leaves_no_stale_count() {
         assert_eq!(h.await.unwrap().unwrap().status, 200);
     }
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
-    redis.stop().await.unwrap();
-    redis.restart().await.unwrap();
-    // The snapshot brings back the +1s of the 4 requests that ended since (the gateway's next
-    // heartbeat may already have released them: the stats below count them).
-    let restarted = Instant::now();
+    // Under load from here on: through the kill (requests decided without Redis meanwhile), the
+    // restart and its aftermath.
     for p in &pods {
         p.set_delay(Duration::from_millis(100));
     }
     const CLIENTS: usize = 2;
     let stop = Arc::new(AtomicBool::new(false));
     let loads = client_loops(gw.addr(), CLIENTS, stop.clone());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    redis.stop().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    redis.restart().await.unwrap();
+    // The snapshot brings back the +1s of the 4 requests that ended since (the gateway's next
+    // heartbeat may already have released them: the stats below count them).
+    let restarted = Instant::now();
     // From a lease after the restart on, the counts hold no more than the clients' own requests
     // (each client's next pick may be counted just before its previous release lands).
     let mut max_after_bound = 0;
