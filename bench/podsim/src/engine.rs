@@ -579,6 +579,33 @@ mod tests {
     }
 
     #[test]
+    fn a_half_speed_pod_takes_twice_as_long_per_step() {
+        // A scenario's `speed: 0.5` is the pod's model `at_speed(0.5)`: the same requests make
+        // the same steps with the same tokens as on a pod at 1.0, each step twice as long.
+        let model = PUBLISHED_TESTBED.model;
+        let mut full = Scheduler::new(EngineConfig { model, ..EngineConfig::default() });
+        let mut half =
+            Scheduler::new(EngineConfig { model: model.at_speed(0.5), ..EngineConfig::default() });
+        for s in [&mut full, &mut half] {
+            s.submit(req(1, tokenize(&words(&mut Rng::new(1), 3000)), 20, 7));
+            s.submit(req(2, tokenize(&words(&mut Rng::new(2), 300)), 30, 8));
+        }
+        let mut steps = 0;
+        loop {
+            match (full.begin_step(), half.begin_step()) {
+                (Some(f), Some(h)) => {
+                    assert!((h - 2.0 * f).abs() < 1e-9, "step {steps}: {h} ms at 0.5, {f} at 1.0");
+                    assert_eq!(full.end_step(), half.end_step(), "step {steps}");
+                    steps += 1;
+                }
+                (None, None) => break,
+                other => panic!("step {steps}: only one pod has work: {other:?}"),
+            }
+        }
+        assert!(steps >= 30, "prefill and decode steps: {steps}");
+    }
+
+    #[test]
     fn h100_profile_matches_published_decode_and_prefill_rates() {
         let m = H100_8B.model;
         // BLIS fit: ~5.8 ms per decode step at batch 7; LambdaLabs: 7.6 ms median TPOT at 10

@@ -191,7 +191,7 @@ pub fn printable_command(args: &[String]) -> String {
 }
 
 /// avg / p50 / p90 / p99 of one AIPerf metric.
-#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 pub struct Percentiles {
     /// Mean.
     pub avg: f64,
@@ -204,7 +204,7 @@ pub struct Percentiles {
 }
 
 /// What AIPerf's `profile_export_aiperf.json` says about one run.
-#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct AiperfReport {
     /// Requests that completed (success or error).
     pub requests: u64,
@@ -256,7 +256,7 @@ pub fn parse_report(doc: &Value) -> Result<AiperfReport> {
 }
 
 /// One policy's row: AIPerf's view plus what the pods and Redis saw.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct AiperfRow {
     /// Policy name.
     pub policy: String,
@@ -317,7 +317,7 @@ pub fn parse_turns(jsonl: &str) -> Vec<TurnUsage> {
 }
 
 /// Our load generator on the same shape.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct LoadgenRow {
     /// TTFT mean (ms).
     pub ttft_mean_ms: f64,
@@ -443,14 +443,18 @@ pub async fn run_loadgen(
 }
 
 /// What `bench run <aiperf scenario>` writes to `bench/results/<scenario>.json`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AiperfResults {
     /// Scenario name.
     pub scenario: String,
     /// Scenario description.
     pub description: String,
-    /// Unix time of the run.
-    pub unix_time: u64,
+    /// Date, commit and machine (blank in a file written before the report carried them).
+    #[serde(default)]
+    pub stamp: crate::Stamp,
+    /// When a file written before the stamp was made; None in newer ones (the stamp has it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unix_time: Option<u64>,
     /// AIPerf version.
     pub aiperf_version: String,
     /// The command line (per policy only the gateway URL differs).
@@ -492,10 +496,8 @@ pub async fn run_scenario(paths: &Paths, sc: Scenario, opts: AiperfOptions) -> R
     let results = AiperfResults {
         scenario: sc.name.clone(),
         description: sc.description.clone(),
-        unix_time: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        stamp: crate::Stamp::now(&paths.root),
+        unix_time: None,
         aiperf_version: AIPERF_VERSION.to_string(),
         command: printable_command(&args),
         config: sc.clone(),
@@ -510,6 +512,66 @@ pub async fn run_scenario(paths: &Paths, sc: Scenario, opts: AiperfOptions) -> R
     println!("\nAIPerf {AIPERF_VERSION}: {}", results.command);
     println!("\nwrote {}", json_path.display());
     Ok(())
+}
+
+impl AiperfResults {
+    /// Markdown for the README: what was run (AIPerf's command line), the stamp line and the table.
+    pub fn section(&self) -> String {
+        format!(
+            "`{}` (NVIDIA AIPerf {}): {}\n\n{} · profile `{}` · one run per policy, fresh pods each · real ms\n\nAIPerf's command (per policy only the gateway URL differs): `{}`\n\n{}",
+            self.scenario,
+            self.aiperf_version,
+            self.description,
+            crate::tables::stamp_text(&self.stamp, self.unix_time),
+            self.config.pods.profile,
+            self.command,
+            table(&self.policies)
+        )
+    }
+}
+
+#[cfg(test)]
+impl AiperfResults {
+    /// A small results file: one policy, with the load generator's agreement row, stamped.
+    pub(crate) fn example() -> AiperfResults {
+        let p = |avg, p50, p90, p99| Percentiles { avg, p50, p90, p99 };
+        AiperfResults {
+            scenario: "t-aiperf".into(),
+            description: "d".into(),
+            stamp: crate::Stamp::example(),
+            unix_time: None,
+            aiperf_version: AIPERF_VERSION.into(),
+            command: "aiperf profile --model llama-3.1-8b".into(),
+            config: serde_yaml::from_str(
+                "name: t-aiperf\ntime_scale: 1.0\npods: {count: 3}\nworkload: {kind: multi_turn, sessions: 60, turns_mean: 5, input_tokens_mean: 200, output_tokens_mean: 800}\n",
+            )
+            .expect("scenario"),
+            options: AiperfOptions { compare_with_loadgen: true, ..Default::default() },
+            policies: vec![AiperfRow {
+                policy: "prefix_cache".into(),
+                aiperf: AiperfReport {
+                    requests: 300,
+                    errors: 0,
+                    ttft_ms: p(40.0, 34.0, 51.0, 110.0),
+                    itl_ms: p(7.2, 7.1, 8.0, 8.5),
+                    request_latency_ms: p(5840.0, 5800.0, 7900.0, 9800.0),
+                    output_tokens_per_s: 2489.0,
+                    isl_mean: 2188.0,
+                    usage_cache_hit_rate: 0.901,
+                },
+                pods_hit_rate: 0.901,
+                requests_per_pod: vec![100, 100, 100],
+                redis_usec_per_request: 332.3,
+                redis_bytes_per_request: 3162.0,
+                loadgen: Some(LoadgenRow {
+                    ttft_mean_ms: 40.0,
+                    ttft_p50_ms: 33.0,
+                    pods_hit_rate: 0.9,
+                }),
+                turns: Vec::new(),
+            }],
+        }
+    }
 }
 
 /// The results table (Markdown), with the agreement columns when loadgen ran too.
@@ -637,6 +699,34 @@ mod tests {
                 client_output_tokens: 20,
             }]
         );
+    }
+
+    #[test]
+    fn the_results_file_reads_back_as_a_stamped_section() {
+        let json = serde_json::to_string(&AiperfResults::example()).expect("json");
+        let md = serde_json::from_str::<AiperfResults>(&json).expect("read").section();
+        assert!(md.starts_with("`t-aiperf` (NVIDIA AIPerf 0.13.0): d\n\n"), "{md}");
+        assert!(md.contains("2026-11-24 07:49 UTC · commit `abc123` · vm · profile `h100-8b`"));
+        assert!(md.contains(
+            "per policy only the gateway URL differs): `aiperf profile --model llama-3.1-8b`"
+        ));
+        assert!(
+            md.contains("| prefix_cache | 300 | 0 | 40 | 34 | 51 | 110 | 7.2 | 5840 | 2489 | 90.1% | 90.1% | 332.3 | 3162 |"),
+            "{md}"
+        );
+        assert!(md.contains("| prefix_cache | 40 | 40 | 1.00 | 90.1% | 90.0% | +0.1 pt |"), "{md}");
+
+        // A file written before the stamp: the run's date only.
+        let mut old = serde_json::to_value(AiperfResults::example()).expect("value");
+        let o = old.as_object_mut().expect("object");
+        o.remove("stamp");
+        o.insert("unix_time".into(), 1_795_358_038u64.into());
+        let md = serde_json::from_value::<AiperfResults>(old).expect("old file").section();
+        assert!(
+            md.contains("\n\n2026-11-22 14:33 UTC · commit and machine not recorded (written before this report carried a stamp) · profile"),
+            "{md}"
+        );
+        assert!(md.contains("| prefix_cache | 300 | 0 | 40 |"), "{md}");
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! out (count drift, must be 0).
 
 use anyhow::{anyhow, Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -86,7 +86,7 @@ impl Sent {
 }
 
 /// p50 and p99 of the gateway's own added time over a class of requests, with how many there were.
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
 pub struct GatewayAdded {
     /// Requests in the class that answered 200 with the pod's time header.
     pub requests: usize,
@@ -108,7 +108,7 @@ fn gateway_added(sent: &[Sent], class: impl Fn(&Sent) -> bool) -> GatewayAdded {
 }
 
 /// What the run measured.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct ChaosReport {
     /// Requests sent.
     pub requests: usize,
@@ -195,22 +195,52 @@ pub async fn run(paths: &Paths, reps: usize) -> Result<Vec<ChaosReport>> {
         println!("chaos: run {} of {}", rep + 1, reps.max(1));
         reports.push(run_once(paths).await?);
     }
-    let pooled = Pooled::of(&reports);
     let out = paths.results.join("chaos.json");
     std::fs::create_dir_all(&paths.results)?;
-    let stamp = crate::Stamp::now(&paths.root);
-    std::fs::write(
-        &out,
-        serde_json::to_string_pretty(&json!({"stamp": stamp, "runs": &reports, "pooled": pooled}))?,
-    )?;
-    println!("{}", table(&reports));
-    println!("{}", gateway_added_table(&pooled));
+    let results = ChaosResults {
+        stamp: crate::Stamp::now(&paths.root),
+        pooled: Pooled::of(&reports),
+        runs: reports,
+    };
+    std::fs::write(&out, serde_json::to_string_pretty(&results)?)?;
+    println!("{}", table(&results.runs));
+    println!("{}", gateway_added_table(&results.pooled));
     println!("wrote {}", out.display());
-    Ok(reports)
+    Ok(results.runs)
+}
+
+/// `bench/results/chaos.json`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ChaosResults {
+    /// Date, commit and machine (blank in a file written before the report carried them).
+    #[serde(default)]
+    pub stamp: crate::Stamp,
+    /// One report per run, in order.
+    pub runs: Vec<ChaosReport>,
+    /// The gateway's added time over all runs together.
+    pub pooled: Pooled,
+}
+
+impl ChaosResults {
+    /// Markdown for the README: what was run, the stamp line, the table of runs and the pooled
+    /// gateway added time.
+    pub fn section(&self) -> String {
+        let n = self.runs.len();
+        format!(
+            "`chaos` (`bench run chaos --reps {n}`): seed-like 5-turn chats from {CLIENTS} clients through {REPLICAS} gateway replicas ({POLICY}) sharing one Redis; Redis frozen (SIGSTOP) {}–{} s into the load and one replica SIGKILLed at {} s\n\n{} · {n} run{} · real ms\n\n{}\n{}",
+            FREEZE_AT.as_secs(),
+            (FREEZE_AT + FREEZE_FOR).as_secs(),
+            KILL_AT.as_secs(),
+            crate::tables::stamp_text(&self.stamp, None),
+            if n == 1 { "" } else { "s" },
+            table(&self.runs),
+            gateway_added_table(&self.pooled)
+        )
+    }
 }
 
 /// The gateway's added time over every run's requests together (a p99 over more requests).
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub struct Pooled {
     /// Runs pooled.
     pub runs: usize,
@@ -237,6 +267,40 @@ impl Pooled {
             after_open: GatewayAdded::of(cat(&|r| &r.samples[2])),
             after_open_before_kill: GatewayAdded::of(cat(&|r| &r.samples[3])),
         }
+    }
+}
+
+#[cfg(test)]
+impl ChaosResults {
+    /// A small results file: one run, stamped.
+    pub(crate) fn example() -> ChaosResults {
+        let added = |requests, p50_ms, p99_ms| GatewayAdded { requests, p50_ms, p99_ms };
+        let run = ChaosReport {
+            requests: 1437,
+            failed_on_survivors: 0,
+            lost_with_killed: 8,
+            p99_before_ms: 375.9,
+            p99_outage_ms: 626.6,
+            slow_in_outage: 18,
+            paid_redis_wait: 12,
+            breaker_open_requests: 541,
+            p99_breaker_open_ms: 484.4,
+            recover_ms: Some(109.1),
+            count_drift: 0,
+            gw_added_before: added(300, 1.53, 9.63),
+            gw_added_breaker_open: added(541, 1.10, 207.04),
+            gw_added_after_open: added(510, 1.10, 1.80),
+            gw_added_after_open_before_kill: added(223, 1.07, 1.76),
+            samples: Default::default(),
+        };
+        let pooled = Pooled {
+            runs: 1,
+            before: run.gw_added_before,
+            breaker_open: run.gw_added_breaker_open,
+            after_open: run.gw_added_after_open,
+            after_open_before_kill: run.gw_added_after_open_before_kill,
+        };
+        ChaosResults { stamp: crate::Stamp::example(), runs: vec![run], pooled }
     }
 }
 
@@ -516,6 +580,29 @@ mod tests {
         let before_kill = gateway_added(&v, Sent::after_open_before_kill);
         assert_eq!(before_kill.requests, 1);
         assert!((before_kill.p99_ms - 2.0).abs() < 1e-9, "{before_kill:?}");
+    }
+
+    #[test]
+    fn the_results_file_reads_back_as_a_stamped_section_with_both_tables() {
+        let json = serde_json::to_string(&ChaosResults::example()).expect("json");
+        let md = serde_json::from_str::<ChaosResults>(&json).expect("read").section();
+        assert!(md.starts_with("`chaos` (`bench run chaos --reps 1`): "), "{md}");
+        assert!(md.contains("Redis frozen (SIGSTOP) 5–15 s into the load"), "{md}");
+        assert!(
+            md.contains("\n\n2026-11-24 07:49 UTC · commit `abc123` · vm · 1 run · real ms\n\n")
+        );
+        assert!(
+            md.contains("| 1 | 1437 | 0 | 8 | 375.9 | 626.6 | 12 | 541 | 484.4 | 18 | 109 | 0 |")
+        );
+        assert!(md.contains("| gateway added time, 1 runs pooled |"), "{md}");
+        assert!(md.contains("| started before the freeze | 300 | 1.53 | 9.63 |"), "{md}");
+
+        // A file written before the report carried a stamp.
+        let mut old = serde_json::to_value(ChaosResults::example()).expect("value");
+        old.as_object_mut().expect("object").remove("stamp");
+        let md = serde_json::from_value::<ChaosResults>(old).expect("old file").section();
+        assert!(md.contains("\n\nundated · commit and machine not recorded (written before this report carried a stamp) · 1 run"), "{md}");
+        assert!(md.contains("| 1 | 1437 | 0 | 8 |"), "{md}");
     }
 
     #[test]

@@ -276,6 +276,14 @@ impl Stamp {
     }
 }
 
+#[cfg(test)]
+impl Stamp {
+    /// The stamp of the test reports: 2026-11-24 07:49 UTC, commit `abc123`, machine `vm`.
+    pub(crate) fn example() -> Stamp {
+        Stamp { unix_time: 1_795_506_556, commit: "abc123".into(), machine: "vm".into() }
+    }
+}
+
 /// The whole report written to bench/results/<scenario>.json.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Report {

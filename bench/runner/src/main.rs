@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// Routing benchmark for the ai-load-balancer plugin.
 #[derive(Parser, Debug)]
@@ -140,13 +140,14 @@ async fn run(
     tag: Option<String>,
 ) -> Result<()> {
     if name == "chaos" {
-        // Faults, not a policy comparison: its own module.
-        return bench::chaos::run(&paths, reps.unwrap_or(1)).await.map(|_| ());
+        // Faults, not a policy comparison: its own module. Three runs by default, as the
+        // scenarios: the pooled p99s then rest on 600-1500 requests instead of one run's few hundred.
+        return bench::chaos::run(&paths, reps.unwrap_or(3)).await.map(|_| ());
     }
     if name == "overhead" {
         // Its own measurement (sequential keep-alive requests per row), not a workload scenario.
         let reps = reps.unwrap_or(3).max(1);
-        return bench::overhead::run(&paths.root.join("bench/results"), reps, 2000).await;
+        return bench::overhead::run(&paths, reps, 2000).await;
     }
     let mut sc = load_scenario(&paths, &name)?;
     if let Some(n) = sessions {
@@ -391,7 +392,7 @@ async fn timescale(
 fn tables(paths: Paths, write: bool) -> Result<()> {
     let (md, skipped) = bench::tables::render(&paths.results)?;
     for f in skipped {
-        eprintln!("skipped {f}: not a `bench run` report of this version (re-run its scenario)");
+        eprintln!("skipped {f}: not a report `bench tables` can read (re-run what wrote it)");
     }
     if !write {
         print!("{md}");
@@ -411,7 +412,14 @@ fn model(paths: Paths, name: String) -> Result<()> {
         "| policy | req | TTFT mean | TTFT p90 | E2E mean | out tok/s | out tokens/reply | hit rate |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for policy in ["round_robin", "session_hash", "sticky_balanced", "sticky_speed_balanced"] {
+    for policy in [
+        "round_robin",
+        "session_hash",
+        "sticky_balanced",
+        "sticky_speed_balanced",
+        "sticky_moves_off_slow",
+        "fastest_pods_only",
+    ] {
         let r = bench::model::run(&sc, policy)?;
         println!(
             "| {policy} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.1}% |",
@@ -431,18 +439,15 @@ async fn redis_cost(paths: Paths, requests: u64, reps: usize, pods: usize) -> Re
     let rows = bench::redis_cost::measure(requests, reps, pods).await?;
     let table = bench::redis_cost::table(&rows, reps);
     std::fs::create_dir_all(&paths.results)?;
-    let out = if pods == bench::redis_cost::DEFAULT_PODS {
-        paths.results.join("redis-cost.json")
-    } else {
-        paths.results.join(format!("redis-cost-pods{pods}.json"))
+    let out = paths.results.join(format!("{}.json", bench::redis_cost::file_stem(pods)));
+    let json = bench::redis_cost::RedisCostReport {
+        stamp: Stamp::now(&paths.root),
+        unix_time: None,
+        requests_per_rep: requests,
+        reps,
+        pods,
+        cases: rows,
     };
-    let json = serde_json::json!({
-        "unix_time": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
-        "requests_per_rep": requests,
-        "reps": reps,
-        "pods": pods,
-        "cases": rows,
-    });
     std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
     print!("{table}");
     println!("\nwrote {}", out.display());

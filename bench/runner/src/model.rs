@@ -9,7 +9,11 @@
 //! affinity: the hit rate is the oracle's), and a new session on the pod with the fewest sessions
 //! in progress (balanced). `sticky_speed_balanced` is the same with the pods' speeds known: a new
 //! session goes to the pod with the fewest sessions in progress per unit of speed (for scenarios
-//! with unequal pods).
+//! with unequal pods). Two more bound what routing can do with unequal pods:
+//! `sticky_moves_off_slow` places new sessions blind to speed, as a router that has timed nothing
+//! yet, and moves each session that landed on a slower pod to the least busy of the fastest pods
+//! for its second turn (the best a router that learns the speeds from the first replies can do:
+//! one miss per moved session), and `fastest_pods_only` never uses a pod slower than the fastest.
 
 use crate::scenario::Scenario;
 use anyhow::{anyhow, bail, Result};
@@ -73,11 +77,16 @@ impl Active {
 pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
     if !matches!(
         policy,
-        "round_robin" | "session_hash" | "sticky_balanced" | "sticky_speed_balanced"
+        "round_robin"
+            | "session_hash"
+            | "sticky_balanced"
+            | "sticky_speed_balanced"
+            | "sticky_moves_off_slow"
+            | "fastest_pods_only"
     ) {
         bail!(
-            "model-only runs know round_robin, session_hash, sticky_balanced and \
-             sticky_speed_balanced, not {policy}"
+            "model-only runs know round_robin, session_hash, sticky_balanced, \
+             sticky_speed_balanced, sticky_moves_off_slow and fastest_pods_only, not {policy}"
         );
     }
     if sc.workload.open_loop() {
@@ -114,23 +123,30 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
     let mut now = 0.0f64;
 
     // The pod with the fewest sessions in progress (`sticky_balanced`'s choice for a new one), per
-    // unit of speed for `sticky_speed_balanced` (ties: the first).
+    // unit of speed for `sticky_speed_balanced`, among the fastest pods only when `fastest` (ties:
+    // the first).
     let weigh_speed = policy == "sticky_speed_balanced";
-    let least_busy = |active: &BTreeMap<u64, Active>| {
+    let top_speed = speeds.iter().copied().fold(0.0f64, f64::max);
+    let least_busy = |active: &BTreeMap<u64, Active>, fastest: bool| {
         let mut sessions = vec![0.0f64; n];
         for a in active.values() {
             sessions[a.pod] += 1.0;
         }
         let load =
             |i: usize| if weigh_speed { (sessions[i] + 1.0) / speeds[i] } else { sessions[i] };
-        (0..n).min_by(|&a, &b| load(a).total_cmp(&load(b))).unwrap_or(0)
+        (0..n)
+            .filter(|&i| !fastest || speeds[i] >= top_speed)
+            .min_by(|&a, &b| load(a).total_cmp(&load(b)))
+            .unwrap_or(0)
     };
+    let only_fastest = policy == "fastest_pods_only";
     let start_turn = |a: &mut Active,
                       now: f64,
                       arriving: &mut Vec<(f64, u64)>,
                       id: u64,
                       rr: &mut usize,
-                      least: usize| {
+                      least: usize,
+                      least_fast: usize| {
         let turn = &a.plan.turns[a.turn];
         a.history.push(Message { role: "user".into(), content: turn.user.clone() });
         a.sent_at = now + turn.think_ms;
@@ -138,8 +154,17 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
         a.reply.clear();
         a.pod = match policy {
             "session_hash" => sticky.value(a.plan.id).and_then(|v| v.parse().ok()).unwrap_or(0),
-            "sticky_balanced" | "sticky_speed_balanced" if a.turn == 0 => least,
-            "sticky_balanced" | "sticky_speed_balanced" => a.pod,
+            "sticky_balanced" | "sticky_speed_balanced" | "sticky_moves_off_slow"
+                if a.turn == 0 =>
+            {
+                least
+            }
+            "fastest_pods_only" if a.turn == 0 => least_fast,
+            "sticky_moves_off_slow" if a.turn == 1 && speeds[a.pod] < top_speed => least_fast,
+            "sticky_balanced"
+            | "sticky_speed_balanced"
+            | "sticky_moves_off_slow"
+            | "fastest_pods_only" => a.pod,
             _ => {
                 *rr += 1;
                 (*rr - 1) % n
@@ -150,8 +175,8 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
     for _ in 0..sc.workload.concurrency() {
         let Some(plan) = queue.pop_front() else { break };
         let mut a = Active::new(plan);
-        let least = least_busy(&active);
-        start_turn(&mut a, now, &mut arriving, next_id, &mut rr, least);
+        let (least, least_fast) = (least_busy(&active, only_fastest), least_busy(&active, true));
+        start_turn(&mut a, now, &mut arriving, next_id, &mut rr, least, least_fast);
         active.insert(next_id, a);
         next_id += 1;
     }
@@ -211,8 +236,9 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
                 queue.pop_front().map(Active::new)
             };
             if let Some(mut a) = next {
-                let least = least_busy(&active);
-                start_turn(&mut a, now, &mut arriving, next_id, &mut rr, least);
+                let (least, least_fast) =
+                    (least_busy(&active, only_fastest), least_busy(&active, true));
+                start_turn(&mut a, now, &mut arriving, next_id, &mut rr, least, least_fast);
                 active.insert(next_id, a);
                 next_id += 1;
             }
@@ -288,5 +314,26 @@ mod tests {
         let seed = seed();
         let (a, b) = (run(&seed, "sticky_balanced"), run(&seed, "sticky_speed_balanced"));
         assert_eq!(a.expect("a"), b.expect("b"));
+    }
+
+    #[test]
+    fn on_unequal_pods_learning_the_speeds_late_is_worth_little_and_not_using_the_slow_pod_most() {
+        // What bounds an online router on `unequal-pods`: moving the slow pod's sessions once the
+        // first replies have shown its speed costs each a miss and keeps the first turns there,
+        // so the p90 stays near a speed-blind router's; never using the slow pod (which the fast
+        // pods' spare room allows here) takes the slow tail away.
+        let sc = scenario("unequal-pods");
+        let blind = run(&sc, "sticky_balanced").expect("sticky_balanced");
+        let moves = run(&sc, "sticky_moves_off_slow").expect("sticky_moves_off_slow");
+        let fastest = run(&sc, "fastest_pods_only").expect("fastest_pods_only");
+        assert!(moves.hit_rate < blind.hit_rate, "moved sessions miss once: {moves:?}");
+        assert!(moves.ttft_p90_ms > 0.9 * blind.ttft_p90_ms, "{moves:?} vs {blind:?}");
+        assert!(fastest.ttft_p90_ms < 0.8 * blind.ttft_p90_ms, "{fastest:?} vs {blind:?}");
+        // On equal pods every pod is one of the fastest: the same router as sticky_balanced.
+        let seed = seed();
+        assert_eq!(
+            run(&seed, "fastest_pods_only").expect("fastest"),
+            run(&seed, "sticky_balanced").expect("balanced")
+        );
     }
 }

@@ -15,7 +15,7 @@
 //! call, gateway-added p50 at most plain proxy + Redis round trip + 0.2 ms (the `budget` column).
 
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -31,7 +31,7 @@ const POLICIES: [&str; 3] = ["global_least_request", "prefix_cache", "endpoint_m
 const WARMUP: usize = 50;
 
 /// One row of one repetition.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Sample {
     /// Row name.
     pub row: String,
@@ -48,7 +48,7 @@ pub struct Sample {
 }
 
 /// A row's medians over the repetitions.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Row {
     /// Row name.
     pub row: String,
@@ -62,6 +62,64 @@ pub struct Row {
     pub redis_cmds: Option<f64>,
 }
 
+/// `bench/results/overhead.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct OverheadResults {
+    /// Date, commit and machine (blank in a file written before the report carried them).
+    #[serde(default)]
+    pub stamp: crate::Stamp,
+    /// Repetitions (interleaved).
+    pub reps: usize,
+    /// Measured requests per row and repetition.
+    pub requests: usize,
+    /// Each row's medians, in measuring order (`direct` first).
+    pub rows: Vec<Row>,
+    /// Every row of every repetition.
+    pub samples: Vec<Sample>,
+}
+
+impl OverheadResults {
+    /// Markdown for the README: what was run, the stamp line and the table.
+    pub fn section(&self) -> String {
+        format!(
+            "`overhead` (`bench run overhead --reps {reps}`): what the gateway host and the plugin add to one request, {} sequential keep-alive requests per row (one gateway worker, 2 stub pods), medians\n\n{} · {reps} repetitions, interleaved · real ms\n\n{}",
+            self.requests,
+            crate::tables::stamp_text(&self.stamp, None),
+            table(&self.rows),
+            reps = self.reps,
+        )
+    }
+}
+
+#[cfg(test)]
+impl OverheadResults {
+    /// A small results file: one repetition of four rows, stamped.
+    pub(crate) fn example() -> OverheadResults {
+        let row = |row: &str, p50_ms, p99_ms, plugin_cpu_ms, redis_cmds| Sample {
+            row: row.into(),
+            rep: 0,
+            p50_ms,
+            p99_ms,
+            plugin_cpu_ms,
+            redis_cmds,
+        };
+        let samples = vec![
+            row("direct", 0.05, 0.17, None, None),
+            row("plain proxy", 0.10, 0.27, None, None),
+            row("prefix_cache", 0.33, 0.68, Some(0.046), Some(11.0)),
+            row("redis round trip", 0.065, 0.2, None, None),
+        ];
+        let order: Vec<String> = samples.iter().map(|s| s.row.clone()).collect();
+        OverheadResults {
+            stamp: crate::Stamp::example(),
+            reps: 1,
+            requests: 2000,
+            rows: summarize(&order, &samples),
+            samples,
+        }
+    }
+}
+
 /// What a row measures.
 enum Target {
     Http(SocketAddr, Option<usize>),
@@ -69,7 +127,7 @@ enum Target {
 }
 
 /// Runs the scenario and prints the table; writes `bench/results/overhead.json`.
-pub async fn run(results_dir: &std::path::Path, reps: usize, requests: usize) -> Result<()> {
+pub async fn run(paths: &crate::Paths, reps: usize, requests: usize) -> Result<()> {
     if requests < 1000 {
         bail!("overhead needs at least 1000 requests per row (got {requests})");
     }
@@ -151,16 +209,17 @@ pub async fn run(results_dir: &std::path::Path, reps: usize, requests: usize) ->
         gw.check_no_traps()?;
         gw.kill();
     }
-    let table = summarize(&rows.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), &samples);
-    println!("{}", markdown(&table, reps, requests));
-    std::fs::create_dir_all(results_dir)?;
-    let path = results_dir.join("overhead.json");
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(
-            &json!({"reps": reps, "requests": requests, "rows": table, "samples": samples}),
-        )?,
-    )?;
+    let results = OverheadResults {
+        stamp: crate::Stamp::now(&paths.root),
+        reps,
+        requests,
+        rows: summarize(&rows.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), &samples),
+        samples,
+    };
+    println!("{}", markdown(&results.rows, reps, requests));
+    std::fs::create_dir_all(&paths.results)?;
+    let path = paths.results.join("overhead.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&results)?)?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }
@@ -230,15 +289,22 @@ fn summarize(order: &[String], samples: &[Sample]) -> Vec<Row> {
         .collect()
 }
 
+/// The table under a line saying what was measured, as printed after a run.
+fn markdown(rows: &[Row], reps: usize, requests: usize) -> String {
+    format!(
+        "{requests} sequential keep-alive requests per row, {reps} interleaved repetitions, medians\n\n{}",
+        table(rows)
+    )
+}
+
 /// The README table: each row's p50/p99, the gateway-added p50 (over `direct`), and for the
 /// policies the budget plain proxy + Redis round trip + 0.2 ms.
-fn markdown(rows: &[Row], reps: usize, requests: usize) -> String {
+pub fn table(rows: &[Row]) -> String {
     let p50 = |n: &str| rows.iter().find(|r| r.row == n).map(|r| r.p50_ms).unwrap_or(f64::NAN);
     let (direct, plain, rtt) = (p50("direct"), p50("plain proxy"), p50("redis round trip"));
-    let mut out = format!(
-        "{requests} sequential keep-alive requests per row, {reps} interleaved repetitions, medians\n\n\
-         | row | p50 ms | p99 ms | added p50 ms | plugin CPU ms/req | Redis cmds/req | budget p50 ms |\n\
-         |---|---:|---:|---:|---:|---:|---:|\n"
+    let mut out = String::from(
+        "| row | p50 ms | p99 ms | added p50 ms | plugin CPU ms/req | Redis cmds/req | budget p50 ms |\n\
+         |---|---:|---:|---:|---:|---:|---:|\n",
     );
     for r in rows {
         let added = if r.row == "direct" || r.row == "redis round trip" {
@@ -357,4 +423,28 @@ fn redis_pings(addr: SocketAddr, n: usize) -> Result<Vec<Duration>> {
         }
     }
     Ok(lat)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_results_file_reads_back_as_a_stamped_section() {
+        let json = serde_json::to_string(&OverheadResults::example()).expect("json");
+        let md = serde_json::from_str::<OverheadResults>(&json).expect("read").section();
+        assert!(md.starts_with("`overhead` (`bench run overhead --reps 1`): "), "{md}");
+        assert!(md.contains("2000 sequential keep-alive requests per row"), "{md}");
+        assert!(md.contains("\n\n2026-11-24 07:49 UTC · commit `abc123` · vm · 1 repetitions"));
+        // Added over direct 0.28 ms; budget plain proxy + Redis round trip + 0.2 ms.
+        assert!(md.contains("| prefix_cache | 0.330 | 0.680 | 0.280 | 0.046 | 11.00 | 0.365 |"));
+        assert!(md.contains("| direct | 0.050 | 0.170 |  |  |  |  |"), "{md}");
+
+        // A file written before the report carried a stamp.
+        let mut old = serde_json::to_value(OverheadResults::example()).expect("value");
+        old.as_object_mut().expect("object").remove("stamp");
+        let md = serde_json::from_value::<OverheadResults>(old).expect("old file").section();
+        assert!(md.contains("\n\nundated · commit and machine not recorded"), "{md}");
+        assert!(md.contains("| prefix_cache | 0.330 |"), "{md}");
+    }
 }

@@ -35,7 +35,7 @@ use ai_load_balancer::redis::{
     RELEASE_LUA,
 };
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -54,7 +54,7 @@ const GO_LEAST_REQUEST_LUA: &str = include_str!("go_like/least_request.lua");
 const GO_PREFIX_CACHE_LUA: &str = include_str!("go_like/prefix_cache.lua");
 
 /// One case's figures per routed request.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Cost {
     /// Case name.
     pub case: String,
@@ -71,7 +71,7 @@ pub struct Cost {
 }
 
 /// Median and range over the repetitions of one case.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Summary {
     /// Case name.
     pub case: String,
@@ -85,6 +85,103 @@ pub struct Summary {
     pub script_vs_baseline: f64,
     /// Median CPU over the baseline's median.
     pub cpu_vs_baseline: f64,
+}
+
+/// `bench/results/<file_stem(pods)>.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RedisCostReport {
+    /// Date, commit and machine (blank in a file written before the report carried them).
+    #[serde(default)]
+    pub stamp: crate::Stamp,
+    /// When a file written before the stamp was made; None in newer ones (the stamp has it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unix_time: Option<u64>,
+    /// Routed requests per case and repetition.
+    pub requests_per_rep: u64,
+    /// Repetitions per case (interleaved).
+    pub reps: usize,
+    /// Pods in the cluster (files from before `--pods` ran with the default).
+    #[serde(default = "default_pods")]
+    pub pods: usize,
+    /// One summary per case, the floor first.
+    pub cases: Vec<Summary>,
+}
+
+fn default_pods() -> usize {
+    DEFAULT_PODS
+}
+
+/// The results file's name without `.json`: `redis-cost`, or `redis-cost-pods<N>` for another
+/// number of pods (so the default run's file is not overwritten).
+pub fn file_stem(pods: usize) -> String {
+    if pods == DEFAULT_PODS {
+        "redis-cost".into()
+    } else {
+        format!("redis-cost-pods{pods}")
+    }
+}
+
+impl RedisCostReport {
+    /// Markdown for the README: what was run, the stamp line and the table.
+    pub fn section(&self) -> String {
+        format!(
+            "`{}` (`bench redis-cost --requests {} --reps {} --pods {}`): what one routed request (pick + release) costs the shared Redis with the plugin's scripts, beside a trivial `EVALSHA` floor and the Go plugin's way; {} pods, {OWNERS} plugin VMs, {IN_FLIGHT} requests in flight, {BLOCKS}-block chats\n\n{} · {} repetitions per case, interleaved, a fresh Redis each · {} routed requests per case and repetition\n\n{}",
+            file_stem(self.pods),
+            self.requests_per_rep,
+            self.reps,
+            self.pods,
+            self.pods,
+            crate::tables::stamp_text(&self.stamp, self.unix_time),
+            self.reps,
+            self.requests_per_rep,
+            table(&self.cases, self.reps)
+        )
+    }
+}
+
+#[cfg(test)]
+impl RedisCostReport {
+    /// A small results file: the floor and one case over 64 pods, stamped.
+    pub(crate) fn example() -> RedisCostReport {
+        let summary = |case: &str, median: [f64; 4], script, cpu, vs: (f64, f64)| Summary {
+            case: case.into(),
+            median: Cost {
+                case: case.into(),
+                requests: 10_000,
+                script_usec: median[0],
+                cpu_usec: median[1],
+                bytes_in: median[2],
+                bytes_out: median[3],
+            },
+            script_usec_range: script,
+            cpu_usec_range: cpu,
+            script_vs_baseline: vs.0,
+            cpu_vs_baseline: vs.1,
+        };
+        RedisCostReport {
+            stamp: crate::Stamp::example(),
+            unix_time: None,
+            requests_per_rep: 10_000,
+            reps: 3,
+            pods: 64,
+            cases: vec![
+                summary(
+                    Case::Baseline.name(),
+                    [2.5, 60.0, 142.0, 8.0],
+                    (2.4, 2.7),
+                    (59.0, 64.0),
+                    (1.0, 1.0),
+                ),
+                summary(
+                    Case::PrefixCache.name(),
+                    [44.2, 80.5, 630.0, 44.0],
+                    (41.3, 44.9),
+                    (77.0, 82.3),
+                    (17.68, 1.34),
+                ),
+            ],
+        }
+    }
 }
 
 /// A blocking RESP connection (one command at a time: what a gateway worker does per request).
@@ -504,6 +601,42 @@ pub fn table(rows: &[Summary], reps: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_results_file_reads_back_as_a_stamped_section() {
+        let json = serde_json::to_string(&RedisCostReport::example()).expect("json");
+        let md = serde_json::from_str::<RedisCostReport>(&json).expect("read").section();
+        assert!(
+            md.starts_with(
+                "`redis-cost-pods64` (`bench redis-cost --requests 10000 --reps 3 --pods 64`): "
+            ),
+            "{md}"
+        );
+        assert!(md.contains("\n\n2026-11-24 07:49 UTC · commit `abc123` · vm · 3 repetitions"));
+        assert!(
+            md.contains(
+                "| prefix_cache | 44.2 (41.3–44.9) | 17.7 | 80.5 (77.0–82.3) | 1.3 | 630 | 44 |"
+            ),
+            "{md}"
+        );
+
+        // A file written before the stamp and `--pods`: its date, and the 8 pods it ran with.
+        let mut old = serde_json::to_value(RedisCostReport::example()).expect("value");
+        let o = old.as_object_mut().expect("object");
+        o.remove("stamp");
+        o.remove("pods");
+        o.insert("unix_time".into(), 1_795_506_556u64.into());
+        let md = serde_json::from_value::<RedisCostReport>(old).expect("old file").section();
+        assert!(
+            md.starts_with("`redis-cost` (`bench redis-cost --requests 10000 --reps 3 --pods 8`)")
+        );
+        assert!(
+            md.contains("\n\n2026-11-24 07:49 UTC · commit and machine not recorded (written before this report carried a stamp) · 3 repetitions"),
+            "{md}"
+        );
+        assert!(md.contains("| EVALSHA return 1 (floor) | 2.5 (2.4–2.7) | 1.0 |"), "{md}");
+        assert_eq!(file_stem(DEFAULT_PODS), "redis-cost");
+    }
 
     #[test]
     fn every_pod_of_a_large_cluster_has_its_own_valid_address() {

@@ -205,13 +205,11 @@ impl OverheadReport {
     /// Markdown for the README: stamp line, then the table.
     pub fn section(&self) -> String {
         format!(
-            "`router-overhead`: each router's own added latency, {} sequential streamed requests per target to one fast pod (sglang-router {}, vllm-router {})\n\n{} · commit `{}` · {} · {} repetitions, interleaved · real ms\n\n{}",
+            "`router-overhead`: each router's own added latency, {} sequential streamed requests per target to one fast pod (sglang-router {}, vllm-router {})\n\n{} · {} repetitions, interleaved · real ms\n\n{}",
             self.requests_per_rep,
             self.sglang_router,
             self.vllm_router,
-            crate::tables::utc(self.stamp.unix_time),
-            self.stamp.commit,
-            self.stamp.machine,
+            crate::tables::stamp_text(&self.stamp, None),
             self.reps,
             added_latency_table(&self.rows)
         )

@@ -1,10 +1,11 @@
-//! README tables generated from `bench/results/*.json` (no hand copying): one table per scenario
-//! report, each headed by its description and stamped with the date, commit, machine, hardware
-//! profile, repetitions and time scale it was made with. `bench tables --write` puts them into
-//! README.md between the two marker lines.
+//! README tables generated from `bench/results/*.json` (no hand copying): a section per results
+//! file (scenario reports, load sweeps, the routers' and the gateway's overhead, the chaos runs,
+//! Redis cost, AIPerf scenarios), each headed by what was run and stamped with the date, commit
+//! and machine it was made on (scenario reports also with hardware profile, repetitions and time
+//! scale). `bench tables --write` puts them into README.md between the two marker lines.
 
 use crate::stats::Spread;
-use crate::{failure_table, redis_table, table, Report};
+use crate::{failure_table, outage_table, redis_table, table, Report};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -31,34 +32,45 @@ pub fn utc(unix: u64) -> String {
     format!("{y:04}-{m:02}-{d:02} {:02}:{:02} UTC", secs / 3600, secs % 3600 / 60)
 }
 
+/// `date · commit · machine` of a report. One written before its kind carried a stamp (no
+/// commit) says so rather than show a 1970 date and blanks, with the date it kept, if any
+/// (`unix_time`).
+pub fn stamp_text(stamp: &crate::Stamp, unix_time: Option<u64>) -> String {
+    if stamp.commit.is_empty() {
+        let date = unix_time.map_or_else(|| "undated".to_string(), utc);
+        return format!(
+            "{date} · commit and machine not recorded (written before this report carried a stamp)"
+        );
+    }
+    format!("{} · commit `{}` · {}", utc(stamp.unix_time), stamp.commit, stamp.machine)
+}
+
 /// `date · commit · machine · profile · repetitions · time scale`, the line under each heading.
 fn stamp_line(stamp: &crate::Stamp, profile: &str, reps: &str, time_scale: f64) -> String {
     format!(
-        "{} · commit `{}` · {} · profile `{profile}` · {reps}, interleaved · time scale {time_scale}",
-        utc(stamp.unix_time),
-        stamp.commit,
-        stamp.machine,
+        "{} · profile `{profile}` · {reps}, interleaved · time scale {time_scale}",
+        stamp_text(stamp, None)
     )
 }
 
-/// The Markdown of one report: heading, stamp, table.
+/// The Markdown of one report: heading, stamp, table, and the tables a scenario has only with a
+/// Redis policy, a Redis freeze or a health check.
 pub fn section(rep: &Report) -> String {
     let reps = format!("{} repetitions", rep.config.repetitions);
-    format!(
-        "`{}`: {}\n\n{}\n\n{}{}{}",
+    let mut md = format!(
+        "`{}`: {}\n\n{}\n\n{}",
         rep.scenario,
         rep.description,
         stamp_line(&rep.stamp, &rep.config.pods.profile, &reps, rep.time_scale),
-        table(rep),
-        match redis_table(rep) {
-            r if r.is_empty() => r,
-            r => format!("\n{r}"),
-        },
-        match failure_table(rep) {
-            r if r.is_empty() => r,
-            r => format!("\n{r}"),
+        table(rep)
+    );
+    for extra in [redis_table(rep), outage_table(rep), failure_table(rep)] {
+        if !extra.is_empty() {
+            md.push('\n');
+            md.push_str(&extra);
         }
-    )
+    }
+    md
 }
 
 /// The Markdown of a load sweep: heading, stamp, table.
@@ -77,7 +89,8 @@ pub fn sweep_section(rep: &crate::sweep::SweepReport) -> String {
     )
 }
 
-/// Every report in `dir` (files that are not reports of this format are listed as skipped).
+/// Every report in `dir`, in file-name order (files that are none of the reports below are listed
+/// as skipped).
 pub fn render(dir: &Path) -> Result<(String, Vec<String>)> {
     let mut files: Vec<_> = std::fs::read_dir(dir)
         .with_context(|| format!("reading {}", dir.display()))?
@@ -89,28 +102,48 @@ pub fn render(dir: &Path) -> Result<(String, Vec<String>)> {
     let mut skipped = Vec::new();
     for f in files {
         let text = std::fs::read_to_string(&f)?;
-        // A scenario report, a sweep or the routers' overhead; anything else is skipped.
-        if let Ok(mut rep) = serde_json::from_str::<Report>(&text) {
-            // The runs are the source: reports older than the p90 column carry it only there.
-            for p in &mut rep.policies {
-                let runs = rep
-                    .runs
-                    .iter()
-                    .filter(|r| r.policy == p.policy && r.gateway_replicas == p.gateway_replicas);
-                p.ttft_p90_ms = Spread::of(runs.map(|r| r.ttft_ms.p90)).unwrap_or_default();
-            }
-            out.push_str(&section(&rep));
-        } else if let Ok(sw) = serde_json::from_str::<crate::sweep::SweepReport>(&text) {
-            out.push_str(&sweep_section(&sw));
-        } else if let Ok(o) = serde_json::from_str::<crate::routers::OverheadReport>(&text) {
-            out.push_str(&o.section());
-        } else {
+        let Some(md) = file_section(&text) else {
             skipped.push(f.display().to_string());
             continue;
-        }
+        };
+        out.push_str(&md);
         out.push('\n');
     }
     Ok((out, skipped))
+}
+
+/// The Markdown of one results file: a scenario report, a sweep, the routers' overhead, the chaos
+/// runs, the gateway's overhead, a Redis cost or an AIPerf scenario. None for anything else. Each
+/// kind has fields the others lack, so at most one reads a file.
+fn file_section(text: &str) -> Option<String> {
+    use serde_json::from_str;
+    if let Ok(mut rep) = from_str::<Report>(text) {
+        // The runs are the source: reports older than the p90 column carry it only there.
+        for p in &mut rep.policies {
+            let runs = rep
+                .runs
+                .iter()
+                .filter(|r| r.policy == p.policy && r.gateway_replicas == p.gateway_replicas);
+            p.ttft_p90_ms = Spread::of(runs.map(|r| r.ttft_ms.p90)).unwrap_or_default();
+        }
+        return Some(section(&rep));
+    }
+    if let Ok(sw) = from_str::<crate::sweep::SweepReport>(text) {
+        return Some(sweep_section(&sw));
+    }
+    if let Ok(o) = from_str::<crate::routers::OverheadReport>(text) {
+        return Some(o.section());
+    }
+    if let Ok(c) = from_str::<crate::chaos::ChaosResults>(text) {
+        return Some(c.section());
+    }
+    if let Ok(o) = from_str::<crate::overhead::OverheadResults>(text) {
+        return Some(o.section());
+    }
+    if let Ok(r) = from_str::<crate::redis_cost::RedisCostReport>(text) {
+        return Some(r.section());
+    }
+    from_str::<crate::aiperf::AiperfResults>(text).ok().map(|a| a.section())
 }
 
 /// `readme` with the text between the marker lines replaced by `generated`.
@@ -152,16 +185,50 @@ mod tests {
         Report {
             scenario: "t".into(),
             description: "d".into(),
-            stamp: Stamp {
-                unix_time: 1_795_506_556,
-                commit: "abc123".into(),
-                machine: "vm".into(),
-            },
+            stamp: Stamp::example(),
             time_scale: 0.25,
             policies: aggregate(&runs),
             runs,
             config,
         }
+    }
+
+    /// `runs` as a sweep at one offered rate.
+    fn sweep(rep: &Report, runs: Vec<PolicyResult>) -> crate::sweep::SweepReport {
+        crate::sweep::SweepReport {
+            scenario: "s".into(),
+            description: "d".into(),
+            stamp: rep.stamp.clone(),
+            config: rep.config.clone(),
+            rates: vec![2.0],
+            points: crate::sweep::points(&runs, &[2.0]),
+            runs,
+        }
+    }
+
+    fn router_overhead() -> crate::routers::OverheadReport {
+        crate::routers::OverheadReport {
+            stamp: Stamp::example(),
+            requests_per_rep: 300,
+            reps: 3,
+            sglang_router: "0.3.2".into(),
+            vllm_router: "0.1.17".into(),
+            rows: crate::routers::added_latency(
+                &["direct".to_string(), "x".to_string()],
+                &[
+                    crate::routers::Sample { target: 0, rep: 0, p50: 2.0, p90: 3.0, errors: 0 },
+                    crate::routers::Sample { target: 1, rep: 0, p50: 44.0, p90: 47.0, errors: 0 },
+                ],
+            ),
+        }
+    }
+
+    /// A fresh directory under the system's temp dir.
+    fn temp_dir(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("bench-tables-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        dir
     }
 
     #[test]
@@ -185,36 +252,12 @@ mod tests {
             md.contains("| prefix_cache | 0.0 (0.0–0.0) | 2.50 (2.50–2.50) | 90.0 (90.0–90.0) |"),
             "{md}"
         );
-        let sweep = crate::sweep::SweepReport {
-            scenario: "s".into(),
-            description: "d".into(),
-            stamp: rep.stamp.clone(),
-            config: rep.config.clone(),
-            rates: vec![2.0],
-            points: crate::sweep::points(&runs, &[2.0]),
-            runs,
-        };
-        let md = sweep_section(&sweep);
+        let md = sweep_section(&sweep(&rep, runs));
         assert!(md.contains("commit `abc123`") && md.contains("3 repetitions per point"), "{md}");
         assert!(md.contains("| prefix_cache | 2 | 3 × 300 | 0 | 110 (100–120) |"), "{md}");
-        let o = crate::routers::OverheadReport {
-            stamp: rep.stamp.clone(),
-            requests_per_rep: 300,
-            reps: 3,
-            sglang_router: "0.3.2".into(),
-            vllm_router: "0.1.17".into(),
-            rows: crate::routers::added_latency(
-                &["direct".to_string(), "x".to_string()],
-                &[
-                    crate::routers::Sample { target: 0, rep: 0, p50: 2.0, p90: 3.0, errors: 0 },
-                    crate::routers::Sample { target: 1, rep: 0, p50: 44.0, p90: 47.0, errors: 0 },
-                ],
-            ),
-        };
-        let dir = std::env::temp_dir().join(format!("bench-tables-o-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::fs::write(dir.join("router-overhead.json"), serde_json::to_string(&o).expect("json"))
-            .expect("write");
+        let dir = temp_dir("o");
+        let o = serde_json::to_string(&router_overhead()).expect("json");
+        std::fs::write(dir.join("router-overhead.json"), o).expect("write");
         let (md, skipped) = render(&dir).expect("render");
         std::fs::remove_dir_all(&dir).ok();
         assert!(skipped.is_empty(), "{skipped:?}");
@@ -226,6 +269,66 @@ mod tests {
     }
 
     #[test]
+    fn a_redis_freeze_report_renders_its_outage_table() {
+        let md = section(&report());
+        assert!(!md.contains("while Redis was frozen"), "no outage table without a freeze: {md}");
+        let mut rep = report();
+        rep.config.redis_freeze = Some(crate::scenario::RedisFreeze { at_s: 4.0, for_s: 8.0 });
+        for r in &mut rep.runs {
+            r.outage_ttft_p90_ms = Some(r.ttft_ms.p90 + 400.0);
+            r.outage_requests = 50;
+        }
+        let md = section(&rep);
+        assert!(md.contains("| policy | TTFT p90 while Redis was frozen (ms) | per run |"), "{md}");
+        assert!(md.contains("| round_robin | 510 | 500, 520, 510 | 50 |"), "{md}");
+    }
+
+    #[test]
+    fn every_kind_of_results_file_renders_and_only_a_non_report_is_skipped() {
+        let dir = temp_dir("kinds");
+        let rep = report();
+        let kinds = [
+            ("a-scenario.json", serde_json::to_string(&rep)),
+            ("b-sweep.json", serde_json::to_string(&sweep(&rep, rep.runs.clone()))),
+            ("c-router-overhead.json", serde_json::to_string(&router_overhead())),
+            ("d-chaos.json", serde_json::to_string(&crate::chaos::ChaosResults::example())),
+            (
+                "e-overhead.json",
+                serde_json::to_string(&crate::overhead::OverheadResults::example()),
+            ),
+            (
+                "f-redis-cost-pods64.json",
+                serde_json::to_string(&crate::redis_cost::RedisCostReport::example()),
+            ),
+            ("g-aiperf.json", serde_json::to_string(&crate::aiperf::AiperfResults::example())),
+        ];
+        for (name, json) in kinds {
+            std::fs::write(dir.join(name), json.expect("json")).expect("write");
+        }
+        std::fs::write(dir.join("h-notes.json"), "{\"note\": \"not a report\"}").expect("write");
+        let (md, skipped) = render(&dir).expect("render");
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(skipped.len(), 1, "{skipped:?}");
+        assert!(skipped[0].ends_with("h-notes.json"), "{skipped:?}");
+        // One section per report, in file-name order, each with its stamp.
+        let headings = [
+            "`t`: d\n",
+            "`s` (load sweep, `bench sweep`)",
+            "`router-overhead`: ",
+            "`chaos` (`bench run chaos --reps 1`)",
+            "`overhead` (`bench run overhead --reps 1`)",
+            "`redis-cost-pods64` (`bench redis-cost --requests 10000 --reps 3 --pods 64`)",
+            "`t-aiperf` (NVIDIA AIPerf 0.13.0)",
+        ];
+        let at: Vec<usize> = headings
+            .iter()
+            .map(|h| md.find(h).unwrap_or_else(|| panic!("no section {h}: {md}")))
+            .collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "out of order: {at:?}");
+        assert_eq!(md.matches("commit `abc123` · vm").count(), headings.len(), "{md}");
+    }
+
+    #[test]
     fn dates_are_utc() {
         assert_eq!(utc(0), "1970-01-01 00:00 UTC");
         assert_eq!(utc(1_795_506_556), "2026-11-24 07:49 UTC");
@@ -234,8 +337,7 @@ mod tests {
 
     #[test]
     fn tables_come_from_the_json_with_their_stamp() {
-        let dir = std::env::temp_dir().join(format!("bench-tables-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = temp_dir("t");
         let json = serde_json::to_string(&report()).expect("json");
         std::fs::write(dir.join("t.json"), json).expect("write");
         // A report written before the p90 column: its p90 comes from the runs.
