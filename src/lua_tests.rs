@@ -787,9 +787,18 @@ fn la_pick(
     chain: &[&str],
     pods: &[(&str, f64, f64, i64)],
 ) -> crate::policy::picker::PickResult {
+    la_pick_with(r, chain, pods, crate::config::LoadAwareConfig::default())
+}
+
+/// [`la_pick`] with thresholds other than the defaults.
+fn la_pick_with(
+    r: &mut Redis,
+    chain: &[&str],
+    pods: &[(&str, f64, f64, i64)],
+    cfg: crate::config::LoadAwareConfig,
+) -> crate::policy::picker::PickResult {
     use crate::metrics::router::PodView;
     use crate::metrics::PodMetrics;
-    let cfg = crate::config::LoadAwareConfig::default();
     let views: Vec<PodView> = pods
         .iter()
         .map(|&(h, q, kv, _)| PodView {
@@ -848,10 +857,17 @@ fn load_aware_hit_is_diverted_by_a_deep_queue_and_the_pod_becomes_a_holder() {
 }
 
 #[test]
-fn load_aware_hit_is_diverted_by_kv_cache_use() {
+fn load_aware_hit_is_diverted_by_kv_cache_use_only_when_that_is_turned_on() {
     let mut r = Redis::start();
     r.cmd(&["SET", "pfx:k1", "a"]);
-    let p = la_pick(&mut r, &["k1"], &[("a", 0.0, 0.9, 0), ("b", 0.0, 0.3, 1)]);
+    // By default a hit's pod is never overloaded by its KV-cache use alone: a pod whose cache is
+    // full of sessions is where their hits belong.
+    let pods = [("a", 0.0, 0.9, 0), ("b", 0.0, 0.3, 1)];
+    let p = la_pick(&mut r, &["k1"], &pods);
+    assert_eq!((p.host.as_str(), p.diverted), ("a", false));
+    let kv_gap =
+        crate::config::LoadAwareConfig { kv_gap: 0.2, ..crate::config::LoadAwareConfig::default() };
+    let p = la_pick_with(&mut r, &["k1"], &pods, kv_gap);
     assert_eq!((p.host.as_str(), p.diverted, p.holder_added), ("b", true, true));
 }
 

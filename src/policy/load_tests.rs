@@ -7,6 +7,11 @@ fn cfg() -> LoadAwareConfig {
     LoadAwareConfig::default()
 }
 
+/// The defaults with a KV-cache gap (off by default).
+fn with_kv_gap() -> LoadAwareConfig {
+    LoadAwareConfig { kv_gap: 0.2, ..cfg() }
+}
+
 fn pod(address: &str, waiting: f64, kv: f64) -> PodView {
     PodView {
         address: address.into(),
@@ -26,17 +31,20 @@ fn flags(args: &LoadArgs) -> Vec<(String, bool, u32)> {
 
 #[test]
 fn a_deep_queue_or_a_full_kv_cache_marks_a_pod_overloaded_against_the_least_loaded() {
-    let a = load_args(&cfg(), &[pod("a", 0.0, 0.1), pod("b", 9.0, 0.1), pod("c", 1.0, 0.7)])
-        .expect("every pod has metrics");
+    let pods = [pod("a", 0.0, 0.1), pod("b", 9.0, 0.1), pod("c", 1.0, 0.7)];
+    let a = load_args(&cfg(), &pods).expect("every pod has metrics");
     assert_eq!(
         flags(&a),
         vec![
             ("a".into(), false, 1), // 0 + 8 × 0.1
             ("b".into(), true, 10), // queue 9 - 0 > 4 and 9 > 1.5 × 0
-            ("c".into(), true, 7),  // KV 0.7 - 0.1 > 0.2 and 0.7 > 1.5 × 0.1
+            ("c".into(), false, 7), // KV use alone never overloads by default
         ]
     );
     assert_eq!((a.inflight_gap, a.ratio, a.max_holders), (4, 1.5, 2));
+    // With `overloadKvCache: 0.2`: KV 0.7 - 0.1 > 0.2 and 0.7 > 1.5 × 0.1.
+    let a = load_args(&with_kv_gap(), &pods).unwrap();
+    assert!(a.hosts[2].overloaded, "{a:?}");
 }
 
 #[test]
@@ -47,8 +55,9 @@ fn both_the_gap_and_the_ratio_must_be_passed() {
     // Queue 20 vs 10: gap 10 > 4 and 20 > 15.
     let a = load_args(&cfg(), &[pod("a", 10.0, 0.5), pod("b", 20.0, 0.5)]).unwrap();
     assert!(a.hosts[1].overloaded);
-    // KV 0.95 vs 0.7: gap 0.25 > 0.2 but 0.95 < 1.05: all pods nearly full, none singled out.
-    let a = load_args(&cfg(), &[pod("a", 0.0, 0.7), pod("b", 0.0, 0.95)]).unwrap();
+    // KV 0.95 vs 0.7 with a KV gap of 0.2: gap 0.25 > 0.2 but 0.95 < 1.05: all pods nearly
+    // full, none singled out.
+    let a = load_args(&with_kv_gap(), &[pod("a", 0.0, 0.7), pod("b", 0.0, 0.95)]).unwrap();
     assert!(!a.hosts[1].overloaded);
 }
 
