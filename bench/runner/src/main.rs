@@ -27,7 +27,7 @@ enum Cmd {
     Run {
         /// Scenario name or file.
         scenario: String,
-        /// Only these policies (comma-separated), default: the scenario's list.
+        /// These policies (comma-separated, any the runner knows), default: the scenario's list.
         #[arg(long, value_delimiter = ',')]
         policies: Vec<String>,
         /// Repetitions per policy (default: the scenario's, 3 unless it says otherwise).
@@ -158,7 +158,8 @@ async fn run(
         sc.description = format!("{} [this run: the first {n} sessions]", sc.description);
     }
     if !only.is_empty() {
-        sc.policies.retain(|p| only.contains(p));
+        // Exactly these, also policies the scenario does not list (a variant beside its baselines).
+        sc.policies = only;
     }
     if let Some(t) = tag {
         sc.name = format!("{}-{t}", sc.name);

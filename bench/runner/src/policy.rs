@@ -167,6 +167,16 @@ pub const POLICIES: &[Policy] = &[
             go_keys_only: false,
         }),
     },
+    // loadAware that also diverts hits off a pod whose KV-cache use is 0.2 above the least used
+    // pod's (the default before 2026-11-26; off by default since).
+    Policy {
+        name: "prefix_cache_load_aware_kv_divert",
+        route: Route::Gateway(GatewayMode::Plugin {
+            lb_policy: "prefix_cache",
+            extra_lb_config: r#"{"loadAware":true,"overloadKvCache":0.2}"#,
+            go_keys_only: false,
+        }),
+    },
     plugin("endpoint_metrics", "endpoint_metrics"),
     external("sglang_round_robin", Router::Sglang, "round_robin"),
     external("sglang_cache_aware", Router::Sglang, "cache_aware"),
