@@ -50,7 +50,7 @@ pub const DEFAULT_MAX_HOLDERS: u32 = 2;
 /// A pod twice as slow as the fastest (by the decode rate this gateway observes) counts as this
 /// many more requests in flight in the combined load signal (misses only; 0 turns it off). 16:
 /// `unequal-pods` p90 TTFT 0.90x Go mode against 1.02x without it, `hot-spot` unchanged (README,
-/// "Slow pods").
+/// "Load-aware defaults").
 pub const DEFAULT_LOAD_LATENCY_WEIGHT: f64 = 16.0;
 /// A hit's pod this many times as slow as the fastest pod is overloaded (0 = never for slowness).
 /// Off: diverting hits by slowness made `hot-spot` worse (equal pods look unequal while one
