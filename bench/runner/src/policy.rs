@@ -119,6 +119,18 @@ const fn plugin(name: &'static str, lb_policy: &'static str) -> Policy {
     }
 }
 
+/// `prefix_cache` with `extra_lb_config` over the scenario's lb_config (a variant of our own keys).
+const fn prefix_cache_with(name: &'static str, extra_lb_config: &'static str) -> Policy {
+    Policy {
+        name,
+        route: Route::Gateway(GatewayMode::Plugin {
+            lb_policy: "prefix_cache",
+            extra_lb_config,
+            go_keys_only: false,
+        }),
+    }
+}
+
 const fn external(name: &'static str, router: Router, policy: &'static str) -> Policy {
     Policy { name, route: Route::External { router, policy } }
 }
@@ -140,43 +152,24 @@ pub const POLICIES: &[Policy] = &[
         }),
     },
     // Ours: prefix_cache weighing affinity against the pods' GPU metrics (stored by the health check).
-    Policy {
-        name: "prefix_cache_load_aware",
-        route: Route::Gateway(GatewayMode::Plugin {
-            lb_policy: "prefix_cache",
-            extra_lb_config: r#"{"loadAware":true}"#,
-            go_keys_only: false,
-        }),
-    },
+    prefix_cache_with("prefix_cache_load_aware", r#"{"loadAware":true}"#),
     // loadAware without the observed-latency signal (on by default, weight 16).
-    Policy {
-        name: "prefix_cache_load_aware_no_latency",
-        route: Route::Gateway(GatewayMode::Plugin {
-            lb_policy: "prefix_cache",
-            extra_lb_config: r#"{"loadAware":true,"loadLatencyWeight":0}"#,
-            go_keys_only: false,
-        }),
-    },
+    prefix_cache_with(
+        "prefix_cache_load_aware_no_latency",
+        r#"{"loadAware":true,"loadLatencyWeight":0}"#,
+    ),
     // loadAware that also diverts hits off a pod observed 1.6x as slow as the fastest (off by
     // default).
-    Policy {
-        name: "prefix_cache_load_aware_divert_slow",
-        route: Route::Gateway(GatewayMode::Plugin {
-            lb_policy: "prefix_cache",
-            extra_lb_config: r#"{"loadAware":true,"overloadLatency":1.6}"#,
-            go_keys_only: false,
-        }),
-    },
+    prefix_cache_with(
+        "prefix_cache_load_aware_divert_slow",
+        r#"{"loadAware":true,"overloadLatency":1.6}"#,
+    ),
     // loadAware that also diverts hits off a pod whose KV-cache use is 0.2 above the least used
     // pod's (the default before 2026-11-26; off by default since).
-    Policy {
-        name: "prefix_cache_load_aware_kv_divert",
-        route: Route::Gateway(GatewayMode::Plugin {
-            lb_policy: "prefix_cache",
-            extra_lb_config: r#"{"loadAware":true,"overloadKvCache":0.2}"#,
-            go_keys_only: false,
-        }),
-    },
+    prefix_cache_with(
+        "prefix_cache_load_aware_kv_divert",
+        r#"{"loadAware":true,"overloadKvCache":0.2}"#,
+    ),
     plugin("endpoint_metrics", "endpoint_metrics"),
     external("sglang_round_robin", Router::Sglang, "round_robin"),
     external("sglang_cache_aware", Router::Sglang, "cache_aware"),
