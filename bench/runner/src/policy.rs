@@ -109,22 +109,19 @@ pub const GO_LB_CONFIG_KEYS: &[&str] = &[
 ];
 
 const fn plugin(name: &'static str, lb_policy: &'static str) -> Policy {
+    plugin_with(name, lb_policy, "{}")
+}
+
+/// `lb_policy` with `extra_lb_config` over the scenario's lb_config (a variant of our own keys).
+const fn plugin_with(
+    name: &'static str,
+    lb_policy: &'static str,
+    extra_lb_config: &'static str,
+) -> Policy {
     Policy {
         name,
         route: Route::Gateway(GatewayMode::Plugin {
             lb_policy,
-            extra_lb_config: "{}",
-            go_keys_only: false,
-        }),
-    }
-}
-
-/// `prefix_cache` with `extra_lb_config` over the scenario's lb_config (a variant of our own keys).
-const fn prefix_cache_with(name: &'static str, extra_lb_config: &'static str) -> Policy {
-    Policy {
-        name,
-        route: Route::Gateway(GatewayMode::Plugin {
-            lb_policy: "prefix_cache",
             extra_lb_config,
             go_keys_only: false,
         }),
@@ -152,22 +149,25 @@ pub const POLICIES: &[Policy] = &[
         }),
     },
     // Ours: prefix_cache weighing affinity against the pods' GPU metrics (stored by the health check).
-    prefix_cache_with("prefix_cache_load_aware", r#"{"loadAware":true}"#),
+    plugin_with("prefix_cache_load_aware", "prefix_cache", r#"{"loadAware":true}"#),
     // loadAware without the observed-latency signal (on by default, weight 16).
-    prefix_cache_with(
+    plugin_with(
         "prefix_cache_load_aware_no_latency",
+        "prefix_cache",
         r#"{"loadAware":true,"loadLatencyWeight":0}"#,
     ),
     // loadAware that also diverts hits off a pod observed 1.6x as slow as the fastest (off by
     // default).
-    prefix_cache_with(
+    plugin_with(
         "prefix_cache_load_aware_divert_slow",
+        "prefix_cache",
         r#"{"loadAware":true,"overloadLatency":1.6}"#,
     ),
     // loadAware that also diverts hits off a pod whose KV-cache use is 0.2 above the least used
     // pod's (the default before 2026-11-26; off by default since).
-    prefix_cache_with(
+    plugin_with(
         "prefix_cache_load_aware_kv_divert",
+        "prefix_cache",
         r#"{"loadAware":true,"overloadKvCache":0.2}"#,
     ),
     plugin("endpoint_metrics", "endpoint_metrics"),
