@@ -587,7 +587,7 @@ fn heartbeats_keep_a_live_owners_counts() {
 #[test]
 fn an_owner_is_registered_with_its_marker_and_keeps_it_until_reaped() {
     // The marker keeps the owner's hash alive while records come and go (deleting its last record
-    // must not delete it: see reap.lua); a heartbeat registers with it, and the reaper removes it.
+    // must not delete it: see shared.lua); a heartbeat registers with it, and the reaper removes it.
     let mut r = Redis::start();
     assert_eq!(r.heartbeat("vm9", 1000), Frame::Integer(0));
     assert_eq!(r.cmd(&["HKEYS", "own:vm9"]), Frame::Array(vec![Frame::BulkString("~".into())]));
@@ -710,7 +710,7 @@ fn a_heartbeat_releases_the_records_its_vm_no_longer_needs_exactly_once() {
     assert_eq!(r.count("a"), Some(1));
 }
 
-/// `HKEYS` of an owner's hash holding no record: only the marker that keeps it (reap.lua).
+/// `HKEYS` of an owner's hash holding no record: only the marker that keeps it (shared.lua).
 fn marker_only() -> Frame {
     Frame::Array(vec![Frame::BulkString("~".into())])
 }

@@ -1,7 +1,7 @@
 -- ai-load-balancer: every third of a lease, each plugin VM renews its lease for a route+cluster it
 -- uses, reaps owners whose lease ran out (so a dead gateway's counts return even when no request
 -- comes), releases its own records that it no longer knows, and runs the periodic cleanup of hosts
--- that left the cluster (after reap.lua).
+-- that left the cluster (after shared.lua and reap.lua).
 -- KEYS[1]  in-flight hash
 -- ARGV[1]  lease (ms)   ARGV[2] owner id   ARGV[3] cleanup interval (s, 0 = never)
 -- ARGV[4]  the owner's requests whose records must stay, joined by ',': picks not answered yet,
@@ -17,7 +17,7 @@ reap(now)
 -- (Redis Cluster) a release ran where the record had not arrived yet. Every release is sent before
 -- this heartbeat on the same connection or is listed, and the owner's next picks come after it, so
 -- what is released here was released by nobody else and never will be: exactly once still. Counts
--- go down before the records go (see MARKER in reap.lua); tombstones ('') stay for their late picks.
+-- go down before the records go (see MARKER in shared.lua); tombstones ('') stay for their late picks.
 local keep = {}
 for id in string.gmatch(ARGV[4] or '', '[^,]+') do keep[id] = true end
 local records = redis.call('HGETALL', mine)

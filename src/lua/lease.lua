@@ -1,4 +1,4 @@
--- ai-load-balancer: prelude of the pick scripts (after reap.lua, before least_request.lua or
+-- ai-load-balancer: prelude of the pick scripts (after shared.lua, before least_request.lua or
 -- prefix_cache.lua). In-flight counts are held under per-VM leases: each admitted pick is recorded
 -- in its owner's hash, and an owner whose lease runs out has its picks subtracted (reap.lua), so a
 -- gateway that dies cannot leave its +1s behind. Nothing here has a TTL that eviction could remove.
@@ -39,29 +39,29 @@ local function settle()
     register(mine, ARGV[3], now_ms() + (tonumber(ARGV[2]) or 10000))
   end
 end
--- Each candidate host's count as this pick read it (the pick scripts fill it from all_counts,
--- through read_count), so that commit writes every changed count in one HSET instead of one
--- HINCRBY per pod.
-local stored = {}
--- A candidate's count once the carried releases are applied (what the pick chooses on), from its
--- stored value `raw` (nil: 0), remembered for commit.
-local function read_count(h, raw)
-  local s = tonumber(raw) or 0
-  stored[h] = s
-  local c = s - (freed[h] or 0)
+-- The in-flight hash as the pick read it (host -> stored value) once the pick script has called
+-- read_counts; nil before (a pick with no candidates reads nothing).
+local counts = nil
+local function read_counts()
+  counts = all_counts()
+end
+-- A host's count once the carried releases are applied (what the pick chooses on); a stored count
+-- below 0 counts as 0.
+local function read_count(h)
+  local c = (tonumber(counts[h]) or 0) - (freed[h] or 0)
   if c < 0 then return 0 end
   return c
 end
--- Adds delta[pod] to each pod's count. The pods this pick read get their new values in one HSET
--- (the script is atomic: nothing changed them since the read); a count below 0 (a decrement that
--- outlived a cleanup) is repaired to 0 there, changed or not. Any other pod (a carried release's
--- pod that is no longer a candidate) goes by add_counts.
+-- Adds delta[pod] to each pod's count. Once the pick has read the whole hash, the changed counts get
+-- their new values in one HSET (the script is atomic: nothing changed them since the read, and a
+-- pod absent from the hash was at 0), clamped at 0. Only the changed pods are touched: a pick's
+-- Lua work does not grow with the cluster beyond the one read. Before any read, add_counts.
 local function write_counts(delta)
-  local set, other = {}, {}
-  for h, s in pairs(stored) do
-    local d = delta[h] or 0
-    if d ~= 0 or s < 0 then
-      local c = s
+  if not counts then return add_counts(delta) end
+  local set = {}
+  for h, d in pairs(delta) do
+    if d ~= 0 then
+      local c = tonumber(counts[h]) or 0
       if c < 0 then c = 0 end
       c = c + d
       if c < 0 then c = 0 end
@@ -69,10 +69,6 @@ local function write_counts(delta)
       set[#set + 1] = c
     end
   end
-  for h, d in pairs(delta) do
-    if stored[h] == nil then other[h] = d end
-  end
-  add_counts(other)
   if #set > 0 then redis.call('HSET', inflight, unpack(set)) end
 end
 -- The count writes of a pick, after settle: the carried releases' -1s, and with `h` the pick

@@ -8,13 +8,12 @@ if #ARGV < 5 then
   commit(nil)
   return {'', 0, 0}
 end
-local counts = all_counts()
+read_counts()
 settle()
 local best, bestc = nil, nil
 for i = 5, #ARGV do
-  -- (a count below 0, a decrement that outlived a cleanup, counts as 0 and commit repairs it)
   local h = ARGV[i]
-  local c = read_count(h, counts[h])
+  local c = read_count(h)
   if bestc == nil or c < bestc then best, bestc = h, c end
 end
 local after = bestc + 1

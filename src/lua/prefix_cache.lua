@@ -81,18 +81,16 @@ end
 
 -- Each host's load: in flight, plus (loadAware) its queue and KV pressure. The least loaded host
 -- (the miss path, and where a diverted hit goes), and the least loaded holder (the target).
-local counts = all_counts()
+read_counts()
 settle()
-local least, leasts, minc = nil, nil, nil
+local least, leasts, lc, minc = nil, nil, 0, nil
 local target, targets, targetc, ti = nil, nil, 0, 0
-local count = {}
 for i = 1, n do
   local h = ARGV[first - 1 + i]
-  local c = read_count(h, counts[h])
-  count[h] = c
+  local c = read_count(h)
   local s = c
   if la then s = c + (tonumber(ARGV[first + n + 3 + i]) or 0) end
-  if leasts == nil or s < leasts then least, leasts = h, s end
+  if leasts == nil or s < leasts then least, leasts, lc = h, s, c end
   if minc == nil or c < minc then minc = c end
   if held and held[h] and (targets == nil or s < targets) then
     target, targets, targetc, ti = h, s, c, i
@@ -108,19 +106,18 @@ if target ~= nil then
   -- pod a diverted request would go to (the least loaded by the combined signal). Not over the pod
   -- with the fewest in flight: a pod that has few only because its queue, KV use or slowness keeps
   -- requests away would make every hit elsewhere look overloaded and send it to a third pod.
-  local lc = count[least]
   if la and (string.byte(flags, ti) == 49 or (targetc - lc > gap and targetc > ratio * lc)) then
     chosen = least
   end
 end
 local function diverted() if target ~= nil and chosen ~= target then return 1 end return 0 end
 
-local after = count[chosen] + 1
+local after = read_count(chosen) + 1
 if maxc > 0 and after > maxc then
   -- over maxRequestCount: the least loaded host instead, or a 429 (no +1)
   if chosen ~= least then
     chosen = least
-    after = count[chosen] + 1
+    after = lc + 1
   end
   if after > maxc then
     commit(nil)

@@ -1,5 +1,5 @@
 -- ai-load-balancer: releases of one owner's requests, exactly once, whatever the order of events
--- (after reap.lua). Finished requests' releases usually ride on the owner's next pick (lease.lua);
+-- (after shared.lua). Finished requests' releases usually ride on the owner's next pick (lease.lua);
 -- this script sends those that no pick carried in time, and cancels abandoned picks.
 -- KEYS[1]  in-flight hash of this route+cluster
 -- ARGV[1]  the picking owner's id
@@ -27,7 +27,7 @@ if abandoned then
   end
 end
 -- The counts go down and the tombstone is written before the records go: nothing is written after
--- a record's deletion (see MARKER in reap.lua for why that order matters).
+-- a record's deletion (see MARKER in shared.lua for why that order matters).
 local delta = {}
 for h, c in pairs(freed) do delta[h] = -c end
 add_counts(delta)

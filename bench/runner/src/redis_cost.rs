@@ -22,6 +22,11 @@
 //! - Redis main-thread CPU (`INFO cpu`, `used_cpu_{user,sys}_main_thread` deltas);
 //! - bytes into Redis (`total_net_input_bytes`) and out of it.
 //!
+//! Beside them too, the least a shared least-request pick can cost (`least_request_minimum.lua`):
+//! `HGETALL` then `HINCRBY` in one script, a top-level `HINCRBY -1` to release; what any
+//! least-request router that shares counts in Redis pays, with none of the plugin's guarantees
+//! (leases, exactly-once releases). A target below it cannot be met by any script on that machine.
+//!
 //! Each case runs `reps` times, interleaved, on a fresh Redis per repetition; medians are reported
 //! with min-max.
 
@@ -52,6 +57,7 @@ const CLUSTER: &str = "outbound|8000||llm.static";
 const BASELINE_LUA: &str = "return 1";
 const GO_LEAST_REQUEST_LUA: &str = include_str!("go_like/least_request.lua");
 const GO_PREFIX_CACHE_LUA: &str = include_str!("go_like/prefix_cache.lua");
+const LEAST_REQUEST_MINIMUM_LUA: &str = include_str!("least_request_minimum.lua");
 
 /// One case's figures per routed request.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -237,6 +243,9 @@ impl Rng {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Case {
     Baseline,
+    /// The least a shared least-request pick can cost: `HGETALL` then `HINCRBY`, released by a
+    /// top-level `HINCRBY -1` (no lease or record: none of the plugin's guarantees).
+    LeastRequestMinimum,
     LeastRequest,
     PrefixCache,
     /// `prefix_cache` with `loadAware`: each pod's overload flag and penalty (queue + KV) sent.
@@ -249,6 +258,7 @@ impl Case {
     fn name(self) -> &'static str {
         match self {
             Case::Baseline => "EVALSHA return 1 (floor)",
+            Case::LeastRequestMinimum => "least-request minimum: HGETALL + HINCRBY",
             Case::LeastRequest => "global_least_request",
             Case::PrefixCache => "prefix_cache",
             Case::PrefixCacheLoadAware => "prefix_cache loadAware",
@@ -360,10 +370,10 @@ fn pick_call(
 }
 
 /// A request in flight: ours (its VM and request id: its release rides on that VM's next pick), or
-/// Go's (released by a plain `HINCRBY -1`).
+/// one released by a plain `HINCRBY -1` (Go's way, and the least-request minimum).
 enum Pending {
     Ours { owner: usize, request_id: String, pod: String },
-    Go { hash_key: String, host: String },
+    PlainRelease { hash_key: String, host: String },
 }
 
 /// Runs one case for `n` routed requests against a fresh Redis.
@@ -372,6 +382,7 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
     let addr = redis.addr.clone();
     let pick = Script::new(match case {
         Case::PrefixCache | Case::PrefixCacheLoadAware => PREFIX_CACHE_LUA,
+        Case::LeastRequestMinimum => LEAST_REQUEST_MINIMUM_LUA,
         _ => LEAST_REQUEST_LUA,
     });
     let go_source = match case {
@@ -432,7 +443,16 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
                     Frame::BulkString(h) => String::from_utf8_lossy(&h).into_owned(),
                     other => bail!("unexpected Go-like pick reply {other:?}"),
                 };
-                Pending::Go { hash_key: go_hash.clone(), host }
+                Pending::PlainRelease { hash_key: go_hash.clone(), host }
+            }
+            Case::LeastRequestMinimum => {
+                let keys = [StateKeys::new(ROUTE, CLUSTER, "").inflight];
+                let host = match conn.script(&pick, &keys, &healthy(&mut rng, pods))? {
+                    Frame::BulkString(h) => String::from_utf8_lossy(&h).into_owned(),
+                    other => bail!("unexpected minimum pick reply {other:?}"),
+                };
+                let [hash_key] = keys;
+                Pending::PlainRelease { hash_key, host }
             }
             _ => {
                 let req = requests.get_mut(owner).map(|r| {
@@ -498,7 +518,7 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
     })
 }
 
-/// A request ends: ours waits for its VM's next pick; Go's release is sent. Returns the top-level
+/// A request ends: ours waits for its VM's next pick; a plain release is sent. Returns the top-level
 /// (not scripted) commands it took.
 fn end_request(conn: &mut Conn, ended: &mut [Vec<(String, String)>], p: Pending) -> Result<u64> {
     match p {
@@ -508,7 +528,7 @@ fn end_request(conn: &mut Conn, ended: &mut [Vec<(String, String)>], p: Pending)
             }
             Ok(0)
         }
-        Pending::Go { hash_key, host } => {
+        Pending::PlainRelease { hash_key, host } => {
             conn.call(&encode_command(&["HINCRBY", &hash_key, &host, "-1"]))?;
             Ok(1)
         }
@@ -529,6 +549,7 @@ fn range(v: &[f64]) -> (f64, f64) {
 pub async fn measure(n: u64, reps: usize, pods: usize) -> Result<Vec<Summary>> {
     let cases = [
         Case::Baseline,
+        Case::LeastRequestMinimum,
         Case::LeastRequest,
         Case::PrefixCache,
         Case::PrefixCacheLoadAware,
