@@ -19,6 +19,20 @@ local maxc = tonumber(ARGV[1]) or 0
 -- The carried releases (parsed here, applied by settle): `freed` is pod -> how many the pick
 -- scripts subtract from the counts they read.
 local carried, freed = parse_ended(ended)
+-- The carried releases' records that are still there, deleted (a pick's first write, after its
+-- reads): the ids held, and `freed` keeps only their pods. One HDEL whose reply says it for a single
+-- release (the common case), else one HMGET then one HDEL.
+local function take_ended(mine, ended, freed)
+  if #ended == 1 then
+    local e = ended[1]
+    if redis.call('HDEL', mine, e[1]) == 1 then return {e[1]} end
+    freed[e[2]] = freed[e[2]] - 1
+    return {}
+  end
+  local held = held_ended(mine, ended, freed)
+  if #held > 0 then redis.call('HDEL', mine, unpack(held)) end
+  return held
+end
 local settled = false
 -- Deletes the carried releases' records and keeps in `freed` only those whose record was still
 -- there (exactly once: a release sent again, or of a reaped owner, finds nothing). The pick scripts
@@ -39,12 +53,9 @@ local function settle()
     register(mine, ARGV[3], now_ms() + (tonumber(ARGV[2]) or 10000))
   end
 end
--- The in-flight hash as the pick read it (host -> stored value) once the pick script has called
--- read_counts; nil before (a pick with no candidates reads nothing).
+-- The in-flight hash as the pick read it (host -> stored value): the pick scripts set it from
+-- all_counts(); nil before (a pick with no candidates reads nothing).
 local counts = nil
-local function read_counts()
-  counts = all_counts()
-end
 -- A host's count once the carried releases are applied (what the pick chooses on); a stored count
 -- below 0 counts as 0.
 local function read_count(h)

@@ -8,7 +8,7 @@ if #ARGV < 5 then
   commit(nil)
   return {'', 0, 0}
 end
-read_counts()
+counts = all_counts()
 settle()
 local best, bestc = nil, nil
 for i = 5, #ARGV do

@@ -81,7 +81,7 @@ end
 
 -- Each host's load: in flight, plus (loadAware) its queue and KV pressure. The least loaded host
 -- (the miss path, and where a diverted hit goes), and the least loaded holder (the target).
-read_counts()
+counts = all_counts()
 settle()
 local least, leasts, lc, minc = nil, nil, 0, nil
 local target, targets, targetc, ti = nil, nil, 0, 0

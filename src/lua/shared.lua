@@ -18,7 +18,7 @@ end
 
 -- The releases of an owner's ended requests, `id=pod` joined by ',' (carried by its next pick, or
 -- sent by release.lua): the pods' counts as the plugin expects them after the releases (`freed`,
--- pod -> how many), before any write. `take_ended` (a pick) or `held_ended` (release.lua) then
+-- pod -> how many), before any write. `take_ended` (a pick, lease.lua) or `held_ended` (release.lua) then
 -- finds which records are still there, and a record already gone (this release ran before and was
 -- sent again after an unknown outcome, or the owner was reaped) is taken back out of `freed`:
 -- exactly once, and a release may always be sent again.
@@ -67,21 +67,6 @@ local function all_counts()
   local m = {}
   for i = 1, #a, 2 do m[a[i]] = a[i + 1] end
   return m
-end
-
--- The carried releases' records that are still there, deleted (a pick's first write, after its
--- reads): the ids held, and `freed` keeps only their pods. One HDEL whose reply says it for a single
--- release (the common case), else one HMGET then one HDEL.
-local function take_ended(mine, ended, freed)
-  if #ended == 1 then
-    local e = ended[1]
-    if redis.call('HDEL', mine, e[1]) == 1 then return {e[1]} end
-    freed[e[2]] = freed[e[2]] - 1
-    return {}
-  end
-  local held = held_ended(mine, ended, freed)
-  if #held > 0 then redis.call('HDEL', mine, unpack(held)) end
-  return held
 end
 
 -- Adds delta[pod] to each pod's in-flight count (one HINCRBY per pod whose count changes);
