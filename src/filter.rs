@@ -197,11 +197,15 @@ impl Filter {
             .collect();
         held.sort_unstable();
         for ctx in held {
+            // The stream is made current first: a pick given up here is decided without Redis,
+            // by the pods' metrics in the stream's cluster, which the host gives only to the
+            // stream's own context (at the root it has no upstream hosts).
+            let switched = host.set_effective_stream(ctx);
             let Some(decision) = self.call_stream(ctx, None, |p, s| p.on_pending_tick(host, s))
             else {
                 continue;
             };
-            if !host.set_effective_stream(ctx) {
+            if !switched {
                 host.log(
                     LogLevel::Warn,
                     "ai-load-balancer: could not switch to a held stream to resume it",
@@ -254,6 +258,12 @@ impl Filter {
         let decision =
             self.call_stream(ctx, Decision::Passthrough, |p, s| p.on_request_headers(host, s));
         if decision == Decision::NeedBody && !end_of_stream {
+            // A body its `content-length` already puts over the limit is not waited for: once
+            // held, Envoy would answer the chunk that crosses the stream's buffer limit 413.
+            let declared = host.request_header("content-length").and_then(|v| v.trim().parse().ok());
+            if let Some(size) = declared.filter(|&size: &usize| size > max_body) {
+                return self.body_too_large(host, ctx, size, max_body).header_action();
+            }
             raise_decoder_buffer_limit(host, max_body);
             self.set_phase(ctx, Phase::WaitingBody);
             return HeaderAction::StopIteration;
@@ -532,12 +542,24 @@ impl Filter {
     }
 }
 
-/// Lets this stream buffer up to `max_body` bytes while the plugin waits for the whole body. Higress's default
-/// downstream buffer limit is 32 KiB and a held body over it is answered 413 by Envoy, so every plugin
-/// that reads bodies raises it per stream, as Higress's own AI plugins do (wasm-go
-/// `SetRequestBodyBufferLimit`). A host without the property (upstream Envoy) keeps its own limit.
+/// How far the stream's buffer limit is set above `maxBodyBytes`: room for the data chunk that takes
+/// a held body past `maxBodyBytes` (one socket read, at most the connection's buffer limit, or an
+/// HTTP/2 DATA frame, 16 KiB by default), so that the plugin sees that chunk and lets the body
+/// through before Envoy's limit is crossed. 1 MiB is also stock Envoy's default limit, so the plugin
+/// never lowers a limit that an untouched Envoy would have had.
+const BUFFER_LIMIT_MARGIN: usize = 1 << 20;
+
+/// Lets this stream buffer more than `max_body` bytes while the plugin waits for the whole body.
+/// Higress's default downstream buffer limit is 32 KiB and a held body over it is answered 413 by
+/// Envoy, so every plugin that reads bodies raises it per stream, as Higress's own AI plugins do
+/// (wasm-go `SetRequestBodyBufferLimit`). Envoy's wasm filter adds each chunk to the held body
+/// *before* the plugin sees it, and a chunk that takes the body over the limit gets 413 whatever
+/// the plugin answers: so the limit is `max_body` plus [`BUFFER_LIMIT_MARGIN`], and the plugin lets
+/// a body through (normal balancing) at the first chunk past `max_body`, below Envoy's limit. A
+/// host without the property (upstream Envoy) keeps its own limit.
 fn raise_decoder_buffer_limit(host: &mut dyn Host, max_body: usize) {
-    let limit = u32::try_from(max_body).unwrap_or(u32::MAX).to_string();
+    let limit = max_body.saturating_add(BUFFER_LIMIT_MARGIN);
+    let limit = u32::try_from(limit).unwrap_or(u32::MAX).to_string();
     if let Err(e) = host.set_property(&["set_decoder_buffer_limit"], limit.as_bytes()) {
         host.log(
             LogLevel::Debug,

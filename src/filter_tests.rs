@@ -124,8 +124,9 @@ fn body_is_delivered_once_whole_and_route_applies() {
     let (mut f, bodies) = routes_by_body();
     let mut host = FakeHost::new();
     assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::StopIteration);
-    // The stream may buffer up to maxBodyBytes before Envoy answers 413.
-    assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), Some(b"100".to_vec()));
+    // The stream may buffer past maxBodyBytes (by one chunk's room) before Envoy answers 413.
+    let limit = (100 + (1 << 20)).to_string();
+    assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), Some(limit.into_bytes()));
     host.request_body = b"hello".to_vec();
     assert_eq!(f.on_request_body(&mut host, 1, 5, false), DataAction::StopIterationAndBuffer);
     host.request_body = b"hello world".to_vec();
@@ -133,6 +134,36 @@ fn body_is_delivered_once_whole_and_route_applies() {
     assert_eq!(*bodies.borrow(), vec![b"hello world".to_vec()]);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.9:80"));
     assert_eq!(host.resumes, 0, "continued by the return value, not by a resume");
+}
+
+/// Envoy answers 413 to a held body over the stream's buffer limit whatever the plugin answers for
+/// that chunk, so the plugin must let a body over `maxBodyBytes` go before the limit: its
+/// `content-length` says so at the headers, and without one the first chunk past `maxBodyBytes`
+/// still fits under the limit the plugin set.
+#[test]
+fn a_body_over_max_body_bytes_is_let_through_before_envoys_buffer_limit() {
+    let (mut f, bodies) = routes_by_body();
+    let mut host = FakeHost::new();
+    host.request_headers.push(("content-length".into(), "101".into()));
+    assert_eq!(f.on_request_headers(&mut host, 1, false), HeaderAction::Continue);
+    assert_eq!(host.get_property(&["set_decoder_buffer_limit"]), None, "not held at all");
+    assert_eq!(f.on_request_body(&mut host, 1, 101, true), DataAction::Continue);
+    assert_eq!(host.counters.get("ai_lb_fallback_body_too_large"), Some(&1));
+
+    // Chunked (no content-length): held, and the first chunk past 100 bytes is let through.
+    let mut host = FakeHost::new();
+    assert_eq!(f.on_request_headers(&mut host, 2, false), HeaderAction::StopIteration);
+    let limit: usize = String::from_utf8(host.get_property(&["set_decoder_buffer_limit"]).unwrap())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(f.on_request_body(&mut host, 2, 90, false), DataAction::StopIterationAndBuffer);
+    let crossing = 90 + 16 * 1024;
+    assert!(crossing <= limit, "a 16 KiB chunk past maxBodyBytes fits under the limit {limit}");
+    assert_eq!(f.on_request_body(&mut host, 2, crossing, false), DataAction::Continue);
+    assert_eq!(host.counters.get("ai_lb_fallback_body_too_large"), Some(&1));
+    assert!(bodies.borrow().is_empty(), "neither body reached the policy");
+    assert!(host.override_host.is_none());
 }
 
 #[test]

@@ -884,18 +884,25 @@ impl Drive {
                             // While the plugin buffers (its last data callback answered
                             // StopIterationAndBuffer), Envoy's wasm filter adds new data to the
                             // filter manager's buffer before calling the plugin
-                            // (`Context::encodeData`). Over the limit, in the response, the 500
-                            // goes straight to the client (or the stream is reset once the
-                            // headers went out), the stream ends at once and the plugin never
-                            // sees this data. (In the request the 413 waits until the data
-                            // callback returned: the plugin sees the whole buffer first.)
-                            if dir == Dir::Response && it.data_stopped && self.data_buffering && over_limit {
+                            // (`Context::decodeData` / `encodeData`), and crossing the limit
+                            // there is final. In the response, the 500 goes straight to the
+                            // client (or the stream is reset once the headers went out), the
+                            // stream ends at once and the plugin never sees this data. In the
+                            // request, the filter manager prepares the 413 and sends it once the
+                            // data callback has returned (`executeLocalReplyIfPrepared`): the
+                            // plugin sees the whole buffer, but whatever it answers, even
+                            // Continue, the client gets 413.
+                            let crossed = it.data_stopped && self.data_buffering && over_limit;
+                            if dir == Dir::Response && crossed {
                                 return Flow::Local(payload_too_large(dir));
                             }
                             if !(it.wedged || it.held && it.stop_all) {
                                 if let Err(f) = self.on_data(dir, &mut it, false) {
                                     return f;
                                 }
+                            }
+                            if crossed {
+                                return Flow::Local(payload_too_large(dir));
                             }
                         }
                     }

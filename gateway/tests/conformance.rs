@@ -233,6 +233,37 @@ async fn decoder_buffer_limit_gives_413() {
     assert!(t.client.contains(&"status 413".to_string()), "{:?}", t.client);
 }
 
+/// A plugin that buffers the request body until it passes `over` bytes, then lets it through.
+fn buffers_until(over: u32) -> Plugin {
+    let mut p = Plugin::new();
+    let ev_b = p.ev("req_body");
+    p.on(
+        "proxy_on_request_body",
+        format!(
+            "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (result i32) (i32.or (local.get $eos) (i32.gt_u (local.get $size) (i32.const {over})))
+      (then (i32.const 0)) (else (i32.const 1)))"
+        ),
+    )
+}
+
+/// A held body that a chunk takes over the buffer limit gets 413 even when the plugin answers
+/// that chunk with Continue: Envoy adds the chunk to the held body before calling the plugin, and
+/// the 413 it prepares then is sent whatever the plugin answers. A plugin that lets big bodies go
+/// must do so below the limit (as ours does, `maxBodyBytes` under the limit it sets).
+#[tokio::test(flavor = "multi_thread")]
+async fn continuing_on_the_chunk_that_crosses_the_buffer_limit_still_gives_413() {
+    let mut sc = buffers_until(12).scenario("continue_past_the_limit_gives_413");
+    sc.buffer_limit = 15;
+    let t = differential(sc.steps(vec![
+        Step::post("/crosses", &["0123456789", "0123456789", "0123456789"]),
+        Step::post("/under", &["0123456789", "0123", "4567"]),
+    ]))
+    .await;
+    assert!(t.client.contains(&"status 413".to_string()), "{:?}", t.client);
+    assert!(t.client.contains(&"status 200".to_string()), "{:?}", t.client);
+}
+
 /// `$probe`: one line with the status of every header map and body buffer, in the callback
 /// that calls it.
 fn probe_fn(p: &mut Plugin) -> String {

@@ -37,6 +37,9 @@ pub struct HttpRequest {
     pub chunk_size: Option<usize>,
     /// Pause between body frames (only with `chunk_size`).
     pub chunk_delay: Duration,
+    /// Framed bodies go without `content-length` (HTTP/1.1 chunked transfer coding), as a client
+    /// streaming a body of unknown size sends them.
+    pub unsized_body: bool,
 }
 
 impl HttpRequest {
@@ -49,6 +52,7 @@ impl HttpRequest {
             body: None,
             chunk_size: None,
             chunk_delay: Duration::ZERO,
+            unsized_body: false,
         }
     }
 
@@ -61,6 +65,7 @@ impl HttpRequest {
             body: Some(body.into()),
             chunk_size: None,
             chunk_delay: Duration::ZERO,
+            unsized_body: false,
         }
     }
 
@@ -80,6 +85,11 @@ impl HttpRequest {
         self.chunk_size = Some(chunk_size.max(1));
         self.chunk_delay = delay;
         self
+    }
+
+    /// Sends the body in frames without a `content-length` (chunked transfer coding).
+    pub fn chunked_unsized(self, chunk_size: usize, delay: Duration) -> HttpRequest {
+        HttpRequest { unsized_body: true, ..self.chunked(chunk_size, delay) }
     }
 }
 
@@ -170,7 +180,9 @@ fn build(
         (Some(b), Some(size)) => {
             // Keep an explicit content-length so the upstream sees the same framing a client
             // library would use for a known-size body.
-            builder = builder.header("content-length", b.len().to_string());
+            if !req.unsized_body {
+                builder = builder.header("content-length", b.len().to_string());
+            }
             let chunks = b.chunks(size).map(Bytes::copy_from_slice).collect();
             chunked_body(chunks, req.chunk_delay)
         }

@@ -169,9 +169,17 @@ async fn a_frozen_redis_routes_by_the_pods_metrics_not_round_robin() {
     let by_metrics: Vec<_> = sent.iter().filter(|(_, d)| d.ends_with("; by=metrics")).collect();
     eprintln!("{} requests during the freeze, {} routed by metrics", sent.len(), by_metrics.len());
     assert!(by_metrics.len() >= 10, "too few routed by metrics: {sent:?}");
+    // Every request of the freeze: the picks given up as too slow (on the root tick) as well as
+    // those decided with the breaker open.
+    let other: Vec<_> = sent.iter().filter(|(_, d)| !d.ends_with("; by=metrics")).collect();
+    assert!(other.is_empty(), "not routed by metrics: {other:?}");
     assert!(
         by_metrics.iter().all(|(pod, _)| *pod == pods[1].host()),
         "routed by metrics to a loaded pod: {sent:?}"
+    );
+    assert!(
+        by_metrics.iter().any(|(_, d)| d.starts_with("fallback_redis_slow")),
+        "a pick given up as too slow decides by metrics: {sent:?}"
     );
     assert!(
         by_metrics.iter().any(|(_, d)| d.starts_with("fallback_breaker_open")),

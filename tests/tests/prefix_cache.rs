@@ -419,6 +419,20 @@ async fn long_chats_over_higress_default_buffer_limit_are_routed_by_prefix() {
         .await
         .unwrap();
     assert_eq!(r.status, 200, "5 MiB chat: {}", r.text());
+    // The same body streamed without a content-length: held until its first chunk past
+    // maxBodyBytes, then let through below the buffer limit the plugin set (Envoy answers 413 to
+    // a held body over that limit whatever the plugin says then).
+    let r = gw
+        .send(
+            testkit::HttpRequest::post_json("/v1/chat/completions", &big)
+                .chunked_unsized(64 * 1024, Duration::ZERO),
+            Duration::from_secs(20),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200, "5 MiB chat, chunked: {}", r.text());
+    let too_large = gw.stat("ai_lb_fallback_body_too_large", &[]).await.unwrap();
+    assert_eq!(too_large, Some(2.0), "both let through as too large");
 }
 
 /// The plugin's linear memory while it routes chats just under `maxBodyBytes` (4 MiB) whose text has

@@ -420,6 +420,8 @@ fn model(paths: Paths, name: String) -> Result<()> {
         "sticky_speed_balanced",
         "sticky_moves_off_slow",
         "fastest_pods_only",
+        "learns_then_avoids_slow",
+        "learns_then_moves_off_slow",
     ] {
         let r = bench::model::run(&sc, policy)?;
         println!(

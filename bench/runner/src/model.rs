@@ -83,10 +83,13 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
             | "sticky_speed_balanced"
             | "sticky_moves_off_slow"
             | "fastest_pods_only"
+            | "learns_then_avoids_slow"
+            | "learns_then_moves_off_slow"
     ) {
         bail!(
             "model-only runs know round_robin, session_hash, sticky_balanced, \
-             sticky_speed_balanced, sticky_moves_off_slow and fastest_pods_only, not {policy}"
+             sticky_speed_balanced, sticky_moves_off_slow, fastest_pods_only, \
+             learns_then_avoids_slow and learns_then_moves_off_slow, not {policy}"
         );
     }
     if sc.workload.open_loop() {
@@ -140,7 +143,10 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
             .unwrap_or(0)
     };
     let only_fastest = policy == "fastest_pods_only";
+    // The learning routers know the speeds once a slower pod has finished its first reply.
+    let mut learned = false;
     let start_turn = |a: &mut Active,
+                      learned: bool,
                       now: f64,
                       arriving: &mut Vec<(f64, u64)>,
                       id: u64,
@@ -160,11 +166,21 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
                 least
             }
             "fastest_pods_only" if a.turn == 0 => least_fast,
+            "learns_then_avoids_slow" | "learns_then_moves_off_slow" if a.turn == 0 => {
+                if learned {
+                    least_fast
+                } else {
+                    least
+                }
+            }
             "sticky_moves_off_slow" if a.turn == 1 && speeds[a.pod] < top_speed => least_fast,
+            "learns_then_moves_off_slow" if learned && speeds[a.pod] < top_speed => least_fast,
             "sticky_balanced"
             | "sticky_speed_balanced"
             | "sticky_moves_off_slow"
-            | "fastest_pods_only" => a.pod,
+            | "fastest_pods_only"
+            | "learns_then_avoids_slow"
+            | "learns_then_moves_off_slow" => a.pod,
             _ => {
                 *rr += 1;
                 (*rr - 1) % n
@@ -176,7 +192,7 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
         let Some(plan) = queue.pop_front() else { break };
         let mut a = Active::new(plan);
         let (least, least_fast) = (least_busy(&active, only_fastest), least_busy(&active, true));
-        start_turn(&mut a, now, &mut arriving, next_id, &mut rr, least, least_fast);
+        start_turn(&mut a, learned, now, &mut arriving, next_id, &mut rr, least, least_fast);
         active.insert(next_id, a);
         next_id += 1;
     }
@@ -205,7 +221,7 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
             });
         }
         let mut finished = Vec::new();
-        for (sched, busy) in pods.iter_mut() {
+        for (i, (sched, busy)) in pods.iter_mut().enumerate() {
             if busy.is_some_and(|b| b <= now) {
                 *busy = None;
                 for (id, ev) in sched.end_step() {
@@ -221,6 +237,7 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
                             out += u.completion_tokens;
                             done += 1;
                             finished.push(id);
+                            learned |= speeds[i] < top_speed;
                         }
                     }
                 }
@@ -238,7 +255,7 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
             if let Some(mut a) = next {
                 let (least, least_fast) =
                     (least_busy(&active, only_fastest), least_busy(&active, true));
-                start_turn(&mut a, now, &mut arriving, next_id, &mut rr, least, least_fast);
+                start_turn(&mut a, learned, now, &mut arriving, next_id, &mut rr, least, least_fast);
                 active.insert(next_id, a);
                 next_id += 1;
             }
