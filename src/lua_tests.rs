@@ -532,7 +532,8 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     let late = pc(&["k1"], 0, 600, 0.0, &["a"]);
     assert_eq!(r.release("vm1", &late.request_id, None), Frame::Integer(0));
     assert_eq!(r.release("vm1", &late.request_id, None), Frame::Integer(0), "resent");
-    assert_eq!(r.hget("own:vm1", &late.request_id).as_deref(), Some(""));
+    let tomb = r.hget("own:vm1", &late.request_id).unwrap_or_default();
+    assert!(tomb.starts_with('#'), "a tombstone with its time: {tomb:?}");
     let f = r.run(&s, &late);
     assert!(parse_pick(&f).is_none(), "no pick: {f:?}");
     assert_eq!(r.count("a"), None, "never counted: the tombstone is found before the +1");
@@ -696,7 +697,8 @@ fn a_heartbeat_releases_the_records_its_vm_no_longer_needs_exactly_once() {
     assert_eq!(r.count("a"), Some(2), "two +1s left: the requests vm1 still needs");
     assert_eq!(r.count("b"), Some(1), "another owner's records are its own business");
     assert_eq!(r.hget("own:vm1", &ids[2]), None);
-    assert_eq!(r.hget("own:vm1", "late").as_deref(), Some(""), "the tombstone stays");
+    let tomb = r.hget("own:vm1", "late").unwrap_or_default();
+    assert!(tomb.starts_with('#'), "the tombstone stays while younger than a lease: {tomb:?}");
     assert_eq!(r.hget("own:vm1", "~").as_deref(), Some(""), "and the marker");
     // Exactly once: the next heartbeat and a late release of a released record change nothing;
     // the releases vm1 still sends work as before.
@@ -708,6 +710,41 @@ fn a_heartbeat_releases_the_records_its_vm_no_longer_needs_exactly_once() {
     let late = PickCall { request_id: "late".into(), ..as_owner("vm1", 10_000, &["a"]) };
     assert!(parse_pick(&r.run(&s, &late)).is_none());
     assert_eq!(r.count("a"), Some(1));
+}
+
+#[test]
+fn a_heartbeat_deletes_tombstones_a_lease_old_and_a_later_pick_is_still_released_once() {
+    // Picks given up and cancelled before they ran (a 429 reply that came too late, a pick lost
+    // at a failover) leave tombstones; without an end, an owner living for months would gather
+    // them by the million, and every heartbeat reads the whole hash.
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let lease = 300;
+    assert_eq!(r.release("vm1", "gone1", None), Frame::Integer(0));
+    assert_eq!(r.release("vm1", "gone2", None), Frame::Integer(0));
+    // A tombstone as versions before 2026-11-27 wrote it: no time, so old.
+    r.cmd(&["HSET", "own:vm1", "legacy", ""]);
+    assert_eq!(r.heartbeat_needing("vm1", lease, &["gone2"]), Frame::Integer(0));
+    assert_eq!(r.hget("own:vm1", "legacy"), None, "an old tombstone the VM does not list goes");
+    assert!(r.hget("own:vm1", "gone1").is_some(), "younger than a lease: stays");
+    std::thread::sleep(Duration::from_millis(u64::from(lease) + 50));
+    assert_eq!(r.heartbeat_needing("vm1", lease, &["gone2"]), Frame::Integer(0));
+    assert_eq!(r.hget("own:vm1", "gone1"), None, "a lease old and not listed: deleted");
+    assert!(r.hget("own:vm1", "gone2").is_some(), "still listed by the VM: kept");
+    assert_eq!(r.hget("own:vm1", "~").as_deref(), Some(""), "the marker stays");
+    // The abandoned pick arrives later still: admitted (no tombstone), and its record, which the
+    // VM does not list, is released by the next heartbeat, once.
+    let late = PickCall { request_id: "gone1".into(), ..as_owner("vm1", lease, &["a"]) };
+    assert_eq!(pick(&r.run(&s, &late)).0, "a");
+    assert_eq!(r.count("a"), Some(1));
+    assert_eq!(r.heartbeat_needing("vm1", lease, &["gone2"]), Frame::Integer(1));
+    assert_eq!(r.count("a"), Some(0));
+    assert_eq!(r.heartbeat_needing("vm1", lease, &["gone2"]), Frame::Integer(0));
+    assert_eq!(r.count("a"), Some(0));
+    // A release sent again for the tombstoned id neither counts it nor takes the tombstone for a
+    // record.
+    assert_eq!(r.release("vm1", "gone2", None), Frame::Integer(0));
+    assert_eq!(r.count("a"), Some(0));
 }
 
 /// `HKEYS` of an owner's hash holding no record: only the marker that keeps it (shared.lua).

@@ -17,16 +17,27 @@ reap(now)
 -- (Redis Cluster) a release ran where the record had not arrived yet. Every release is sent before
 -- this heartbeat on the same connection or is listed, and the owner's next picks come after it, so
 -- what is released here was released by nobody else and never will be: exactly once still. Counts
--- go down before the records go (see MARKER in shared.lua); tombstones ('') stay for their late picks.
+-- go down before the records go (see MARKER in shared.lua).
+-- A tombstone the VM no longer lists goes once it is a lease old (one without a time, written
+-- before tombstones had one, at once): its pick, if Redis runs it at all, runs within moments of the
+-- cancel that wrote it (both were sent before the VM forgot the id), and should one come later
+-- still, it is admitted and its record, which no VM lists, is released here exactly once. So an
+-- owner's hash holds no more tombstones than its picks abandoned in the last lease.
+local lease = tonumber(ARGV[1]) or 10000
 local keep = {}
 for id in string.gmatch(ARGV[4] or '', '[^,]+') do keep[id] = true end
 local records = redis.call('HGETALL', mine)
-local gone, delta = {}, {}
+local gone, delta, released = {}, {}, 0
 for i = 1, #records, 2 do
   local id, h = records[i], records[i + 1]
-  if h ~= '' and not keep[id] then
-    gone[#gone + 1] = id
-    delta[h] = (delta[h] or 0) - 1
+  if not keep[id] and id ~= MARKER then
+    if is_record(h) then
+      gone[#gone + 1] = id
+      delta[h] = (delta[h] or 0) - 1
+      released = released + 1
+    elseif now - (tonumber(string.sub(h, 2)) or 0) >= lease then
+      gone[#gone + 1] = id
+    end
   end
 end
 add_counts(delta)
@@ -52,4 +63,4 @@ if interval > 0 and #ARGV >= 5 then
     redis.call('SET', last_clean, math.floor(now / 1000))
   end
 end
-return #gone
+return released

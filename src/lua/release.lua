@@ -6,8 +6,9 @@
 -- ARGV[2]  requests that were admitted and have ended, `id=pod` joined by ',' (may be empty): each
 --          record still there is deleted and its pod's count goes down by one
 -- ARGV[3]  (optional) the id of a pick the plugin gave up waiting for (Redis timeout, client
---          gone): undone if it ran; if it has not run yet, a tombstone makes the pick, arriving
---          late, do nothing
+--          gone): undone if it ran; if it has not run yet, a tombstone ('#' and Redis's time)
+--          makes the pick, arriving late, do nothing (the owner's heartbeat deletes a tombstone
+--          once it is a lease old and the VM no longer lists its id)
 -- Returns how many counts went down. Once the owner's lease has run out its picks were already
 -- subtracted and its hash deleted: the release then does nothing.
 local mine = base .. 'own:' .. ARGV[1]
@@ -20,7 +21,7 @@ if abandoned then
   local h = redis.call('HGET', mine, abandoned)
   if not h then
     tomb = true
-  elseif h ~= '' then
+  elseif is_record(h) then
     held[#held + 1] = abandoned
     freed[h] = (freed[h] or 0) + 1
     n = n + 1
@@ -31,6 +32,6 @@ end
 local delta = {}
 for h, c in pairs(freed) do delta[h] = -c end
 add_counts(delta)
-if tomb then redis.call('HSET', mine, abandoned, '') end
+if tomb then redis.call('HSET', mine, abandoned, '#' .. now_ms()) end
 if #held > 0 then redis.call('HDEL', mine, unpack(held)) end
 return n

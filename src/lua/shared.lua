@@ -16,6 +16,13 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- A field of an owner's hash is a record (the pod of an admitted request) or not: the marker below
+-- (value ''), or the tombstone of an abandoned pick ('#' and the Redis time it was written, ms; ''
+-- before 2026-11-27). Pod addresses never start with '#'.
+local function is_record(h)
+  return h ~= '' and string.byte(h, 1) ~= 35
+end
+
 -- The releases of an owner's ended requests, `id=pod` joined by ',' (carried by its next pick, or
 -- sent by release.lua): the pods' counts as the plugin expects them after the releases (`freed`,
 -- pod -> how many), before any write. `take_ended` (a pick, lease.lua) or `held_ended` (release.lua) then
@@ -37,7 +44,11 @@ local function held_ended(mine, ended, freed)
   local vals = redis.call('HMGET', mine, unpack(ids))
   local held = {}
   for i, e in ipairs(ended) do
-    if vals[i] then held[#held + 1] = e[1] else freed[e[2]] = freed[e[2]] - 1 end
+    if vals[i] and is_record(vals[i]) then
+      held[#held + 1] = e[1]
+    else
+      freed[e[2]] = freed[e[2]] - 1
+    end
   end
   return held
 end
