@@ -260,7 +260,8 @@ impl Filter {
         if decision == Decision::NeedBody && !end_of_stream {
             // A body its `content-length` already puts over the limit is not waited for: once
             // held, Envoy would answer the chunk that crosses the stream's buffer limit 413.
-            let declared = host.request_header("content-length").and_then(|v| v.trim().parse().ok());
+            let declared =
+                host.request_header("content-length").and_then(|v| v.trim().parse().ok());
             if let Some(size) = declared.filter(|&size: &usize| size > max_body) {
                 return self.body_too_large(host, ctx, size, max_body).header_action();
             }

@@ -258,6 +258,9 @@ pub enum Counter {
     /// Records of this VM's requests that a heartbeat released because their releases could not
     /// come (Redis restarted from older state, or releases were dropped).
     StaleRecordsReleased,
+    /// Pods whose in-flight count the once-a-minute recount set back to what the live owners'
+    /// records say.
+    CountsRecounted,
     /// `prefix_cache`: prompt tokens the engines reported (`usage.prompt_tokens`).
     EnginePromptTokens,
     /// `prefix_cache`: prompt tokens the engines found cached
@@ -297,6 +300,7 @@ impl Counter {
             Counter::BreakerOpened => "ai_lb_breaker_opened",
             Counter::ReleaseDropped => "ai_lb_release_dropped",
             Counter::StaleRecordsReleased => "ai_lb_stale_records_released",
+            Counter::CountsRecounted => "ai_lb_counts_recounted",
             Counter::EnginePromptTokens => "ai_lb_engine_prompt_tokens",
             Counter::EngineCachedTokens => "ai_lb_engine_cached_tokens",
             Counter::PredictedHitEngineHit => "ai_lb_predicted_hit_engine_hit",

@@ -1,16 +1,18 @@
 -- ai-load-balancer: every third of a lease, each plugin VM renews its lease for a route+cluster it
 -- uses, reaps owners whose lease ran out (so a dead gateway's counts return even when no request
--- comes), releases its own records that it no longer knows, and runs the periodic cleanup of hosts
--- that left the cluster (after shared.lua and reap.lua).
+-- comes), releases its own records that it no longer knows, and runs the periodic recount of the
+-- counts and cleanup of hosts that left the cluster (after shared.lua and reap.lua).
 -- KEYS[1]  in-flight hash
 -- ARGV[1]  lease (ms)   ARGV[2] owner id   ARGV[3] cleanup interval (s, 0 = never)
 -- ARGV[4]  the owner's requests whose records must stay, joined by ',': picks not answered yet,
 --          admitted requests not ended, and ended ones whose release is still on its way
 -- ARGV[5 ..] every host still in the cluster (healthy or not), as this VM last saw it
--- Returns how many of the owner's records it released.
+-- Returns {how many of the owner's records it released, how many pods' counts the recount
+-- corrected}.
 local now = now_ms()
+local lease = tonumber(ARGV[1]) or 10000
 local mine = base .. 'own:' .. ARGV[2]
-register(mine, ARGV[2], now + (tonumber(ARGV[1]) or 10000))
+register(mine, ARGV[2], now + lease)
 reap(now)
 -- Any other record of this owner is one whose release can no longer come: Redis came back from a
 -- snapshot or a lagging replica older than the releases the VM sent, the VM gave a release up, or
@@ -23,7 +25,6 @@ reap(now)
 -- cancel that wrote it (both were sent before the VM forgot the id), and should one come later
 -- still, it is admitted and its record, which no VM lists, is released here exactly once. So an
 -- owner's hash holds no more tombstones than its picks abandoned in the last lease.
-local lease = tonumber(ARGV[1]) or 10000
 local keep = {}
 for id in string.gmatch(ARGV[4] or '', '[^,]+') do keep[id] = true end
 local records = redis.call('HGETALL', mine)
@@ -45,6 +46,44 @@ add_counts(delta)
 for i = 1, #gone, 1000 do
   redis.call('HDEL', mine, unpack(gone, i, math.min(i + 999, #gone)))
 end
+-- The recount, every six leases (a minute by default; by whichever VM's heartbeat comes first):
+-- each pod's count is set to
+-- the number of records naming it in the live owners' hashes, which is what it always equals (a +1
+-- is written with its record, a -1 with its record's deletion, a dead owner's records and counts go
+-- together). So a count that went wrong anyway mends within six leases instead of staying wrong:
+-- on a Redis Cluster, a script run on the importing master of a half-moved slot, where some keys
+-- had not arrived, or a record lost when the resharding tool replaced a key (`--cluster-replace`);
+-- a hand edit; a bug. Its cost is one read of every live owner's hash, every six leases per route.
+local corrected = 0
+local last_recount = base .. 'last_recount'
+if now - (tonumber(redis.call('GET', last_recount)) or 0) >= 6 * lease then
+  local truth = {}
+  for _, owner in ipairs(redis.call('ZRANGE', owners, 0, -1)) do
+    local held = redis.call('HGETALL', base .. 'own:' .. owner)
+    for i = 2, #held, 2 do
+      local h = held[i]
+      if is_record(h) then truth[h] = (truth[h] or 0) + 1 end
+    end
+  end
+  local set = {}
+  for h, c in pairs(all_counts()) do
+    local t = truth[h] or 0
+    if tonumber(c) ~= t then
+      set[#set + 1] = h
+      set[#set + 1] = t
+    end
+    truth[h] = nil
+  end
+  for h, t in pairs(truth) do
+    set[#set + 1] = h
+    set[#set + 1] = t
+  end
+  corrected = #set / 2
+  for i = 1, #set, 1000 do
+    redis.call('HSET', inflight, unpack(set, i, math.min(i + 999, #set)))
+  end
+  redis.call('SET', last_recount, now)
+end
 local interval = tonumber(ARGV[3]) or 0
 if interval > 0 and #ARGV >= 5 then
   local last_clean = base .. 'last_clean'
@@ -63,4 +102,4 @@ if interval > 0 and #ARGV >= 5 then
     redis.call('SET', last_clean, math.floor(now / 1000))
   end
 end
-return released
+return {released, corrected}

@@ -1,7 +1,7 @@
 -- ai-load-balancer: shared functions of the scripts (prepended to each). Every key of a
 -- route+cluster shares one hash tag, so the scripts derive them from the in-flight hash key they are
 -- given (KEYS[1] = `<base>inflight`): `<base>owners`, `<base>own:<owner>`, `<base>pfx:<hex>`,
--- `<base>last_clean`. One slot, and far fewer bytes per call than passing each key.
+-- `<base>last_clean`, `<base>last_recount`. One slot, and far fewer bytes per call than passing each key.
 local inflight = KEYS[1]
 local base = string.sub(inflight, 1, #inflight - 8)
 local owners = base .. 'owners'

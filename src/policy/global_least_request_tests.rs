@@ -320,10 +320,12 @@ fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
     let in_flight = release_of(&host, before - 1, false).request;
     assert_eq!(needed, vec![in_flight.as_str()], "only the pick in flight: {args:?}");
     assert!(!needed.contains(&first.request.as_str()), "the dropped release's record goes");
-    // Redis says it released it.
+    // Redis says it released it, and that its recount corrected two pods' counts.
     let token = host.redis_calls[heartbeat].token;
-    f.on_redis_reply(&mut host, token, &RedisReply::Ok(b":1\r\n".to_vec()), false);
+    f.on_redis_reply(&mut host, token, &RedisReply::Ok(b"*2\r\n:1\r\n:2\r\n".to_vec()), false);
     assert_eq!(host.counters.get("ai_lb_stale_records_released"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_counts_recounted"), Some(&2));
+    assert!(host.logged("the recount corrected the in-flight counts of 2 pod(s)"));
 }
 
 const MS: u64 = 1_000_000;
@@ -467,7 +469,9 @@ fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     assert_eq!(host.resumes, 0, "still within breakerSlowMs");
     host.now += 100 * MS;
     f.on_tick(&mut host);
-    assert_eq!(host.effective_streams, vec![7], "the held stream is made effective to resume it");
+    // The held stream is made current at each tick, before its policy may give up its pick (a
+    // pick given up is decided by the stream's own cluster's metrics) and to resume it.
+    assert_eq!(host.effective_streams, vec![7, 7]);
     assert_eq!(host.resumes, 1, "normal balancing");
     assert_eq!(host.override_host, None);
     assert_eq!(releases(&host), vec![release_of(&host, 0, true)], "the pick is cancelled");

@@ -1244,25 +1244,48 @@ impl Picker {
             RootCall::Heartbeat { owners_key, use_eval } => {
                 if noscript && !use_eval {
                     self.send_heartbeat(host, owners_key, true);
-                } else if let Some(Frame::Integer(n @ 1..)) = frame {
-                    // Records whose releases could not come: Redis restarted from older state,
-                    // or releases were dropped.
-                    host.log(
-                        LogLevel::Warn,
-                        &format!(
-                            "{}: the heartbeat released {n} record(s) of this VM whose releases \
-                             will never come (redis restarted from older state, or releases were \
-                             dropped)",
-                            self.name
-                        ),
-                    );
-                    host.increment_counter(Counter::StaleRecordsReleased, n);
+                } else if let Some(Frame::Array(reply)) = frame {
+                    self.on_heartbeat_reply(host, &reply);
                 }
             }
             RootCall::Probe => {}
         }
         if ran {
             self.flush_release_queue(host);
+        }
+    }
+
+    /// What a heartbeat did beyond renewing the lease (`{released, corrected}`, heartbeat.lua).
+    fn on_heartbeat_reply(&self, host: &mut dyn Host, reply: &[Frame]) {
+        let count = |i: usize| match reply.get(i) {
+            Some(Frame::Integer(n)) => *n,
+            _ => 0,
+        };
+        let (released, corrected) = (count(0), count(1));
+        if released > 0 {
+            // Records whose releases could not come: Redis restarted from older state, or
+            // releases were dropped.
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{}: the heartbeat released {released} record(s) of this VM whose releases \
+                     will never come (redis restarted from older state, or releases were dropped)",
+                    self.name
+                ),
+            );
+            host.increment_counter(Counter::StaleRecordsReleased, released);
+        }
+        if corrected > 0 {
+            host.log(
+                LogLevel::Warn,
+                &format!(
+                    "{}: the recount corrected the in-flight counts of {corrected} pod(s) to what \
+                     the live gateways' records say (a redis cluster slot moved while in use, or \
+                     a count changed by hand)",
+                    self.name
+                ),
+            );
+            host.increment_counter(Counter::CountsRecounted, corrected);
         }
     }
 

@@ -317,6 +317,40 @@ impl RedisClusterFixture {
         expect_ok(src.cmd(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &to_id]).await?, "MIGRATING")
     }
 
+    /// Moves `slot` to the master at `to` as `redis-cli --cluster reshard --cluster-pipeline 1
+    /// --cluster-replace` does, one key per `MIGRATE` in `CLUSTER GETKEYSINSLOT` order, with
+    /// `pause` between keys (a slow network, a big slot): every script call meanwhile runs on a
+    /// half-moved slot. A key the target already has (`BUSYKEY`: created there by a script that
+    /// an `ASK` sent to it) is replaced, as `--cluster-replace` does. Returns how many were.
+    pub async fn move_slot_key_by_key(&self, slot: u16, to: u16, pause: Duration) -> Result<usize> {
+        self.start_slot_move(slot, to).await?;
+        let from = self.slot_owner(slot).await?;
+        let (s, port) = (slot.to_string(), to.to_string());
+        let mut src = self.client(from).await?;
+        let mut replaced = 0;
+        loop {
+            let reply = src.cmd(&["CLUSTER", "GETKEYSINSLOT", &s, "1"]).await?;
+            let Some(key) = reply.items().iter().find_map(RedisValue::as_string) else { break };
+            let base = ["MIGRATE", "127.0.0.1", port.as_str(), "", "0", "5000"];
+            let reply = src.cmd(&[&base[..], &["KEYS", key.as_str()]].concat()).await?;
+            match &reply {
+                RedisValue::Status(st) if st == "OK" || st == "NOKEY" => {}
+                RedisValue::Error(e) if e.contains("BUSYKEY") => {
+                    replaced += 1;
+                    let again = [&base[..], &["REPLACE", "KEYS", key.as_str()]].concat();
+                    let reply = src.cmd(&again).await?;
+                    if !matches!(&reply, RedisValue::Status(st) if st == "OK") {
+                        bail!("MIGRATE REPLACE of {key}: {reply:?}");
+                    }
+                }
+                other => bail!("MIGRATE of {key} (slot {slot}) to {to}: {other:?}"),
+            }
+            tokio::time::sleep(pause).await;
+        }
+        self.finish_slot_move(slot, to).await?;
+        Ok(replaced)
+    }
+
     /// `MIGRATE` of every key left in `slot` to the master at `to`, then `SETSLOT ... NODE` on
     /// the target, the old master and the other masters. Returns when every node agrees on the
     /// new owner.

@@ -255,7 +255,16 @@ pub fn run(sc: &Scenario, policy: &str) -> Result<ModelResult> {
             if let Some(mut a) = next {
                 let (least, least_fast) =
                     (least_busy(&active, only_fastest), least_busy(&active, true));
-                start_turn(&mut a, learned, now, &mut arriving, next_id, &mut rr, least, least_fast);
+                start_turn(
+                    &mut a,
+                    learned,
+                    now,
+                    &mut arriving,
+                    next_id,
+                    &mut rr,
+                    least,
+                    least_fast,
+                );
                 active.insert(next_id, a);
                 next_id += 1;
             }
