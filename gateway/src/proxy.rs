@@ -981,7 +981,28 @@ impl Drive {
         }
         if !chunk.is_empty() {
             if let Some(tx) = &up.body_tx {
-                let _ = tx.send(Ok(chunk)).await;
+                // The upstream request is driven while its body waits for room (the channel holds
+                // 16 chunks): it is what connects and drains the body, so awaiting the send alone
+                // would wait forever once a fast client filled the channel before the connection
+                // was up. A response that came meanwhile is kept (or its error returned), and the
+                // body still goes out after it, as before.
+                let answered = match up.fut.as_mut().filter(|_| up.result.is_none()) {
+                    Some(f) => tokio::select! {
+                        _ = tx.send(Ok(chunk)) => None,
+                        r = f => Some(r),
+                    },
+                    None => {
+                        let _ = tx.send(Ok(chunk)).await;
+                        None
+                    }
+                };
+                if let Some(r) = answered {
+                    up.fut = None;
+                    match r {
+                        Err(e) => return Some(Flow::Upstream(Box::new(Err(e)))),
+                        Ok(resp) => up.result = Some(Ok(resp)),
+                    }
+                }
             }
         }
         if !end {
