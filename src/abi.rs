@@ -137,6 +137,7 @@ mod sys {
     #[link(wasm_import_module = "wasi_snapshot_preview1")]
     extern "C" {
         pub fn random_get(buf: *mut u8, len: usize) -> u16;
+        pub fn clock_time_get(clock_id: u32, precision: u64, time: *mut u64) -> u16;
     }
 }
 
@@ -206,8 +207,17 @@ impl Host for WasmHost {
             sys::proxy_log(level, msg.as_ptr(), msg.len());
         }
     }
+    /// WASI's monotonic clock (Envoy's steady clock, the same in every worker): everything the
+    /// plugin times is an interval (leases, the breaker, slow picks, scrapes, decode speeds), and
+    /// proxy-wasm's current time is the wall clock, which a step of the gateway's clock (NTP, a
+    /// VM resumed) would move backwards or forwards. The wall clock only if a host lacks it.
     fn now_nanos(&self) -> u64 {
+        const CLOCK_MONOTONIC: u32 = 1;
         let mut t: u64 = 0;
+        // SAFETY: t is a valid local.
+        if unsafe { sys::clock_time_get(CLOCK_MONOTONIC, 1, &mut t) } == 0 {
+            return t;
+        }
         // SAFETY: t is a valid local.
         unsafe {
             sys::proxy_get_current_time_nanoseconds(&mut t);

@@ -143,7 +143,7 @@ pub struct HttpCallRequest<'a> {
 pub trait Host {
     /// Writes one log line at `level` (the host filters by its own log level).
     fn log(&self, level: LogLevel, msg: &str);
-    /// Wall clock in nanoseconds since the Unix epoch.
+    /// A monotonic clock in nanoseconds: only differences between two readings mean anything.
     fn now_nanos(&self) -> u64;
     /// A random 64-bit number (WASI `random_get` in the .wasm).
     fn random_u64(&mut self) -> u64;
