@@ -140,7 +140,7 @@ pub struct GlobalLeastRequestConfig {
     /// `maxRequestCount` (default 0 = unlimited): above this many in-flight requests on the least
     /// loaded host, answer 429.
     pub max_request_count: u64,
-    /// `cleanInterval` in minutes (default 60, also for 0 or negative, as in Go): hosts that left
+    /// `cleanInterval` in minutes (default 60, also for 0, as in Go, and for a negative value): hosts that left
     /// the cluster, at a count of 0, are removed from the in-flight table this often.
     pub clean_interval_min: u64,
     /// `enableDetailLog` (default true): log each pick with its count, at debug level as Go does.
@@ -909,9 +909,20 @@ fn parse_lb(
                 }
                 least_request
             },
-            redis_key_ttl_s: match f.uint("redisKeyTTL", u32::MAX as u64)? {
+            redis_key_ttl_s: match f.int("redisKeyTTL")? {
                 None | Some(0) => DEFAULT_REDIS_KEY_TTL_S,
-                Some(x) => x,
+                Some(n) if n < 0 => {
+                    // Go starts with it, and its keys expire as soon as they are written.
+                    f.warn(
+                        "redisKeyTTL",
+                        format!(
+                            "{n} is negative: the default, {DEFAULT_REDIS_KEY_TTL_S} s (the Go \
+                             plugin's prefix keys would expire at once)"
+                        ),
+                    );
+                    DEFAULT_REDIS_KEY_TTL_S
+                }
+                Some(n) => n.unsigned_abs().min(u64::from(u32::MAX)),
             },
             hit_load_factor: f.float("hitLoadFactor")?.unwrap_or(DEFAULT_HIT_LOAD_FACTOR),
             split_system_prompt: f.boolean("splitSystemPrompt")?.unwrap_or(false),
@@ -1044,14 +1055,17 @@ fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {
             }
             Some(n) => n as u64,
         },
-        // Go: 0 (or absent, or negative) means the default, 60 minutes; there is no "never".
+        // Go: 0 (or absent) means the default, 60 minutes, and a negative value every request;
+        // there is no "never". Here a negative value is the default too: the cleanup removes only
+        // pods at 0, so how often it runs changes no route.
         clean_interval_min: match f.int("cleanInterval")? {
             Some(n) if n > 0 => n as u64,
             Some(n) if n < 0 => {
                 f.warn(
                     "cleanInterval",
                     format!(
-                        "{n} is negative: every {DEFAULT_CLEAN_INTERVAL_MIN} minutes, as in Go"
+                        "{n} is negative: every {DEFAULT_CLEAN_INTERVAL_MIN} minutes (Go cleans \
+                         at every request)"
                     ),
                 );
                 DEFAULT_CLEAN_INTERVAL_MIN
@@ -1176,6 +1190,14 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
     };
     let service_list = match f.present("service_list") {
         None => Vec::new(),
+        // Go reads the list with gjson `.Array()`, which makes a string a list of that one name.
+        Some(Value::String(one)) => {
+            f.warn(
+                "service_list",
+                format!("a string, not a list: read as the one cluster {one:?}, as in Go"),
+            );
+            vec![one.clone()]
+        }
         Some(v) => string_list(v, &f.path("service_list"))?,
     };
     if service_list.is_empty() {

@@ -288,9 +288,9 @@ fn error_service_list() {
         "non-empty",
     );
     expect_err(
-        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":"a"}}"#,
+        r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"service_list":[1]}}"#,
         "lb_config.service_list",
-        "array of strings",
+        "expected strings",
     );
 }
 #[test]

@@ -34,8 +34,73 @@ pub const MAX_BLOCKS: usize = 256;
 /// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `messages` (each
 /// message's `role`, `content` and `tool_calls`) and `prompt` are read, other keys are skipped,
 /// and string contents without escapes are borrowed from the body, not copied.
+///
+/// A body that fails to parse only for its text (bytes that are not UTF-8, or a `\uD83D` escape
+/// without its other half, as a JavaScript client that cut a string in the middle of an emoji
+/// sends) is read again with each of those as U+FFFD, as the Go plugin's JSON reader does: the
+/// conversation keeps its affinity.
 pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> {
-    let req: ChatBody<'_> = serde_json::from_slice(body).ok()?;
+    match serde_json::from_slice::<ChatBody<'_>>(body) {
+        Ok(req) => Some(blocks_of(&req, split_system)),
+        Err(_) => {
+            let repaired = replace_bad_text(body)?;
+            let req: ChatBody<'_> = serde_json::from_slice(&repaired).ok()?;
+            Some(blocks_of(&req, split_system))
+        }
+    }
+}
+
+/// `body` with bytes that are not UTF-8 and unpaired UTF-16 surrogate escapes replaced by U+FFFD,
+/// or `None` when it has neither.
+fn replace_bad_text(body: &[u8]) -> Option<Vec<u8>> {
+    let (mut out, mut changed) = match String::from_utf8_lossy(body) {
+        std::borrow::Cow::Borrowed(_) => (body.to_vec(), false),
+        std::borrow::Cow::Owned(s) => (s.into_bytes(), true),
+    };
+    // `\uXXXX` escapes: a high surrogate must be followed at once by a low one, and a low one
+    // preceded by a high one. Other escapes (`\\`, `\"`, ...) are stepped over whole, so an escaped
+    // backslash followed by `u` is not taken for an escape.
+    let hex = |b: &[u8]| std::str::from_utf8(b).ok().and_then(|h| u16::from_str_radix(h, 16).ok());
+    let escape_at = |out: &[u8], i: usize| {
+        (out.get(i) == Some(&b'\\') && out.get(i + 1) == Some(&b'u'))
+            .then(|| out.get(i + 2..i + 6).and_then(hex))
+            .flatten()
+    };
+    let mut i = 0;
+    while i < out.len() {
+        if out.get(i) != Some(&b'\\') {
+            i += 1;
+            continue;
+        }
+        let Some(unit) = escape_at(&out, i) else {
+            i += 2;
+            continue;
+        };
+        let paired = match unit {
+            0xD800..=0xDBFF => {
+                escape_at(&out, i + 6).is_some_and(|n| (0xDC00..=0xDFFF).contains(&n))
+            }
+            0xDC00..=0xDFFF => false,
+            _ => {
+                i += 6;
+                continue;
+            }
+        };
+        if paired {
+            i += 12;
+        } else {
+            if let Some(digits) = out.get_mut(i + 2..i + 6) {
+                digits.copy_from_slice(b"FFFD");
+                changed = true;
+            }
+            i += 6;
+        }
+    }
+    changed.then_some(out)
+}
+
+/// The blocks of a parsed body (see [`blocks_from_body`]).
+fn blocks_of(req: &ChatBody<'_>, split_system: bool) -> Vec<String> {
     let mut blocks = Vec::new();
     let mut cur = String::new();
     if let Some(tools) = &req.tools {
@@ -91,7 +156,7 @@ pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> 
             blocks.push(std::mem::take(&mut cur));
         }
     }
-    Some(blocks)
+    blocks
 }
 
 /// Appends the text of a message `content`: a string; an array of parts (text, image URLs so that

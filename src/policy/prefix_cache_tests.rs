@@ -48,6 +48,33 @@ fn blocks_cut_after_each_user_message_and_the_last_message() {
     );
 }
 
+/// Text the strict JSON reader refuses, as clients do send it: a `\uD83D` escape cut from its other
+/// half (a JavaScript string sliced in the middle of an emoji), bytes that are not UTF-8. The
+/// body is read with each as U+FFFD (as the Go plugin's reader does), so the conversation keeps its
+/// prefix and its pod, instead of normal balancing.
+#[test]
+fn broken_text_in_a_message_is_read_as_replacement_characters() {
+    let with = |text: &str| {
+        format!(
+            r#"{{"messages":[{{"role":"system","content":"s"}},{{"role":"user","content":"{text}"}}]}}"#
+        )
+    };
+    let expected = blocks_from_body(with(r"cut \ufffd here").as_bytes(), false).unwrap();
+    assert_eq!(blocks_from_body(with(r"cut \ud83d here").as_bytes(), false).unwrap(), expected);
+    assert_eq!(blocks_from_body(with(r"cut \ude00 here").as_bytes(), false).unwrap(), expected);
+    let mut raw = with("cut X here").into_bytes();
+    let at = raw.iter().position(|&b| b == b'X').unwrap();
+    raw[at] = 0xff;
+    assert_eq!(blocks_from_body(&raw, false).unwrap(), expected);
+    // A whole pair, and an escaped backslash followed by `ud83d`, are text as they are.
+    let pair = blocks_from_body(with(r"\ud83d\ude00").as_bytes(), false).unwrap();
+    assert!(pair.last().unwrap().ends_with("user:\u{1f600}"), "{pair:?}");
+    let literal = blocks_from_body(with(r"\\ud83d \ud83d").as_bytes(), false).unwrap();
+    assert!(literal.last().unwrap().ends_with("user:\\ud83d \u{fffd}"), "{literal:?}");
+    // Still not JSON: normal balancing.
+    assert_eq!(blocks_from_body(b"{\"messages\": [\xff", false), None);
+}
+
 #[test]
 fn chain_is_xor_of_block_sha1s() {
     // Expected values computed outside the code under test (Python hashlib).
