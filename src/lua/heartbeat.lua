@@ -47,10 +47,9 @@ for i = 1, #gone, 1000 do
   redis.call('HDEL', mine, unpack(gone, i, math.min(i + 999, #gone)))
 end
 -- The recount, every six leases (a minute by default; by whichever VM's heartbeat comes first):
--- each pod's count is set to
--- the number of records naming it in the live owners' hashes, which is what it always equals (a +1
--- is written with its record, a -1 with its record's deletion, a dead owner's records and counts go
--- together). So a count that went wrong anyway mends within six leases instead of staying wrong:
+-- each pod's count is set to the number of records naming it in the live owners' hashes, which is
+-- what it always equals (a +1 is written with its record, a -1 with its record's deletion, a dead
+-- owner's records and counts go together). So a count that went wrong anyway mends within six leases instead of staying wrong:
 -- on a Redis Cluster, a script run on the importing master of a half-moved slot, where some keys
 -- had not arrived, or a record lost when the resharding tool replaced a key (`--cluster-replace`);
 -- a hand edit; a bug. Its cost is one read of every live owner's hash, every six leases per route.
