@@ -246,7 +246,7 @@ impl Worker {
             last_status: (0, String::new()),
             vm_config: p.vm_config.clone(),
             plugin_config: p.plugin_config.clone(),
-            root_props: HashMap::new(),
+            configuring: false,
             events: self.events.clone(),
             http_client: self.client.clone(),
             next_ctx: self.next_ctx.clone(),
@@ -288,11 +288,13 @@ impl Worker {
         if r == Some(0) {
             anyhow::bail!("plugin {plugin_name}: proxy_on_vm_start returned false");
         }
-        let (r, _) = vm
-            .call(root_id, "proxy_on_configure", &[root_id as i32, p.plugin_config.len() as i32])
-            .map_err(|e| {
-                anyhow::anyhow!("plugin {plugin_name}: proxy_on_configure trapped: {e:?}")
-            })?;
+        vm.state().configuring = true;
+        let configured =
+            vm.call(root_id, "proxy_on_configure", &[root_id as i32, p.plugin_config.len() as i32]);
+        vm.state().configuring = false;
+        let (r, _) = configured.map_err(|e| {
+            anyhow::anyhow!("plugin {plugin_name}: proxy_on_configure trapped: {e:?}")
+        })?;
         if r == Some(0) {
             anyhow::bail!("plugin {plugin_name}: proxy_on_configure rejected the configuration");
         }
@@ -517,8 +519,13 @@ impl Worker {
                 };
                 if let Some(vm) = self.vm.borrow_mut().as_mut() {
                     let st = vm.state();
-                    st.last_status =
-                        if reply.is_some() { (0, String::new()) } else { (11, "reset".into()) };
+                    // As Envoy: a failure sets the code and message; a success clears only
+                    // the message (the code of an earlier failure stays).
+                    if reply.is_some() {
+                        st.last_status.1.clear();
+                    } else {
+                        st.last_status = (11, "reset".into());
+                    }
                     st.redis_response = reply;
                 }
                 let _ = self.vm_call(
@@ -542,8 +549,13 @@ impl Worker {
                 };
                 if let Some(vm) = self.vm.borrow_mut().as_mut() {
                     let st = vm.state();
-                    st.last_status =
-                        if result.is_some() { (0, String::new()) } else { (11, "reset".into()) };
+                    // As Envoy: a failure sets the code and message; a success clears only
+                    // the message (the code of an earlier failure stays).
+                    if result.is_some() {
+                        st.last_status.1.clear();
+                    } else {
+                        st.last_status = (11, "reset".into());
+                    }
                     st.call_response = result;
                 }
                 let _ = self.vm_call(

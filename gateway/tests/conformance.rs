@@ -264,6 +264,29 @@ async fn continuing_on_the_chunk_that_crosses_the_buffer_limit_still_gives_413()
     assert!(t.client.contains(&"status 200".to_string()), "{:?}", t.client);
 }
 
+/// The plugin's configuration can be read only while `proxy_on_configure` runs (elsewhere the
+/// buffer is NotFound), and the root context has no stream to set a property on (NotFound).
+#[tokio::test(flavor = "multi_thread")]
+async fn plugin_configuration_only_while_configuring_and_no_property_on_the_root() {
+    let mut p = Plugin::new();
+    let (ev_c, ev_h) = (p.ev("configure"), p.ev("req_hdrs"));
+    let (key, value) = (p.s("x_root_prop"), p.s("1"));
+    let config = "(call $ev_num (call $proxy_get_buffer_bytes (i32.const 7) (i32.const 0) \
+                  (i32.const 1000) (i32.const 256) (i32.const 260)))";
+    let p = p
+        .on(
+            "proxy_on_configure",
+            format!(
+                "{ev_c} {config} (call $ev_num (call $proxy_set_property {key} {value})) (call $ev_end) (i32.const 1)"
+            ),
+        )
+        .on("proxy_on_request_headers", format!("{ev_h} {config} (call $ev_end) (i32.const 0)"));
+    differential(
+        p.scenario("plugin_configuration_only_while_configuring").steps(vec![Step::get("/one")]),
+    )
+    .await;
+}
+
 /// `$probe`: one line with the status of every header map and body buffer, in the callback
 /// that calls it.
 fn probe_fn(p: &mut Plugin) -> String {

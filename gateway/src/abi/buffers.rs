@@ -34,7 +34,8 @@ fn with_buffer<R>(
             None => Err(status::NOT_FOUND),
         },
         6 => f(&mut ReadOnly(&st.vm_config)),
-        7 => f(&mut ReadOnly(&st.plugin_config)),
+        7 if st.configuring => f(&mut ReadOnly(&st.plugin_config)),
+        7 => Err(status::NOT_FOUND),
         9 => match &st.redis_response {
             Some(r) => f(&mut ReadOnly(r)),
             None => Err(status::NOT_FOUND),

@@ -301,8 +301,9 @@ pub struct HostState {
     pub vm_config: Vec<u8>,
     /// Plugin configuration bytes.
     pub plugin_config: Vec<u8>,
-    /// Properties set on the root context.
-    pub root_props: HashMap<String, Vec<u8>>,
+    /// `proxy_on_configure` is running: only then can the plugin read its configuration (Envoy
+    /// holds it for that call only; elsewhere the buffer is NotFound).
+    pub configuring: bool,
     /// Events back to this worker (async results).
     pub events: tokio::sync::mpsc::UnboundedSender<WorkerEvent>,
     /// This worker's HTTP client (callouts).

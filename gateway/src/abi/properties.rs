@@ -87,13 +87,9 @@ fn get_property(st: &HostState, path: &[u8]) -> Option<Vec<u8>> {
         ["plugin_vm_id"] => return Some(g.plugin_vm_id.clone().into_bytes()),
         _ => {}
     }
-    if let Some(s) = st.effective_stream() {
-        let s = s.lock().ok()?;
-        if let Some(v) = stream_property(&s, &segs) {
-            return Some(v);
-        }
-    }
-    st.root_props.get(&segs.join(".")).cloned()
+    let s = st.effective_stream()?;
+    let s = s.lock().ok()?;
+    stream_property(&s, &segs)
 }
 
 /// Register the group.
@@ -143,9 +139,8 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                         }
                     }
                 }
-                None => {
-                    st.root_props.insert(key, value);
-                }
+                // Envoy's root context has no stream info to set a property on.
+                None => return status::NOT_FOUND,
             }
             status::OK
         },
