@@ -4,16 +4,23 @@
 //! Why not a general parser: the plugin runs as wasm inside every gateway worker, must stay small,
 //! and reads each pod's `/metrics` (30–60 KiB, mostly histogram buckets) often. This reader walks the
 //! text once, looks only at the families it needs, and parses a value only when the name matches,
-//! so unrelated lines cost a few byte comparisons. It never allocates except for LoRA adapter names.
+//! so unrelated lines cost a few byte comparisons. It allocates only a small list per signal (one
+//! entry per engine) and LoRA adapter names.
 //!
 //! Semantics:
 //! - Comments (`# HELP`, `# TYPE`, anything after `#`) and blank lines are skipped.
 //! - Names are matched exactly, so histogram series (`_bucket`, `_sum`, `_count`) and counter
 //!   `_created` series never match a gauge name.
 //! - `:` and `_` are interchangeable in names: SGLang's router re-exports `sglang:x` as `sglang_x`.
-//! - Counts (running, waiting, prefix-cache counters, the target metric) are **summed** over label
-//!   sets: a pod serving several models or several data-parallel engines reports one series each.
-//! - KV-cache usage is the **mean** over label sets (each engine has its own pool, so the mean is the
+//! - Series are grouped by **engine**: their labels minus the shard ranks (every label whose name
+//!   ends in `_rank` except `dp_rank`). SGLang's schedulers label their gauges with `tp_rank` and
+//!   `pp_rank`; by default only each data-parallel group's first attention-TP rank exports them, but
+//!   with pipeline parallelism each stage's scheduler does, and with
+//!   `--enable-metrics-for-all-schedulers` every TP rank does, each repeating its group's queue.
+//!   Within one engine the largest value is taken, so those repeats are counted once.
+//! - Counts (running, waiting, prefix-cache counters, the target metric) are **summed** over
+//!   engines: a pod serving several models or several data-parallel engines reports one series each.
+//! - KV-cache usage is the **mean** over engines (each engine has its own pool, so the mean is the
 //!   fraction of the pod's total KV memory in use when engines are equally sized), clamped to 0..1.
 //!   vLLM 0.10.x emits both `kv_cache_usage_perc` and the deprecated `gpu_cache_usage_perc`; the
 //!   new name wins so a pod is not counted twice.
@@ -61,7 +68,7 @@ pub struct PodMetrics {
     pub prefix_cache_queries: Option<f64>,
     /// vLLM V1 `vllm:prefix_cache_hits_total` (tokens).
     pub prefix_cache_hits: Option<f64>,
-    /// The user-selected `target_metric` (sum over label sets), when one was asked for.
+    /// The user-selected `target_metric` (summed over engines), when one was asked for.
     pub target: Option<f64>,
 }
 
@@ -117,36 +124,67 @@ pub fn names_equal(a: &[u8], b: &[u8]) -> bool {
         })
 }
 
+/// One signal's value per engine (see the module notes): repeats of an engine's series from its
+/// shards count once, at their largest value.
 #[derive(Default)]
-struct Mean {
-    sum: f64,
-    n: u32,
+struct PerEngine {
+    values: Vec<(u64, f64)>,
 }
 
-impl Mean {
-    fn add(&mut self, v: f64) {
-        self.sum += v;
-        self.n = self.n.saturating_add(1);
-    }
-    fn get(&self) -> Option<f64> {
-        if self.n == 0 {
-            None
-        } else {
-            Some((self.sum / f64::from(self.n)).clamp(0.0, 1.0))
+impl PerEngine {
+    fn add(&mut self, engine: u64, v: f64) {
+        match self.values.iter_mut().find(|(e, _)| *e == engine) {
+            Some((_, seen)) => *seen = seen.max(v),
+            None => self.values.push((engine, v)),
         }
     }
+
+    fn sum(&self) -> Option<f64> {
+        if self.values.is_empty() {
+            None
+        } else {
+            Some(self.values.iter().map(|(_, v)| v).sum())
+        }
+    }
+
+    /// The mean over engines, clamped to 0..1 (a KV-cache usage).
+    fn mean_fraction(&self) -> Option<f64> {
+        let n = self.values.len();
+        self.sum().map(|total| (total / n as f64).clamp(0.0, 1.0))
+    }
 }
 
-fn add(slot: &mut Option<f64>, v: f64) {
-    *slot = Some(slot.unwrap_or(0.0) + v);
+/// Names the engine a series belongs to: a hash of its label pairs other than shard ranks,
+/// independent of the labels' order.
+fn engine_of(labels: &[u8]) -> u64 {
+    label_pairs(labels)
+        .filter(|(name, _)| !is_shard_rank(name))
+        .map(|(name, value)| {
+            // FNV-1a over `name=value`; pairs are combined by a wrapping sum so order is irrelevant.
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for &b in name.iter().chain(b"=").chain(value) {
+                h ^= u64::from(b);
+                h = h.wrapping_mul(0x0000_0100_0000_01b3);
+            }
+            h
+        })
+        .fold(0u64, u64::wrapping_add)
+}
+
+/// `tp_rank`, `pp_rank` and the like name a shard of one engine; `dp_rank` names an engine.
+fn is_shard_rank(label: &[u8]) -> bool {
+    label.ends_with(b"_rank") && label != b"dp_rank"
 }
 
 /// Parses a `/metrics` body. `target_metric`, when given, is summed into [`PodMetrics::target`].
 pub fn parse(text: &[u8], target_metric: Option<&str>) -> PodMetrics {
     let target = target_metric.filter(|t| !t.is_empty()).map(str::as_bytes);
     let mut out = PodMetrics::default();
-    let (mut kv1, mut kv0, mut kvs) = (Mean::default(), Mean::default(), Mean::default());
-    let mut target_sum: Option<f64> = None;
+    let (mut running, mut waiting) = (PerEngine::default(), PerEngine::default());
+    let (mut kv1, mut kv0, mut kvs) =
+        (PerEngine::default(), PerEngine::default(), PerEngine::default());
+    let (mut queries, mut hits, mut target_values) =
+        (PerEngine::default(), PerEngine::default(), PerEngine::default());
 
     for raw_line in text.split(|&b| b == b'\n') {
         let line = trim_start(raw_line);
@@ -170,17 +208,18 @@ pub fn parse(text: &[u8], target_metric: Option<&str>) -> PodMetrics {
             Some(v) => v,
             None => continue,
         };
+        let engine = engine_of(labels);
         if is_target {
-            add(&mut target_sum, value);
+            target_values.add(engine, value);
         }
         match family {
-            Some(Family::Running) => add(&mut out.running, value),
-            Some(Family::Waiting) => add(&mut out.waiting, value),
-            Some(Family::KvV1) => kv1.add(value),
-            Some(Family::KvV0) => kv0.add(value),
-            Some(Family::KvSglang) => kvs.add(value),
-            Some(Family::PrefixQueries) => add(&mut out.prefix_cache_queries, value),
-            Some(Family::PrefixHits) => add(&mut out.prefix_cache_hits, value),
+            Some(Family::Running) => running.add(engine, value),
+            Some(Family::Waiting) => waiting.add(engine, value),
+            Some(Family::KvV1) => kv1.add(engine, value),
+            Some(Family::KvV0) => kv0.add(engine, value),
+            Some(Family::KvSglang) => kvs.add(engine, value),
+            Some(Family::PrefixQueries) => queries.add(engine, value),
+            Some(Family::PrefixHits) => hits.add(engine, value),
             Some(Family::Lora) => {
                 let newer = out.lora.as_ref().is_none_or(|l| value > l.timestamp);
                 if newer {
@@ -190,10 +229,15 @@ pub fn parse(text: &[u8], target_metric: Option<&str>) -> PodMetrics {
             None => {}
         }
     }
-    out.kv_cache_usage = kv1.get().or_else(|| kv0.get()).or_else(|| kvs.get());
+    out.running = running.sum();
+    out.waiting = waiting.sum();
+    out.prefix_cache_queries = queries.sum();
+    out.prefix_cache_hits = hits.sum();
+    out.kv_cache_usage =
+        kv1.mean_fraction().or_else(|| kv0.mean_fraction()).or_else(|| kvs.mean_fraction());
     out.target = match target {
         Some(t) if KV_NAMES.iter().any(|k| names_equal(k.as_bytes(), t)) => out.kv_cache_usage,
-        Some(_) => target_sum,
+        Some(_) => target_values.sum(),
         None => None,
     };
     out

@@ -7,6 +7,7 @@ const VLLM_V1: &str = include_str!("testdata/vllm_v1.txt");
 const VLLM_V1_DP: &str = include_str!("testdata/vllm_v1_dp2_lora.txt");
 const SGLANG: &str = include_str!("testdata/sglang.txt");
 const SGLANG_ROUTER: &str = include_str!("testdata/sglang_router.txt");
+const SGLANG_ALL_SCHEDULERS: &str = include_str!("testdata/sglang_all_schedulers.txt");
 
 #[test]
 fn vllm_v0_sample() {
@@ -64,6 +65,34 @@ fn sglang_router_underscore_names_and_dp_ranks() {
     assert_eq!(m.waiting, Some(3.0 + 0.0));
     let kv = m.kv_cache_usage.unwrap_or(-1.0);
     assert!((kv - (0.5 + 0.3) / 2.0).abs() < 1e-12, "kv = {kv}");
+}
+
+#[test]
+fn sglang_ranks_of_one_engine_count_once() {
+    // Four TP ranks in two data-parallel groups, each rank repeating its group's state: the pod
+    // runs 16 requests with 4 queued, not twice that.
+    let m = parse(SGLANG_ALL_SCHEDULERS.as_bytes(), None);
+    assert_eq!(m.running, Some(10.0 + 6.0));
+    assert_eq!(m.waiting, Some(3.0 + 1.0));
+    let kv = m.kv_cache_usage.unwrap_or(-1.0);
+    assert!((kv - (0.4 + 0.2) / 2.0).abs() < 1e-12, "kv = {kv}");
+    let m = parse(SGLANG_ALL_SCHEDULERS.as_bytes(), Some("sglang:num_queue_reqs"));
+    assert_eq!(m.target, Some(4.0));
+
+    // Pipeline stages without data parallelism: one engine whatever the label order, and a stage
+    // that lags counts at the largest value.
+    let body = "sglang:num_queue_reqs{model_name=\"m\",tp_rank=\"0\",pp_rank=\"0\"} 5\n\
+                sglang:num_queue_reqs{pp_rank=\"1\",tp_rank=\"0\",model_name=\"m\"} 4\n\
+                sglang:num_running_reqs{model_name=\"m\",tp_rank=\"0\",pp_rank=\"0\"} 7\n\
+                sglang:num_running_reqs{model_name=\"m\",tp_rank=\"0\",pp_rank=\"1\"} 7\n";
+    let m = parse(body.as_bytes(), None);
+    assert_eq!(m.waiting, Some(5.0));
+    assert_eq!(m.running, Some(7.0));
+
+    // Different models (or a dp_rank) are different engines and still add up.
+    let body = "sglang:num_queue_reqs{model_name=\"a\",tp_rank=\"0\"} 2\n\
+                sglang:num_queue_reqs{model_name=\"b\",tp_rank=\"0\"} 3\n";
+    assert_eq!(parse(body.as_bytes(), None).waiting, Some(5.0));
 }
 
 #[test]
