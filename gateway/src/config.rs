@@ -61,6 +61,17 @@ pub struct ListenerConfig {
     /// by `stream_idle_timeout_ms` as in Envoy, where a stream exists from the first byte.
     #[serde(default)]
     pub request_headers_timeout_ms: u64,
+    /// Envoy's HCM `http_protocol_options.accept_http_10`: whether HTTP/1.0 requests are served.
+    /// Default true, as in Higress: its gateway pods set `ISTIO_META_HTTP10=1`, for which istio
+    /// turns it on in the gateway listeners (without a `default_host_for_http_10`, so an
+    /// HTTP/1.0 request without `host` gets 400). With false (Envoy's own default) an HTTP/1.0
+    /// request gets 426 Upgrade Required before any filter runs.
+    #[serde(default = "default_accept_http_10")]
+    pub accept_http_10: bool,
+}
+
+fn default_accept_http_10() -> bool {
+    true
 }
 
 /// Higress's helm default `downstream.idleTimeout` (180 s).

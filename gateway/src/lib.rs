@@ -133,7 +133,7 @@ fn bind_listeners(cfg: &config::Config) -> anyhow::Result<Vec<Listener>> {
         listeners.push((
             l.name.clone(),
             sock,
-            (l.per_connection_buffer_limit_bytes as usize, l.timers()),
+            (l.per_connection_buffer_limit_bytes as usize, l.timers(), l.accept_http_10),
         ));
     }
     Ok(listeners)
@@ -155,7 +155,7 @@ fn announce(listeners: &[Listener], admin: Option<&std::net::TcpListener>) -> an
 }
 
 /// A listening socket with its per-connection buffer limit and timers.
-type Listener = (String, std::net::TcpListener, (usize, config::ListenerTimers));
+type Listener = (String, std::net::TcpListener, (usize, config::ListenerTimers, bool));
 
 /// Starts one thread per worker (each with its own runtime, plugin VM and a clone of every
 /// listening socket), plus one for the main thread's plugin VM, and waits until every VM is
@@ -182,7 +182,7 @@ fn start_workers(
         let g = g.clone();
         let plugin = plugin.cloned();
         let events_tx = senders[idx].clone();
-        let socks: Vec<(std::net::TcpListener, (usize, config::ListenerTimers))> = listeners
+        let socks: Vec<(std::net::TcpListener, (usize, config::ListenerTimers, bool))> = listeners
             .iter()
             .filter(|_| main_vm != Some(idx))
             .filter_map(|(_, s, opts)| s.try_clone().ok().map(|s| (s, *opts)))
@@ -207,7 +207,7 @@ fn start_workers(
                         return;
                     }
                 };
-                for (s, (buffer_limit, timers)) in socks {
+                for (s, (buffer_limit, timers, accept_http_10)) in socks {
                     let l = match tokio::net::TcpListener::from_std(s) {
                         Ok(l) => l,
                         Err(e) => {
@@ -235,6 +235,7 @@ fn start_workers(
                                         local_addr,
                                         buffer_limit,
                                         timers,
+                                        accept_http_10,
                                     ));
                                 }
                                 Err(e) => {

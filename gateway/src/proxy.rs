@@ -86,6 +86,7 @@ pub async fn serve_connection(
     local: SocketAddr,
     buffer_limit: usize,
     timers: ListenerTimers,
+    accept_http_10: bool,
 ) {
     let _ = stream.set_nodelay(true);
     let conn_id = w.next_connection_id();
@@ -93,16 +94,38 @@ pub async fn serve_connection(
     let streams = Rc::new(ConnStreams::default());
     streams.idle_since.set(Some(tokio::time::Instant::now()));
     let conn_streams = streams.clone();
+    let refused_http10 = Rc::new(std::cell::Cell::new(false));
+    let refused = refused_http10.clone();
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let w = w.clone();
         let in_flight = conn_streams.enter();
+        let refused = refused.clone();
         async move {
-            Ok::<_, std::convert::Infallible>(
-                handle(w, req, peer, local, conn_id, buffer_limit, timers, in_flight).await,
-            )
+            let http10 = req.version() == hyper::Version::HTTP_10;
+            let keep_alive = http10 && has_token(req.headers(), "connection", "keep-alive");
+            let refusal = refusal_before_filters(&req, accept_http_10);
+            let close = refusal.is_some() || (http10 && !keep_alive);
+            let low_version = refusal.as_ref().is_some_and(|r| r.status == 426);
+            let mut resp =
+                handle(w, req, peer, local, conn_id, buffer_limit, timers, refusal, in_flight)
+                    .await;
+            // Envoy's HTTP/1 codec: `connection: close` on a response to an HTTP/1.0 request
+            // without keep-alive and on these refusals (the connection closes after it).
+            if close {
+                resp.headers_mut()
+                    .insert("connection", hyper::header::HeaderValue::from_static("close"));
+                if http10 {
+                    // Else hyper adds `keep-alive` for an HTTP/1.0 client that asked for it.
+                    *resp.version_mut() = hyper::Version::HTTP_10;
+                }
+            }
+            if low_version {
+                refused.set(true);
+            }
+            Ok::<_, std::convert::Infallible>(resp)
         }
     });
-    let io = hyper_util::rt::TokioIo::new(stream);
+    let io = hyper_util::rt::TokioIo::new(DownstreamIo { inner: stream, refused_http10 });
     // Hyper's header-read timeout only runs with a timer; without one it is silently off.
     let conn = hyper::server::conn::http1::Builder::new()
         .keep_alive(true)
@@ -149,6 +172,102 @@ pub async fn serve_connection(
     }
 }
 
+/// Whether `v` (a comma-separated header value of `name`) lists `token`.
+fn has_token(h: &hyper::HeaderMap, name: &str, token: &str) -> bool {
+    h.get_all(name).iter().any(|v| {
+        v.to_str().is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+    })
+}
+
+/// The requests Envoy's HTTP connection manager answers itself once the stream's filter chain
+/// exists but before its first filter callback (`ActiveStream::decodeHeaders`): an HTTP/1.0
+/// request when the listener does not accept HTTP/1.0 (426, with the status text as the body),
+/// then a request without a host (400, no body; without `default_host_for_http_10` this includes
+/// an accepted HTTP/1.0 request without `host`). The plugin's context is created and gets only
+/// `on_log`, `on_done` and `on_delete` (conformance tests
+/// `http_1_0_and_a_missing_host_as_higress_configures_envoy`,
+/// `http_1_0_refused_with_the_envoy_default`).
+fn refusal_before_filters(req: &Request<Incoming>, accept_http_10: bool) -> Option<LocalReply> {
+    if req.version() == hyper::Version::HTTP_10 && !accept_http_10 {
+        return Some(local(426, "low_version", "Upgrade Required"));
+    }
+    if !req.headers().contains_key("host") && req.uri().authority().is_none() {
+        return Some(local(400, "missing_host_header", ""));
+    }
+    None
+}
+
+/// The downstream socket. Envoy's HTTP/1 codec answers an HTTP/1.0 request it refuses (426) with
+/// an `HTTP/1.1` status line, where hyper answers every HTTP/1.0 request in HTTP/1.0: once the
+/// service made that refusal (`refused_http10`), the next status line written says HTTP/1.1
+/// (the same length; the connection closes after it).
+struct DownstreamIo {
+    inner: tokio::net::TcpStream,
+    refused_http10: Rc<std::cell::Cell<bool>>,
+}
+
+impl DownstreamIo {
+    fn rewrite(&self, buf: &[u8]) -> Option<Vec<u8>> {
+        if !self.refused_http10.get() || !buf.starts_with(b"HTTP/1.0 ") {
+            return None;
+        }
+        self.refused_http10.set(false);
+        let mut v = buf.to_vec();
+        v[7] = b'1';
+        Some(v)
+    }
+}
+
+impl tokio::io::AsyncRead for DownstreamIo {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for DownstreamIo {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.rewrite(buf) {
+            Some(v) => Pin::new(&mut self.inner).poll_write(cx, &v),
+            None => Pin::new(&mut self.inner).poll_write(cx, buf),
+        }
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let first = bufs.iter().find(|b| !b.is_empty());
+        match first.and_then(|b| self.rewrite(b)) {
+            // Only the status line's buffer this time (a short write is allowed).
+            Some(v) => Pin::new(&mut self.inner).poll_write(cx, &v),
+            None => Pin::new(&mut self.inner).poll_write_vectored(cx, bufs),
+        }
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn handle(
     w: Rc<Worker>,
@@ -158,12 +277,14 @@ async fn handle(
     conn_id: u64,
     buffer_limit: usize,
     timers: ListenerTimers,
+    refusal: Option<LocalReply>,
     in_flight: ConnStream,
 ) -> Response<GwBody> {
     let (tx, rx) = oneshot::channel();
     tokio::task::spawn_local(async move {
         let mut d = Drive::new(w, &req, peer, local, conn_id, buffer_limit, tx);
         d.idle = StreamIdle::new(timers.stream_idle);
+        d.refusal = refusal;
         d.run(req).await;
         drop(in_flight);
     });
@@ -395,6 +516,9 @@ struct Drive {
     down_owed: Option<u64>,
     /// The same for the request's (see `flush_request`).
     req_owed: Option<u64>,
+    /// Answered by the connection manager before the filter's first callback (see
+    /// `refusal_before_filters`).
+    refusal: Option<LocalReply>,
     /// Counts this stream in [`Global::live_streams`] until it is dropped (after `finish`).
     _live: LiveStream,
 }
@@ -557,6 +681,7 @@ impl Drive {
             down_caught_up: None,
             down_owed: None,
             req_owed: None,
+            refusal: None,
             _live: live,
         }
     }
@@ -633,6 +758,15 @@ impl Drive {
                     .is_err());
         let flow = if failed {
             Flow::Local(wasm_fail_stream())
+        } else if let Some(lr) = self.refusal.take() {
+            // Answered before the filter's first callback: no response callbacks either.
+            via_filter = false;
+            if lr.status == 426 {
+                // Envoy's HTTP/1 codec refuses it while parsing, before the request headers
+                // reach the connection manager: `on_log` sees an empty request header map.
+                self.lock().req_headers.clear();
+            }
+            Flow::Local(lr)
         } else {
             match self.iterate(Dir::Request, body).await {
                 Flow::Upstream(r) => match *r {

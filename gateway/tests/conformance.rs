@@ -1292,3 +1292,55 @@ async fn upstream_reset_before_response_headers() {
     .await;
     assert!(t.client.iter().any(|l| l.starts_with("status 5")), "{:?}", t.client);
 }
+
+/// Requests the HTTP connection manager answers before any filter runs, under Higress's listener
+/// settings (`accept_http_10: true`, no `default_host_for_http_10`: Higress's gateway pods set
+/// `ISTIO_META_HTTP10=1`, for which istio's gateway listeners accept HTTP/1.0): an HTTP/1.0
+/// request with a `host` goes through, one without gets 400, as does an HTTP/1.1 request
+/// without a `host`; then an ordinary request.
+#[tokio::test(flavor = "multi_thread")]
+async fn http_1_0_and_a_missing_host_as_higress_configures_envoy() {
+    let sc = logging_status_and_path()
+        .scenario("http_1_0_and_a_missing_host_as_higress_configures_envoy");
+    assert!(sc.accept_http_10);
+    let t = differential(sc.steps(http_1_0_steps())).await;
+    assert!(
+        t.client.contains(&r#"status line "HTTP/1.1 400 Bad Request""#.to_string()),
+        "{:?}",
+        t.client
+    );
+}
+
+/// The same requests under Envoy's own default (`accept_http_10: false`): HTTP/1.0 gets 426
+/// Upgrade Required before any filter runs, with or without a `host`.
+#[tokio::test(flavor = "multi_thread")]
+async fn http_1_0_refused_with_the_envoy_default() {
+    let mut sc = logging_status_and_path().scenario("http_1_0_refused_with_the_envoy_default");
+    sc.accept_http_10 = false;
+    let t = differential(sc.steps(http_1_0_steps())).await;
+    assert!(t.client.iter().any(|l| l.contains(" 426 ")), "{:?}", t.client);
+}
+
+/// `on_log` reads the response's `:status`, the request's `:path` and whether the request
+/// headers are there and empty.
+fn logging_status_and_path() -> Plugin {
+    let mut p = Plugin::new();
+    let (ev, st, path) = (p.ev("log"), p.s(":status"), p.s(":path"));
+    p.on(
+        "proxy_on_log",
+        format!(
+            "{ev} (call $hget (i32.const 2) {st}) (call $hget (i32.const 0) {path}) (call $hpairs (i32.const 0)) (call $ev_end)"
+        ),
+    )
+}
+
+fn http_1_0_steps() -> Vec<Step> {
+    let raw = |bytes: &str| Step::Raw { bytes: bytes.into(), hold_ms: 400 };
+    vec![
+        raw("GET /ten HTTP/1.0\r\nhost: conformance.test\r\n\r\n"),
+        raw("GET /ten-keep-alive HTTP/1.0\r\nhost: conformance.test\r\nconnection: keep-alive\r\n\r\n"),
+        raw("GET /ten-no-host HTTP/1.0\r\n\r\n"),
+        raw("GET /eleven-no-host HTTP/1.1\r\n\r\n"),
+        Step::get("/after"),
+    ]
+}

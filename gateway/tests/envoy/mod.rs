@@ -148,6 +148,12 @@ pub enum Step {
     /// Raw bytes on a new connection, held open `hold_ms`, then closed (a client that goes
     /// away). Whatever came back is not compared (the proxies' own headers differ).
     Abort { bytes: String, hold_ms: u64 },
+    /// Raw bytes on a new connection (e.g. a request line the client library cannot send);
+    /// what comes back within `hold_ms` (or until the proxy closes the connection) is compared:
+    /// the status line, the headers (without the proxies' own) and the bytes after them. When
+    /// the proxy closes is not compared: after a local reply with `connection: close` Envoy
+    /// waits up to its `delayed_close_timeout` (1 s) for the client to close first.
+    Raw { bytes: String, hold_ms: u64 },
     /// Wait (for timers, or for a callout to finish after a client went away).
     Sleep(u64),
 }
@@ -227,6 +233,9 @@ pub struct Scenario {
     pub buffer_limit: u32,
     /// Worker threads (Envoy `--concurrency`, this host's workers).
     pub workers: usize,
+    /// The HCM's `http_protocol_options.accept_http_10` (set in both configs). Default true, as
+    /// in Higress, whose gateway pods set `ISTIO_META_HTTP10=1`; Envoy's own default is false.
+    pub accept_http_10: bool,
     pub configuration: &'static str,
     pub steps: Vec<Step>,
     /// Rewrites the module text before it is assembled (e.g. the 0_1_0 signatures).
@@ -257,6 +266,7 @@ impl Scenario {
             }],
             buffer_limit: 32768,
             workers: 1,
+            accept_http_10: true,
             configuration: r#"{"a":1}"#,
             steps: vec![],
             edit: None,
@@ -432,8 +442,8 @@ impl Envoy {
 
 fn render_gateway(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) -> String {
     let mut y = format!(
-        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n",
-        sc.buffer_limit
+        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}, accept_http_10: {}}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n",
+        sc.buffer_limit, sc.accept_http_10
     );
     for r in &sc.routes {
         let target = match &r.target {
@@ -526,6 +536,7 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: main
           codec_type: HTTP1
+          http_protocol_options: {{accept_http_10: {http10}}}
           route_config:
             name: local
             virtual_hosts:
@@ -553,6 +564,7 @@ static_resources:
 {clusters}"#,
         limit = sc.buffer_limit,
         stop = sc.stop_iteration,
+        http10 = sc.accept_http_10,
         wasm = wasm.display(),
     )
 }
@@ -650,7 +662,47 @@ async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<St
             }
             out.push("aborted".into());
         }
+        Step::Raw { bytes, hold_ms } => {
+            out.push(format!("raw {:?}", bytes.lines().next().unwrap_or("")));
+            out.extend(raw_exchange(addr, bytes, *hold_ms, names).await);
+        }
     }
+}
+
+/// Send `bytes` on a new connection and read for `hold_ms` (or until the proxy closes it);
+/// the response as transcript lines.
+async fn raw_exchange(addr: SocketAddr, bytes: &str, hold_ms: u64, names: &Names) -> Vec<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return vec!["connect failed".into()];
+    };
+    if s.write_all(bytes.as_bytes()).await.is_err() {
+        return vec!["write failed".into()];
+    }
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(hold_ms);
+    loop {
+        let mut buf = [0u8; 4096];
+        match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
+            _ => break,
+        }
+    }
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let mut out = Vec::new();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));
+    let mut lines = head.split("\r\n");
+    out.push(format!("status line {:?}", lines.next().unwrap_or("")));
+    let mut headers: Vec<String> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .filter(|(k, _)| !PROXY_OWN_HEADERS.contains(&k.as_str()))
+        .map(|(k, v)| format!("  {k}: {}", names.apply(&v)))
+        .collect();
+    headers.sort();
+    out.extend(headers);
+    out.push(format!("after the headers {:?}", names.apply(rest)));
+    out
 }
 
 /// The step with `{UPn}` in header values replaced by upstream n's address.
