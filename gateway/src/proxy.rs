@@ -431,6 +431,13 @@ impl StreamState {
             Dir::Response => self.resp_body.len(),
         }
     }
+    /// Where the plugin's view of the body starts (see `StreamState::req_body_from`).
+    fn body_from(&mut self, dir: Dir) -> &mut usize {
+        match dir {
+            Dir::Request => &mut self.req_body_from,
+            Dir::Response => &mut self.resp_body_from,
+        }
+    }
     fn limit(&self, dir: Dir) -> usize {
         match dir {
             Dir::Request => self.decoder_limit,
@@ -953,6 +960,7 @@ impl Drive {
                 let chunk = {
                     let mut s = self.lock();
                     s.set_body_access(dir, false);
+                    *s.body_from(dir) = 0;
                     s.body(dir).split().freeze()
                 };
                 let done = match dir {
@@ -1061,15 +1069,30 @@ impl Drive {
         }
     }
 
-    /// A body callback on the cumulative buffer. Continue releases held headers (a header
-    /// StopIteration under 0_2_100 / `allow_on_headers_stop_iteration`).
+    /// A body callback on the cumulative buffer, or, after a StopIterationAndWatermark answer,
+    /// on what came since: Envoy's wasm filter shows the plugin the filter manager's buffer only
+    /// while it answers StopIterationAndBuffer, else the new data alone, which the filter
+    /// manager then adds to the data it holds (conformance test
+    /// `body_after_stop_iteration_and_watermark_is_the_new_chunk_only`). Continue releases held
+    /// headers (a header StopIteration under 0_2_100 / `allow_on_headers_stop_iteration`).
     fn on_data(&mut self, dir: Dir, it: &mut Iteration, eos: bool) -> Result<(), Flow> {
         let len = {
             let mut s = self.lock();
             s.set_body_access(dir, true);
-            s.body_len(dir)
+            let from = *s.body_from(dir);
+            s.body_len(dir).saturating_sub(from)
         };
-        match self.data_action(dir.body_callback(), len, eos) {
+        let action = self.data_action(dir.body_callback(), len, eos);
+        {
+            let mut s = self.lock();
+            let held = if matches!(action, Ok(false)) && self.data_watermark {
+                s.body_len(dir)
+            } else {
+                0
+            };
+            *s.body_from(dir) = held;
+        }
+        match action {
             Ok(cont) => {
                 if cont && it.held {
                     it.held = false;
@@ -1427,6 +1450,7 @@ impl Drive {
             h.extend(lr.headers.iter().cloned());
             s.resp_headers = h;
             s.resp_body.clear();
+            s.resp_body_from = 0;
             s.resp_body.extend_from_slice(&lr.body);
             s.response_code = Some(lr.status);
             s.resp_hdr_access = true;

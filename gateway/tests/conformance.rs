@@ -1344,3 +1344,76 @@ fn http_1_0_steps() -> Vec<Step> {
         Step::get("/after"),
     ]
 }
+
+/// Body callbacks after StopIterationAndWatermark: Envoy's wasm filter does not keep the body
+/// for the plugin (only StopIterationAndBuffer does), so the next callback's size and
+/// `get_buffer_bytes` are the new chunk only, and `set_buffer_bytes` rewrites only that chunk;
+/// the filter manager still holds every chunk and passes all of it on when the plugin
+/// continues. Request side: every chunk answered Watermark (`/watermark`), the same while each
+/// chunk is replaced by `#` (`/replace`), and Watermark, Buffer, Watermark (`/mixed`: after
+/// the Buffer answer the plugin sees the whole held body again); the end of the stream
+/// continues. Response side: Watermark until the end of the stream (`/sse`: three events).
+/// The client's chunks are 300 ms apart, so that each is one body callback.
+#[tokio::test(flavor = "multi_thread")]
+async fn body_after_stop_iteration_and_watermark_is_the_new_chunk_only() {
+    let mut p = Plugin::new();
+    let (ev_qh, ev_b, ev_rb, mixed, rep, hash) = (
+        p.ev("req_hdrs"),
+        p.ev("req_body"),
+        p.ev("resp_body"),
+        p.s("x-mixed"),
+        p.s("x-replace"),
+        p.s("#"),
+    );
+    let p = p
+        .extra(format!(
+            "  (global $mixed (mut i32) (i32.const 0))\n  (global $replace (mut i32) (i32.const 0))\n  (global $calls (mut i32) (i32.const 0))\n{}",
+            header_value_fns()
+        ))
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{ev_qh} (call $ev_num (local.get $eos)) (call $ev_end)
+    (global.set $mixed (call $flag_of {mixed})) (global.set $replace (call $flag_of {rep}))
+    (global.set $calls (i32.const 0)) (i32.const 0)"
+            ),
+        )
+        .on(
+            "proxy_on_request_body",
+            format!(
+                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 0))
+    (if (local.get $eos) (then (call $ev_end) (return (i32.const 0))))
+    (global.set $calls (i32.add (global.get $calls) (i32.const 1)))
+    (if (global.get $replace)
+      (then (call $ev_num (call $proxy_set_buffer_bytes (i32.const 0) (i32.const 0) (local.get $size) {hash}))))
+    (call $ev_end)
+    (if (result i32) (i32.and (global.get $mixed) (i32.eq (global.get $calls) (i32.const 2)))
+      (then (i32.const 1)) (else (i32.const 2)))"
+            ),
+        )
+        .on(
+            "proxy_on_response_body",
+            format!(
+                "{ev_rb} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 1)) (call $ev_end)
+    (if (result i32) (local.get $eos) (then (i32.const 0)) (else (i32.const 2)))"
+            ),
+        );
+    let post = |path: &str| Step::Send {
+        method: "POST",
+        path: path.into(),
+        headers: vec![],
+        chunks: ["aaaaa", "bbbbb", "ccccc"].iter().map(|c| c.to_string()).collect(),
+        pause_ms: 300,
+    };
+    let steps = vec![
+        post("/watermark"),
+        post("/replace").header("x-replace", "1"),
+        post("/mixed").header("x-mixed", "1"),
+        Step::get("/sse"),
+    ];
+    let t = differential(
+        p.scenario("body_after_stop_iteration_and_watermark_is_the_new_chunk_only").steps(steps),
+    )
+    .await;
+    assert!(t.upstream.contains(&"  body \"aaaaabbbbbccccc\"".to_string()), "{:?}", t.upstream);
+}

@@ -2,8 +2,9 @@
 //!
 //! Types: 0 request body, 1 response body, 4 HTTP call response body, 6 VM configuration,
 //! 7 plugin configuration, 9 Redis call response (Higress). The request/response body is the
-//! accumulated buffer, readable only while this filter holds it (inside its body callbacks, or while
-//! buffering), otherwise an empty buffer; callout/Redis buffers only inside their callbacks
+//! accumulated buffer (after a StopIterationAndWatermark answer only what came since), readable
+//! only while this filter holds it (inside its body callbacks, or while buffering), otherwise an
+//! empty buffer; callout/Redis buffers only inside their callbacks
 //! (NotFound outside).
 
 use super::{copy_out, read_bytes, status, write_u32, HResult, HostState, Registrar};
@@ -23,9 +24,10 @@ fn with_buffer<R>(
             // empty, writes BadArgument.
             let Some(s) = st.effective_stream() else { return f(&mut ReadOnly(&[])) };
             let mut s = s.lock().map_err(|_| status::INTERNAL_FAILURE)?;
+            let s = &mut *s;
             match ty {
-                0 if s.req_body_access => f(&mut Owned(&mut s.req_body)),
-                1 if s.resp_body_access => f(&mut Owned(&mut s.resp_body)),
+                0 if s.req_body_access => f(&mut Owned(&mut s.req_body, s.req_body_from)),
+                1 if s.resp_body_access => f(&mut Owned(&mut s.resp_body, s.resp_body_from)),
                 _ => f(&mut ReadOnly(&[])),
             }
         }
@@ -49,24 +51,28 @@ trait BufferAccess {
     fn set(&mut self, start: usize, len: usize, data: &[u8]) -> HResult<()>;
 }
 
-struct Owned<'a>(&'a mut BytesMut);
+/// The held body from the plugin's view's start (see `StreamState::req_body_from`).
+struct Owned<'a>(&'a mut BytesMut, usize);
 struct ReadOnly<'a>(&'a [u8]);
 
 impl BufferAccess for Owned<'_> {
     fn bytes(&self) -> &[u8] {
-        self.0
+        self.0.get(self.1..).unwrap_or_default()
     }
     /// Envoy `Buffer::copyFrom`: start 0 + len 0 prepends, start 0 + len >= size replaces,
-    /// start >= size appends; anything else (a slice inside the buffer) is BadArgument.
+    /// start >= size appends; anything else (a slice inside the buffer) is BadArgument. On the
+    /// view: the held data before it stays as it is.
     fn set(&mut self, start: usize, len: usize, data: &[u8]) -> HResult<()> {
-        let size = self.0.len();
+        let from = self.1.min(self.0.len());
+        let size = self.0.len() - from;
         if start == 0 && len == 0 {
-            let mut out = BytesMut::with_capacity(size + data.len());
+            let mut out = BytesMut::with_capacity(self.0.len() + data.len());
+            out.extend_from_slice(&self.0[..from]);
             out.extend_from_slice(data);
-            out.extend_from_slice(self.0);
+            out.extend_from_slice(&self.0[from..]);
             *self.0 = out;
         } else if start == 0 && len >= size {
-            self.0.clear();
+            self.0.truncate(from);
             self.0.extend_from_slice(data);
         } else if start >= size {
             self.0.extend_from_slice(data);

@@ -156,6 +156,10 @@ pub struct StreamState {
     pub req_body: BytesMut,
     /// Plugin may read/write the request body buffer.
     pub req_body_access: bool,
+    /// Where the plugin's view of `req_body` starts: past the data held after a body callback
+    /// answered StopIterationAndWatermark (Envoy's wasm filter keeps the body for the plugin
+    /// only while it answers StopIterationAndBuffer; the filter manager still holds it all).
+    pub req_body_from: usize,
     /// Request trailers.
     pub req_trailers: HeaderMap,
     /// Response headers (`:status` first).
@@ -166,6 +170,8 @@ pub struct StreamState {
     pub resp_body: BytesMut,
     /// Plugin may read/write the response body buffer.
     pub resp_body_access: bool,
+    /// The same as `req_body_from` for `resp_body`.
+    pub resp_body_from: usize,
     /// `proxy_on_log` is running: the request and response headers are readable (Envoy's
     /// access-log phase), a missing map is NotFound instead of BadArgument.
     pub log_phase: bool,
@@ -219,11 +225,13 @@ impl StreamState {
             req_headers_modified: false,
             req_body: BytesMut::new(),
             req_body_access: false,
+            req_body_from: 0,
             req_trailers: Vec::new(),
             resp_headers: Vec::new(),
             resp_hdr_access: false,
             resp_body: BytesMut::new(),
             resp_body_access: false,
+            resp_body_from: 0,
             log_phase: false,
             resp_trailers: Vec::new(),
             continue_req: false,
