@@ -1417,3 +1417,51 @@ async fn body_after_stop_iteration_and_watermark_is_the_new_chunk_only() {
     .await;
     assert!(t.upstream.contains(&"  body \"aaaaabbbbbccccc\"".to_string()), "{:?}", t.upstream);
 }
+
+/// HTTP calls to clusters that exist but have no host to pick: a STATIC cluster without
+/// endpoints, and an ORIGINAL_DST cluster without `x-envoy-original-dst-host`; then a call to an
+/// ordinary cluster, whose response continues the stream. The tokens written are logged (0: none).
+#[tokio::test(flavor = "multi_thread")]
+async fn dispatch_http_call_to_a_cluster_without_hosts() {
+    let mut p = Plugin::new();
+    let hdrs =
+        p.w.b(&pairs(&[(":method", "GET"), (":path", "/nohost"), (":authority", "callout")]));
+    let (ev_h, ev_c, empty, odst, cl, st) = (
+        p.ev("req_hdrs"),
+        p.ev("callout"),
+        p.s("empty"),
+        p.s("odst"),
+        p.s("callout"),
+        p.s(":status"),
+    );
+    let p = p
+        .extra("  (global $stream (mut i32) (i32.const 0))\n".into())
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "(global.set $stream (local.get $ctx))
+    {ev_h} (call $ev_num (call $proxy_http_call {empty} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 264)))
+    (call $ev_num (call $proxy_http_call {odst} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 268)))
+    (call $ev_num (call $proxy_http_call {cl} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 272)))
+    (call $ev_num (i32.load (i32.const 264))) (call $ev_num (i32.load (i32.const 268))) (call $ev_num (i32.load (i32.const 272)))
+    (call $ev_end) (i32.const 1)"
+            ),
+        )
+        .on(
+            "proxy_on_http_call_response",
+            format!(
+                "{ev_c} (call $ev_num (i32.eq (local.get $token) (i32.load (i32.const 264))))
+    (call $ev_num (i32.eq (local.get $token) (i32.load (i32.const 268))))
+    (call $ev_num (i32.eq (local.get $token) (i32.load (i32.const 272))))
+    (call $ev_num (local.get $nb)) (call $ev_num (local.get $nt))
+    (call $hget (i32.const 6) {st}) (call $bget (i32.const 4)) (call $ev_end)
+    (if (i32.eq (local.get $token) (i32.load (i32.const 272))) (then
+      (drop (call $proxy_set_effective_context (global.get $stream)))
+      (drop (call $proxy_continue_stream (i32.const 0)))))"
+            ),
+        );
+    let mut sc = p.scenario("dispatch_http_call_to_a_cluster_without_hosts");
+    sc.clusters.push(Cluster::Static("empty", vec![]));
+    sc.clusters.push(Cluster::OriginalDst("odst"));
+    differential(sc.steps(vec![Step::get("/x")])).await;
+}

@@ -5,8 +5,10 @@
 //! The headers need `:method`, `:path` and `:authority` (else BadArgument); an unknown cluster is
 //! BadArgument. On an ORIGINAL_DST cluster with `use_http_header`, `x-envoy-original-dst-host:
 //! ip:port` is the destination (without it the call fails); on any other cluster the header means
-//! nothing and the cluster's LB picks, as in Envoy. The response
-//! goes to the root context. A failure before the response headers (no host, connection
+//! nothing and the cluster's LB picks, as in Envoy. A cluster with no host to pick (no endpoints,
+//! or ORIGINAL_DST without the header) is InternalFailure at once, with no callback, its token used
+//! up (conformance test `dispatch_http_call_to_a_cluster_without_hosts`). The response
+//! goes to the root context. A failure before the response headers (connection
 //! refused, the call's timeout) is Envoy's router local reply (503 / 504 with a text body),
 //! delivered as the response; a failure after them (a reset or timeout mid-body) gives counts of
 //! 0 and `proxy_get_status` gives BrokenConnection. Tokens start at 4 and step by 4.
@@ -67,6 +69,10 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             // Envoy honours `x-envoy-original-dst-host` only on an ORIGINAL_DST cluster with
             // `use_http_header`; on any other cluster the LB picks.
             let endpoint = cl.pick_for_request(get("x-envoy-original-dst-host").as_deref(), None);
+            // No host to pick (no endpoints, an ORIGINAL_DST cluster without the header): Envoy's
+            // router answers inside the async client's `send`, which then returns no request, and
+            // the call is InternalFailure at once, with no callback; its token is used up.
+            let Some(endpoint) = endpoint else { return status::INTERNAL_FAILURE };
             let client = st.http_client.clone();
             let events = st.events.clone();
             let gen = st.gen;
@@ -81,12 +87,9 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 // failure with a local reply, which the call delivers as its response.
                 let got_headers = std::cell::Cell::new(false);
                 let result = async {
-                    let Some(ep) = endpoint else {
-                        return Err(CallError::Local(503, "no healthy upstream"));
-                    };
                     let mut b = hyper::Request::builder()
                         .method(method.as_str())
-                        .uri(format!("http://{}{}", ep.addr, path));
+                        .uri(format!("http://{}{}", endpoint.addr, path));
                     for (k, v) in &headers {
                         if k.starts_with(':') || k == "host" {
                             continue;
@@ -169,7 +172,7 @@ const TERMINATED: &str =
 /// How a call ended without a response from the upstream.
 enum CallError {
     /// Before the response headers: Envoy's router answers with a local reply (503 on a
-    /// connection failure or no host, 504 on the call's timeout), which the async client
+    /// connection failure, 504 on the call's timeout), which the async client
     /// delivers to the plugin as the response (`on_http_call_response` with its headers and
     /// body).
     Local(u16, &'static str),
