@@ -8,7 +8,13 @@
 //!
 //! Per pod an exponentially weighted moving average of that time per byte (Finagle's and
 //! linkerd's EWMA load balancers track latency the same way); a pod's *slowness* is its average
-//! over the fastest pod's, `1.0` for the fastest or a pod without a recent sample.
+//! over the fastest pod's, `1.0` for the fastest or a pod without an average.
+//!
+//! An average is not dropped because it is old: avoiding a slow pod is what stops its samples, and
+//! a router that forgot it after a quiet spell would send it sessions again, each found slow anew
+//! (cache misses when their sessions move off it again). Past [`FRESH_NS`] without a sample, a
+//! pod's excess slowness instead halves every [`SLOWNESS_HALF_LIFE_NS`], so a pod that may have
+//! recovered gets new sessions back gradually, and its next sample replaces the old average.
 
 use std::collections::HashMap;
 
@@ -16,13 +22,29 @@ use std::collections::HashMap;
 const EWMA_ALPHA: f64 = 0.3;
 /// A response shorter than this after its first body chunk says little about the decode rate.
 const MIN_SAMPLE_BYTES: u64 = 512;
-/// An average not updated for this long is forgotten (the pod may have recovered).
-const STALE_NS: u64 = 30_000_000_000;
+/// An average updated within this long is current: a new sample blends into it, and its
+/// slowness counts in full. Older, a new sample replaces it, and its slowness decays.
+const FRESH_NS: u64 = 30_000_000_000;
+/// Past [`FRESH_NS`], a pod's slowness above the fastest pod's halves this often.
+const SLOWNESS_HALF_LIFE_NS: u64 = 300_000_000_000;
+/// An average not updated for this long is dropped: its excess slowness has halved twelve times.
+const FORGET_NS: u64 = FRESH_NS + 12 * SLOWNESS_HALF_LIFE_NS;
 /// At most this many streams and pods are tracked per worker (bounded memory).
 const MAX_TRACKED: usize = 4096;
 /// A stream timed for longer than this without its end seen (reset, cut) is dropped when the
 /// table is full.
 const STREAM_FORGET_NS: u64 = 600_000_000_000;
+
+/// A pod's average decode time per response byte, as [`PodSpeed::averages`] reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeAverage {
+    /// `ip:port`.
+    pub pod: String,
+    /// Nanoseconds per response byte after the first chunk.
+    pub ns_per_byte: f64,
+    /// Time since its last sample.
+    pub age_ns: u64,
+}
 
 /// One response being timed.
 struct Timing {
@@ -82,48 +104,61 @@ impl PodSpeed {
 
     fn sample(&mut self, pod: String, ns_per_byte: f64, now_ns: u64) {
         if !self.per_pod.contains_key(&pod) && self.per_pod.len() >= MAX_TRACKED {
-            self.per_pod.retain(|_, (_, at)| now_ns.saturating_sub(*at) < STALE_NS);
+            self.per_pod.retain(|_, (_, at)| now_ns.saturating_sub(*at) < FRESH_NS);
             if self.per_pod.len() >= MAX_TRACKED {
                 return;
             }
         }
         let e = self.per_pod.entry(pod).or_insert((ns_per_byte, now_ns));
-        let fresh = now_ns.saturating_sub(e.1) < STALE_NS;
+        let fresh = now_ns.saturating_sub(e.1) < FRESH_NS;
         e.0 = if fresh { e.0 + EWMA_ALPHA * (ns_per_byte - e.0) } else { ns_per_byte };
         e.1 = now_ns;
     }
 
-    /// Each of `pods`' slowness at `now_ns`: its average over the fastest of them (`>= 1`);
-    /// `1.0` for a pod without a recent average. Empty when fewer than two pods have one (there
-    /// is nothing to compare). The plugin compares [`PodSpeed::averages`] in the picker, over the
-    /// healthy pods it already read; this is the same for the estimate's tests.
+    /// Each of `pods`' slowness at `now_ns`: its average over the fastest of them (`>= 1`,
+    /// decayed towards 1 when old); `1.0` for a pod without an average. Empty when fewer than two
+    /// pods have one (there is nothing to compare). The plugin compares [`PodSpeed::averages`] in
+    /// the picker, over the healthy pods it already read; this is the same for the estimate's
+    /// tests.
     #[cfg(test)]
     pub fn slowness(&self, pods: &[&str], now_ns: u64) -> Vec<(String, f64)> {
         relative_slowness(&self.averages(now_ns), pods)
     }
 
-    /// Each pod's recent average (ns per byte) at `now_ns`: the pods with one, unordered.
-    pub fn averages(&self, now_ns: u64) -> Vec<(String, f64)> {
+    /// Each pod's average at `now_ns`: the pods with one, unordered.
+    pub fn averages(&self, now_ns: u64) -> Vec<DecodeAverage> {
         self.per_pod
             .iter()
-            .filter(|(_, (v, at))| {
-                now_ns.saturating_sub(*at) < STALE_NS && v.is_finite() && *v > 0.0
+            .map(|(p, (v, at))| DecodeAverage {
+                pod: p.clone(),
+                ns_per_byte: *v,
+                age_ns: now_ns.saturating_sub(*at),
             })
-            .map(|(p, (v, _))| (p.clone(), *v))
+            .filter(|a| a.age_ns < FORGET_NS && a.ns_per_byte.is_finite() && a.ns_per_byte > 0.0)
             .collect()
     }
 }
 
 /// `pods`' slowness from [`PodSpeed::averages`]: see [`PodSpeed::slowness`].
-pub fn relative_slowness(averages: &[(String, f64)], pods: &[&str]) -> Vec<(String, f64)> {
-    let by_pod = super::first_by_key(averages.iter().map(|(a, v)| (a.as_str(), *v)));
+pub fn relative_slowness(averages: &[DecodeAverage], pods: &[&str]) -> Vec<(String, f64)> {
+    let by_pod = super::first_by_key(averages.iter().map(|a| (a.pod.as_str(), a)));
     // Each pod's average, looked up once.
-    let avgs: Vec<Option<f64>> = pods.iter().map(|p| by_pod.get(p).copied()).collect();
-    if avgs.iter().flatten().count() < 2 {
+    let found: Vec<Option<&DecodeAverage>> = pods.iter().map(|p| by_pod.get(p).copied()).collect();
+    if found.iter().flatten().count() < 2 {
         return Vec::new();
     }
-    let fastest = avgs.iter().flatten().copied().fold(f64::INFINITY, f64::min);
-    pods.iter().zip(avgs).map(|(p, a)| (p.to_string(), a.map_or(1.0, |v| v / fastest))).collect()
+    let fastest = found.iter().flatten().map(|a| a.ns_per_byte).fold(f64::INFINITY, f64::min);
+    pods.iter()
+        .zip(found)
+        .map(|(p, a)| {
+            let slowness = a.map_or(1.0, |a| {
+                let beyond = a.age_ns.saturating_sub(FRESH_NS) as f64;
+                let decay = 0.5f64.powf(beyond / SLOWNESS_HALF_LIFE_NS as f64);
+                1.0 + (a.ns_per_byte / fastest - 1.0) * decay
+            });
+            (p.to_string(), slowness)
+        })
+        .collect()
 }
 
 #[cfg(test)]

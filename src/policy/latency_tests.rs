@@ -45,7 +45,7 @@ fn the_time_to_the_first_byte_does_not_count_so_hits_do_not_look_fast() {
 }
 
 #[test]
-fn short_one_chunk_cut_and_stale_responses_give_no_opinion() {
+fn short_one_chunk_and_cut_responses_give_no_opinion() {
     let mut s = PodSpeed::default();
     // A non-streamed answer (one chunk) and a short one: no decode rate.
     s.on_response_headers(1, "a".into(), 0);
@@ -58,11 +58,36 @@ fn short_one_chunk_cut_and_stale_responses_give_no_opinion() {
     s.on_response_body(3, 10 * MS, 100, false);
     s.on_response_body(3, 900 * MS, 5000, false);
     assert!(s.slowness(&["a", "b"], MS * 1000).is_empty(), "nothing to compare");
-    // Two pods with samples compare; 30 s later they are forgotten.
     let t = stream(&mut s, 4, "a", 0, 20, 10);
     let t = stream(&mut s, 5, "b", t, 20, 30);
-    assert_eq!(s.slowness(&["a", "b"], t).len(), 2);
-    assert!(s.slowness(&["a", "b"], t + 31_000 * MS).is_empty());
+    assert_eq!(s.slowness(&["a", "b"], t).len(), 2, "two pods with samples compare");
+}
+
+#[test]
+fn a_slow_pod_left_without_samples_stays_slow_then_decays_back_gradually() {
+    // Avoiding the slow pod stops its samples: a quiet spell must not make it look fast again
+    // (it would get new sessions, each found slow anew), but a pod that may have recovered gets
+    // sessions back in the end.
+    let mut s = PodSpeed::default();
+    let t = stream(&mut s, 1, "a", 0, 20, 10);
+    let t = stream(&mut s, 2, "b", t, 20, 30);
+    let b = |s: &PodSpeed, at: u64| s.slowness(&["a", "b"], at)[1].1;
+    let s_now = b(&s, t);
+    assert!((s_now - 3.0).abs() < 1e-9, "{s_now}");
+    assert!((b(&s, t + 29_000 * MS) - 3.0).abs() < 1e-9, "29 s after its last sample: as slow");
+    assert!(b(&s, t + 90_000 * MS) > 2.7, "a minute later still far slower than the fastest");
+    // FRESH_NS (30 s) plus one half-life: half the excess.
+    let half = b(&s, t + (30_000 + 300_000) * MS);
+    assert!((half - 2.0).abs() < 1e-9, "{half}");
+    let later = b(&s, t + (30_000 + 1_500_000) * MS);
+    assert!(later > 1.0 && later < 1.1, "{later}");
+    // After twelve half-lives it is dropped: nothing left to compare.
+    assert!(s.slowness(&["a", "b"], t + (30_000 + 3_700_000) * MS).is_empty());
+    // A new sample after a quiet spell replaces the old average instead of blending into it.
+    let t2 = t + 400_000 * MS;
+    let t2 = stream(&mut s, 3, "a", t2, 20, 10);
+    let t2 = stream(&mut s, 4, "b", t2, 20, 10);
+    assert!((b(&s, t2) - 1.0).abs() < 1e-9, "{}", b(&s, t2));
 }
 
 #[test]

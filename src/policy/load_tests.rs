@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::metrics::PodMetrics;
+use crate::policy::latency::DecodeAverage;
 
 fn cfg() -> LoadAwareConfig {
     LoadAwareConfig::default()
@@ -113,10 +114,14 @@ fn every_pod_of_a_large_cluster_gets_its_own_load_and_slowness() {
     let names: Vec<String> =
         (0..300).map(|i| format!("10.0.{}.{}:8000", i / 256, i % 256)).collect();
     let pods: Vec<PodView> = names.iter().enumerate().map(|(i, n)| pod(n, i as f64, 0.0)).collect();
-    let averages: Vec<(String, f64)> = names
+    let averages: Vec<DecodeAverage> = names
         .iter()
         .enumerate()
-        .map(|(i, n)| (n.clone(), if i % 3 == 0 { 2.0 } else { 1.0 }))
+        .map(|(i, n)| DecodeAverage {
+            pod: n.clone(),
+            ns_per_byte: if i % 3 == 0 { 2.0 } else { 1.0 },
+            age_ns: 0,
+        })
         .collect();
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     let slowness = crate::policy::latency::relative_slowness(&averages, &refs);

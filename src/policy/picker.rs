@@ -190,7 +190,7 @@ pub struct LoadAware {
     pub args: Option<LoadArgs>,
     /// Each pod's recent decode time per byte (`prefix_cache`'s [`super::latency::PodSpeed`]),
     /// compared over the healthy pods when the pick starts.
-    pub decode_averages: Vec<(String, f64)>,
+    pub decode_averages: Vec<latency::DecodeAverage>,
 }
 
 /// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
