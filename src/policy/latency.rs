@@ -116,7 +116,8 @@ impl PodSpeed {
     }
 
     /// Each of `pods`' slowness at `now_ns`: its average over the fastest of them (`>= 1`,
-    /// decayed towards 1 when old); `1.0` for a pod without an average. Empty when fewer than two
+    /// decayed towards 1 when old; the fastest current one when any is current); `1.0` for a pod
+    /// without an average. Empty when fewer than two
     /// pods have one (there is nothing to compare). The plugin compares [`PodSpeed::averages`] in
     /// the picker, over the healthy pods it already read; this is the same for the estimate's
     /// tests.
@@ -147,14 +148,25 @@ pub fn relative_slowness(averages: &[DecodeAverage], pods: &[&str]) -> Vec<(Stri
     if found.iter().flatten().count() < 2 {
         return Vec::new();
     }
-    let fastest = found.iter().flatten().map(|a| a.ns_per_byte).fold(f64::INFINITY, f64::min);
+    // The reference is the fastest current average when there is one: a decode rate depends on
+    // the batch, so an old sample from a quieter time is not compared against today's load.
+    let fastest_of = |current_only: bool| {
+        found
+            .iter()
+            .flatten()
+            .filter(|a| !current_only || a.age_ns < FRESH_NS)
+            .map(|a| a.ns_per_byte)
+            .fold(f64::INFINITY, f64::min)
+    };
+    let fastest = Some(fastest_of(true)).filter(|f| f.is_finite()).unwrap_or(fastest_of(false));
     pods.iter()
         .zip(found)
         .map(|(p, a)| {
             let slowness = a.map_or(1.0, |a| {
                 let beyond = a.age_ns.saturating_sub(FRESH_NS) as f64;
                 let decay = 0.5f64.powf(beyond / SLOWNESS_HALF_LIFE_NS as f64);
-                1.0 + (a.ns_per_byte / fastest - 1.0) * decay
+                // An old average faster than the reference reads as 1, as the fastest does.
+                (1.0 + (a.ns_per_byte / fastest - 1.0) * decay).max(1.0)
             });
             (p.to_string(), slowness)
         })

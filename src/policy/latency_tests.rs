@@ -102,3 +102,18 @@ fn the_average_follows_a_pod_that_recovers() {
     }
     assert!(b(&s, t) < 1.05, "back to the fastest pod's rate: {}", b(&s, t));
 }
+
+#[test]
+fn an_old_fast_sample_is_not_the_yardstick_for_current_ones() {
+    // a was fast once, at a quiet time; b and c are timed now, under load, b twice as slow as c.
+    let mut s = PodSpeed::default();
+    let t = stream(&mut s, 1, "a", 0, 20, 5);
+    let t = t + 120_000 * MS;
+    let t = stream(&mut s, 2, "b", t, 20, 20);
+    let t = stream(&mut s, 3, "c", t, 20, 10);
+    let slow = s.slowness(&["a", "b", "c"], t);
+    let get = |p: &str| slow.iter().find(|(a, _)| a == p).map(|(_, v)| *v);
+    assert_eq!(get("a"), Some(1.0));
+    assert!((get("b").unwrap_or(0.0) - 2.0).abs() < 1e-9, "{slow:?}");
+    assert_eq!(get("c"), Some(1.0), "compared with c, not with a's old rate: {slow:?}");
+}
