@@ -325,16 +325,21 @@ pub struct PluginConfig {
 }
 
 /// What happens after a plugin VM traps, as Envoy's `envoy.extensions.wasm.v3.FailurePolicy`.
+/// Under every policy, as in Envoy 1.40, the trapping stream and the worker's other streams that
+/// already have a context in that VM fail with it: their next filter callback answers 503
+/// `wasm_fail_stream` (a reset once the response headers went out), and one held waiting for the
+/// plugin (a callout, a tick) stays held, as the plugin's callbacks are not delivered any more.
+/// The policy decides what streams that start later get.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum FailurePolicy {
-    /// Envoy's default, and Higress's `failStrategy: FAIL_CLOSE`: the VM stays failed; the stream
-    /// that trapped and every later stream on that worker get 503 `wasm_fail_stream`.
+    /// Envoy's default, and Higress's `failStrategy: FAIL_CLOSE`: the VM stays failed; every
+    /// later stream on that worker gets 503 `wasm_fail_stream`.
     #[default]
     FailClosed,
-    /// The VM stays failed; streams continue without the plugin.
+    /// The VM stays failed; later streams go on without the plugin.
     FailOpen,
-    /// The trapping stream gets 503; a new VM is started for the next stream.
+    /// A new VM is started for the next stream.
     FailReload,
 }
 

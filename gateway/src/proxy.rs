@@ -12,7 +12,7 @@
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
 use crate::body::{BodyError, GwBody, ReaderCaughtUp};
 use crate::cluster::Endpoint;
-use crate::config::{FailurePolicy, ListenerTimers};
+use crate::config::ListenerTimers;
 use crate::global::{Global, Shutdown};
 use crate::worker::Worker;
 use bytes::Bytes;
@@ -702,8 +702,16 @@ impl Drive {
         self.gen.is_some() && !self.plugin()
     }
 
-    /// Call a stream callback. Ok(None) if there is no plugin; Err on a trap.
+    /// Call a stream callback. Ok(None) if there is no plugin; Err on a trap, and for every
+    /// callback of a stream whose VM failed (a trap here or in another stream of this worker),
+    /// whatever the `failure_policy`: in Envoy 1.40 a stream that already has its plugin context
+    /// fails with it (503 `wasm_fail_stream`, a reset once the response headers went out); only
+    /// streams that start later see the policy (conformance tests
+    /// `a_trap_under_*_and_the_streams_in_flight`).
     fn call(&mut self, name: &str, args: &[i32]) -> Result<Option<(i32, bool)>, ()> {
+        if self.orphaned() {
+            return Err(());
+        }
         if !self.plugin() {
             return Ok(None);
         }
@@ -711,10 +719,6 @@ impl Drive {
             Ok((r, l)) => Ok(Some((r.unwrap_or(0), l))),
             Err(_) => {
                 self.trapped = true;
-                if self.w.failure_policy() == FailurePolicy::FailOpen {
-                    // Envoy's CHECK_FAIL_HTTP with fail_open: the stream goes on without the plugin.
-                    return Ok(None);
-                }
                 Err(())
             }
         }
@@ -910,16 +914,6 @@ impl Drive {
                 }
                 if s.reset {
                     return Flow::Reset;
-                }
-            }
-            if self.orphaned() {
-                if it.held && self.w.failure_policy() != FailurePolicy::FailOpen {
-                    return Flow::Local(wasm_fail_stream());
-                }
-                // Fail-open, or the VM that asked to buffer is gone: let the stream through.
-                it.data_stopped = false;
-                if it.held {
-                    *self.lock().continue_flag(dir) = true;
                 }
             }
             let cont = std::mem::take(self.lock().continue_flag(dir));

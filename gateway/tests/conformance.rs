@@ -1465,3 +1465,77 @@ async fn dispatch_http_call_to_a_cluster_without_hosts() {
     sc.clusters.push(Cluster::OriginalDst("odst"));
     differential(sc.steps(vec![Step::get("/x")])).await;
 }
+
+/// A plugin that traps in `on_request_headers` when the request has `x-trap`, and pauses a
+/// request with `x-pause` on a callout to `callout` (GET /slow: 500 ms) whose response
+/// continues it; every other callback logs and continues.
+fn trap_while_others_in_flight(name: &'static str, policy: Option<&'static str>) -> Scenario {
+    let mut p = Plugin::new();
+    let hdrs = p.w.b(&pairs(&[(":method", "GET"), (":path", "/slow"), (":authority", "callout")]));
+    let (ev_h, ev_c, cl, trap, pause) =
+        (p.ev("req_hdrs"), p.ev("callout"), p.s("callout"), p.s("x-trap"), p.s("x-pause"));
+    let p = p
+        .extra(format!(
+            "  (global $paused (mut i32) (i32.const 0))\n{}",
+            header_value_fns()
+        ))
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{ev_h} (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (call $flag_of {trap}) (then (unreachable)))
+    (if (i32.eqz (call $flag_of {pause})) (then (return (i32.const 0))))
+    (global.set $paused (local.get $ctx))
+    (drop (call $proxy_http_call {cl} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 264)))
+    (i32.const 1)"
+            ),
+        )
+        .on(
+            "proxy_on_http_call_response",
+            format!(
+                "{ev_c} (call $ev_num (local.get $nb))
+    (call $ev_num (call $proxy_set_effective_context (global.get $paused)))
+    (call $ev_num (call $proxy_continue_stream (i32.const 0))) (call $ev_end)"
+            ),
+        );
+    let upload = Step::Send {
+        method: "POST",
+        path: "/upload".into(),
+        headers: vec![],
+        chunks: ["aaaaa", "bbbbb", "ccccc"].iter().map(|c| c.to_string()).collect(),
+        pause_ms: 150,
+    };
+    let mut sc = p.scenario(name).steps(vec![
+        Step::Parallel(vec![
+            vec![Step::get("/paused").header("x-pause", "1")],
+            vec![Step::Sleep(40), Step::get("/sse")],
+            vec![Step::Sleep(80), upload],
+            vec![Step::Sleep(220), Step::get("/trap").header("x-trap", "1")],
+        ]),
+        Step::get("/after"),
+    ]);
+    sc.failure_policy = policy;
+    sc
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_under_fail_closed_and_the_streams_in_flight() {
+    differential(trap_while_others_in_flight("trap_fail_closed_in_flight", Some("FAIL_CLOSED")))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_under_fail_open_and_the_streams_in_flight() {
+    differential(trap_while_others_in_flight("trap_fail_open_in_flight", Some("FAIL_OPEN"))).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_under_the_default_policy_and_the_streams_in_flight() {
+    differential(trap_while_others_in_flight("trap_default_policy_in_flight", None)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_under_fail_reload_and_the_streams_in_flight() {
+    differential(trap_while_others_in_flight("trap_fail_reload_in_flight", Some("FAIL_RELOAD")))
+        .await;
+}

@@ -156,6 +156,9 @@ pub enum Step {
     Raw { bytes: String, hold_ms: u64 },
     /// Wait (for timers, or for a callout to finish after a client went away).
     Sleep(u64),
+    /// Sequences of steps run at the same time (e.g. a stream held while another one traps);
+    /// their transcripts follow one another in this order.
+    Parallel(Vec<Vec<Step>>),
 }
 
 impl Step {
@@ -236,6 +239,9 @@ pub struct Scenario {
     /// The HCM's `http_protocol_options.accept_http_10` (set in both configs). Default true, as
     /// in Higress, whose gateway pods set `ISTIO_META_HTTP10=1`; Envoy's own default is false.
     pub accept_http_10: bool,
+    /// The plugin's `failure_policy` (FAIL_CLOSED, FAIL_OPEN, FAIL_RELOAD; set in both configs),
+    /// or None for each host's default.
+    pub failure_policy: Option<&'static str>,
     pub configuration: &'static str,
     pub steps: Vec<Step>,
     /// Rewrites the module text before it is assembled (e.g. the 0_1_0 signatures).
@@ -267,6 +273,7 @@ impl Scenario {
             buffer_limit: 32768,
             workers: 1,
             accept_http_10: true,
+            failure_policy: None,
             configuration: r#"{"a":1}"#,
             steps: vec![],
             edit: None,
@@ -478,6 +485,9 @@ fn render_gateway(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path
         wasm.display(),
         sc.configuration
     ));
+    if let Some(policy) = sc.failure_policy {
+        y.push_str(&format!("  failure_policy: {policy}\n"));
+    }
     y
 }
 
@@ -550,7 +560,7 @@ static_resources:
               config:
                 name: test-plugin
                 root_id: test-root
-                allow_on_headers_stop_iteration: {stop}
+                allow_on_headers_stop_iteration: {stop}{policy}
                 configuration:
                   "@type": type.googleapis.com/google.protobuf.StringValue
                   value: {config_json}
@@ -564,6 +574,10 @@ static_resources:
 {clusters}"#,
         limit = sc.buffer_limit,
         stop = sc.stop_iteration,
+        policy = sc
+            .failure_policy
+            .map(|p| format!("\n                failure_policy: {p}"))
+            .unwrap_or_default(),
         http10 = sc.accept_http_10,
         wasm = wasm.display(),
     )
@@ -577,6 +591,7 @@ pub enum Under {
 }
 
 /// Replace the run's addresses with stable names.
+#[derive(Clone)]
 struct Names(Vec<(String, String)>);
 impl Names {
     fn apply(&self, s: &str) -> String {
@@ -599,7 +614,29 @@ fn header_lines(h: &hyper::HeaderMap, names: &Names) -> Vec<String> {
 }
 
 async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<String>) {
+    let Step::Parallel(seqs) = step else { return run_one(step, addr, names, out).await };
+    let runs: Vec<_> = seqs
+        .iter()
+        .map(|seq| {
+            let (seq, names) = (seq.clone(), names.clone());
+            tokio::spawn(async move {
+                let mut out = Vec::new();
+                for s in &seq {
+                    run_one(s, addr, &names, &mut out).await;
+                }
+                out
+            })
+        })
+        .collect();
+    for r in runs {
+        out.extend(r.await.unwrap_or_else(|_| vec!["panicked".into()]));
+    }
+}
+
+/// One step that is not `Parallel` (those do not nest).
+async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<String>) {
     match step {
+        Step::Parallel(_) => out.push("nested Parallel".into()),
         Step::Send { method, path, headers, chunks, pause_ms } => {
             let mut b = hyper::Request::builder()
                 .method(*method)
@@ -708,6 +745,11 @@ async fn raw_exchange(addr: SocketAddr, bytes: &str, hold_ms: u64, names: &Names
 /// The step with `{UPn}` in header values replaced by upstream n's address.
 fn with_addresses(step: &Step, ups: &[Upstream]) -> Step {
     let mut step = step.clone();
+    if let Step::Parallel(seqs) = &mut step {
+        for s in seqs.iter_mut().flatten() {
+            *s = with_addresses(s, ups);
+        }
+    }
     if let Step::Send { headers, .. } = &mut step {
         for (_, v) in headers.iter_mut() {
             for (i, u) in ups.iter().enumerate() {
