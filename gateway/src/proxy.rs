@@ -517,6 +517,9 @@ struct Drive {
     /// The last data callback answered StopIterationAndBuffer: Envoy's wasm filter adds the
     /// next data to the buffer (and checks the limit) before it calls the plugin again.
     data_buffering: bool,
+    /// The last data callback answered StopIterationNoBuffer: Envoy's filter manager neither
+    /// passes that data on nor keeps it (see `Drive::on_data`).
+    data_no_buffer: bool,
     /// Reports when hyper took every chunk sent to the client (see `abort_downstream`).
     down_caught_up: Option<Arc<ReaderCaughtUp>>,
     /// Bytes of the response's `content-length` not sent yet (see `flush_response`).
@@ -685,6 +688,7 @@ impl Drive {
             trapped: false,
             data_watermark: false,
             data_buffering: false,
+            data_no_buffer: false,
             down_caught_up: None,
             down_owed: None,
             req_owed: None,
@@ -743,6 +747,7 @@ impl Drive {
     fn data_action(&mut self, name: &str, len: usize, eos: bool) -> Result<bool, ()> {
         self.data_watermark = false;
         self.data_buffering = false;
+        self.data_no_buffer = false;
         match self.call(name, &[self.ctx as i32, len as i32, eos as i32])? {
             None => Ok(true),
             Some((_, true)) => Ok(false),
@@ -751,6 +756,8 @@ impl Drive {
                 self.data_watermark = raw == 2;
                 // FilterDataStatus::StopIterationAndBuffer
                 self.data_buffering = raw == 1;
+                // FilterDataStatus::StopIterationNoBuffer
+                self.data_no_buffer = raw == 3;
                 Ok(raw == 0)
             }
         }
@@ -1067,7 +1074,9 @@ impl Drive {
     /// on what came since: Envoy's wasm filter shows the plugin the filter manager's buffer only
     /// while it answers StopIterationAndBuffer, else the new data alone, which the filter
     /// manager then adds to the data it holds (conformance test
-    /// `body_after_stop_iteration_and_watermark_is_the_new_chunk_only`). Continue releases held
+    /// `body_after_stop_iteration_and_watermark_is_the_new_chunk_only`). A StopIterationNoBuffer
+    /// answer drops the data the plugin was shown and, like Watermark, shows the next callback
+    /// only what came since (`body_answered_stop_iteration_no_buffer`). Continue releases held
     /// headers (a header StopIteration under 0_2_100 / `allow_on_headers_stop_iteration`).
     fn on_data(&mut self, dir: Dir, it: &mut Iteration, eos: bool) -> Result<(), Flow> {
         let len = {
@@ -1076,10 +1085,19 @@ impl Drive {
             let from = *s.body_from(dir);
             s.body_len(dir).saturating_sub(from)
         };
+        let was_buffering = self.data_buffering;
         let action = self.data_action(dir.body_callback(), len, eos);
         {
             let mut s = self.lock();
-            let held = if matches!(action, Ok(false)) && self.data_watermark {
+            let stopped = matches!(action, Ok(false));
+            if stopped && self.data_no_buffer && !was_buffering {
+                // StopIterationNoBuffer drops the data this callback was shown: the filter
+                // manager keeps only what earlier answers buffered (after a Buffer answer the
+                // new data is already in that buffer, and nothing is dropped).
+                let from = *s.body_from(dir);
+                s.body(dir).truncate(from);
+            }
+            let held = if stopped && (self.data_watermark || self.data_no_buffer) {
                 s.body_len(dir)
             } else {
                 0

@@ -1539,3 +1539,78 @@ async fn a_trap_under_fail_reload_and_the_streams_in_flight() {
     differential(trap_while_others_in_flight("trap_fail_reload_in_flight", Some("FAIL_RELOAD")))
         .await;
 }
+
+/// StopIterationNoBuffer (3) from a body callback. The request headers name the answer to each
+/// data callback in turn (`x-mode`, e.g. `13`: StopIterationAndBuffer to the first chunk,
+/// StopIterationNoBuffer to the second, Continue after that; `x-resp-mode` the same for the
+/// response); the end of the stream continues. The client's chunks are 300 ms apart, so that
+/// each is one body callback.
+#[tokio::test(flavor = "multi_thread")]
+async fn body_answered_stop_iteration_no_buffer() {
+    let mut p = Plugin::new();
+    let (ev_qh, ev_b, ev_rb, mode, resp_mode) =
+        (p.ev("req_hdrs"), p.ev("req_body"), p.ev("resp_body"), p.s("x-mode"), p.s("x-resp-mode"));
+    let globals = ["mp", "ml", "calls", "rp", "rl", "rcalls"]
+        .iter()
+        .map(|g| format!("  (global ${g} (mut i32) (i32.const 0))\n"))
+        .collect::<String>();
+    let p = p
+        .extra(format!(
+            "{globals}{}
+  (func $answer (param $p i32) (param $l i32) (param $n i32) (result i32)
+    (if (result i32) (i32.le_u (local.get $n) (local.get $l))
+      (then (i32.sub (i32.load8_u (i32.add (local.get $p) (i32.sub (local.get $n) (i32.const 1)))) (i32.const 48)))
+      (else (i32.const 0))))
+",
+            header_value_fns()
+        ))
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{ev_qh} (call $ev_num (local.get $eos)) (call $ev_end)
+    (call $value_of {mode}) (global.set $mp (i32.load (i32.const 256))) (global.set $ml (i32.load (i32.const 260)))
+    (if (i32.eq (global.get $ml) (i32.const -1)) (then (global.set $ml (i32.const 0))))
+    (call $value_of {resp_mode}) (global.set $rp (i32.load (i32.const 256))) (global.set $rl (i32.load (i32.const 260)))
+    (if (i32.eq (global.get $rl) (i32.const -1)) (then (global.set $rl (i32.const 0))))
+    (global.set $calls (i32.const 0)) (global.set $rcalls (i32.const 0)) (i32.const 0)"
+            ),
+        )
+        .on(
+            "proxy_on_request_body",
+            format!(
+                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 0)) (call $ev_end)
+    (if (local.get $eos) (then (return (i32.const 0))))
+    (global.set $calls (i32.add (global.get $calls) (i32.const 1)))
+    (call $answer (global.get $mp) (global.get $ml) (global.get $calls))"
+            ),
+        )
+        .on(
+            "proxy_on_response_body",
+            format!(
+                "{ev_rb} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 1)) (call $ev_end)
+    (if (local.get $eos) (then (return (i32.const 0))))
+    (global.set $rcalls (i32.add (global.get $rcalls) (i32.const 1)))
+    (call $answer (global.get $rp) (global.get $rl) (global.get $rcalls))"
+            ),
+        );
+    let post = |path: &str, mode: &str| {
+        Step::Send {
+            method: "POST",
+            path: path.into(),
+            headers: vec![],
+            chunks: ["aaaaa", "bbbbb", "ccccc"].iter().map(|c| c.to_string()).collect(),
+            pause_ms: 300,
+        }
+        .header("x-mode", mode)
+    };
+    let steps = vec![
+        post("/first", "3"),
+        post("/first-two", "33"),
+        post("/last", "003"),
+        post("/after-buffer", "13"),
+        post("/after-watermark", "23"),
+        Step::get("/sse").header("x-resp-mode", "3"),
+        Step::get("/sse").header("x-resp-mode", "23"),
+    ];
+    differential(p.scenario("body_answered_stop_iteration_no_buffer").steps(steps)).await;
+}
