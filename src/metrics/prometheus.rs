@@ -4,7 +4,7 @@
 //! Why not a general parser: the plugin runs as wasm inside every gateway worker, must stay small,
 //! and reads each pod's `/metrics` (30–60 KiB, mostly histogram buckets) often. This reader walks the
 //! text once, looks only at the families it needs, and parses a value only when the name matches,
-//! so unrelated lines cost a few byte comparisons. It allocates only a small list per signal (one
+//! so unrelated lines cost a few byte comparisons. It allocates only a small map per signal (one
 //! entry per engine) and LoRA adapter names.
 //!
 //! Semantics:
@@ -26,6 +26,8 @@
 //!   new name wins so a pod is not counted twice.
 //! - `vllm:lora_requests_info`: the series whose value (a wall-clock timestamp) is the newest wins.
 //! - Unparsable lines are skipped, never an error: a partial body still yields what it contains.
+
+use std::collections::BTreeMap;
 
 /// LoRA state of a vLLM pod, from the labels of `vllm:lora_requests_info`.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -126,24 +128,23 @@ pub fn names_equal(a: &[u8], b: &[u8]) -> bool {
 
 /// One signal's value per engine (see the module notes): repeats of an engine's series from its
 /// shards count once, at their largest value.
+/// A map, not a list: a body with very many series (hostile, or a pod with many models) costs
+/// n log n, never n².
 #[derive(Default)]
 struct PerEngine {
-    values: Vec<(u64, f64)>,
+    values: BTreeMap<u64, f64>,
 }
 
 impl PerEngine {
     fn add(&mut self, engine: u64, v: f64) {
-        match self.values.iter_mut().find(|(e, _)| *e == engine) {
-            Some((_, seen)) => *seen = seen.max(v),
-            None => self.values.push((engine, v)),
-        }
+        self.values.entry(engine).and_modify(|seen| *seen = seen.max(v)).or_insert(v);
     }
 
     fn sum(&self) -> Option<f64> {
         if self.values.is_empty() {
             None
         } else {
-            Some(self.values.iter().map(|(_, v)| v).sum())
+            Some(self.values.values().sum())
         }
     }
 

@@ -147,3 +147,12 @@ fn hostile_input_never_panics_and_keeps_good_lines() {
     }
     assert_eq!(parse(b"", None), PodMetrics::default());
 }
+
+#[test]
+fn many_engines_are_each_counted() {
+    // 20 000 models on one pod (hostile or huge): each its own engine, summed, in one pass.
+    let body: String = (0..20_000)
+        .map(|i| format!("sglang:num_queue_reqs{{model_name=\"m{i}\",tp_rank=\"0\"}} 1\n"))
+        .collect();
+    assert_eq!(parse(body.as_bytes(), None).waiting, Some(20_000.0));
+}
