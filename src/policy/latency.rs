@@ -25,8 +25,11 @@ const MIN_SAMPLE_BYTES: u64 = 512;
 /// An average updated within this long is current: a new sample blends into it, and its
 /// slowness counts in full. Older, a new sample replaces it, and its slowness decays.
 const FRESH_NS: u64 = 30_000_000_000;
-/// Past [`FRESH_NS`], a pod's slowness above the fastest pod's halves this often.
-const SLOWNESS_HALF_LIFE_NS: u64 = 300_000_000_000;
+/// Past [`FRESH_NS`], a pod's slowness above the fastest pod's halves this often. Short enough
+/// that a pod whose last samples were slow only because it was busy then is not held off for
+/// long (its penalty is a quarter after 2.5 minutes), long enough that a slow pod is tried again
+/// only every few minutes.
+const SLOWNESS_HALF_LIFE_NS: u64 = 60_000_000_000;
 /// An average not updated for this long is dropped: its excess slowness has halved twelve times.
 const FORGET_NS: u64 = FRESH_NS + 12 * SLOWNESS_HALF_LIFE_NS;
 /// At most this many streams and pods are tracked per worker (bounded memory).
@@ -104,7 +107,7 @@ impl PodSpeed {
 
     fn sample(&mut self, pod: String, ns_per_byte: f64, now_ns: u64) {
         if !self.per_pod.contains_key(&pod) && self.per_pod.len() >= MAX_TRACKED {
-            self.per_pod.retain(|_, (_, at)| now_ns.saturating_sub(*at) < FRESH_NS);
+            self.per_pod.retain(|_, (_, at)| now_ns.saturating_sub(*at) < FORGET_NS);
             if self.per_pod.len() >= MAX_TRACKED {
                 return;
             }
