@@ -324,22 +324,28 @@ pub struct PluginConfig {
     pub failure_policy: FailurePolicy,
 }
 
-/// What happens after a plugin VM traps, as Envoy's `envoy.extensions.wasm.v3.FailurePolicy`.
-/// Under every policy, as in Envoy 1.40, the trapping stream and the worker's other streams that
-/// already have a context in that VM fail with it: their next filter callback answers 503
-/// `wasm_fail_stream` (a reset once the response headers went out), and one held waiting for the
-/// plugin (a callout, a tick) stays held, as the plugin's callbacks are not delivered any more.
-/// The policy decides what streams that start later get.
+/// What happens after a plugin VM traps, as Envoy 1.40 does it (conformance tests
+/// `a_trap_under_*_and_the_streams_in_flight`). The policy decides what the trapping stream, the
+/// worker's other streams that already have a context in that VM (in flight) and the streams
+/// that start later get. Under every policy a stream held waiting for the plugin (a callout, a
+/// tick) stays held, as the plugin's callbacks are not delivered any more, and no stream of the
+/// failed VM gets `on_log`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum FailurePolicy {
-    /// Envoy's default, and Higress's `failStrategy: FAIL_CLOSE`: the VM stays failed; every
-    /// later stream on that worker gets 503 `wasm_fail_stream`.
+    /// Envoy's default `failure_policy: FAIL_CLOSED`, and Higress's `failStrategy: FAIL_CLOSE`:
+    /// the VM stays failed; the trapping stream and the streams in flight fail at their next
+    /// filter callback (503 `wasm_fail_stream`, a reset once the response headers went out);
+    /// every later stream on that worker gets 503 `wasm_fail_stream`.
     #[default]
     FailClosed,
-    /// The VM stays failed; later streams go on without the plugin.
+    /// Modelled on Higress's `failStrategy: FAIL_OPEN`, which Higress's istio deploys as Envoy's
+    /// legacy `fail_open: true` (not `failure_policy`): the VM stays failed; the trapping
+    /// stream, the streams in flight and every later stream on that worker go on without the
+    /// plugin.
     FailOpen,
-    /// A new VM is started for the next stream.
+    /// Envoy's `failure_policy: FAIL_RELOAD`: the trapping stream and the streams in flight fail
+    /// as under `FailClosed`; a new VM is started for the next stream.
     FailReload,
 }
 

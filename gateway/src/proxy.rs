@@ -12,7 +12,7 @@
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
 use crate::body::{BodyError, GwBody, ReaderCaughtUp};
 use crate::cluster::Endpoint;
-use crate::config::ListenerTimers;
+use crate::config::{FailurePolicy, ListenerTimers};
 use crate::global::{Global, Shutdown};
 use crate::worker::Worker;
 use bytes::Bytes;
@@ -708,13 +708,20 @@ impl Drive {
 
     /// Call a stream callback. Ok(None) if there is no plugin; Err on a trap, and for every
     /// callback of a stream whose VM failed (a trap here or in another stream of this worker),
-    /// whatever the `failure_policy`: in Envoy 1.40 a stream that already has its plugin context
-    /// fails with it (503 `wasm_fail_stream`, a reset once the response headers went out); only
-    /// streams that start later see the policy (conformance tests
-    /// `a_trap_under_*_and_the_streams_in_flight`).
+    /// under FAIL_CLOSED, FAIL_RELOAD and the default: in Envoy 1.40 a stream that already has
+    /// its plugin context fails with it (503 `wasm_fail_stream`, a reset once the response
+    /// headers went out). Under FAIL_OPEN (Higress's `failStrategy: FAIL_OPEN`, which its istio
+    /// deploys as Envoy's legacy `fail_open: true`) such a callback answers Ok(None) instead:
+    /// the trapping stream and the streams in flight go on without the plugin. Either way a
+    /// stream held waiting for the plugin (a callout) stays held, as nothing calls it any more
+    /// (conformance tests `a_trap_under_*_and_the_streams_in_flight`).
     fn call(&mut self, name: &str, args: &[i32]) -> Result<Option<(i32, bool)>, ()> {
+        let fail = || match self.w.failure_policy() {
+            FailurePolicy::FailOpen => Ok(None),
+            FailurePolicy::FailClosed | FailurePolicy::FailReload => Err(()),
+        };
         if self.orphaned() {
-            return Err(());
+            return fail();
         }
         if !self.plugin() {
             return Ok(None);
@@ -723,7 +730,7 @@ impl Drive {
             Ok((r, l)) => Ok(Some((r.unwrap_or(0), l))),
             Err(_) => {
                 self.trapped = true;
-                Err(())
+                fail()
             }
         }
     }

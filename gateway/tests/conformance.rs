@@ -1524,6 +1524,9 @@ async fn a_trap_under_fail_closed_and_the_streams_in_flight() {
         .await;
 }
 
+/// Envoy runs with the legacy `fail_open: true` (no `failure_policy`), as Higress's istio deploys
+/// a WasmPlugin's `failStrategy: FAIL_OPEN`: the trapping stream and the streams in flight go on
+/// without the plugin, except the one paused on a callout, which stays held.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_trap_under_fail_open_and_the_streams_in_flight() {
     differential(trap_while_others_in_flight("trap_fail_open_in_flight", Some("FAIL_OPEN"))).await;

@@ -240,7 +240,8 @@ pub struct Scenario {
     /// in Higress, whose gateway pods set `ISTIO_META_HTTP10=1`; Envoy's own default is false.
     pub accept_http_10: bool,
     /// The plugin's `failure_policy` (FAIL_CLOSED, FAIL_OPEN, FAIL_RELOAD; set in both configs),
-    /// or None for each host's default.
+    /// or None for each host's default. FAIL_OPEN is rendered for Envoy as the legacy
+    /// `fail_open: true` (no `failure_policy`), as Higress does for `failStrategy: FAIL_OPEN`.
     pub failure_policy: Option<&'static str>,
     pub configuration: &'static str,
     pub steps: Vec<Step>,
@@ -574,10 +575,13 @@ static_resources:
 {clusters}"#,
         limit = sc.buffer_limit,
         stop = sc.stop_iteration,
-        policy = sc
-            .failure_policy
-            .map(|p| format!("\n                failure_policy: {p}"))
-            .unwrap_or_default(),
+        policy = match sc.failure_policy {
+            // What Higress deploys for a WasmPlugin's `failStrategy: FAIL_OPEN`: its istio sets
+            // the legacy `fail_open` field, not `failure_policy`.
+            Some("FAIL_OPEN") => "\n                fail_open: true".to_string(),
+            Some(p) => format!("\n                failure_policy: {p}"),
+            None => String::new(),
+        },
         http10 = sc.accept_http_10,
         wasm = wasm.display(),
     )
