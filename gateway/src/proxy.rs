@@ -494,6 +494,33 @@ enum Flow {
     Over,
 }
 
+/// How a data callback stopped the body (Envoy's `FilterDataStatus`, by the plugin's answer).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum DataStop {
+    /// Continue, or an answer that does not stop the data.
+    NotStopped,
+    /// StopIterationAndBuffer: Envoy's wasm filter adds the next data to the buffer (and checks
+    /// the limit) before it calls the plugin again.
+    Buffer,
+    /// StopIterationAndWatermark: past the buffer limit Envoy applies flow control (stops
+    /// reading) instead of a 413/500 local reply.
+    Watermark,
+    /// StopIterationNoBuffer: Envoy's filter manager neither passes that data on nor keeps it
+    /// (see `Drive::on_data`).
+    NoBuffer,
+}
+
+impl DataStop {
+    fn from_raw(raw: i32) -> DataStop {
+        match raw {
+            1 => DataStop::Buffer,
+            2 => DataStop::Watermark,
+            3 => DataStop::NoBuffer,
+            _ => DataStop::NotStopped,
+        }
+    }
+}
+
 struct Drive {
     w: Rc<Worker>,
     ctx: u32,
@@ -511,15 +538,8 @@ struct Drive {
     route_deadline: Option<tokio::time::Instant>,
     idle: StreamIdle,
     trapped: bool,
-    /// The last data callback answered StopIterationAndWatermark: past the buffer limit Envoy
-    /// applies flow control (stops reading) instead of a 413/500 local reply.
-    data_watermark: bool,
-    /// The last data callback answered StopIterationAndBuffer: Envoy's wasm filter adds the
-    /// next data to the buffer (and checks the limit) before it calls the plugin again.
-    data_buffering: bool,
-    /// The last data callback answered StopIterationNoBuffer: Envoy's filter manager neither
-    /// passes that data on nor keeps it (see `Drive::on_data`).
-    data_no_buffer: bool,
+    /// How the last data callback stopped the body, if it did.
+    data_stop: DataStop,
     /// Reports when hyper took every chunk sent to the client (see `abort_downstream`).
     down_caught_up: Option<Arc<ReaderCaughtUp>>,
     /// Bytes of the response's `content-length` not sent yet (see `flush_response`).
@@ -686,9 +706,7 @@ impl Drive {
             route_deadline: None,
             idle: StreamIdle::new(None),
             trapped: false,
-            data_watermark: false,
-            data_buffering: false,
-            data_no_buffer: false,
+            data_stop: DataStop::NotStopped,
             down_caught_up: None,
             down_owed: None,
             req_owed: None,
@@ -752,19 +770,12 @@ impl Drive {
 
     /// Returns true if the data callback said Continue.
     fn data_action(&mut self, name: &str, len: usize, eos: bool) -> Result<bool, ()> {
-        self.data_watermark = false;
-        self.data_buffering = false;
-        self.data_no_buffer = false;
+        self.data_stop = DataStop::NotStopped;
         match self.call(name, &[self.ctx as i32, len as i32, eos as i32])? {
             None => Ok(true),
             Some((_, true)) => Ok(false),
             Some((raw, false)) => {
-                // FilterDataStatus::StopIterationAndWatermark
-                self.data_watermark = raw == 2;
-                // FilterDataStatus::StopIterationAndBuffer
-                self.data_buffering = raw == 1;
-                // FilterDataStatus::StopIterationNoBuffer
-                self.data_no_buffer = raw == 3;
+                self.data_stop = DataStop::from_raw(raw);
                 Ok(raw == 0)
             }
         }
@@ -932,7 +943,9 @@ impl Drive {
             }
             let cont = std::mem::take(self.lock().continue_flag(dir));
             if cont {
-                self.data_buffering = false;
+                if self.data_stop == DataStop::Buffer {
+                    self.data_stop = DataStop::NotStopped;
+                }
                 if it.held {
                     it.held = false;
                     if let Err(f) = self.release_headers(dir, headers_eos) {
@@ -958,8 +971,10 @@ impl Drive {
                 let s = self.lock();
                 s.body_len(dir) > s.limit(dir)
             };
-            let flow_controlled =
-                dir == Dir::Request && it.data_stopped && self.data_watermark && over_limit;
+            let flow_controlled = dir == Dir::Request
+                && it.data_stopped
+                && self.data_stop == DataStop::Watermark
+                && over_limit;
             if (it.held || it.data_stopped) && over_limit && !flow_controlled {
                 return Flow::Local(payload_too_large(dir));
             }
@@ -1042,7 +1057,8 @@ impl Drive {
                             // data callback has returned (`executeLocalReplyIfPrepared`): the
                             // plugin sees the whole buffer, but whatever it answers, even
                             // Continue, the client gets 413.
-                            let crossed = it.data_stopped && self.data_buffering && over_limit;
+                            let crossed =
+                                it.data_stopped && self.data_stop == DataStop::Buffer && over_limit;
                             if dir == Dir::Response && crossed {
                                 return Flow::Local(payload_too_large(dir));
                             }
@@ -1092,23 +1108,24 @@ impl Drive {
             let from = *s.body_from(dir);
             s.body_len(dir).saturating_sub(from)
         };
-        let was_buffering = self.data_buffering;
+        let was_buffering = self.data_stop == DataStop::Buffer;
         let action = self.data_action(dir.body_callback(), len, eos);
         {
             let mut s = self.lock();
             let stopped = matches!(action, Ok(false));
-            if stopped && self.data_no_buffer && !was_buffering {
+            if stopped && self.data_stop == DataStop::NoBuffer && !was_buffering {
                 // StopIterationNoBuffer drops the data this callback was shown: the filter
                 // manager keeps only what earlier answers buffered (after a Buffer answer the
                 // new data is already in that buffer, and nothing is dropped).
                 let from = *s.body_from(dir);
                 s.body(dir).truncate(from);
             }
-            let held = if stopped && (self.data_watermark || self.data_no_buffer) {
-                s.body_len(dir)
-            } else {
-                0
-            };
+            let held =
+                if stopped && matches!(self.data_stop, DataStop::Watermark | DataStop::NoBuffer) {
+                    s.body_len(dir)
+                } else {
+                    0
+                };
             *s.body_from(dir) = held;
         }
         match action {
