@@ -159,6 +159,13 @@ pub enum Step {
     /// Sequences of steps run at the same time (e.g. a stream held while another one traps);
     /// their transcripts follow one another in this order.
     Parallel(Vec<Vec<Step>>),
+    /// A `Send` over HTTP/2 on a new cleartext connection with prior knowledge (what
+    /// `curl --http2-prior-knowledge` does): `:authority` is `conformance.test` and no `host`
+    /// header is sent unless the step names one. A step header `:authority` sets it instead;
+    /// an empty one sends none (only `:method`, `:scheme` http and `:path`). Each chunk is one DATA frame; a body of one
+    /// chunk ends the stream with it (END_STREAM on that frame), a body of several chunks ends
+    /// with an empty DATA frame carrying END_STREAM.
+    Http2(Box<Step>),
 }
 
 impl Step {
@@ -181,10 +188,18 @@ impl Step {
         }
     }
     pub fn header(mut self, k: &'static str, v: &str) -> Step {
-        if let Step::Send { headers, .. } = &mut self {
-            headers.push((k, v.to_string()));
+        match &mut self {
+            Step::Send { headers, .. } => headers.push((k, v.to_string())),
+            Step::Http2(inner) => {
+                **inner = std::mem::replace(&mut **inner, Step::Sleep(0)).header(k, v)
+            }
+            _ => {}
         }
         self
+    }
+    /// This `Send` over HTTP/2 with prior knowledge (see [`Step::Http2`]).
+    pub fn h2(self) -> Step {
+        Step::Http2(Box::new(self))
     }
 }
 
@@ -546,8 +561,9 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: main
-          codec_type: HTTP1
+          codec_type: AUTO
           http_protocol_options: {{accept_http_10: {http10}}}
+          http2_protocol_options: {{max_concurrent_streams: 100, initial_stream_window_size: 65535, initial_connection_window_size: 1048576}}
           route_config:
             name: local
             virtual_hosts:
@@ -641,6 +657,15 @@ async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<St
 async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<String>) {
     match step {
         Step::Parallel(_) => out.push("nested Parallel".into()),
+        Step::Http2(inner) => match &**inner {
+            Step::Send { method, path, headers, chunks, pause_ms } => {
+                out.push(format!("{method} {path} (h2)"));
+                out.extend(
+                    h2_exchange(addr, method, path, headers, chunks, *pause_ms, names).await,
+                );
+            }
+            _ => out.push("Http2 of a step that is not a Send".into()),
+        },
         Step::Send { method, path, headers, chunks, pause_ms } => {
             let mut b = hyper::Request::builder()
                 .method(*method)
@@ -710,6 +735,104 @@ async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<Str
     }
 }
 
+/// One request over HTTP/2 with prior knowledge on a new connection; the response as transcript
+/// lines (as for `Step::Send`).
+async fn h2_exchange(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&'static str, String)],
+    chunks: &[String],
+    pause_ms: u64,
+    names: &Names,
+) -> Vec<String> {
+    let Ok(tcp) = tokio::net::TcpStream::connect(addr).await else {
+        return vec!["connect failed".into()];
+    };
+    let io = hyper_util::rt::TokioIo::new(tcp);
+    let exec = hyper_util::rt::TokioExecutor::new();
+    let Ok((mut send, conn)) = hyper::client::conn::http2::handshake(exec, io).await else {
+        return vec!["h2 handshake failed".into()];
+    };
+    tokio::spawn(conn);
+    let authority = headers.iter().find(|(k, _)| *k == ":authority").map(|(_, v)| v.as_str());
+    let mut b = match authority.unwrap_or("conformance.test") {
+        "" => {
+            // The h2 crate sends a relative target without `:authority` (with `:scheme` http)
+            // only for a request marked HTTP/1.1, as when forwarding one.
+            hyper::Request::builder().uri(path).version(hyper::Version::HTTP_11)
+        }
+        a => hyper::Request::builder()
+            .uri(format!("http://{a}{path}"))
+            .version(hyper::Version::HTTP_2),
+    }
+    .method(method);
+    for (k, v) in headers.iter().filter(|(k, _)| !k.starts_with(':')) {
+        b = b.header(*k, v.as_str());
+    }
+    let body = match chunks {
+        [] => GwBody::full(Bytes::new()),
+        [one] => GwBody::full(Bytes::from(one.clone())),
+        more => {
+            let (tx, body) = GwBody::channel();
+            let chunks = more.to_vec();
+            let pause = Duration::from_millis(pause_ms);
+            tokio::spawn(async move {
+                for c in chunks {
+                    if tx.send(Ok(Bytes::from(c))).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(pause).await;
+                }
+            });
+            body
+        }
+    };
+    let Ok(req) = b.body(body) else { return vec!["bad request".into()] };
+    let mut out = Vec::new();
+    match tokio::time::timeout(Duration::from_secs(10), send.send_request(req)).await {
+        Err(_) => out.push("timeout".into()),
+        Ok(Err(e)) => out.push(format!("reset{}", h2_reason(&e))),
+        Ok(Ok(resp)) => {
+            out.push(format!("status {}", resp.status().as_u16()));
+            out.extend(header_lines(resp.headers(), names));
+            let body = resp.into_body().collect();
+            match tokio::time::timeout(Duration::from_secs(5), body).await {
+                Ok(Ok(b)) => out.push(format!(
+                    "body {:?}",
+                    names.apply(&String::from_utf8_lossy(&b.to_bytes()))
+                )),
+                Ok(Err(e)) => out.push(format!("body reset{}", h2_reason(&e))),
+                Err(_) => out.push("body timeout".into()),
+            }
+        }
+    }
+    out
+}
+
+/// Why an HTTP/2 exchange failed: the frame and error code of a reset (" (RST_STREAM
+/// NO_ERROR)", " (GOAWAY PROTOCOL_ERROR)"), or " (connection lost)" when the connection broke
+/// under it (a TCP reset or close: which of the two the client notices first is timing).
+fn h2_reason(e: &hyper::Error) -> String {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = src {
+        if let Some(h) = s.downcast_ref::<h2::Error>() {
+            let kind = if h.is_go_away() { "GOAWAY" } else { "RST_STREAM" };
+            let local = if h.is_remote() { "" } else { ", local" };
+            return match h.reason() {
+                Some(r) => format!(" ({kind} {r:?}{local})"),
+                None if h.is_io() => " (connection lost)".into(),
+                None => format!(" ({h})"),
+            };
+        }
+        if s.downcast_ref::<std::io::Error>().is_some() {
+            return " (connection lost)".into();
+        }
+        src = s.source();
+    }
+    format!(" ({e})")
+}
+
 /// Send `bytes` on a new connection and read for `hold_ms` (or until the proxy closes it);
 /// the response as transcript lines.
 async fn raw_exchange(addr: SocketAddr, bytes: &str, hold_ms: u64, names: &Names) -> Vec<String> {
@@ -753,6 +876,9 @@ fn with_addresses(step: &Step, ups: &[Upstream]) -> Step {
         for s in seqs.iter_mut().flatten() {
             *s = with_addresses(s, ups);
         }
+    }
+    if let Step::Http2(inner) = &mut step {
+        **inner = with_addresses(inner, ups);
     }
     if let Step::Send { headers, .. } = &mut step {
         for (_, v) in headers.iter_mut() {
