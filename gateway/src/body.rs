@@ -126,12 +126,29 @@ impl Body for GwBody {
     }
 }
 
-/// Build an HTTP client for one worker.
+/// Build an HTTP client (it adds a `host` header from the URI when the request has none).
 pub fn client(connect_timeout: std::time::Duration) -> HttpClient {
+    builder().build(connector(connect_timeout))
+}
+
+/// The worker's client for upstream requests and callouts: a request goes out with the `host`
+/// the stream's `:authority` gives it, and without one when the plugin removed `:authority`,
+/// as Envoy sends it (`host_is_the_authority_in_the_request_header_map`).
+pub fn upstream_client(connect_timeout: std::time::Duration) -> HttpClient {
+    builder().set_host(false).build(connector(connect_timeout))
+}
+
+fn connector(
+    connect_timeout: std::time::Duration,
+) -> hyper_util::client::legacy::connect::HttpConnector {
     let mut conn = hyper_util::client::legacy::connect::HttpConnector::new();
     conn.set_connect_timeout(Some(connect_timeout));
     conn.set_nodelay(true);
-    hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .pool_idle_timeout(std::time::Duration::from_secs(30))
-        .build(conn)
+    conn
+}
+
+fn builder() -> hyper_util::client::legacy::Builder {
+    let mut b = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
+    b.pool_idle_timeout(std::time::Duration::from_secs(30));
+    b
 }

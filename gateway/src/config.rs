@@ -68,6 +68,66 @@ pub struct ListenerConfig {
     /// request gets 426 Upgrade Required before any filter runs.
     #[serde(default = "default_accept_http_10")]
     pub accept_http_10: bool,
+    /// HTTP/2 over cleartext with prior knowledge, which the listener serves next to HTTP/1
+    /// (Envoy's HCM `codec_type: AUTO`, as Higress configures its listeners): Envoy's
+    /// `http2_protocol_options` with Higress's `downstream.http2` defaults.
+    #[serde(default)]
+    pub http2: Http2Config,
+}
+
+/// A listener's HTTP/2 settings (Envoy's `http2_protocol_options`). The defaults are Higress's
+/// helm `downstream.http2` values, not Envoy's own (100 streams, not 2^31 - 1; a 64 KiB stream
+/// window, not 256 MiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Http2Config {
+    /// Streams a client may have open at once on one connection (SETTINGS_MAX_CONCURRENT_STREAMS).
+    #[serde(default = "default_h2_max_concurrent_streams")]
+    pub max_concurrent_streams: u32,
+    /// The stream flow-control window (SETTINGS_INITIAL_WINDOW_SIZE). Envoy also makes it the
+    /// buffer limit of every HTTP/2 stream in place of `per_connection_buffer_limit_bytes`:
+    /// a body held past it gets 413 (conformance test `http2_held_body_and_the_buffer_limit`).
+    #[serde(default = "default_h2_initial_stream_window_size")]
+    pub initial_stream_window_size: u32,
+    /// The connection flow-control window.
+    #[serde(default = "default_h2_initial_connection_window_size")]
+    pub initial_connection_window_size: u32,
+}
+
+impl Default for Http2Config {
+    fn default() -> Self {
+        Http2Config {
+            max_concurrent_streams: default_h2_max_concurrent_streams(),
+            initial_stream_window_size: default_h2_initial_stream_window_size(),
+            initial_connection_window_size: default_h2_initial_connection_window_size(),
+        }
+    }
+}
+
+fn default_h2_max_concurrent_streams() -> u32 {
+    100
+}
+fn default_h2_initial_stream_window_size() -> u32 {
+    65535
+}
+fn default_h2_initial_connection_window_size() -> u32 {
+    1_048_576
+}
+
+impl Http2Config {
+    /// The ranges Envoy accepts for these fields (its config is refused outside them).
+    fn check(&self, listener: &str) -> anyhow::Result<()> {
+        const MAX: u32 = (1 << 31) - 1;
+        let in_range = |what: &str, v: u32, lo: u32| {
+            if v < lo || v > MAX {
+                anyhow::bail!("listener {listener}: http2.{what} {v} is not in {lo}..={MAX}");
+            }
+            Ok(())
+        };
+        in_range("max_concurrent_streams", self.max_concurrent_streams, 1)?;
+        in_range("initial_stream_window_size", self.initial_stream_window_size, 65535)?;
+        in_range("initial_connection_window_size", self.initial_connection_window_size, 65535)
+    }
 }
 
 fn default_accept_http_10() -> bool {
@@ -370,6 +430,9 @@ impl Config {
     /// Parse YAML text and check references.
     pub fn parse(text: &str) -> anyhow::Result<Config> {
         let cfg: Config = serde_yaml::from_str(text)?;
+        for l in &cfg.listeners {
+            l.http2.check(&l.name)?;
+        }
         for r in &cfg.routes {
             if r.cluster.is_none() && r.cluster_header.is_none() {
                 anyhow::bail!("route {} needs `cluster` or `cluster_header`", r.name);

@@ -133,7 +133,12 @@ fn bind_listeners(cfg: &config::Config) -> anyhow::Result<Vec<Listener>> {
         listeners.push((
             l.name.clone(),
             sock,
-            (l.per_connection_buffer_limit_bytes as usize, l.timers(), l.accept_http_10),
+            proxy::ListenerOpts {
+                buffer_limit: l.per_connection_buffer_limit_bytes as usize,
+                timers: l.timers(),
+                accept_http_10: l.accept_http_10,
+                http2: l.http2,
+            },
         ));
     }
     Ok(listeners)
@@ -154,8 +159,8 @@ fn announce(listeners: &[Listener], admin: Option<&std::net::TcpListener>) -> an
     Ok(())
 }
 
-/// A listening socket with its per-connection buffer limit and timers.
-type Listener = (String, std::net::TcpListener, (usize, config::ListenerTimers, bool));
+/// A listening socket with what its connections are served with.
+type Listener = (String, std::net::TcpListener, proxy::ListenerOpts);
 
 /// Starts one thread per worker (each with its own runtime, plugin VM and a clone of every
 /// listening socket), plus one for the main thread's plugin VM, and waits until every VM is
@@ -182,7 +187,7 @@ fn start_workers(
         let g = g.clone();
         let plugin = plugin.cloned();
         let events_tx = senders[idx].clone();
-        let socks: Vec<(std::net::TcpListener, (usize, config::ListenerTimers, bool))> = listeners
+        let socks: Vec<(std::net::TcpListener, proxy::ListenerOpts)> = listeners
             .iter()
             .filter(|_| main_vm != Some(idx))
             .filter_map(|(_, s, opts)| s.try_clone().ok().map(|s| (s, *opts)))
@@ -207,7 +212,7 @@ fn start_workers(
                         return;
                     }
                 };
-                for (s, (buffer_limit, timers, accept_http_10)) in socks {
+                for (s, opts) in socks {
                     let l = match tokio::net::TcpListener::from_std(s) {
                         Ok(l) => l,
                         Err(e) => {
@@ -233,9 +238,7 @@ fn start_workers(
                                         stream,
                                         peer,
                                         local_addr,
-                                        buffer_limit,
-                                        timers,
-                                        accept_http_10,
+                                        opts,
                                     ));
                                 }
                                 Err(e) => {

@@ -12,7 +12,7 @@
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
 use crate::body::{BodyError, GwBody, ReaderCaughtUp};
 use crate::cluster::Endpoint;
-use crate::config::{FailurePolicy, ListenerTimers};
+use crate::config::{FailurePolicy, Http2Config, ListenerTimers};
 use crate::global::{Global, Shutdown};
 use crate::worker::Worker;
 use bytes::Bytes;
@@ -48,6 +48,8 @@ struct ConnStreams {
     /// When the last stream ended (or the connection opened).
     idle_since: std::cell::Cell<Option<tokio::time::Instant>>,
     changed: tokio::sync::Notify,
+    /// The connection is to be reset (closed at once, with a TCP RST).
+    reset: std::cell::Cell<bool>,
 }
 
 /// One stream in flight on a connection (ends when dropped, after the plugin's on_delete).
@@ -78,37 +80,95 @@ impl Drop for ConnStream {
     }
 }
 
-/// Serve one downstream connection on this worker.
+/// What a listener's connections are served with.
+#[derive(Debug, Clone, Copy)]
+pub struct ListenerOpts {
+    /// `per_connection_buffer_limit_bytes`: the buffer limit of every HTTP/1 stream.
+    pub buffer_limit: usize,
+    pub timers: ListenerTimers,
+    pub accept_http_10: bool,
+    /// HTTP/2 settings; `initial_stream_window_size` is also every HTTP/2 stream's buffer limit.
+    pub http2: Http2Config,
+}
+
+/// Envoy's HTTP connection manager with `codec_type: AUTO` (as Higress configures its
+/// listeners) picks the codec from the connection's first read: HTTP/2 when it starts with the
+/// first 12 bytes of the client preface (`PRI * HTTP/2`), else HTTP/1. A preface split across
+/// reads goes to HTTP/1 there too.
+const H2_PREFACE_START: &[u8] = b"PRI * HTTP/2";
+
+/// Runs the futures hyper's HTTP/2 server spawns (its streams) on this worker's `LocalSet`: the
+/// services hold the worker (`Rc`), so they cannot move to another thread.
+#[derive(Clone, Copy)]
+struct LocalExec;
+
+impl<F> hyper::rt::Executor<F> for LocalExec
+where
+    F: Future + 'static,
+{
+    fn execute(&self, fut: F) {
+        tokio::task::spawn_local(fut);
+    }
+}
+
+/// Serve one downstream connection on this worker: HTTP/1.x, or HTTP/2 with prior knowledge.
 pub async fn serve_connection(
     w: Rc<Worker>,
-    stream: tokio::net::TcpStream,
+    mut stream: tokio::net::TcpStream,
     peer: SocketAddr,
     local: SocketAddr,
-    buffer_limit: usize,
-    timers: ListenerTimers,
-    accept_http_10: bool,
+    opts: ListenerOpts,
 ) {
     let _ = stream.set_nodelay(true);
     let conn_id = w.next_connection_id();
     let shutdown = w.g.shutdown.clone();
     let streams = Rc::new(ConnStreams::default());
     streams.idle_since.set(Some(tokio::time::Instant::now()));
-    let conn_streams = streams.clone();
+    let mut stop = shutdown.subscribe();
+    // The first read picks the codec. Until it comes the connection is idle: the idle timeout
+    // and a drain close it (as they close an idle HTTP/1 connection).
+    let first = {
+        let mut buf = vec![0u8; 16 * 1024];
+        let idle_at = streams.idle_deadline(opts.timers.idle);
+        tokio::select! {
+            r = tokio::io::AsyncReadExt::read(&mut stream, &mut buf) => match r {
+                Ok(n) if n > 0 => {
+                    buf.truncate(n);
+                    Bytes::from(buf)
+                }
+                _ => return,
+            },
+            _ = deadline_passed(idle_at) => return,
+            _ = stopping(&mut stop) => return,
+        }
+    };
+    let h2 = first.starts_with(H2_PREFACE_START);
     let refused_http10 = Rc::new(std::cell::Cell::new(false));
+    let conn_streams = streams.clone();
     let refused = refused_http10.clone();
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let w = w.clone();
         let in_flight = conn_streams.enter();
         let refused = refused.clone();
+        let streams = conn_streams.clone();
         async move {
+            if h2 && req.uri().authority().is_none() && !req.headers().contains_key("host") {
+                // An HTTP/2 request with neither `:authority` nor `host`: Envoy 1.40's HTTP/2
+                // codec resets the whole connection; no stream, no plugin context
+                // (conformance test `http2_downstream_with_prior_knowledge`).
+                drop(in_flight);
+                streams.reset.set(true);
+                streams.changed.notify_one();
+                return std::future::pending().await;
+            }
             let http10 = req.version() == hyper::Version::HTTP_10;
             let keep_alive = http10 && has_token(req.headers(), "connection", "keep-alive");
-            let refusal = refusal_before_filters(&req, accept_http_10);
-            let close = refusal.is_some() || (http10 && !keep_alive);
+            let refusal = refusal_before_filters(&req, opts.accept_http_10);
+            // (HTTP/2 has no `connection` header: the stream ends, the connection stays.)
+            let close = !h2 && (refusal.is_some() || (http10 && !keep_alive));
             let low_version = refusal.as_ref().is_some_and(|r| r.status == 426);
-            let mut resp =
-                handle(w, req, peer, local, conn_id, buffer_limit, timers, refusal, in_flight)
-                    .await;
+            let conn = ConnInfo { peer, local, id: conn_id };
+            let mut resp = handle(w, req, conn, opts, refusal, in_flight).await;
             // Envoy's HTTP/1 codec: `connection: close` on a response to an HTTP/1.0 request
             // without keep-alive and on these refusals (the connection closes after it).
             if close {
@@ -125,25 +185,74 @@ pub async fn serve_connection(
             Ok::<_, std::convert::Infallible>(resp)
         }
     });
-    let io = hyper_util::rt::TokioIo::new(DownstreamIo { inner: stream, refused_http10 });
-    // Hyper's header-read timeout only runs with a timer; without one it is silently off.
-    let conn = hyper::server::conn::http1::Builder::new()
-        .keep_alive(true)
-        .timer(hyper_util::rt::TokioTimer::new())
-        .header_read_timeout(timers.headers)
-        .serve_connection(io, svc);
+    let io = hyper_util::rt::TokioIo::new(DownstreamIo {
+        inner: stream,
+        first,
+        refused_http10,
+        streams: streams.clone(),
+    });
+    if h2 {
+        let h = opts.http2;
+        let conn = hyper::server::conn::http2::Builder::new(LocalExec)
+            .timer(hyper_util::rt::TokioTimer::new())
+            .max_concurrent_streams(h.max_concurrent_streams)
+            .initial_stream_window_size(h.initial_stream_window_size)
+            .initial_connection_window_size(h.initial_connection_window_size)
+            .serve_connection(io, svc);
+        drive_connection(conn, |c| c.graceful_shutdown(), &streams, opts.timers, true, stop).await;
+    } else {
+        // Hyper's header-read timeout only runs with a timer; without one it is silently off.
+        let conn = hyper::server::conn::http1::Builder::new()
+            .keep_alive(true)
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(opts.timers.headers)
+            .serve_connection(io, svc);
+        drive_connection(conn, |c| c.graceful_shutdown(), &streams, opts.timers, false, stop).await;
+    }
+}
+
+/// Resolves when a drain or a cut starts (never, once no stop can come any more).
+async fn stopping(stop: &mut tokio::sync::watch::Receiver<Shutdown>) {
+    if stop.wait_for(|s| *s != Shutdown::Running).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Drives a served connection (`graceful` starts its graceful close) to its end, with the
+/// connection idle timeout and the gateway's drain.
+async fn drive_connection<C>(
+    conn: C,
+    graceful: impl Fn(Pin<&mut C>),
+    streams: &ConnStreams,
+    timers: ListenerTimers,
+    h2: bool,
+    mut stop: tokio::sync::watch::Receiver<Shutdown>,
+) where
+    C: Future<Output = hyper::Result<()>>,
+{
     tokio::pin!(conn);
-    let mut stop = shutdown.subscribe();
+    // A graceful close was started: the connection ends once its streams have.
+    let mut closing = false;
     loop {
-        let idle_at = streams.idle_deadline(timers.idle);
+        let idle_at = if closing { None } else { streams.idle_deadline(timers.idle) };
         tokio::select! {
-            // Envoy's connection idle timeout: no stream for `idle_timeout_ms`; an HTTP/1
-            // connection is closed at once.
-            _ = async { match idle_at { Some(t) => tokio::time::sleep_until(t).await, None => std::future::pending().await } } => {
+            // Envoy's connection idle timeout: no stream for `idle_timeout_ms`. An HTTP/1
+            // connection is closed at once; on HTTP/2 Envoy starts its drain sequence (GOAWAY),
+            // as hyper's graceful close does.
+            _ = deadline_passed(idle_at) => {
                 tracing::debug!("downstream connection idle timeout");
-                return;
+                if !h2 {
+                    return;
+                }
+                closing = true;
+                graceful(conn.as_mut());
             }
-            _ = streams.changed.notified() => {}
+            _ = streams.changed.notified() => {
+                if streams.reset.get() {
+                    tracing::debug!("downstream connection reset");
+                    return;
+                }
+            }
             r = conn.as_mut() => {
                 if let Err(e) = r {
                     tracing::debug!("downstream connection error: {e}");
@@ -160,8 +269,14 @@ pub async fn serve_connection(
                 }
                 let now = *stop.borrow_and_update();
                 match now {
-                    // Finish the request in flight, then close (an idle connection closes now).
-                    Shutdown::Draining => conn.as_mut().graceful_shutdown(),
+                    // Finish the requests in flight, then close (an idle connection closes
+                    // now; HTTP/2 gets a GOAWAY).
+                    Shutdown::Draining => {
+                        if !closing {
+                            closing = true;
+                            graceful(conn.as_mut());
+                        }
+                    }
                     // Dropping the connection ends its streams as a client abort would: the
                     // plugin's on_log/on_done/on_delete still run.
                     Shutdown::Cut => return,
@@ -203,7 +318,21 @@ fn refusal_before_filters(req: &Request<Incoming>, accept_http_10: bool) -> Opti
 /// (the same length; the connection closes after it).
 struct DownstreamIo {
     inner: tokio::net::TcpStream,
+    /// What the first read took (to pick the codec), read again first.
+    first: Bytes,
     refused_http10: Rc<std::cell::Cell<bool>>,
+    /// The connection's streams; `reset` makes dropping the socket an abortive close.
+    streams: Rc<ConnStreams>,
+}
+
+impl Drop for DownstreamIo {
+    fn drop(&mut self) {
+        if self.streams.reset.get() {
+            // SO_LINGER 0: the close sends a TCP RST instead of a FIN, as Envoy's reset of
+            // the connection does.
+            let _ = self.inner.set_zero_linger();
+        }
+    }
 }
 
 impl DownstreamIo {
@@ -224,6 +353,12 @@ impl tokio::io::AsyncRead for DownstreamIo {
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
+        if !self.first.is_empty() {
+            let n = self.first.len().min(buf.remaining());
+            let head = self.first.split_to(n);
+            buf.put_slice(&head);
+            return std::task::Poll::Ready(Ok(()));
+        }
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
@@ -268,22 +403,26 @@ impl tokio::io::AsyncWrite for DownstreamIo {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The downstream connection a stream came on.
+#[derive(Debug, Clone, Copy)]
+struct ConnInfo {
+    peer: SocketAddr,
+    local: SocketAddr,
+    id: u64,
+}
+
 async fn handle(
     w: Rc<Worker>,
     req: Request<Incoming>,
-    peer: SocketAddr,
-    local: SocketAddr,
-    conn_id: u64,
-    buffer_limit: usize,
-    timers: ListenerTimers,
+    conn: ConnInfo,
+    opts: ListenerOpts,
     refusal: Option<LocalReply>,
     in_flight: ConnStream,
 ) -> Response<GwBody> {
     let (tx, rx) = oneshot::channel();
     tokio::task::spawn_local(async move {
-        let mut d = Drive::new(w, &req, peer, local, conn_id, buffer_limit, tx);
-        d.idle = StreamIdle::new(timers.stream_idle);
+        let mut d = Drive::new(w, &req, conn, opts, tx);
+        d.idle = StreamIdle::new(opts.timers.stream_idle);
         d.refusal = refusal;
         d.run(req).await;
         drop(in_flight);
@@ -549,6 +688,10 @@ struct Drive {
     /// Answered by the connection manager before the filter's first callback (see
     /// `refusal_before_filters`).
     refusal: Option<LocalReply>,
+    /// The downstream stream is HTTP/2.
+    h2: bool,
+    /// The whole request came from the client (its end of stream was read).
+    req_done: bool,
     /// Counts this stream in [`Global::live_streams`] until it is dropped (after `finish`).
     _live: LiveStream,
 }
@@ -616,31 +759,38 @@ impl Drive {
     fn new(
         w: Rc<Worker>,
         req: &Request<Incoming>,
-        peer: SocketAddr,
-        local_addr: SocketAddr,
-        conn_id: u64,
-        buffer_limit: usize,
+        conn: ConnInfo,
+        opts: ListenerOpts,
         resp_tx: oneshot::Sender<Response<GwBody>>,
     ) -> Drive {
         w.g.stats.requests_total.fetch_add(1, Ordering::Relaxed);
-        let authority = req
-            .headers()
-            .get("host")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-            .or_else(|| req.uri().authority().map(|a| a.to_string()))
-            .unwrap_or_default();
+        let h2 = req.version() == hyper::Version::HTTP_2;
+        let host = req.headers().get("host").and_then(|v| v.to_str().ok()).map(str::to_string);
+        let uri_authority = req.uri().authority().map(|a| a.to_string());
+        // Envoy's header maps keep `host` as `:authority` (a lookup of `host` finds it). Over
+        // HTTP/1 it is the `Host` header (an absolute-form target's authority without one). Over
+        // HTTP/2 it is `:authority`; Envoy 1.40's HTTP/2 codec discards a `host` header sent
+        // next to it, and takes `host` when `:authority` is missing (conformance test
+        // `http2_downstream_with_prior_knowledge`).
+        let authority =
+            if h2 { uri_authority.or(host) } else { host.or(uri_authority) }.unwrap_or_default();
         let path = req
             .uri()
             .path_and_query()
             .map(|p| p.as_str().to_string())
             .unwrap_or_else(|| "/".into());
         let method = req.method().as_str().to_string();
+        // HTTP/1 has no scheme on the wire: Envoy sets the connection's (`http`, no TLS here).
+        // An HTTP/2 client sends `:scheme`, which Envoy keeps.
+        let scheme = match req.uri().scheme_str() {
+            Some(s) if h2 => s.to_string(),
+            _ => "http".to_string(),
+        };
         let mut headers: HeaderMap = vec![
             (":authority".into(), authority.clone().into_bytes()),
             (":path".into(), path.clone().into_bytes()),
             (":method".into(), method.clone().into_bytes()),
-            (":scheme".into(), b"http".to_vec()),
+            (":scheme".into(), scheme.clone().into_bytes()),
         ];
         for (k, v) in req.headers() {
             if k == "host" {
@@ -661,17 +811,27 @@ impl Drive {
             path: path.clone(),
             method,
             host: authority.clone(),
-            scheme: "http".into(),
+            scheme,
             id,
-            protocol: format!("{:?}", req.version()),
+            // Envoy's protocol names (`Http::Utility::getProtocolString`).
+            protocol: match req.version() {
+                hyper::Version::HTTP_10 => "HTTP/1.0",
+                hyper::Version::HTTP_2 => "HTTP/2",
+                _ => "HTTP/1.1",
+            }
+            .into(),
             time: std::time::SystemTime::now(),
-            source: peer,
-            destination: local_addr,
-            connection_id: conn_id,
+            source: conn.peer,
+            destination: conn.local,
+            connection_id: conn.id,
         };
         let ctx = w.new_ctx_id();
         let mut st = StreamState::new(ctx, headers, info);
-        // Envoy gives every stream its downstream connection's buffer limit, both directions.
+        // Envoy gives every stream its codec stream's buffer limit, both directions: on HTTP/1
+        // the connection's (`per_connection_buffer_limit_bytes`), on HTTP/2 the stream window
+        // (`initial_stream_window_size`; conformance test `http2_held_body_and_the_buffer_limit`).
+        let buffer_limit =
+            if h2 { opts.http2.initial_stream_window_size as usize } else { opts.buffer_limit };
         st.decoder_limit = buffer_limit;
         st.encoder_limit = buffer_limit;
         let route = match_route(&w.g.routes, &path, &authority);
@@ -711,6 +871,8 @@ impl Drive {
             down_owed: None,
             req_owed: None,
             refusal: None,
+            h2,
+            req_done: false,
             _live: live,
         }
     }
@@ -783,6 +945,10 @@ impl Drive {
 
     async fn run(mut self, req: Request<Incoming>) {
         let (_parts, body) = req.into_parts();
+        {
+            use hyper::body::Body;
+            self.req_done = body.is_end_stream();
+        }
         let mut via_filter = true;
         let failed = self.w.fails_streams()
             || (self.plugin()
@@ -1030,6 +1196,7 @@ impl Drive {
                         None => {
                             it.body = None;
                             it.body_done = true;
+                            self.req_done |= dir == Dir::Request;
                             if !(it.wedged || it.held && it.stop_all) {
                                 if let Err(f) = self.on_data(dir, &mut it, true) {
                                     return f;
@@ -1041,6 +1208,17 @@ impl Drive {
                             // Trailers are not passed to the filter (this host has no
                             // trailer callbacks).
                             let Ok(data) = frame.into_data() else { continue };
+                            // An HTTP/2 DATA frame with END_STREAM: Envoy's HTTP/2 codec gives
+                            // the filter its data and the end in one callback (HTTP/1 reports
+                            // the end on its own, below). Responses come from HTTP/1 upstreams.
+                            let eos = dir == Dir::Request
+                                && self.h2
+                                && it.body.as_ref().is_some_and(|b| b.is_end_stream());
+                            if eos {
+                                it.body = None;
+                                it.body_done = true;
+                                self.req_done = true;
+                            }
                             let over_limit = {
                                 let mut s = self.lock();
                                 s.body(dir).extend_from_slice(&data);
@@ -1063,7 +1241,7 @@ impl Drive {
                                 return Flow::Local(payload_too_large(dir));
                             }
                             if !(it.wedged || it.held && it.stop_all) {
-                                if let Err(f) = self.on_data(dir, &mut it, false) {
+                                if let Err(f) = self.on_data(dir, &mut it, eos) {
                                     return f;
                                 }
                             }
@@ -1438,6 +1616,7 @@ impl Drive {
                 resp.headers_mut().insert(UPSTREAM_HOST_HEADER, v);
             }
         }
+        self.close_if_request_unfinished(&mut resp);
         self.down = tx;
         match self.resp_tx.take() {
             Some(t) => t.send(resp).is_ok(),
@@ -1530,8 +1709,20 @@ impl Drive {
                 resp.headers_mut().append(n, v);
             }
         }
+        self.close_if_request_unfinished(&mut resp);
         if let Some(t) = self.resp_tx.take() {
             let _ = t.send(resp);
+        }
+    }
+
+    /// A response that starts before the whole request came: Envoy's HTTP/1 connection manager
+    /// will not wait for the rest of the request, so it answers with `connection: close` and
+    /// closes the connection after the response (HTTP/2 resets the stream instead, which hyper's
+    /// HTTP/2 server does with NO_ERROR once the response ended).
+    fn close_if_request_unfinished(&self, resp: &mut Response<GwBody>) {
+        if !self.h2 && !self.req_done {
+            resp.headers_mut()
+                .insert("connection", hyper::header::HeaderValue::from_static("close"));
         }
     }
 }

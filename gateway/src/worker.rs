@@ -191,7 +191,7 @@ impl Worker {
     ) -> anyhow::Result<Worker> {
         let w = Worker {
             idx,
-            client: crate::body::client(std::time::Duration::from_secs(5)),
+            client: crate::body::upstream_client(std::time::Duration::from_secs(5)),
             g,
             vm: RefCell::new(None),
             gen: Cell::new(0),

@@ -1617,3 +1617,136 @@ async fn body_answered_stop_iteration_no_buffer() {
     ];
     differential(p.scenario("body_answered_stop_iteration_no_buffer").steps(steps)).await;
 }
+
+/// HTTP/2 over cleartext with prior knowledge (`curl --http2-prior-knowledge`), which Higress's
+/// listeners accept (HTTP connection manager `codec_type: AUTO`, Higress's `downstream.http2`
+/// settings): the request headers the plugin sees (`:authority`, `host`, `:scheme`, ...) and the
+/// properties `request.protocol`, `request.host`; a GET, a GET that also sends a `host` header,
+/// one that sends `host` and no `:authority`, one with neither,
+/// a body that ends with its only DATA frame (END_STREAM on it), a body in three frames 300 ms
+/// apart ending with an empty DATA frame, a streamed response; then the same GET over HTTP/1.1
+/// on the same listener.
+#[tokio::test(flavor = "multi_thread")]
+async fn http2_downstream_with_prior_knowledge() {
+    let mut p = Plugin::new();
+    let (ev_h, ev_rh) = (p.ev("req_hdrs"), p.ev("resp_hdrs"));
+    let mut probe = String::new();
+    for h in [":authority", "host", ":scheme", ":method", ":path", "content-length", "te"] {
+        let s = p.s(h);
+        probe.push_str(&format!("(call $hget (i32.const 0) {s}) "));
+    }
+    for n in ["request\0protocol", "request\0host", "request\0scheme"] {
+        let s = p.s(n);
+        probe.push_str(&format!("(call $prop {s}) "));
+    }
+    let status = p.s(":status");
+    let p = p
+        .on(
+            "proxy_on_request_headers",
+            format!("{ev_h} (call $ev_num (local.get $eos)) {probe}(call $ev_end) (i32.const 0)"),
+        )
+        .on(
+            "proxy_on_response_headers",
+            format!(
+                "{ev_rh} (call $ev_num (local.get $eos)) (call $hget (i32.const 2) {status}) (call $ev_end) (i32.const 0)"
+            ),
+        );
+    let chunked = Step::Send {
+        method: "POST",
+        path: "/chunked".into(),
+        headers: vec![],
+        chunks: ["aaaaa", "bbbbb", "ccccc"].iter().map(|c| c.to_string()).collect(),
+        pause_ms: 300,
+    };
+    let steps = vec![
+        Step::get("/get").h2(),
+        Step::get("/host-too").header("host", "other.test").h2(),
+        Step::get("/host-only").header(":authority", "").header("host", "other.test").h2(),
+        Step::get("/no-host").header(":authority", "").h2(),
+        Step::post("/whole", &["whole"]).h2(),
+        chunked.h2(),
+        Step::get("/sse").h2(),
+        Step::get("/h1"),
+    ];
+    differential(p.scenario("http2_downstream_with_prior_knowledge").steps(steps)).await;
+}
+
+/// The buffer limit of a held request body over HTTP/2. The plugin holds the headers
+/// (StopIteration, body callbacks allowed) and the body (StopIterationAndBuffer) until the end of
+/// the stream, logging only sizes, so that no request reaches the upstream before the body is
+/// complete. The listener's `per_connection_buffer_limit_bytes` is 32768 (Higress's) and its
+/// HTTP/2 streams' window is Higress's `initial_stream_window_size` 65535: a 40000-byte body
+/// over HTTP/1.1 and over HTTP/2, a 70000-byte body over HTTP/2 (one chunk: the client sends it
+/// in DATA frames as the stream window lets it), 90000 bytes in three chunks 50 ms apart (the
+/// limit is crossed before the end of the stream), then a small body.
+#[tokio::test(flavor = "multi_thread")]
+async fn http2_held_body_and_the_buffer_limit() {
+    let mut p = Plugin::new();
+    let (ev_h, ev_b) = (p.ev("req_hdrs"), p.ev("req_body"));
+    let p = p
+        .on(
+            "proxy_on_request_headers",
+            format!("{ev_h} (call $ev_num (local.get $eos)) (call $ev_end) (i32.const 1)"),
+        )
+        .on(
+            "proxy_on_request_body",
+            format!(
+                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (result i32) (local.get $eos) (then (i32.const 0)) (else (i32.const 1)))"
+            ),
+        );
+    let big = |n: usize| "x".repeat(n);
+    let steps = vec![
+        Step::post("/h1-40000", &[&big(40000)]),
+        Step::post("/h2-40000", &[&big(40000)]).h2(),
+        Step::post("/h2-70000", &[&big(70000)]).h2(),
+        Step::post("/h2-3x30000", &[&big(30000), &big(30000), &big(30000)]).h2(),
+        Step::post("/h2-small", &["small"]).h2(),
+    ];
+    let mut sc = p.scenario("http2_held_body_and_the_buffer_limit");
+    sc.stop_iteration = true;
+    assert_eq!(sc.buffer_limit, 32768);
+    let t = differential(sc.steps(steps)).await;
+    let statuses: Vec<&String> = t.client.iter().filter(|l| l.starts_with("status")).collect();
+    assert_eq!(statuses, ["status 413", "status 200", "status 413", "status 413", "status 200"]);
+}
+
+/// Envoy's request header map keeps the `host` header as `:authority`: the plugin reads, replaces,
+/// adds to and removes `host` through `:authority`. The request headers name the operation
+/// (`x-replace`, `x-add`, `x-remove`; none: read only); the plugin logs `host` and `:authority`
+/// after it. Over HTTP/1.1 and over HTTP/2.
+#[tokio::test(flavor = "multi_thread")]
+async fn host_is_the_authority_in_the_request_header_map() {
+    let mut p = Plugin::new();
+    let (ev_h, host, auth, rep, add, rem, v_rep, v_add) = (
+        p.ev("req_hdrs"),
+        p.s("host"),
+        p.s(":authority"),
+        p.s("x-replace"),
+        p.s("x-add"),
+        p.s("x-remove"),
+        p.s("replaced.test"),
+        p.s("added.test"),
+    );
+    let p = p.extra(header_value_fns()).on(
+        "proxy_on_request_headers",
+        format!(
+            "{ev_h}
+    (if (call $flag_of {rep}) (then (call $ev_num (call $proxy_replace_header_map_value (i32.const 0) {host} {v_rep}))))
+    (if (call $flag_of {add}) (then (call $ev_num (call $proxy_add_header_map_value (i32.const 0) {host} {v_add}))))
+    (if (call $flag_of {rem}) (then (call $ev_num (call $proxy_remove_header_map_value (i32.const 0) {host}))))
+    (call $hget (i32.const 0) {host}) (call $hget (i32.const 0) {auth}) (call $ev_end) (i32.const 0)"
+        ),
+    );
+    let mut steps = Vec::new();
+    for h2 in [false, true] {
+        let ops = [
+            Step::get("/read"),
+            Step::get("/replace").header("x-replace", "1"),
+            Step::get("/add").header("x-add", "1"),
+            Step::get("/remove").header("x-remove", "1"),
+        ];
+        steps.extend(ops.into_iter().map(|s| if h2 { s.h2() } else { s }));
+    }
+    differential(p.scenario("host_is_the_authority_in_the_request_header_map").steps(steps)).await;
+}

@@ -2047,3 +2047,108 @@ fn command_args(frame: redis_protocol::resp2::types::OwnedFrame) -> Vec<String> 
         other => vec![format!("{other:?}")],
     }
 }
+
+// ------------------------------------------------------------------ HTTP/2 downstream
+
+/// An HTTP/2 connection with prior knowledge (h2c) to `addr`, and the task driving it (it ends
+/// when the connection does).
+async fn h2_connect(
+    addr: std::net::SocketAddr,
+) -> (
+    hyper::client::conn::http2::SendRequest<gateway::body::GwBody>,
+    tokio::task::JoinHandle<hyper::Result<()>>,
+) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (send, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .expect("HTTP/2 handshake");
+    (send, tokio::spawn(conn))
+}
+
+/// A GET over an HTTP/2 connection: status and body.
+async fn h2_get(
+    send: &mut hyper::client::conn::http2::SendRequest<gateway::body::GwBody>,
+    path: &str,
+) -> (u16, String) {
+    use http_body_util::BodyExt;
+    let req = hyper::Request::get(format!("http://h2.test{path}"))
+        .body(gateway::body::GwBody::full(bytes::Bytes::new()))
+        .unwrap();
+    let resp = send.send_request(req).await.expect("HTTP/2 response");
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.expect("HTTP/2 body").to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// Logs `hdrs <ctx>` in request headers and `log <ctx>` in on_log; continues.
+fn context_logging_plugin() -> String {
+    let mut w = Wat::new();
+    let body = format!(
+        r#"
+  (func (export "proxy_on_request_headers") (param $ctx i32) (param $n i32) (param $eos i32) (result i32)
+    (call $ev_start {ev_hdrs}) (call $ev_num (local.get $ctx)) (call $ev_end)
+    (i32.const 0))
+  (func (export "proxy_on_log") (param $ctx i32)
+    (call $ev_start {ev_log}) (call $ev_num (local.get $ctx)) (call $ev_end))
+"#,
+        ev_hdrs = w.s("hdrs"),
+        ev_log = w.s("log"),
+    );
+    w.module("0_2_100", &body)
+}
+
+/// Streams multiplexed on one HTTP/2 connection: five requests to a 500 ms upstream at once
+/// each get their own plugin context, all reach the plugin before any ends (they run side by
+/// side, not one after another), and all answer 200. With no stream left, the connection idle
+/// timeout ends the connection (GOAWAY, as Envoy starts its drain sequence there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_streams_share_a_connection_and_the_idle_timeout_ends_it() {
+    let up = Upstream::start().await;
+    let cfg = timer_config(&up, ", idle_timeout_ms: 700", "", true);
+    let gw = Gateway::start(&cfg, Some(&context_logging_plugin()), 1);
+    let (send, conn) = h2_connect(gw.addr).await;
+    let gets = (0..5).map(|_| {
+        let mut send = send.clone();
+        async move { h2_get(&mut send, "/slow").await }
+    });
+    for r in futures_join_all(gets).await {
+        assert_eq!(r, (200, "slow".to_string()));
+    }
+    let ev = gw
+        .wait_events(|e| e.iter().filter(|x| x.starts_with("log ")).count() == 5, "5 on_log")
+        .await;
+    let first_log = idx(&ev, "log ").unwrap();
+    assert_eq!(ev[..first_log].iter().filter(|e| e.starts_with("hdrs ")).count(), 5, "{ev:?}");
+    let mut ctxs: Vec<&String> = ev.iter().filter(|e| e.starts_with("hdrs ")).collect();
+    ctxs.sort();
+    ctxs.dedup();
+    assert_eq!(ctxs.len(), 5, "one context per stream: {ev:?}");
+    assert_eq!(up.count("/slow"), 5);
+    // The client keeps its side open (a dropped `send` would close the connection itself).
+    let idle_from = Instant::now();
+    let ended = tokio::time::timeout(Duration::from_secs(5), conn).await;
+    assert!(ended.is_ok(), "the idle HTTP/2 connection was not closed");
+    let took = idle_from.elapsed();
+    assert!(took >= Duration::from_millis(550), "closed before the idle timeout: {took:?}");
+    drop(send);
+}
+
+/// A stop (SIGTERM) with an HTTP/2 stream in flight: the stream is answered to its end, then
+/// the connection closes and the gateway exits cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_an_http2_connection() {
+    let up = Upstream::start().await;
+    let cfg = timer_config(&up, "", "", false);
+    let mut gw = Gateway::start(&cfg, None, 1);
+    let (mut send, conn) = h2_connect(gw.addr).await;
+    let slow = tokio::spawn(async move { h2_get(&mut send, "/slow").await });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let status = gw.terminate(Duration::from_secs(10)).await;
+    assert!(status.is_some_and(|s| s.success()), "the gateway did not exit cleanly: {status:?}");
+    assert_eq!(slow.await.unwrap(), (200, "slow".to_string()));
+    let ended = tokio::time::timeout(Duration::from_secs(5), conn).await;
+    assert!(ended.is_ok(), "the HTTP/2 connection outlived the gateway");
+}

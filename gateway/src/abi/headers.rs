@@ -7,6 +7,11 @@
 //! while this filter holds them (Envoy resets `request_headers_` on Continue and inside
 //! `continue_stream`); a map that is not available is BadArgument (NotFound in `on_log`, where
 //! the request and response headers are readable), and reads as no pairs.
+//!
+//! In the request headers `host` is `:authority`, as in Envoy's request header map, which keeps
+//! both names in one inline entry: reading, replacing or removing `host` reads, replaces or
+//! removes `:authority`, and adding either to a map that has it appends `,value` to it
+//! (conformance test `host_is_the_authority_in_the_request_header_map`).
 
 use super::{
     copy_out, marshal_pairs, read_bytes, read_string, status, unmarshal_pairs, HResult, HeaderMap,
@@ -75,6 +80,29 @@ fn with_map<R>(
     }
 }
 
+/// The key a hostcall names in map `ty` (request headers: `host` is `:authority`).
+fn map_key(ty: i32, key: String) -> String {
+    if ty == 0 && key == "host" {
+        ":authority".to_string()
+    } else {
+        key
+    }
+}
+
+/// Adds a header to map `ty` as Envoy's `HeaderMap::addCopy` does for the request's
+/// `:authority`: appended to the value it has (`a,b`), else a new entry.
+fn add_to(ty: i32, m: &mut HeaderMap, key: String, val: Vec<u8>) {
+    let key = map_key(ty, key);
+    if key == ":authority" {
+        if let Some((_, v)) = m.iter_mut().find(|(k, _)| *k == key) {
+            v.push(b',');
+            v.extend_from_slice(&val);
+            return;
+        }
+    }
+    m.push((key, val));
+}
+
 /// The status of a failed map access (Envoy `getHeaderMapValue`/`addHeaderMapValue`...): an
 /// unavailable map is BadArgument, or NotFound in the access-log phase.
 fn map_status(e: (Unavailable, bool)) -> i32 {
@@ -118,8 +146,12 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 Err(e) => return e,
             };
             let Some(pairs) = unmarshal_pairs(&data) else { return status::BAD_ARGUMENT };
+            // Envoy removes every header, then adds each pair (`setHeaderMapPairs`).
             map_code(with_map(&mut c, ty, true, |m| {
-                *m = pairs;
+                m.clear();
+                for (k, v) in pairs {
+                    add_to(ty, m, k.to_ascii_lowercase(), v);
+                }
                 Ok(())
             }))
         },
@@ -128,7 +160,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
         "proxy_get_header_map_value",
         |mut c: Caller<'_, HostState>, ty: i32, kp: i32, ks: i32, vpp: i32, vsp: i32| -> i32 {
             let key = match read_string(&mut c, kp, ks) {
-                Ok(k) => k.to_ascii_lowercase(),
+                Ok(k) => map_key(ty, k.to_ascii_lowercase()),
                 Err(e) => return e,
             };
             let v = with_map(&mut c, ty, false, |m| {
@@ -147,7 +179,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
         "proxy_replace_header_map_value",
         |mut c: Caller<'_, HostState>, ty: i32, kp: i32, ks: i32, vp: i32, vs: i32| -> i32 {
             let (key, val) = match (read_string(&mut c, kp, ks), read_bytes(&mut c, vp, vs)) {
-                (Ok(k), Ok(v)) => (k.to_ascii_lowercase(), v),
+                (Ok(k), Ok(v)) => (map_key(ty, k.to_ascii_lowercase()), v),
                 (Err(e), _) | (_, Err(e)) => return e,
             };
             let r = with_map(&mut c, ty, true, |m| {
@@ -173,7 +205,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
         "proxy_remove_header_map_value",
         |mut c: Caller<'_, HostState>, ty: i32, kp: i32, ks: i32| -> i32 {
             let key = match read_string(&mut c, kp, ks) {
-                Ok(k) => k.to_ascii_lowercase(),
+                Ok(k) => map_key(ty, k.to_ascii_lowercase()),
                 Err(e) => return e,
             };
             map_code(with_map(&mut c, ty, true, |m| {
@@ -190,7 +222,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 (Err(e), _) | (_, Err(e)) => return e,
             };
             map_code(with_map(&mut c, ty, true, |m| {
-                m.push((key, val));
+                add_to(ty, m, key, val);
                 Ok(())
             }))
         },
