@@ -52,9 +52,10 @@ pub const DEFAULT_MAX_HOLDERS: u32 = 2;
 /// `unequal-pods` p90 TTFT 0.90x Go mode against 1.02x without it, `hot-spot` unchanged (README,
 /// "Load-aware defaults").
 pub const DEFAULT_LOAD_LATENCY_WEIGHT: f64 = 16.0;
-/// A hit's pod this many times as slow as the fastest pod is overloaded (0 = never for slowness).
-/// Off: diverting hits by slowness made `hot-spot` worse (equal pods look unequal while one
-/// prefills a hot prompt).
+/// A hit's pod this many times as steadily slow as the fastest pod is overloaded (0 = never for
+/// slowness). Off: 1.6 meets `unequal-pods` (0.76x Go mode's p90) and no longer costs `hot-spot`
+/// since slowness is the median gap between chunks, but it costs `cache-pressure` 18 points of
+/// hit rate (pods full of long contexts decode slower at every step; README, "Load-aware defaults").
 pub const DEFAULT_OVERLOAD_LATENCY: f64 = 0.0;
 /// Default age (ms) after which scraped metrics count as unknown (ours).
 pub const DEFAULT_METRICS_STALE_MS: u64 = 5000;

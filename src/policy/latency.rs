@@ -10,6 +10,15 @@
 //! linkerd's EWMA load balancers track latency the same way); a pod's *slowness* is its average
 //! over the fastest pod's, `1.0` for the fastest or a pod without an average.
 //!
+//! Beside it, a *steady* slowness from each response's median time per byte between two chunks.
+//! A pod that prefills a long uncached prompt stalls every stream it decodes for that step (one
+//! long gap among short ones): its mean time per byte rises, which counts (the pod is busy), but its
+//! median gap does not. A pod on a slower GPU is slower at every step, so both rise. Diverting a hit
+//! for slowness (`overloadLatency`) pays a recompute of its prefix on another pod, so it uses the
+//! steady measure: otherwise a diverted hit's own long prefill stalls the pod it went to, which then
+//! reads as slow and has its hits diverted in turn (`hot-spot-ts1`: p90 95 against 32 in 2 of 3
+//! runs, each diverted request a miss of a 4000-token system prompt).
+//!
 //! An average is not dropped because it is old: avoiding a slow pod is what stops its samples, and
 //! a router that forgot it after a quiet spell would send it sessions again, each found slow anew
 //! (cache misses when their sessions move off it again). Past [`FRESH_NS`] without a sample, a
@@ -22,6 +31,9 @@ use std::collections::HashMap;
 const EWMA_ALPHA: f64 = 0.3;
 /// A response shorter than this after its first body chunk says little about the decode rate.
 const MIN_SAMPLE_BYTES: u64 = 512;
+/// At most this many chunk gaps are kept per response for its median: when full, every other one
+/// is dropped and only every second gap after is kept (so they spread over the whole response).
+const MAX_GAPS: usize = 32;
 /// An average updated within this long is current: a new sample blends into it, and its
 /// slowness counts in full. Older, a new sample replaces it, and its slowness decays.
 const FRESH_NS: u64 = 30_000_000_000;
@@ -45,6 +57,8 @@ pub struct DecodeAverage {
     pub pod: String,
     /// Nanoseconds per response byte after the first chunk.
     pub ns_per_byte: f64,
+    /// The same from each response's median gap between chunks (see the module docs).
+    pub steady_ns_per_byte: f64,
     /// Time since its last sample.
     pub age_ns: u64,
 }
@@ -58,13 +72,71 @@ struct Timing {
     first_ns: Option<u64>,
     /// Body bytes after the first chunk.
     bytes: u64,
+    /// When the last non-empty chunk came (ns).
+    last_ns: u64,
+    /// Sampled gaps before a chunk, per byte of that chunk (ns), at most [`MAX_GAPS`].
+    gaps: Vec<f32>,
+    /// Every `stride`-th gap is sampled; `seen` counts them all.
+    stride: u32,
+    seen: u32,
+}
+
+impl Timing {
+    fn gap(&mut self, now_ns: u64, size: usize) {
+        let per_byte = now_ns.saturating_sub(self.last_ns) as f64 / size as f64;
+        self.last_ns = now_ns;
+        if self.seen.is_multiple_of(self.stride) {
+            if self.gaps.len() >= MAX_GAPS {
+                let mut i = 0;
+                self.gaps.retain(|_| {
+                    i += 1;
+                    i % 2 == 1
+                });
+                self.stride = self.stride.saturating_mul(2);
+            }
+            if self.seen.is_multiple_of(self.stride) {
+                self.gaps.push(per_byte as f32);
+            }
+        }
+        self.seen = self.seen.wrapping_add(1);
+    }
+
+    /// The median sampled gap per byte, if any.
+    fn median_gap(&mut self) -> Option<f64> {
+        self.gaps.sort_by(f32::total_cmp);
+        self.gaps.get(self.gaps.len() / 2).map(|g| f64::from(*g))
+    }
+}
+
+/// One pod's averages.
+struct PodAverage {
+    /// Mean ns per byte, EWMA.
+    mean: f64,
+    /// Median-gap ns per byte, EWMA.
+    steady: f64,
+    /// When last updated (ns).
+    at: u64,
+}
+
+/// A pod's slowness against the fastest pod by each measure (see the module docs), `>= 1`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Slowness {
+    /// By the mean time per byte: the combined load's penalty.
+    pub overall: f64,
+    /// By the median gap: whether a hit is diverted (`overloadLatency`).
+    pub steady: f64,
+}
+
+impl Slowness {
+    /// The fastest pod, or one without an average.
+    pub const NONE: Slowness = Slowness { overall: 1.0, steady: 1.0 };
 }
 
 /// See the module docs.
 #[derive(Default)]
 pub struct PodSpeed {
-    /// Per pod: average ns per response byte, and when it was last updated.
-    per_pod: HashMap<String, (f64, u64)>,
+    /// Per pod: its averages.
+    per_pod: HashMap<String, PodAverage>,
     /// Streams whose response is being timed, by stream id.
     streams: HashMap<u32, Timing>,
 }
@@ -80,7 +152,19 @@ impl PodSpeed {
                 self.streams.clear();
             }
         }
-        self.streams.insert(stream, Timing { pod, headers_ns: now_ns, first_ns: None, bytes: 0 });
+        self.streams.insert(
+            stream,
+            Timing {
+                pod,
+                headers_ns: now_ns,
+                first_ns: None,
+                bytes: 0,
+                last_ns: now_ns,
+                gaps: Vec::new(),
+                stride: 1,
+                seen: 0,
+            },
+        );
     }
 
     /// A response body chunk of `size` bytes at `now_ns`; at the end of the stream a long enough
@@ -88,34 +172,48 @@ impl PodSpeed {
     pub fn on_response_body(&mut self, stream: u32, now_ns: u64, size: usize, end: bool) {
         let Some(t) = self.streams.get_mut(&stream) else { return };
         match t.first_ns {
-            None if size > 0 => t.first_ns = Some(now_ns),
+            None if size > 0 => {
+                t.first_ns = Some(now_ns);
+                t.last_ns = now_ns;
+            }
             None => {}
-            Some(_) => t.bytes = t.bytes.saturating_add(size as u64),
+            Some(_) if size > 0 => {
+                t.bytes = t.bytes.saturating_add(size as u64);
+                t.gap(now_ns, size);
+            }
+            Some(_) => {}
         }
         if !end {
             return;
         }
-        let Some(t) = self.streams.remove(&stream) else { return };
+        let Some(mut t) = self.streams.remove(&stream) else { return };
         let Some(first) = t.first_ns else { return };
         let span = now_ns.saturating_sub(first);
-        if t.bytes < MIN_SAMPLE_BYTES || span == 0 {
+        let steady = t.median_gap();
+        let Some(steady) = steady.filter(|_| t.bytes >= MIN_SAMPLE_BYTES && span > 0) else {
             // A one-chunk (non-streamed) or short response: no decode rate in it.
             return;
-        }
-        self.sample(t.pod, span as f64 / t.bytes as f64, now_ns);
+        };
+        self.sample(t.pod, span as f64 / t.bytes as f64, steady, now_ns);
     }
 
-    fn sample(&mut self, pod: String, ns_per_byte: f64, now_ns: u64) {
+    fn sample(&mut self, pod: String, ns_per_byte: f64, steady: f64, now_ns: u64) {
         if !self.per_pod.contains_key(&pod) && self.per_pod.len() >= MAX_TRACKED {
-            self.per_pod.retain(|_, (_, at)| now_ns.saturating_sub(*at) < FORGET_NS);
+            self.per_pod.retain(|_, a| now_ns.saturating_sub(a.at) < FORGET_NS);
             if self.per_pod.len() >= MAX_TRACKED {
                 return;
             }
         }
-        let e = self.per_pod.entry(pod).or_insert((ns_per_byte, now_ns));
-        let fresh = now_ns.saturating_sub(e.1) < FRESH_NS;
-        e.0 = if fresh { e.0 + EWMA_ALPHA * (ns_per_byte - e.0) } else { ns_per_byte };
-        e.1 = now_ns;
+        let e =
+            self.per_pod.entry(pod).or_insert(PodAverage { mean: ns_per_byte, steady, at: now_ns });
+        if now_ns.saturating_sub(e.at) < FRESH_NS {
+            e.mean += EWMA_ALPHA * (ns_per_byte - e.mean);
+            e.steady += EWMA_ALPHA * (steady - e.steady);
+        } else {
+            e.mean = ns_per_byte;
+            e.steady = steady;
+        }
+        e.at = now_ns;
     }
 
     /// Each of `pods`' slowness at `now_ns`: its average over the fastest of them (`>= 1`,
@@ -125,7 +223,7 @@ impl PodSpeed {
     /// the picker, over the healthy pods it already read; this is the same for the estimate's
     /// tests.
     #[cfg(test)]
-    pub fn slowness(&self, pods: &[&str], now_ns: u64) -> Vec<(String, f64)> {
+    pub fn slowness(&self, pods: &[&str], now_ns: u64) -> Vec<(String, Slowness)> {
         relative_slowness(&self.averages(now_ns), pods)
     }
 
@@ -133,18 +231,24 @@ impl PodSpeed {
     pub fn averages(&self, now_ns: u64) -> Vec<DecodeAverage> {
         self.per_pod
             .iter()
-            .map(|(p, (v, at))| DecodeAverage {
+            .map(|(p, a)| DecodeAverage {
                 pod: p.clone(),
-                ns_per_byte: *v,
-                age_ns: now_ns.saturating_sub(*at),
+                ns_per_byte: a.mean,
+                steady_ns_per_byte: a.steady,
+                age_ns: now_ns.saturating_sub(a.at),
             })
-            .filter(|a| a.age_ns < FORGET_NS && a.ns_per_byte.is_finite() && a.ns_per_byte > 0.0)
+            .filter(|a| {
+                a.age_ns < FORGET_NS
+                    && [a.ns_per_byte, a.steady_ns_per_byte]
+                        .iter()
+                        .all(|v| v.is_finite() && *v > 0.0)
+            })
             .collect()
     }
 }
 
 /// `pods`' slowness from [`PodSpeed::averages`]: see [`PodSpeed::slowness`].
-pub fn relative_slowness(averages: &[DecodeAverage], pods: &[&str]) -> Vec<(String, f64)> {
+pub fn relative_slowness(averages: &[DecodeAverage], pods: &[&str]) -> Vec<(String, Slowness)> {
     let by_pod = super::first_by_key(averages.iter().map(|a| (a.pod.as_str(), a)));
     // Each pod's average, looked up once.
     let found: Vec<Option<&DecodeAverage>> = pods.iter().map(|p| by_pod.get(p).copied()).collect();
@@ -153,23 +257,31 @@ pub fn relative_slowness(averages: &[DecodeAverage], pods: &[&str]) -> Vec<(Stri
     }
     // The reference is the fastest current average when there is one: a decode rate depends on
     // the batch, so an old sample from a quieter time is not compared against today's load.
-    let fastest_of = |current_only: bool| {
-        found
-            .iter()
-            .flatten()
-            .filter(|a| !current_only || a.age_ns < FRESH_NS)
-            .map(|a| a.ns_per_byte)
-            .fold(f64::INFINITY, f64::min)
+    let fastest_by = |measure: fn(&DecodeAverage) -> f64| {
+        let fastest_of = |current_only: bool| {
+            found
+                .iter()
+                .flatten()
+                .filter(|a| !current_only || a.age_ns < FRESH_NS)
+                .map(|a| measure(a))
+                .fold(f64::INFINITY, f64::min)
+        };
+        Some(fastest_of(true)).filter(|f| f.is_finite()).unwrap_or(fastest_of(false))
     };
-    let fastest = Some(fastest_of(true)).filter(|f| f.is_finite()).unwrap_or(fastest_of(false));
+    let fastest = fastest_by(|a| a.ns_per_byte);
+    let fastest_steady = fastest_by(|a| a.steady_ns_per_byte);
     pods.iter()
         .zip(found)
         .map(|(p, a)| {
-            let slowness = a.map_or(1.0, |a| {
+            let slowness = a.map_or(Slowness::NONE, |a| {
                 let beyond = a.age_ns.saturating_sub(FRESH_NS) as f64;
                 let decay = 0.5f64.powf(beyond / SLOWNESS_HALF_LIFE_NS as f64);
                 // An old average faster than the reference reads as 1, as the fastest does.
-                (1.0 + (a.ns_per_byte / fastest - 1.0) * decay).max(1.0)
+                let against = |v: f64, fastest: f64| (1.0 + (v / fastest - 1.0) * decay).max(1.0);
+                Slowness {
+                    overall: against(a.ns_per_byte, fastest),
+                    steady: against(a.steady_ns_per_byte, fastest_steady),
+                }
             });
             (p.to_string(), slowness)
         })

@@ -24,7 +24,7 @@ fn a_pod_decoding_at_half_the_rate_is_twice_as_slow() {
     let t = stream(&mut s, 2, "b", t, 20, 20);
     let t = stream(&mut s, 3, "c", t, 20, 10);
     let slow = s.slowness(&["a", "b", "c", "d"], t);
-    let get = |p: &str| slow.iter().find(|(a, _)| a == p).map(|(_, v)| *v);
+    let get = |p: &str| slow.iter().find(|(a, _)| a == p).map(|(_, v)| v.overall);
     assert_eq!(get("a"), Some(1.0));
     assert!((get("b").unwrap() - 2.0).abs() < 1e-9, "{slow:?}");
     assert_eq!(get("c"), Some(1.0));
@@ -41,7 +41,8 @@ fn the_time_to_the_first_byte_does_not_count_so_hits_do_not_look_fast() {
     s.on_response_headers(2, "b".into(), 0);
     s.on_response_body(2, 10 * MS, 100, false);
     s.on_response_body(2, 210 * MS, 1000, true);
-    assert_eq!(s.slowness(&["a", "b"], 2000 * MS), vec![("a".into(), 1.0), ("b".into(), 1.0)]);
+    let none = Slowness::NONE;
+    assert_eq!(s.slowness(&["a", "b"], 2000 * MS), vec![("a".into(), none), ("b".into(), none)]);
 }
 
 #[test]
@@ -71,7 +72,7 @@ fn a_slow_pod_left_without_samples_stays_slow_then_decays_back_gradually() {
     let mut s = PodSpeed::default();
     let t = stream(&mut s, 1, "a", 0, 20, 10);
     let t = stream(&mut s, 2, "b", t, 20, 30);
-    let b = |s: &PodSpeed, at: u64| s.slowness(&["a", "b"], at)[1].1;
+    let b = |s: &PodSpeed, at: u64| s.slowness(&["a", "b"], at)[1].1.overall;
     let s_now = b(&s, t);
     assert!((s_now - 3.0).abs() < 1e-9, "{s_now}");
     assert!((b(&s, t + 29_000 * MS) - 3.0).abs() < 1e-9, "29 s after its last sample: as slow");
@@ -95,7 +96,7 @@ fn the_average_follows_a_pod_that_recovers() {
     let mut s = PodSpeed::default();
     let mut t = stream(&mut s, 1, "a", 0, 20, 10);
     t = stream(&mut s, 2, "b", t, 20, 30);
-    let b = |s: &PodSpeed, t| s.slowness(&["a", "b"], t)[1].1;
+    let b = |s: &PodSpeed, t| s.slowness(&["a", "b"], t)[1].1.overall;
     assert!((b(&s, t) - 3.0).abs() < 1e-9);
     for id in 3..20 {
         t = stream(&mut s, id, "b", t, 20, 10);
@@ -112,8 +113,63 @@ fn an_old_fast_sample_is_not_the_yardstick_for_current_ones() {
     let t = stream(&mut s, 2, "b", t, 20, 20);
     let t = stream(&mut s, 3, "c", t, 20, 10);
     let slow = s.slowness(&["a", "b", "c"], t);
-    let get = |p: &str| slow.iter().find(|(a, _)| a == p).map(|(_, v)| *v);
+    let get = |p: &str| slow.iter().find(|(a, _)| a == p).map(|(_, v)| v.overall);
     assert_eq!(get("a"), Some(1.0));
     assert!((get("b").unwrap_or(0.0) - 2.0).abs() < 1e-9, "{slow:?}");
     assert_eq!(get("c"), Some(1.0), "compared with c, not with a's old rate: {slow:?}");
+}
+
+/// One streamed response from `pod` with `chunks` chunks of 100 bytes `every_ms` apart, where every
+/// `stall_every`-th gap is `stall_ms` instead (a step that prefilled a long prompt).
+fn stalled_stream(
+    s: &mut PodSpeed,
+    id: u32,
+    pod: &str,
+    t: u64,
+    chunks: u64,
+    (every_ms, stall_every, stall_ms): (u64, u64, u64),
+) -> u64 {
+    s.on_response_headers(id, pod.into(), t);
+    let mut now = t + 100 * MS;
+    s.on_response_body(id, now, 100, false);
+    for i in 0..chunks {
+        now += if (i + 1) % stall_every == 0 { stall_ms } else { every_ms } * MS;
+        s.on_response_body(id, now, 100, i + 1 == chunks);
+    }
+    now
+}
+
+#[test]
+fn prefill_stalls_slow_a_pod_overall_but_not_steadily() {
+    // b decodes at a's rate between stalls, one 70 ms stall every 5 chunks: slower overall, not
+    // steadily. c is twice as slow at every step: slower both ways. 300 chunks: more gaps than
+    // are kept, so the sampled ones spread over the response.
+    let mut s = PodSpeed::default();
+    let t = stream(&mut s, 1, "a", 0, 300, 10);
+    let t = stalled_stream(&mut s, 2, "b", t, 300, (10, 5, 70));
+    let t = stream(&mut s, 3, "c", t, 300, 20);
+    let slow = s.slowness(&["a", "b", "c"], t);
+    let get =
+        |p: &str| slow.iter().find(|(a, _)| a == p).map(|(_, v)| *v).unwrap_or(Slowness::NONE);
+    assert!((get("b").overall - 2.2).abs() < 1e-6, "{slow:?}");
+    assert!((get("b").steady - 1.0).abs() < 1e-6, "{slow:?}");
+    assert!((get("c").overall - 2.0).abs() < 1e-6, "{slow:?}");
+    assert!((get("c").steady - 2.0).abs() < 1e-6, "{slow:?}");
+    assert_eq!(get("a"), Slowness::NONE);
+}
+
+#[test]
+fn coalesced_chunks_are_timed_per_byte() {
+    // The gateway may read two tokens' events as one chunk after twice the gap: the same rate.
+    let mut s = PodSpeed::default();
+    let t = stream(&mut s, 1, "a", 0, 40, 10);
+    s.on_response_headers(2, "b".into(), t);
+    let mut now = t + 100 * MS;
+    s.on_response_body(2, now, 100, false);
+    for i in 0..20 {
+        now += 20 * MS;
+        s.on_response_body(2, now, 200, i == 19);
+    }
+    let slow = s.slowness(&["a", "b"], now);
+    assert_eq!(slow[1].1, Slowness::NONE, "{slow:?}");
 }

@@ -9,6 +9,7 @@
 //! shared by every gateway, but say nothing about how fast a pod drains them.
 
 use super::first_by_key;
+use super::latency::Slowness;
 use crate::config::LoadAwareConfig;
 use crate::metrics::router::PodView;
 
@@ -79,18 +80,21 @@ pub fn load_args(cfg: &LoadAwareConfig, pods: &[PodView]) -> Option<LoadArgs> {
 impl LoadArgs {
     /// Adds each pod's observed slowness (its decode time per byte over the fastest pod's, from
     /// [`super::latency::PodSpeed`]): `loadLatencyWeight` × (slowness − 1) more requests in its
-    /// combined load, and overloaded at `overloadLatency` times the fastest (when set). Pods not
-    /// in `slowness` are unchanged.
-    pub fn add_slowness(mut self, cfg: &LoadAwareConfig, slowness: &[(String, f64)]) -> LoadArgs {
+    /// combined load, and overloaded when its steady slowness (between prefill stalls) is at least
+    /// `overloadLatency` (when set). Pods not in `slowness` are unchanged.
+    pub fn add_slowness(
+        mut self,
+        cfg: &LoadAwareConfig,
+        slowness: &[(String, Slowness)],
+    ) -> LoadArgs {
         let by_pod = first_by_key(slowness.iter().map(|(a, s)| (a.as_str(), *s)));
         for h in &mut self.hosts {
             let Some(&s) = by_pod.get(h.address.as_str()) else { continue };
-            if !s.is_finite() || s <= 1.0 {
-                continue;
+            if s.overall.is_finite() && s.overall > 1.0 {
+                let extra = (cfg.latency_weight * (s.overall - 1.0)).round();
+                h.penalty = h.penalty.saturating_add(extra.min(f64::from(u32::MAX)) as u32);
             }
-            let extra = (cfg.latency_weight * (s - 1.0)).round().min(f64::from(u32::MAX)) as u32;
-            h.penalty = h.penalty.saturating_add(extra);
-            if cfg.latency_ratio >= 1.0 && s >= cfg.latency_ratio {
+            if cfg.latency_ratio >= 1.0 && s.steady.is_finite() && s.steady >= cfg.latency_ratio {
                 h.overloaded = true;
             }
         }

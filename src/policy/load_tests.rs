@@ -2,7 +2,7 @@
 
 use super::*;
 use crate::metrics::PodMetrics;
-use crate::policy::latency::DecodeAverage;
+use crate::policy::latency::{DecodeAverage, Slowness};
 
 fn cfg() -> LoadAwareConfig {
     LoadAwareConfig::default()
@@ -82,7 +82,12 @@ fn arguments_follow_the_calls_host_order() {
 
 #[test]
 fn a_slow_pod_gets_a_penalty_and_is_overloaded_only_past_overload_latency() {
-    let slow = vec![("a".to_string(), 1.0), ("b".to_string(), 2.0), ("c".to_string(), 1.2)];
+    let both = |v: f64| Slowness { overall: v, steady: v };
+    let slow = vec![
+        ("a".to_string(), both(1.0)),
+        ("b".to_string(), both(2.0)),
+        ("c".to_string(), both(1.2)),
+    ];
     let base =
         load_args(&cfg(), &[pod("a", 0.0, 0.0), pod("b", 0.0, 0.0), pod("c", 0.0, 0.0)]).unwrap();
     let weighted = LoadAwareConfig { latency_weight: 4.0, ..cfg() };
@@ -108,6 +113,26 @@ fn a_slow_pod_gets_a_penalty_and_is_overloaded_only_past_overload_latency() {
 }
 
 #[test]
+fn a_pod_slow_only_by_its_prefill_stalls_gets_the_penalty_but_keeps_its_hits() {
+    // b's mean time per byte is twice a's (long gaps while it prefilled), but between them it
+    // decodes at a's rate: it counts as more loaded, and its hits are not diverted for slowness
+    // (a recompute of their prefix elsewhere would stall that pod in turn). c is slower at
+    // every step.
+    let slow = vec![
+        ("a".to_string(), Slowness::NONE),
+        ("b".to_string(), Slowness { overall: 2.0, steady: 1.05 }),
+        ("c".to_string(), Slowness { overall: 2.0, steady: 2.0 }),
+    ];
+    let base =
+        load_args(&cfg(), &[pod("a", 0.0, 0.0), pod("b", 0.0, 0.0), pod("c", 0.0, 0.0)]).unwrap();
+    let divert = LoadAwareConfig { latency_ratio: 1.6, ..cfg() };
+    assert_eq!(
+        flags(&base.add_slowness(&divert, &slow)),
+        vec![("a".into(), false, 0), ("b".into(), false, 16), ("c".into(), true, 16)]
+    );
+}
+
+#[test]
 fn every_pod_of_a_large_cluster_gets_its_own_load_and_slowness() {
     // 300 pods (looked up by address, not by position): pod i queues i requests, and every third
     // pod streams twice as slowly as the fastest.
@@ -120,6 +145,7 @@ fn every_pod_of_a_large_cluster_gets_its_own_load_and_slowness() {
         .map(|(i, n)| DecodeAverage {
             pod: n.clone(),
             ns_per_byte: if i % 3 == 0 { 2.0 } else { 1.0 },
+            steady_ns_per_byte: 1.0,
             age_ns: 0,
         })
         .collect();

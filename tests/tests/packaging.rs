@@ -232,6 +232,8 @@ fn schema_defaults_are_the_parser_defaults() {
     assert_eq!(json!(l.ratio), json!(d("overloadRatio").as_f64()));
     assert_eq!(json!(l.kv_weight), json!(d("loadKvWeight").as_f64()));
     assert_eq!(json!(l.max_holders), d("maxHolders"));
+    assert_eq!(json!(l.latency_weight), json!(d("loadLatencyWeight").as_f64()));
+    assert_eq!(json!(l.latency_ratio), json!(d("overloadLatency").as_f64()));
     let g = p.least_request;
     assert_eq!(json!(g.redis.timeout_ms), d("timeout"));
     assert_eq!(json!(g.redis.database), d("database"));

@@ -641,3 +641,63 @@ async fn load_aware_sends_new_conversations_away_from_a_pod_that_streams_slowly(
     assert_eq!(slow.inference_count(), before, "the slow pod got new conversations: {served:?}");
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_overload_latency_a_conversation_moves_off_a_slow_pod_and_stays_on_its_new_one() {
+    // As above, C streams ten times as slowly. With `overloadLatency` a conversation whose history
+    // lives on C has its next turn diverted to a fast pod, which becomes a holder of that history,
+    // and the turns after stay there (the least loaded holder). Without it the conversation
+    // would stay on C for good.
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pc-divert-slow", 3).await.unwrap();
+    for p in &pods {
+        p.set_metrics(samples::vllm_v1(1, 0, 0.0));
+        p.set_stream_chunk_delay(Duration::from_millis(4));
+    }
+    let slow = &pods[2];
+    slow.set_stream_chunk_delay(Duration::from_millis(40));
+    let cfg = redis_policy_config(
+        "route-divert-slow",
+        &pods,
+        &redis,
+        "prefix_cache",
+        json!({"redisKeyTTL": TTL_S, "timeout": 1000, "loadAware": true,
+               "loadLatencyWeight": 4, "overloadLatency": 1.6}),
+    )
+    .metrics_health_check(LLM_CLUSTER, 100)
+    .workers(1);
+    let gw = Gateway::start(&cfg).await.unwrap();
+    wait_scrapes(&pods, &[0, 0, 0], 2, Duration::from_secs(15)).await.unwrap();
+
+    // New conversations until every pod has streamed once; keep one that started on C.
+    let mut on_slow = None;
+    let mut warm_up = 0;
+    while pods.iter().any(|p| p.inference_count() == 0) {
+        warm_up += 1;
+        assert!(warm_up <= 40, "40 new conversations never reached every pod");
+        let mut conv = Conversation::new(&format!("warm-up {}", paths::unique_name("w")));
+        conv.stream = true;
+        if conv.turn(&gw, &question(1)).await.unwrap() == slow.host() {
+            on_slow = Some(conv);
+        }
+    }
+    let mut conv = on_slow.expect("the loop ends once C has served a conversation");
+    // Every pod has been timed once: C's history is diverted at its next turn.
+    let before = gw.stats().await.unwrap();
+    let moved_to = conv.turn(&gw, &question(2)).await.unwrap();
+    assert_ne!(moved_to, slow.host(), "turn 2 stayed on the slow pod");
+    let stats = gw.stats().await.unwrap();
+    let diverted = |s: &str| stat(s, "ai_lb_prefix_hit_diverted");
+    assert_eq!(diverted(&stats) - diverted(&before), 1, "{stats}");
+    assert_eq!(
+        stat(&stats, "ai_lb_prefix_holder_added") - stat(&before, "ai_lb_prefix_holder_added"),
+        1,
+        "{stats}"
+    );
+    for turn in 3..=4 {
+        assert_eq!(conv.turn(&gw, &question(turn)).await.unwrap(), moved_to, "turn {turn}");
+    }
+    let after = gw.stats().await.unwrap();
+    assert_eq!(diverted(&after), diverted(&stats), "turns 3 and 4 were hits: {after}");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
