@@ -190,8 +190,10 @@ impl PodSpeed {
         let Some(first) = t.first_ns else { return };
         let span = now_ns.saturating_sub(first);
         let steady = t.median_gap();
-        let Some(steady) = steady.filter(|_| t.bytes >= MIN_SAMPLE_BYTES && span > 0) else {
-            // A one-chunk (non-streamed) or short response: no decode rate in it.
+        let Some(steady) = steady.filter(|g| *g > 0.0 && t.bytes >= MIN_SAMPLE_BYTES && span > 0)
+        else {
+            // A one-chunk (non-streamed) or short response, or one whose chunks mostly came at
+            // once (read in a burst): no decode rate in it.
             return;
         };
         self.sample(t.pod, span as f64 / t.bytes as f64, steady, now_ns);

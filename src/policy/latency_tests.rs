@@ -62,6 +62,14 @@ fn short_one_chunk_and_cut_responses_give_no_opinion() {
     let t = stream(&mut s, 4, "a", 0, 20, 10);
     let t = stream(&mut s, 5, "b", t, 20, 30);
     assert_eq!(s.slowness(&["a", "b"], t).len(), 2, "two pods with samples compare");
+    // A body read in a burst (most chunks at the same instant) is no sample either.
+    s.on_response_headers(6, "b".into(), t);
+    s.on_response_body(6, t + 10 * MS, 100, false);
+    for i in 0..20 {
+        s.on_response_body(6, t + if i < 19 { 10 } else { 30 } * MS, 100, i == 19);
+    }
+    let b = s.slowness(&["a", "b"], t + 30 * MS)[1].1;
+    assert_eq!(b, Slowness { overall: 3.0, steady: 3.0 }, "unchanged by the burst");
 }
 
 #[test]
