@@ -1543,69 +1543,91 @@ async fn a_trap_under_fail_reload_and_the_streams_in_flight() {
         .await;
 }
 
-/// StopIterationNoBuffer (3) from a body callback. The request headers name the answer to each
-/// data callback in turn (`x-mode`, e.g. `13`: StopIterationAndBuffer to the first chunk,
+/// A plugin whose body callbacks answer what the request headers name, one digit per data
+/// callback in turn (`x-mode`, e.g. `13`: StopIterationAndBuffer to the first chunk,
 /// StopIterationNoBuffer to the second, Continue after that; `x-resp-mode` the same for the
-/// response); the end of the stream continues. The client's chunks are 300 ms apart, so that
-/// each is one body callback.
-#[tokio::test(flavor = "multi_thread")]
-async fn body_answered_stop_iteration_no_buffer() {
+/// response), and at the end of the stream `x-eos` / `x-resp-eos` (default Continue). Each body
+/// callback logs its size, end of stream and the body it sees.
+fn answering_plugin() -> Plugin {
     let mut p = Plugin::new();
-    let (ev_qh, ev_b, ev_rb, mode, resp_mode) =
-        (p.ev("req_hdrs"), p.ev("req_body"), p.ev("resp_body"), p.s("x-mode"), p.s("x-resp-mode"));
-    let globals = ["mp", "ml", "calls", "rp", "rl", "rcalls"]
+    let (ev_qh, ev_b, ev_rb, mode, resp_mode, eos, resp_eos) = (
+        p.ev("req_hdrs"),
+        p.ev("req_body"),
+        p.ev("resp_body"),
+        p.s("x-mode"),
+        p.s("x-resp-mode"),
+        p.s("x-eos"),
+        p.s("x-resp-eos"),
+    );
+    let globals = ["mp", "ml", "calls", "rp", "rl", "rcalls", "eos", "reos"]
         .iter()
         .map(|g| format!("  (global ${g} (mut i32) (i32.const 0))\n"))
         .collect::<String>();
-    let p = p
-        .extra(format!(
-            "{globals}{}
+    p.extra(format!(
+        "{globals}{}
   (func $answer (param $p i32) (param $l i32) (param $n i32) (result i32)
     (if (result i32) (i32.le_u (local.get $n) (local.get $l))
       (then (i32.sub (i32.load8_u (i32.add (local.get $p) (i32.sub (local.get $n) (i32.const 1)))) (i32.const 48)))
       (else (i32.const 0))))
+  ;; the digit a header names (0 without the header)
+  (func $digit_of (param $kp i32) (param $kl i32) (result i32)
+    (if (result i32) (call $flag_of (local.get $kp) (local.get $kl))
+      (then (i32.sub (i32.load8_u (i32.load (i32.const 256))) (i32.const 48)))
+      (else (i32.const 0))))
 ",
-            header_value_fns()
-        ))
-        .on(
-            "proxy_on_request_headers",
-            format!(
-                "{ev_qh} (call $ev_num (local.get $eos)) (call $ev_end)
+        header_value_fns()
+    ))
+    .on(
+        "proxy_on_request_headers",
+        format!(
+            "{ev_qh} (call $ev_num (local.get $eos)) (call $ev_end)
     (call $value_of {mode}) (global.set $mp (i32.load (i32.const 256))) (global.set $ml (i32.load (i32.const 260)))
     (if (i32.eq (global.get $ml) (i32.const -1)) (then (global.set $ml (i32.const 0))))
     (call $value_of {resp_mode}) (global.set $rp (i32.load (i32.const 256))) (global.set $rl (i32.load (i32.const 260)))
     (if (i32.eq (global.get $rl) (i32.const -1)) (then (global.set $rl (i32.const 0))))
+    (global.set $eos (call $digit_of {eos})) (global.set $reos (call $digit_of {resp_eos}))
     (global.set $calls (i32.const 0)) (global.set $rcalls (i32.const 0)) (i32.const 0)"
-            ),
-        )
-        .on(
-            "proxy_on_request_body",
-            format!(
-                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 0)) (call $ev_end)
-    (if (local.get $eos) (then (return (i32.const 0))))
+        ),
+    )
+    .on(
+        "proxy_on_request_body",
+        format!(
+            "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 0)) (call $ev_end)
+    (if (local.get $eos) (then (return (global.get $eos))))
     (global.set $calls (i32.add (global.get $calls) (i32.const 1)))
     (call $answer (global.get $mp) (global.get $ml) (global.get $calls))"
-            ),
-        )
-        .on(
-            "proxy_on_response_body",
-            format!(
-                "{ev_rb} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 1)) (call $ev_end)
-    (if (local.get $eos) (then (return (i32.const 0))))
+        ),
+    )
+    .on(
+        "proxy_on_response_body",
+        format!(
+            "{ev_rb} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $bget (i32.const 1)) (call $ev_end)
+    (if (local.get $eos) (then (return (global.get $reos))))
     (global.set $rcalls (i32.add (global.get $rcalls) (i32.const 1)))
     (call $answer (global.get $rp) (global.get $rl) (global.get $rcalls))"
-            ),
-        );
-    let post = |path: &str, mode: &str| {
-        Step::Send {
-            method: "POST",
-            path: path.into(),
-            headers: vec![],
-            chunks: ["aaaaa", "bbbbb", "ccccc"].iter().map(|c| c.to_string()).collect(),
-            pause_ms: 300,
-        }
-        .header("x-mode", mode)
-    };
+        ),
+    )
+}
+
+/// A POST of `chunks`, 300 ms apart (each is one body callback), answered as `mode` says (see
+/// [`answering_plugin`]).
+fn answered_post(path: &str, mode: &str, chunks: &[&str]) -> Step {
+    Step::Send {
+        method: "POST",
+        path: path.into(),
+        headers: vec![],
+        chunks: chunks.iter().map(|c| c.to_string()).collect(),
+        pause_ms: 300,
+    }
+    .header("x-mode", mode)
+}
+
+/// StopIterationNoBuffer (3) from a body callback (see [`answering_plugin`]); the end of the
+/// stream continues.
+#[tokio::test(flavor = "multi_thread")]
+async fn body_answered_stop_iteration_no_buffer() {
+    let p = answering_plugin();
+    let post = |path: &str, mode: &str| answered_post(path, mode, &["aaaaa", "bbbbb", "ccccc"]);
     let steps = vec![
         post("/first", "3"),
         post("/first-two", "33"),
@@ -1749,4 +1771,201 @@ async fn host_is_the_authority_in_the_request_header_map() {
         steps.extend(ops.into_iter().map(|s| if h2 { s.h2() } else { s }));
     }
     differential(p.scenario("host_is_the_authority_in_the_request_header_map").steps(steps)).await;
+}
+
+/// StopIterationNoBuffer (3) answered to the end-of-stream callback (see [`answering_plugin`]):
+/// after StopIterationAndBuffer to every chunk (`/buffered`) and after Continue to the first two
+/// chunks and StopIterationNoBuffer to the last (`/dropped`); in the response, to the end of an
+/// SSE stream. Nothing continues such a stream afterwards: the client gives up (10 s), and its
+/// stream ends before the next request starts.
+#[tokio::test(flavor = "multi_thread")]
+async fn stop_iteration_no_buffer_at_the_end_of_stream() {
+    let chunks = ["aaaaa", "bbbbb", "ccccc"];
+    let steps = vec![
+        answered_post("/buffered", "111", &chunks).header("x-eos", "3"),
+        Step::Sleep(300),
+        answered_post("/dropped", "003", &chunks).header("x-eos", "3"),
+        Step::Sleep(300),
+        Step::get("/sse").header("x-resp-eos", "3"),
+    ];
+    let t = differential(
+        answering_plugin().scenario("stop_iteration_no_buffer_at_the_end_of_stream").steps(steps),
+    )
+    .await;
+    assert_eq!(t.client.iter().filter(|l| *l == "timeout").count(), 2, "{:?}", t.client);
+    assert!(t.client.contains(&"body timeout".to_string()), "{:?}", t.client);
+}
+
+/// The buffer limit (15 bytes) around StopIterationNoBuffer answers (see [`answering_plugin`]),
+/// chunks of 10 bytes: dropped chunks are not held (`33`), a chunk after a Buffer answer is held
+/// with it and takes it over the limit whatever the plugin answers (`13`), one after a NoBuffer
+/// answer is not (`31`: the third chunk crosses), and a Watermark-held chunk, a dropped one and
+/// a continued one (`230`: 20 bytes go on, no 413).
+#[tokio::test(flavor = "multi_thread")]
+async fn buffer_limit_after_stop_iteration_no_buffer() {
+    let chunks = ["aaaaaaaaaa", "bbbbbbbbbb", "cccccccccc"];
+    let steps = vec![
+        answered_post("/33", "33", &chunks),
+        answered_post("/13", "13", &chunks),
+        answered_post("/31", "31", &chunks),
+        answered_post("/230", "230", &chunks),
+    ];
+    let mut sc = answering_plugin().scenario("buffer_limit_after_stop_iteration_no_buffer");
+    sc.buffer_limit = 15;
+    differential(sc.steps(steps)).await;
+}
+
+/// A plugin that traps in `on_response_headers` (request header `x-trap-resp-hdrs`) or in
+/// `on_response_body` (`x-trap-resp-body`); every callback logs. The trap request, then
+/// `/after`.
+fn trap_in_a_response_callback(
+    name: &'static str,
+    at: &'static str,
+    policy: Option<&'static str>,
+) -> Scenario {
+    let mut p = Plugin::new();
+    let (ev_qh, ev_h, ev_b, th, tb) = (
+        p.ev("req_hdrs"),
+        p.ev("resp_hdrs"),
+        p.ev("resp_body"),
+        p.s("x-trap-resp-hdrs"),
+        p.s("x-trap-resp-body"),
+    );
+    let p = p
+        .extra(format!(
+            "  (global $th (mut i32) (i32.const 0))\n  (global $tb (mut i32) (i32.const 0))\n{}",
+            header_value_fns()
+        ))
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{ev_qh} (call $ev_num (local.get $eos)) (call $ev_end)
+    (global.set $th (call $flag_of {th})) (global.set $tb (call $flag_of {tb})) (i32.const 0)"
+            ),
+        )
+        .on(
+            "proxy_on_response_headers",
+            format!(
+                "{ev_h} (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (global.get $th) (then (unreachable))) (i32.const 0)"
+            ),
+        )
+        .on(
+            "proxy_on_response_body",
+            format!(
+                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (global.get $tb) (then (unreachable))) (i32.const 0)"
+            ),
+        );
+    let trap = match at {
+        "headers" => Step::get("/secret").header("x-trap-resp-hdrs", "1"),
+        _ => Step::get("/sse").header("x-trap-resp-body", "1"),
+    };
+    let mut sc = p.scenario(name).steps(vec![trap, Step::get("/after")]);
+    sc.failure_policy = policy;
+    sc
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_in_on_response_headers_under_the_default_policy() {
+    differential(trap_in_a_response_callback("trap_resp_hdrs_default", "headers", None)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_in_on_response_headers_under_fail_open() {
+    differential(trap_in_a_response_callback(
+        "trap_resp_hdrs_fail_open",
+        "headers",
+        Some("FAIL_OPEN"),
+    ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_in_on_response_body_under_the_default_policy() {
+    differential(trap_in_a_response_callback("trap_resp_body_default", "body", None)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_in_on_response_body_under_fail_open() {
+    differential(trap_in_a_response_callback(
+        "trap_resp_body_fail_open",
+        "body",
+        Some("FAIL_OPEN"),
+    ))
+    .await;
+}
+
+/// Streams held by the plugin when another stream traps (header StopIteration lets body
+/// callbacks go on: this host's 0_2_100 mode, Envoy's `allow_on_headers_stop_iteration`). Per
+/// stream, from its request headers: `/held-body` continues its headers and answers
+/// StopIterationAndBuffer to each chunk; `/held-headers` answers StopIteration to its headers
+/// and StopIterationAndBuffer to each chunk; `/stop-all` answers StopAllIterationAndBuffer to
+/// its headers (body buffered without callbacks, never continued); each continues at the end of
+/// its stream. Chunks 150 ms apart; `/trap` traps in `on_request_headers` at 220 ms; then
+/// `/after`.
+fn trap_while_streams_are_held(name: &'static str, policy: Option<&'static str>) -> Scenario {
+    let mut p = Plugin::new();
+    let (ev_h, ev_b, trap, hold, stop_all, buffer) = (
+        p.ev("req_hdrs"),
+        p.ev("req_body"),
+        p.s("x-trap"),
+        p.s("x-hold-headers"),
+        p.s("x-stop-all"),
+        p.s("x-buffer-body"),
+    );
+    // Per stream: whether its body is buffered, at 2048 + 4 * (context id mod 256).
+    let slot = "(i32.add (i32.const 2048) (i32.shl (i32.and (local.get $ctx) (i32.const 255)) (i32.const 2)))";
+    let p = p
+        .extra(header_value_fns())
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{ev_h} (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (call $flag_of {trap}) (then (unreachable)))
+    (i32.store {slot} (call $flag_of {buffer}))
+    (if (call $flag_of {stop_all}) (then (return (i32.const 3))))
+    (call $flag_of {hold})"
+            ),
+        )
+        .on(
+            "proxy_on_request_body",
+            format!(
+                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end)
+    (if (result i32) (i32.and (i32.eqz (local.get $eos)) (i32.load {slot}))
+      (then (i32.const 1)) (else (i32.const 0)))"
+            ),
+        );
+    let upload = |path: &str| Step::Send {
+        method: "POST",
+        path: path.into(),
+        headers: vec![],
+        chunks: ["aaaaa", "bbbbb", "ccccc"].iter().map(|c| c.to_string()).collect(),
+        pause_ms: 150,
+    };
+    let mut sc = p.scenario(name).steps(vec![
+        Step::Parallel(vec![
+            vec![upload("/held-body").header("x-buffer-body", "1")],
+            vec![
+                Step::Sleep(40),
+                upload("/held-headers").header("x-hold-headers", "1").header("x-buffer-body", "1"),
+            ],
+            vec![Step::Sleep(80), upload("/stop-all").header("x-stop-all", "1")],
+            vec![Step::Sleep(220), Step::get("/trap").header("x-trap", "1")],
+        ]),
+        Step::get("/after"),
+    ]);
+    sc.stop_iteration = true;
+    sc.failure_policy = policy;
+    sc
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_while_streams_are_held_under_the_default_policy() {
+    differential(trap_while_streams_are_held("trap_held_default", None)).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_while_streams_are_held_under_fail_open() {
+    differential(trap_while_streams_are_held("trap_held_fail_open", Some("FAIL_OPEN"))).await;
 }
