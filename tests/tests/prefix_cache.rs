@@ -594,42 +594,61 @@ async fn load_aware_without_pod_metrics_routes_as_go_does_and_says_so() {
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn load_aware_sends_new_conversations_away_from_a_pod_that_streams_slowly() {
-    // Three pods with the same idle metrics (no queue, no KV in use) and nothing in flight between
-    // the sequential requests below: queue, KV and in-flight cannot tell them apart. C streams its
-    // answers ten times as slowly, what a half-speed GPU or a throttled one looks like to clients.
+/// Three pods with the same idle metrics (no queue, no KV in use) that stream every 4 ms, but the
+/// third every 40 ms (what a half-speed or throttled GPU looks like to clients), behind one
+/// gateway worker (the speed each pod streams at is observed per worker VM) running `prefix_cache`
+/// with `lb_config` on top of the test's Redis settings; returns once the health check has stored
+/// every pod's metrics.
+async fn one_pod_streaming_slowly(
+    name: &str,
+    route: &str,
+    lb_config: serde_json::Value,
+) -> (RedisFixture, Vec<Pod>, Gateway) {
     let redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("pc-slow", 3).await.unwrap();
+    let pods = start_pods(name, 3).await.unwrap();
     for p in &pods {
         p.set_metrics(samples::vllm_v1(1, 0, 0.0));
         p.set_stream_chunk_delay(Duration::from_millis(4));
     }
-    let slow = &pods[2];
-    slow.set_stream_chunk_delay(Duration::from_millis(40));
-    // The latency signal on (off by default). One worker: the speed each pod streams at is
-    // observed per worker VM.
-    let cfg = redis_policy_config(
-        "route-slow",
-        &pods,
-        &redis,
-        "prefix_cache",
-        json!({"redisKeyTTL": TTL_S, "timeout": 1000, "loadAware": true, "loadLatencyWeight": 4}),
-    )
-    .metrics_health_check(LLM_CLUSTER, 100)
-    .workers(1);
+    pods[2].set_stream_chunk_delay(Duration::from_millis(40));
+    let mut config = json!({"redisKeyTTL": TTL_S, "timeout": 1000});
+    if let (Some(c), Some(extra)) = (config.as_object_mut(), lb_config.as_object()) {
+        c.extend(extra.clone());
+    }
+    let cfg = redis_policy_config(route, &pods, &redis, "prefix_cache", config)
+        .metrics_health_check(LLM_CLUSTER, 100)
+        .workers(1);
     let gw = Gateway::start(&cfg).await.unwrap();
     wait_scrapes(&pods, &[0, 0, 0], 2, Duration::from_secs(15)).await.unwrap();
+    (redis, pods, gw)
+}
 
-    // Until the gateway has seen every pod stream, new conversations go anywhere (coin tosses).
-    let mut warm_up = 0;
+/// New streamed conversations, one turn each, until every pod has served one (before that the
+/// gateway has not timed every pod, and new conversations go anywhere): each with its pod.
+async fn until_every_pod_streamed(gw: &Gateway, pods: &[Pod]) -> Vec<(Conversation, String)> {
+    let mut started = Vec::new();
     while pods.iter().any(|p| p.inference_count() == 0) {
-        warm_up += 1;
-        assert!(warm_up <= 40, "40 new conversations never reached every pod");
+        assert!(started.len() < 40, "40 new conversations never reached every pod");
         let mut conv = Conversation::new(&format!("warm-up {}", paths::unique_name("w")));
         conv.stream = true;
-        conv.turn(&gw, &question(1)).await.unwrap();
+        let pod = conv.turn(gw, &question(1)).await.unwrap();
+        started.push((conv, pod));
     }
+    started
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_aware_sends_new_conversations_away_from_a_pod_that_streams_slowly() {
+    // Queue, KV and in-flight (nothing between the sequential requests below) cannot tell the
+    // pods apart; only the slow pod's streaming rate can. The latency signal on (off by default).
+    let (redis, pods, gw) = one_pod_streaming_slowly(
+        "pc-slow",
+        "route-slow",
+        json!({"loadAware": true, "loadLatencyWeight": 4}),
+    )
+    .await;
+    let slow = &pods[2];
+    until_every_pod_streamed(&gw, &pods).await;
     // Then the slow pod is passed over for every new conversation.
     let before = slow.inference_count();
     let mut served = Vec::new();
@@ -644,45 +663,22 @@ async fn load_aware_sends_new_conversations_away_from_a_pod_that_streams_slowly(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_overload_latency_a_conversation_moves_off_a_slow_pod_and_stays_on_its_new_one() {
-    // As above, C streams ten times as slowly. With `overloadLatency` a conversation whose history
-    // lives on C has its next turn diverted to a fast pod, which becomes a holder of that history,
-    // and the turns after stay there (the least loaded holder). Without it the conversation
-    // would stay on C for good.
-    let redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("pc-divert-slow", 3).await.unwrap();
-    for p in &pods {
-        p.set_metrics(samples::vllm_v1(1, 0, 0.0));
-        p.set_stream_chunk_delay(Duration::from_millis(4));
-    }
-    let slow = &pods[2];
-    slow.set_stream_chunk_delay(Duration::from_millis(40));
-    let cfg = redis_policy_config(
+    // With `overloadLatency` a conversation whose history lives on the slow pod has its next turn
+    // diverted to a fast pod, which becomes a holder of that history, and the turns after stay
+    // there (the least loaded holder). Without it the conversation would stay on the slow pod.
+    let (redis, pods, gw) = one_pod_streaming_slowly(
+        "pc-divert-slow",
         "route-divert-slow",
-        &pods,
-        &redis,
-        "prefix_cache",
-        json!({"redisKeyTTL": TTL_S, "timeout": 1000, "loadAware": true,
-               "loadLatencyWeight": 4, "overloadLatency": 1.6}),
+        json!({"loadAware": true, "loadLatencyWeight": 4, "overloadLatency": 1.6}),
     )
-    .metrics_health_check(LLM_CLUSTER, 100)
-    .workers(1);
-    let gw = Gateway::start(&cfg).await.unwrap();
-    wait_scrapes(&pods, &[0, 0, 0], 2, Duration::from_secs(15)).await.unwrap();
-
-    // New conversations until every pod has streamed once; keep one that started on C.
-    let mut on_slow = None;
-    let mut warm_up = 0;
-    while pods.iter().any(|p| p.inference_count() == 0) {
-        warm_up += 1;
-        assert!(warm_up <= 40, "40 new conversations never reached every pod");
-        let mut conv = Conversation::new(&format!("warm-up {}", paths::unique_name("w")));
-        conv.stream = true;
-        if conv.turn(&gw, &question(1)).await.unwrap() == slow.host() {
-            on_slow = Some(conv);
-        }
-    }
-    let mut conv = on_slow.expect("the loop ends once C has served a conversation");
-    // Every pod has been timed once: C's history is diverted at its next turn.
+    .await;
+    let slow = &pods[2];
+    let (mut conv, _) = until_every_pod_streamed(&gw, &pods)
+        .await
+        .into_iter()
+        .find(|(_, pod)| *pod == slow.host())
+        .expect("the warm-up ends once the slow pod has served a conversation");
+    // Every pod has been timed once: the history on the slow pod is diverted at its next turn.
     let before = gw.stats().await.unwrap();
     let moved_to = conv.turn(&gw, &question(2)).await.unwrap();
     assert_ne!(moved_to, slow.host(), "turn 2 stayed on the slow pod");
