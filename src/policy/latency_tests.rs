@@ -7,14 +7,7 @@ const MS: u64 = 1_000_000;
 /// One streamed response from `pod`: headers at `t`, first chunk 100 ms later, then `chunks`
 /// chunks of 100 bytes `every_ms` apart. Returns the time after its end.
 fn stream(s: &mut PodSpeed, id: u32, pod: &str, t: u64, chunks: u64, every_ms: u64) -> u64 {
-    s.on_response_headers(id, pod.into(), t);
-    let mut now = t + 100 * MS;
-    s.on_response_body(id, now, 100, false);
-    for i in 0..chunks {
-        now += every_ms * MS;
-        s.on_response_body(id, now, 100, i + 1 == chunks);
-    }
-    now
+    stalled_stream(s, id, pod, t, chunks, (every_ms, u64::MAX, every_ms))
 }
 
 #[test]
