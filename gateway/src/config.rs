@@ -453,3 +453,34 @@ impl Config {
         Ok(cfg)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listener(extra: &str) -> anyhow::Result<Config> {
+        Config::parse(&format!("listeners: [{{name: main, address: 127.0.0.1:0{extra}}}]\n"))
+    }
+
+    /// A listener serves HTTP/2 with Higress's `downstream.http2` defaults unless told otherwise.
+    #[test]
+    fn http2_settings_default_to_higress_and_are_range_checked() {
+        let cfg = listener("").unwrap();
+        let h = cfg.listeners[0].http2;
+        assert_eq!(
+            (
+                h.max_concurrent_streams,
+                h.initial_stream_window_size,
+                h.initial_connection_window_size
+            ),
+            (100, 65535, 1_048_576)
+        );
+        let cfg = listener(", http2: {initial_stream_window_size: 1048576}").unwrap();
+        assert_eq!(cfg.listeners[0].http2.initial_stream_window_size, 1_048_576);
+        assert_eq!(cfg.listeners[0].http2.max_concurrent_streams, 100);
+        let err = listener(", http2: {initial_stream_window_size: 1000}").unwrap_err().to_string();
+        assert!(err.contains("http2.initial_stream_window_size 1000"), "{err}");
+        assert!(listener(", http2: {max_concurrent_streams: 0}").is_err());
+        assert!(listener(", http2: {max_streams: 5}").is_err(), "unknown keys are refused");
+    }
+}
