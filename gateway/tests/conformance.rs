@@ -783,12 +783,13 @@ async fn encoder_buffer_limit_headers_held() {
     assert!(t.client.contains(&"status 500".to_string()), "{:?}", t.client);
 }
 
-/// The upstream sends the response headers and a first chunk, then drops the connection.
+/// The upstream sends the response headers and a first chunk, then drops the connection; over
+/// HTTP/1.1 and over HTTP/2 (where the client sees the stream reset's error code).
 #[tokio::test(flavor = "multi_thread")]
 async fn upstream_reset_mid_response() {
     let p = Plugin::new();
-    differential(p.scenario("upstream_reset_mid_response").steps(vec![Step::get("/reset-mid")]))
-        .await;
+    let steps = vec![Step::get("/reset-mid"), Step::get("/reset-mid").h2()];
+    differential(p.scenario("upstream_reset_mid_response").steps(steps)).await;
 }
 
 /// HTTP calls that fail: a timeout (the upstream answers after 10 s, the call allows 300 ms) and
@@ -1859,6 +1860,7 @@ fn trap_in_a_response_callback(
         );
     let trap = match at {
         "headers" => Step::get("/secret").header("x-trap-resp-hdrs", "1"),
+        "body over HTTP/2" => Step::get("/sse").header("x-trap-resp-body", "1").h2(),
         _ => Step::get("/sse").header("x-trap-resp-body", "1"),
     };
     let mut sc = p.scenario(name).steps(vec![trap, Step::get("/after")]);
@@ -1884,6 +1886,12 @@ async fn a_trap_in_on_response_headers_under_fail_open() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_trap_in_on_response_body_under_the_default_policy() {
     differential(trap_in_a_response_callback("trap_resp_body_default", "body", None)).await;
+}
+
+/// The same over HTTP/2: the stream reset's error code.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trap_in_on_response_body_over_http2() {
+    differential(trap_in_a_response_callback("trap_resp_body_h2", "body over HTTP/2", None)).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1968,4 +1976,37 @@ async fn a_trap_while_streams_are_held_under_the_default_policy() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_trap_while_streams_are_held_under_fail_open() {
     differential(trap_while_streams_are_held("trap_held_fail_open", Some("FAIL_OPEN"))).await;
+}
+
+/// The encoder buffer limit over HTTP/2: the stream window (`initial_stream_window_size`, Higress's
+/// 65535), as for the request. The plugin holds the response headers (StopIteration, body
+/// callbacks allowed) and buffers the body to its end, logging its size there: 40000 bytes over
+/// HTTP/1.1 (limit 32768) and over HTTP/2, then 70000 bytes over HTTP/2. (Sizes before the end
+/// are not logged: how a large upstream body is cut into callbacks follows each proxy's reads.)
+#[tokio::test(flavor = "multi_thread")]
+async fn http2_held_response_and_the_buffer_limit() {
+    let mut p = Plugin::new();
+    let (ev_h, ev_b) = (p.ev("resp_hdrs"), p.ev("resp_body"));
+    let p = p
+        .on(
+            "proxy_on_response_headers",
+            format!("{ev_h} (call $ev_num (local.get $eos)) (call $ev_end) (i32.const 1)"),
+        )
+        .on(
+            "proxy_on_response_body",
+            format!(
+                "(if (i32.eqz (local.get $eos)) (then (return (i32.const 1))))
+    {ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $ev_end) (i32.const 0)"
+            ),
+        );
+    let mut sc = p.scenario("http2_held_response_and_the_buffer_limit");
+    sc.stop_iteration = true;
+    let steps = vec![
+        Step::get("/bytes/40000"),
+        Step::get("/bytes/40000").h2(),
+        Step::get("/bytes/70000").h2(),
+    ];
+    let t = differential(sc.steps(steps)).await;
+    let statuses: Vec<&String> = t.client.iter().filter(|l| l.starts_with("status")).collect();
+    assert_eq!(statuses, ["status 500", "status 200", "status 500"]);
 }

@@ -300,8 +300,8 @@ async fn answer_with_trailers(mut stream: tokio::net::TcpStream, seen: &Mutex<Ve
 /// A recording upstream. Paths: `/close` closes the connection without a response; `/slow` answers after 500 ms; `/secret` a body with "secret"; `/sse` streams 3 events 150 ms
 /// apart; `/sse-forever` streams until the client goes away; `/reset-mid` sends a chunked
 /// response's first chunk and then drops the connection; `/metrics` answers a fixed text;
-/// `/trailers` a chunked body with a trailer field (then the connection closes); anything else
-/// answers "ok <port>".
+/// `/trailers` a chunked body with a trailer field (then the connection closes); `/bytes/<n>`
+/// answers n bytes (at most 1 MiB); anything else answers "ok <port>".
 pub struct Upstream {
     pub addr: SocketAddr,
     pub seen: Arc<Mutex<Vec<Recorded>>>,
@@ -371,6 +371,12 @@ impl Upstream {
                                     "/metrics" => hyper::Response::new(GwBody::full(Bytes::from(
                                         format!("vllm:num_requests_running {}\n", addr.port()),
                                     ))),
+                                    p if p.starts_with("/bytes/") => {
+                                        let n = p["/bytes/".len()..].parse().unwrap_or(0usize);
+                                        hyper::Response::new(GwBody::full(Bytes::from(
+                                            "y".repeat(n.min(1 << 20)),
+                                        )))
+                                    }
                                     "/sse" | "/sse-forever" => {
                                         let forever = path == "/sse-forever";
                                         let (tx, b) = GwBody::channel();
