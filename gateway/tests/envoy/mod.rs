@@ -674,25 +674,7 @@ async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<Str
             for (k, v) in headers {
                 b = b.header(*k, v.as_str());
             }
-            let body = if chunks.len() <= 1 {
-                match chunks.first() {
-                    Some(c) => GwBody::full(Bytes::from(c.clone())),
-                    None => GwBody::full(Bytes::new()),
-                }
-            } else {
-                let (tx, body) = GwBody::channel();
-                let chunks = chunks.clone();
-                let pause = Duration::from_millis(*pause_ms);
-                tokio::spawn(async move {
-                    for c in chunks {
-                        if tx.send(Ok(Bytes::from(c))).await.is_err() {
-                            return;
-                        }
-                        tokio::time::sleep(pause).await;
-                    }
-                });
-                body
-            };
+            let body = paced_body(chunks, Duration::from_millis(*pause_ms));
             let Ok(req) = b.body(body) else {
                 out.push("bad request".into());
                 return;
@@ -770,24 +752,7 @@ async fn h2_exchange(
     for (k, v) in headers.iter().filter(|(k, _)| !k.starts_with(':')) {
         b = b.header(*k, v.as_str());
     }
-    let body = match chunks {
-        [] => GwBody::full(Bytes::new()),
-        [one] => GwBody::full(Bytes::from(one.clone())),
-        more => {
-            let (tx, body) = GwBody::channel();
-            let chunks = more.to_vec();
-            let pause = Duration::from_millis(pause_ms);
-            tokio::spawn(async move {
-                for c in chunks {
-                    if tx.send(Ok(Bytes::from(c))).await.is_err() {
-                        return;
-                    }
-                    tokio::time::sleep(pause).await;
-                }
-            });
-            body
-        }
-    };
+    let body = paced_body(chunks, Duration::from_millis(pause_ms));
     let Ok(req) = b.body(body) else { return vec!["bad request".into()] };
     let mut out = Vec::new();
     match tokio::time::timeout(Duration::from_secs(10), send.send_request(req)).await {
@@ -1049,4 +1014,26 @@ pub async fn differential(sc: Scenario) -> Transcript {
     }
     eprintln!("[{}] identical:\n{}", sc.name, envoy_lines.join("\n"));
     envoy
+}
+
+/// A request body of `chunks`: in one piece when there is at most one, else sent one chunk at a
+/// time with `pause` after each (so the proxy reads them apart).
+fn paced_body(chunks: &[String], pause: Duration) -> GwBody {
+    match chunks {
+        [] => GwBody::full(Bytes::new()),
+        [one] => GwBody::full(Bytes::from(one.clone())),
+        more => {
+            let (tx, body) = GwBody::channel();
+            let chunks = more.to_vec();
+            tokio::spawn(async move {
+                for c in chunks {
+                    if tx.send(Ok(Bytes::from(c))).await.is_err() {
+                        return;
+                    }
+                    tokio::time::sleep(pause).await;
+                }
+            });
+            body
+        }
+    }
 }
