@@ -9,6 +9,7 @@
 //! At the end: `proxy_on_log`, `proxy_on_done`, `proxy_on_delete` (also on client disconnect and
 //! upstream failure).
 
+use crate::abi::headers::add_to;
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
 use crate::body::{BodyError, GwBody, ReaderCaughtUp};
 use crate::cluster::Endpoint;
@@ -619,6 +620,9 @@ struct Iteration {
     /// Stopped for good by a Stop after a `continue_stream` inside the headers callback: the
     /// body is buffered, never passed on nor shown to the plugin.
     wedged: bool,
+    /// Request trailers came (HTTP/2) while the filter did not take callbacks (StopAll): they
+    /// go to the plugin after the replayed body.
+    trailers_pending: bool,
 }
 
 /// How a direction's iteration ended.
@@ -792,11 +796,14 @@ impl Drive {
             (":method".into(), method.clone().into_bytes()),
             (":scheme".into(), scheme.clone().into_bytes()),
         ];
+        // Envoy's codecs add each received header to the map as a plugin's add does: a
+        // repeated inline header becomes one entry (`a,b`; conformance test
+        // `add_header_map_value_to_inline_headers`).
         for (k, v) in req.headers() {
             if k == "host" {
                 continue;
             }
-            headers.push((k.as_str().to_string(), v.as_bytes().to_vec()));
+            add_to(0, &mut headers, k.as_str().to_string(), v.as_bytes().to_vec());
         }
         // Envoy generates x-request-id when missing.
         let id = match header_value(&headers, "x-request-id") {
@@ -1038,7 +1045,7 @@ impl Drive {
         let mut s = self.lock();
         let mut h: HeaderMap = vec![(":status".into(), parts.status.as_str().as_bytes().to_vec())];
         for (k, v) in parts.headers.iter() {
-            h.push((k.as_str().to_string(), v.as_bytes().to_vec()));
+            add_to(2, &mut h, k.as_str().to_string(), v.as_bytes().to_vec());
         }
         s.resp_headers = h;
         s.response_code = Some(parts.status.as_u16());
@@ -1065,6 +1072,7 @@ impl Drive {
             stop_all: false,
             data_stopped: false,
             wedged: false,
+            trailers_pending: false,
         };
         let n = self.lock().headers(dir).len();
         let action = match self.header_action(dir.headers_callback(), n, headers_eos) {
@@ -1118,11 +1126,21 @@ impl Drive {
                         return f;
                     }
                     let buffered = !self.lock().body(dir).is_empty();
+                    let trailers = std::mem::take(&mut it.trailers_pending);
                     if it.stop_all && (buffered || it.body_done) && !headers_eos {
-                        // StopAll: replay the buffered body to the filter now.
-                        let eos = it.body_done;
-                        if let Err(f) = self.on_data(dir, &mut it, eos) {
-                            return f;
+                        // StopAll: replay the buffered body to the filter now, then the
+                        // trailers (Envoy's `commonContinue`: the data without the end of
+                        // stream when trailers follow, no data callback when none is held).
+                        if buffered || !trailers {
+                            let eos = it.body_done && !trailers;
+                            if let Err(f) = self.on_data(dir, &mut it, eos) {
+                                return f;
+                            }
+                        }
+                        if trailers {
+                            if let Err(f) = self.on_request_trailers(&mut it) {
+                                return f;
+                            }
                         }
                         continue;
                     }
@@ -1205,9 +1223,15 @@ impl Drive {
                         }
                         Some(Err(_)) => return Flow::Reset,
                         Some(Ok(frame)) => {
-                            // Trailers are not passed to the filter (this host has no
-                            // trailer callbacks).
-                            let Ok(data) = frame.into_data() else { continue };
+                            let data = match frame.into_data() {
+                                Ok(data) => data,
+                                Err(frame) => {
+                                    if let Err(f) = self.trailers_arrived(dir, &mut it, frame) {
+                                        return f;
+                                    }
+                                    continue;
+                                }
+                            };
                             // An HTTP/2 DATA frame with END_STREAM: Envoy's HTTP/2 codec gives
                             // the filter its data and the end in one callback (HTTP/1 reports
                             // the end on its own, below). Responses come from HTTP/1 upstreams.
@@ -1316,6 +1340,64 @@ impl Drive {
                 Ok(())
             }
             Err(()) => Err(Flow::Local(wasm_fail_stream())),
+        }
+    }
+
+    /// A trailers frame ended the body. Envoy's HTTP/1 codecs drop trailers (`enable_trailers`
+    /// off by default: conformance tests `request_trailers_on_http1`,
+    /// `response_trailers_on_http1`), so hyper's trailers of an HTTP/1 request and of a
+    /// response (the upstreams are HTTP/1) are left out and the body ends as if they had not
+    /// been sent. Envoy's HTTP/2 codec passes request trailers on: the body ends without an
+    /// end-of-stream data callback and the plugin gets `on_request_trailers`
+    /// (`request_trailers_on_http2`).
+    fn trailers_arrived(
+        &mut self,
+        dir: Dir,
+        it: &mut Iteration,
+        frame: hyper::body::Frame<Bytes>,
+    ) -> Result<(), Flow> {
+        let Ok(trailers) = frame.into_trailers() else { return Ok(()) };
+        if dir != Dir::Request || !self.h2 {
+            return Ok(());
+        }
+        it.body = None;
+        it.body_done = true;
+        self.req_done = true;
+        self.lock().req_trailers =
+            trailers.iter().map(|(k, v)| (k.as_str().to_string(), v.as_bytes().to_vec())).collect();
+        if it.wedged || it.held && it.stop_all {
+            // Shown after the held body once the headers continue (a wedged filter never).
+            it.trailers_pending = true;
+            return Ok(());
+        }
+        self.on_request_trailers(it)
+    }
+
+    /// `proxy_on_request_trailers`. Continue lets the filter's held headers and data go on
+    /// with the end of the stream (Envoy's `commonHandleAfterTrailersCallback`); StopIteration
+    /// holds them (and the end) until `continue_stream`.
+    fn on_request_trailers(&mut self, it: &mut Iteration) -> Result<(), Flow> {
+        let n = self.lock().req_trailers.len();
+        match self.call("proxy_on_request_trailers", &[self.ctx as i32, n as i32]) {
+            Err(()) => Err(Flow::Local(wasm_fail_stream())),
+            Ok(Some((raw, false))) if raw != 0 => {
+                it.data_stopped = true;
+                Ok(())
+            }
+            // A local reply asked for in the callback is sent by the iteration.
+            Ok(Some((_, true))) => Ok(()),
+            Ok(_) => {
+                // Envoy drops its pointer to trailers a callback continued: the map is gone for
+                // the later callbacks (BadArgument; NotFound in `on_log`). The trailers go no
+                // further either: the upstreams are HTTP/1, whose codec drops them.
+                self.lock().req_trailers.clear();
+                self.data_stop = DataStop::NotStopped;
+                it.data_stopped = false;
+                if std::mem::take(&mut it.held) {
+                    self.release_headers(Dir::Request, false)?;
+                }
+                Ok(())
+            }
         }
     }
 

@@ -988,6 +988,146 @@ async fn request_trailers_on_http1() {
     assert!(t.upstream.contains(&"  body \"hello\"".to_string()), "{:?}", t.upstream);
 }
 
+/// Request trailers over HTTP/2 (`x-trailer: t1` in a HEADERS frame ending the stream): Envoy's
+/// HTTP/2 codec passes them to the filter. Every callback reads the trailer map; the trailers
+/// callback also reads the request headers and body and adds a trailer. Per stream (request
+/// headers): the body callbacks continue, or answer StopIterationAndBuffer (`x-buffer`), and the
+/// headers continue or are held (`x-hold`: StopIteration, body callbacks allowed); the trailers
+/// callback continues. A body in one DATA frame, in three, and none (the trailers right after
+/// the headers).
+#[tokio::test(flavor = "multi_thread")]
+async fn request_trailers_on_http2() {
+    let mut p = Plugin::new();
+    let (ev_h, ev_b, ev_t, ev_rh, ev_l) =
+        (p.ev("req_hdrs"), p.ev("req_body"), p.ev("req_trailers"), p.ev("resp_hdrs"), p.ev("log"));
+    let (t, path, added, one, buffer, hold) =
+        (p.s("x-trailer"), p.s(":path"), p.s("x-added"), p.s("1"), p.s("x-buffer"), p.s("x-hold"));
+    let p = p
+        .extra(format!(
+            r#"  (global $buffer (mut i32) (i32.const 0))
+{}
+  (func (export "proxy_on_request_trailers") (param $ctx i32) (param $n i32) (result i32)
+    {ev_t} (call $ev_num (local.get $n)) (call $hget (i32.const 1) {t}) (call $hget (i32.const 0) {path}) (call $bget (i32.const 0))
+    (call $ev_num (call $proxy_add_header_map_value (i32.const 1) {added} {one})) (call $hget (i32.const 1) {added}) (call $ev_end) (i32.const 0))
+"#,
+            header_value_fns()
+        ))
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{ev_h} (call $ev_num (local.get $eos)) (call $hget (i32.const 1) {t}) (call $ev_end)
+    (global.set $buffer (call $flag_of {buffer})) (call $flag_of {hold})"
+            ),
+        )
+        .on(
+            "proxy_on_request_body",
+            format!(
+                "{ev_b} (call $ev_num (local.get $size)) (call $ev_num (local.get $eos)) (call $hget (i32.const 1) {t}) (call $ev_end)
+    (global.get $buffer)"
+            ),
+        )
+        .on(
+            "proxy_on_response_headers",
+            format!(
+                "{ev_rh} (call $ev_num (local.get $eos)) (call $hget (i32.const 1) {t}) (call $ev_end) (i32.const 0)"
+            ),
+        )
+        .on("proxy_on_log", format!("{ev_l} (call $hget (i32.const 1) {t}) (call $ev_end)"));
+    let three = || Step::post("/three", &["aaaaa", "bbbbb", "ccccc"]).paced(300);
+    let steps = vec![
+        Step::post("/one", &["hello"]).h2().trailer("x-trailer", "t1"),
+        three().h2().trailer("x-trailer", "t1"),
+        three().header("x-buffer", "1").h2().trailer("x-trailer", "t1"),
+        three().header("x-buffer", "1").header("x-hold", "1").h2().trailer("x-trailer", "t1"),
+        Step::post("/none", &[]).h2().trailer("x-trailer", "t1"),
+    ];
+    let mut sc = p.scenario("request_trailers_on_http2");
+    sc.stop_iteration = true;
+    let t = differential(sc.steps(steps)).await;
+    assert_eq!(
+        t.plugin.iter().filter(|l| l.starts_with("req_trailers")).count(),
+        5,
+        "{:?}",
+        t.plugin
+    );
+}
+
+/// `add_header_map_value` twice (`v1`, `v2`) to headers Envoy keeps inline in its request or
+/// response header map (its startup log "HTTP header map info" lists them) and to others: to an
+/// inline one, present or not, the second add appends `,v2` to the one entry, to an empty one
+/// it sets the value; to any other header it adds an entry (the upstream and the client see
+/// each). The request headers also arrive with two `if-match` (inline) and two `x-dup` lines,
+/// over HTTP/1.1 and HTTP/2; the plugin reads the first value of each.
+#[tokio::test(flavor = "multi_thread")]
+async fn add_header_map_value_to_inline_headers() {
+    let mut p = Plugin::new();
+    let (ev_h, ev_rh, v1, v2) = (p.ev("req_hdrs"), p.ev("resp_hdrs"), p.s("v1"), p.s("v2"));
+    let mut adds = |map: i32, names: &[&str]| -> String {
+        let mut code = String::new();
+        for n in names {
+            let k = p.s(n);
+            code.push_str(&format!(
+                "(call $ev_num (call $proxy_add_header_map_value (i32.const {map}) {k} {v1}))
+    (call $ev_num (call $proxy_add_header_map_value (i32.const {map}) {k} {v2})) (call $hget (i32.const {map}) {k})\n    "
+            ));
+        }
+        code
+    };
+    let req = adds(
+        0,
+        &[
+            "user-agent",
+            "content-type",
+            "accept",
+            "authorization",
+            "cache-control",
+            "referer",
+            "via",
+            "pragma",
+            "if-none-match",
+            "x-custom",
+            "location",
+            "etag",
+        ],
+    );
+    let resp = adds(
+        2,
+        &[
+            "content-type",
+            "cache-control",
+            "location",
+            "etag",
+            "vary",
+            "age",
+            "access-control-allow-origin",
+            "user-agent",
+            "accept",
+            "x-custom",
+        ],
+    );
+    let (if_match, dup) = (p.s("if-match"), p.s("x-dup"));
+    let p = p
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{ev_h} (call $hget (i32.const 0) {if_match}) (call $hget (i32.const 0) {dup})
+    {req}(call $ev_end) (i32.const 0)"
+            ),
+        )
+        .on("proxy_on_response_headers", format!("{ev_rh} {resp}(call $ev_end) (i32.const 0)"));
+    let sent = |s: Step| {
+        s.header("user-agent", "ua")
+            .header("pragma", "")
+            .header("if-match", "m1")
+            .header("if-match", "m2")
+            .header("x-dup", "d1")
+            .header("x-dup", "d2")
+    };
+    let steps =
+        vec![sent(Step::get("/plain")), sent(Step::get("/sse")), sent(Step::get("/h2")).h2()];
+    differential(p.scenario("add_header_map_value_to_inline_headers").steps(steps)).await;
+}
+
 /// The same limit hit by a body arriving in pieces (`/sse`: three events of 9 bytes), headers
 /// held: the plugin sees the first piece; the second is added to the buffer before the plugin
 /// is called again, goes over the limit and gives the 500 local reply without a callback.
@@ -1674,13 +1814,7 @@ async fn http2_downstream_with_prior_knowledge() {
                 "{ev_rh} (call $ev_num (local.get $eos)) (call $hget (i32.const 2) {status}) (call $ev_end) (i32.const 0)"
             ),
         );
-    let chunked = Step::Send {
-        method: "POST",
-        path: "/chunked".into(),
-        headers: vec![],
-        chunks: ["aaaaa", "bbbbb", "ccccc"].iter().map(|c| c.to_string()).collect(),
-        pause_ms: 300,
-    };
+    let chunked = Step::post("/chunked", &["aaaaa", "bbbbb", "ccccc"]).paced(300);
     let steps = vec![
         Step::get("/get").h2(),
         Step::get("/host-too").header("host", "other.test").h2(),

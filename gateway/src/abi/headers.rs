@@ -10,8 +10,10 @@
 //!
 //! In the request headers `host` is `:authority`, as in Envoy's request header map, which keeps
 //! both names in one inline entry: reading, replacing or removing `host` reads, replaces or
-//! removes `:authority`, and adding either to a map that has it appends `,value` to it
-//! (conformance test `host_is_the_authority_in_the_request_header_map`).
+//! removes `:authority` (conformance test `host_is_the_authority_in_the_request_header_map`).
+//! Adding a header Envoy keeps inline (`:authority`, `user-agent`, `content-type`, ...) to a map
+//! that has it appends `,value` to it; any other header gets an entry of its own (conformance
+//! test `add_header_map_value_to_inline_headers`).
 
 use super::{
     copy_out, marshal_pairs, read_bytes, read_string, status, unmarshal_pairs, HResult, HeaderMap,
@@ -50,8 +52,9 @@ fn with_map<R>(
             let readable = match ty {
                 0 => s.req_hdr_access || (log && !write),
                 2 => s.resp_hdr_access || (log && !write && !s.resp_headers.is_empty()),
-                // Trailers exist only when the message had them (this host never forwards
-                // trailers, so never).
+                // Trailers exist only when the message had them: request trailers over HTTP/2
+                // until the trailers callback continues them (the response's come from HTTP/1
+                // upstreams, whose codec drops them, so never).
                 1 => !s.req_trailers.is_empty(),
                 _ => !s.resp_trailers.is_empty(),
             };
@@ -89,14 +92,148 @@ fn map_key(ty: i32, key: String) -> String {
     }
 }
 
-/// Adds a header to map `ty` as Envoy's `HeaderMap::addCopy` does for the request's
-/// `:authority`: appended to the value it has (`a,b`), else a new entry.
-fn add_to(ty: i32, m: &mut HeaderMap, key: String, val: Vec<u8>) {
+/// The headers Envoy 1.40's request header map keeps inline: its own and those its extensions
+/// register (the release binary's startup log, "HTTP header map info", lists them).
+const INLINE_REQUEST_HEADERS: &[&str] = &[
+    ":authority",
+    ":method",
+    ":path",
+    ":protocol",
+    ":scheme",
+    "accept",
+    "accept-encoding",
+    "access-control-request-headers",
+    "access-control-request-method",
+    "access-control-request-private-network",
+    "authentication",
+    "authorization",
+    "cache-control",
+    "cdn-loop",
+    "connection",
+    "content-encoding",
+    "content-length",
+    "content-type",
+    "expect",
+    "grpc-accept-encoding",
+    "grpc-timeout",
+    "if-match",
+    "if-modified-since",
+    "if-none-match",
+    "if-range",
+    "if-unmodified-since",
+    "keep-alive",
+    "origin",
+    "pragma",
+    "proxy-connection",
+    "proxy-status",
+    "referer",
+    "te",
+    "transfer-encoding",
+    "upgrade",
+    "user-agent",
+    "via",
+    "x-client-trace-id",
+    "x-envoy-attempt-count",
+    "x-envoy-decorator-operation",
+    "x-envoy-downstream-service-cluster",
+    "x-envoy-downstream-service-node",
+    "x-envoy-expected-rq-timeout-ms",
+    "x-envoy-external-address",
+    "x-envoy-force-trace",
+    "x-envoy-hedge-on-per-try-timeout",
+    "x-envoy-internal",
+    "x-envoy-ip-tags",
+    "x-envoy-is-timeout-retry",
+    "x-envoy-max-retries",
+    "x-envoy-original-host",
+    "x-envoy-original-path",
+    "x-envoy-original-url",
+    "x-envoy-retriable-header-names",
+    "x-envoy-retriable-status-codes",
+    "x-envoy-retry-grpc-on",
+    "x-envoy-retry-on",
+    "x-envoy-upstream-alt-stat-name",
+    "x-envoy-upstream-rq-per-try-timeout-ms",
+    "x-envoy-upstream-rq-timeout-alt-response",
+    "x-envoy-upstream-rq-timeout-ms",
+    "x-envoy-upstream-stream-duration-ms",
+    "x-forwarded-client-cert",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-port",
+    "x-forwarded-proto",
+    "x-request-id",
+];
+
+/// The same for Envoy 1.40's response header map (also a callout response's headers).
+const INLINE_RESPONSE_HEADERS: &[&str] = &[
+    ":status",
+    "access-control-allow-credentials",
+    "access-control-allow-headers",
+    "access-control-allow-methods",
+    "access-control-allow-origin",
+    "access-control-allow-private-network",
+    "access-control-expose-headers",
+    "access-control-max-age",
+    "age",
+    "cache-control",
+    "connection",
+    "content-encoding",
+    "content-length",
+    "content-type",
+    "date",
+    "etag",
+    "expires",
+    "grpc-message",
+    "grpc-status",
+    "keep-alive",
+    "last-modified",
+    "location",
+    "proxy-connection",
+    "proxy-status",
+    "server",
+    "transfer-encoding",
+    "upgrade",
+    "vary",
+    "via",
+    "x-envoy-attempt-count",
+    "x-envoy-decorator-operation",
+    "x-envoy-degraded",
+    "x-envoy-immediate-health-check-fail",
+    "x-envoy-ratelimited",
+    "x-envoy-upstream-canary",
+    "x-envoy-upstream-healthchecked-cluster",
+    "x-envoy-upstream-service-time",
+    "x-request-id",
+];
+
+/// The same for the response trailer map (the request trailer map has none).
+const INLINE_RESPONSE_TRAILERS: &[&str] = &["grpc-message", "grpc-status"];
+
+/// Whether Envoy keeps header `key` of map `ty` inline.
+fn inline(ty: i32, key: &str) -> bool {
+    let names = match ty {
+        0 => INLINE_REQUEST_HEADERS,
+        2 | 6 => INLINE_RESPONSE_HEADERS,
+        3 | 7 => INLINE_RESPONSE_TRAILERS,
+        _ => &[],
+    };
+    names.contains(&key)
+}
+
+/// Adds a header to map `ty` as Envoy's `HeaderMapImpl::addCopy` does: to an inline header the
+/// map has, the value is appended (`appendToHeader`: `a,b`; no comma after an empty value,
+/// nothing for an empty one); else a new entry.
+pub fn add_to(ty: i32, m: &mut HeaderMap, key: String, val: Vec<u8>) {
     let key = map_key(ty, key);
-    if key == ":authority" {
+    if inline(ty, &key) {
         if let Some((_, v)) = m.iter_mut().find(|(k, _)| *k == key) {
-            v.push(b',');
-            v.extend_from_slice(&val);
+            if !val.is_empty() {
+                if !v.is_empty() {
+                    v.push(b',');
+                }
+                v.extend_from_slice(&val);
+            }
             return;
         }
     }

@@ -8,7 +8,7 @@
 
 use crate::common::{self, Gateway, Upstream, PRELUDE};
 use bytes::Bytes;
-use gateway::body::GwBody;
+use gateway::body::{BodyError, GwBody};
 use http_body_util::BodyExt;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
@@ -164,8 +164,9 @@ pub enum Step {
     /// header is sent unless the step names one. A step header `:authority` sets it instead;
     /// an empty one sends none (only `:method`, `:scheme` http and `:path`). Each chunk is one DATA frame; a body of one
     /// chunk ends the stream with it (END_STREAM on that frame), a body of several chunks ends
-    /// with an empty DATA frame carrying END_STREAM.
-    Http2(Box<Step>),
+    /// with an empty DATA frame carrying END_STREAM. Trailers, when the step has some (see
+    /// [`Step::trailer`]), follow the body in a HEADERS frame that carries END_STREAM instead.
+    Http2(Box<Step>, Vec<(&'static str, String)>),
 }
 
 impl Step {
@@ -190,16 +191,30 @@ impl Step {
     pub fn header(mut self, k: &'static str, v: &str) -> Step {
         match &mut self {
             Step::Send { headers, .. } => headers.push((k, v.to_string())),
-            Step::Http2(inner) => {
+            Step::Http2(inner, _) => {
                 **inner = std::mem::replace(&mut **inner, Step::Sleep(0)).header(k, v)
             }
             _ => {}
         }
         self
     }
+    /// This `Send` with its chunks `ms` apart.
+    pub fn paced(mut self, ms: u64) -> Step {
+        if let Step::Send { pause_ms, .. } = &mut self {
+            *pause_ms = ms;
+        }
+        self
+    }
     /// This `Send` over HTTP/2 with prior knowledge (see [`Step::Http2`]).
     pub fn h2(self) -> Step {
-        Step::Http2(Box::new(self))
+        Step::Http2(Box::new(self), vec![])
+    }
+    /// A request trailer of this HTTP/2 step (see [`Step::Http2`]).
+    pub fn trailer(mut self, k: &'static str, v: &str) -> Step {
+        if let Step::Http2(_, trailers) = &mut self {
+            trailers.push((k, v.to_string()));
+        }
+        self
     }
 }
 
@@ -657,12 +672,11 @@ async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<St
 async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<String>) {
     match step {
         Step::Parallel(_) => out.push("nested Parallel".into()),
-        Step::Http2(inner) => match &**inner {
+        Step::Http2(inner, trailers) => match &**inner {
             Step::Send { method, path, headers, chunks, pause_ms } => {
                 out.push(format!("{method} {path} (h2)"));
-                out.extend(
-                    h2_exchange(addr, method, path, headers, chunks, *pause_ms, names).await,
-                );
+                let body = H2Body { chunks, pause_ms: *pause_ms, trailers };
+                out.extend(h2_exchange(addr, method, path, headers, body, names).await);
             }
             _ => out.push("Http2 of a step that is not a Send".into()),
         },
@@ -717,6 +731,43 @@ async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<Str
     }
 }
 
+/// The request body of an HTTP/2 step: its chunks, the pause between them, its trailers.
+struct H2Body<'a> {
+    chunks: &'a [String],
+    pause_ms: u64,
+    trailers: &'a [(&'static str, String)],
+}
+
+/// A request body, then its trailers (if any) in a frame of their own: while trailers are to
+/// come no DATA frame ends the stream, their HEADERS frame does.
+struct TrailedBody {
+    body: GwBody,
+    trailers: Option<hyper::HeaderMap>,
+}
+
+impl hyper::body::Body for TrailedBody {
+    type Data = Bytes;
+    type Error = BodyError;
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        match std::pin::Pin::new(&mut this.body).poll_frame(cx) {
+            std::task::Poll::Ready(None) => std::task::Poll::Ready(
+                this.trailers.take().map(|t| Ok(hyper::body::Frame::trailers(t))),
+            ),
+            other => other,
+        }
+    }
+    fn is_end_stream(&self) -> bool {
+        self.trailers.is_none() && self.body.is_end_stream()
+    }
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// One request over HTTP/2 with prior knowledge on a new connection; the response as transcript
 /// lines (as for `Step::Send`).
 async fn h2_exchange(
@@ -724,10 +775,10 @@ async fn h2_exchange(
     method: &str,
     path: &str,
     headers: &[(&'static str, String)],
-    chunks: &[String],
-    pause_ms: u64,
+    req_body: H2Body<'_>,
     names: &Names,
 ) -> Vec<String> {
+    let H2Body { chunks, pause_ms, trailers } = req_body;
     let Ok(tcp) = tokio::net::TcpStream::connect(addr).await else {
         return vec!["connect failed".into()];
     };
@@ -753,6 +804,15 @@ async fn h2_exchange(
         b = b.header(*k, v.as_str());
     }
     let body = paced_body(chunks, Duration::from_millis(pause_ms));
+    let mut map = hyper::HeaderMap::new();
+    for (k, v) in trailers {
+        let (Ok(k), Ok(v)) = (hyper::header::HeaderName::from_bytes(k.as_bytes()), v.parse())
+        else {
+            return vec!["bad trailer".into()];
+        };
+        map.append(k, v);
+    }
+    let body = TrailedBody { body, trailers: (!map.is_empty()).then_some(map) };
     let Ok(req) = b.body(body) else { return vec!["bad request".into()] };
     let mut out = Vec::new();
     match tokio::time::timeout(Duration::from_secs(10), send.send_request(req)).await {
@@ -842,7 +902,7 @@ fn with_addresses(step: &Step, ups: &[Upstream]) -> Step {
             *s = with_addresses(s, ups);
         }
     }
-    if let Step::Http2(inner) = &mut step {
+    if let Step::Http2(inner, _) = &mut step {
         **inner = with_addresses(inner, ups);
     }
     if let Step::Send { headers, .. } = &mut step {
