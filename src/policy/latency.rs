@@ -31,6 +31,12 @@ use std::collections::HashMap;
 const EWMA_ALPHA: f64 = 0.3;
 /// A response shorter than this after its first body chunk says little about the decode rate.
 const MIN_SAMPLE_BYTES: u64 = 512;
+/// Nor does one with fewer chunk gaps: the median of a few gaps is whichever gap it lands on,
+/// and a short answer from a pod taking new prompts can be all prefill stalls (`cache-pressure`
+/// at time scale 1: a 5-token answer in the first second gave one pod a steady slowness of 11,
+/// its hits diverted for the rest of the run). Real engines send about one event per token, so
+/// this is a 16-token answer.
+const MIN_SAMPLE_GAPS: u32 = 16;
 /// At most this many chunk gaps are kept per response for its median: when full, every other one
 /// is dropped and only every second gap after is kept (so they spread over the whole response).
 const MAX_GAPS: usize = 32;
@@ -190,8 +196,8 @@ impl PodSpeed {
         let Some(first) = t.first_ns else { return };
         let span = now_ns.saturating_sub(first);
         let steady = t.median_gap();
-        let Some(steady) = steady.filter(|g| *g > 0.0 && t.bytes >= MIN_SAMPLE_BYTES && span > 0)
-        else {
+        let long_enough = t.bytes >= MIN_SAMPLE_BYTES && t.seen >= MIN_SAMPLE_GAPS;
+        let Some(steady) = steady.filter(|g| *g > 0.0 && long_enough && span > 0) else {
             // A one-chunk (non-streamed) or short response, or one whose chunks mostly came at
             // once (read in a burst): no decode rate in it.
             return;

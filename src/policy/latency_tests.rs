@@ -28,12 +28,13 @@ fn a_pod_decoding_at_half_the_rate_is_twice_as_slow() {
 fn the_time_to_the_first_byte_does_not_count_so_hits_do_not_look_fast() {
     // b's responses start sooner (prefix hits) but decode at the same rate: same speed.
     let mut s = PodSpeed::default();
-    s.on_response_headers(1, "a".into(), 0);
-    s.on_response_body(1, 900 * MS, 100, false);
-    s.on_response_body(1, 1100 * MS, 1000, true);
-    s.on_response_headers(2, "b".into(), 0);
-    s.on_response_body(2, 10 * MS, 100, false);
-    s.on_response_body(2, 210 * MS, 1000, true);
+    for (id, pod, first_ms) in [(1, "a", 900), (2, "b", 10)] {
+        s.on_response_headers(id, pod.into(), 0);
+        s.on_response_body(id, first_ms * MS, 100, false);
+        for i in 1..=20 {
+            s.on_response_body(id, (first_ms + 10 * i) * MS, 100, i == 20);
+        }
+    }
     let none = Slowness::NONE;
     assert_eq!(s.slowness(&["a", "b"], 2000 * MS), vec![("a".into(), none), ("b".into(), none)]);
 }
@@ -173,4 +174,17 @@ fn coalesced_chunks_are_timed_per_byte() {
     }
     let slow = s.slowness(&["a", "b"], now);
     assert_eq!(slow[1].1, Slowness::NONE, "{slow:?}");
+}
+
+#[test]
+fn a_short_answer_is_no_sample_even_streamed() {
+    // A few events, each after a prefill stall (a pod taking new prompts): its median is a stall.
+    let mut s = PodSpeed::default();
+    let t = stream(&mut s, 1, "a", 0, 20, 10);
+    let t = stalled_stream(&mut s, 2, "b", t, 10, (10, 1, 140));
+    assert!(s.slowness(&["a", "b"], t).is_empty(), "only a has a sample");
+    // The same stalls all through a long answer: the pod is that slow.
+    let t = stalled_stream(&mut s, 3, "b", t, 20, (10, 1, 140));
+    let b = s.slowness(&["a", "b"], t)[1].1;
+    assert!((b.steady - 14.0).abs() < 1e-6, "{b:?}");
 }
