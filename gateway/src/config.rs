@@ -61,6 +61,12 @@ pub struct ListenerConfig {
     /// by `stream_idle_timeout_ms` as in Envoy, where a stream exists from the first byte.
     #[serde(default)]
     pub request_headers_timeout_ms: u64,
+    /// Envoy's HCM `drain_timeout`: an HTTP/2 connection that is to close (idle timeout, drain)
+    /// gets a first GOAWAY at once, and the second one, after which it closes, this much
+    /// later. Default 5 s (Envoy's; Higress does not change it); 0: at once. Either way the
+    /// socket closes 1 s after the second GOAWAY (Envoy's `delayed_close_timeout`).
+    #[serde(default = "default_http2_drain_timeout")]
+    pub http2_drain_timeout_ms: u64,
     /// Envoy's HCM `http_protocol_options.accept_http_10`: whether HTTP/1.0 requests are served.
     /// Default true, as in Higress: its gateway pods set `ISTIO_META_HTTP10=1`, for which istio
     /// turns it on in the gateway listeners (without a `default_host_for_http_10`, so an
@@ -141,6 +147,10 @@ fn default_idle_timeout() -> u64 {
     HIGRESS_DOWNSTREAM_IDLE_TIMEOUT_MS
 }
 
+fn default_http2_drain_timeout() -> u64 {
+    5_000
+}
+
 /// Envoy's default HCM `stream_idle_timeout` (5 min).
 pub const ENVOY_STREAM_IDLE_TIMEOUT_MS: u64 = 300_000;
 
@@ -156,6 +166,7 @@ impl ListenerConfig {
             idle: ms(self.idle_timeout_ms),
             stream_idle: ms(self.stream_idle_timeout_ms),
             headers: ms(self.request_headers_timeout_ms).or(ms(self.stream_idle_timeout_ms)),
+            http2_drain: std::time::Duration::from_millis(self.http2_drain_timeout_ms),
         }
     }
 }
@@ -169,6 +180,8 @@ pub struct ListenerTimers {
     pub stream_idle: Option<std::time::Duration>,
     /// How long the request header may take to arrive (hyper's `header_read_timeout`).
     pub headers: Option<std::time::Duration>,
+    /// From an HTTP/2 connection's first GOAWAY to its second (Envoy's `drain_timeout`).
+    pub http2_drain: std::time::Duration,
 }
 
 /// Higress's helm default `downstream.connectionBufferLimits`.

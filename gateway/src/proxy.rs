@@ -51,6 +51,9 @@ struct ConnStreams {
     changed: tokio::sync::Notify,
     /// The connection is to be reset (closed at once, with a TCP RST).
     reset: std::cell::Cell<bool>,
+    /// An HTTP/2 connection that is closing: when Envoy's drain timeout ends (see
+    /// `DownstreamIo::draining`).
+    drain_until: std::cell::Cell<Option<tokio::time::Instant>>,
 }
 
 /// One stream in flight on a connection (ends when dropped, after the plugin's on_delete).
@@ -191,6 +194,7 @@ pub async fn serve_connection(
         first,
         refused_http10,
         streams: streams.clone(),
+        drain_timer: None,
     });
     if h2 {
         let h = opts.http2;
@@ -234,6 +238,12 @@ async fn drive_connection<C>(
     tokio::pin!(conn);
     // A graceful close was started: the connection ends once its streams have.
     let mut closing = false;
+    let start_closing = |conn: Pin<&mut C>| {
+        if h2 {
+            streams.drain_until.set(Some(tokio::time::Instant::now() + timers.http2_drain));
+        }
+        graceful(conn);
+    };
     loop {
         let idle_at = if closing { None } else { streams.idle_deadline(timers.idle) };
         tokio::select! {
@@ -246,7 +256,7 @@ async fn drive_connection<C>(
                     return;
                 }
                 closing = true;
-                graceful(conn.as_mut());
+                start_closing(conn.as_mut());
             }
             _ = streams.changed.notified() => {
                 if streams.reset.get() {
@@ -275,7 +285,7 @@ async fn drive_connection<C>(
                     Shutdown::Draining => {
                         if !closing {
                             closing = true;
-                            graceful(conn.as_mut());
+                            start_closing(conn.as_mut());
                         }
                     }
                     // Dropping the connection ends its streams as a client abort would: the
@@ -313,6 +323,10 @@ fn refusal_before_filters(req: &Request<Incoming>, accept_http_10: bool) -> Opti
     None
 }
 
+/// Envoy's default `delayed_close_timeout`: how long it waits for the client to close first
+/// after it flushed its last bytes on a connection it closes.
+const DELAYED_CLOSE: Duration = Duration::from_secs(1);
+
 /// The downstream socket. Envoy's HTTP/1 codec answers an HTTP/1.0 request it refuses (426) with
 /// an `HTTP/1.1` status line, where hyper answers every HTTP/1.0 request in HTTP/1.0: once the
 /// service made that refusal (`refused_http10`), the next status line written says HTTP/1.1
@@ -324,6 +338,8 @@ struct DownstreamIo {
     refused_http10: Rc<std::cell::Cell<bool>>,
     /// The connection's streams; `reset` makes dropping the socket an abortive close.
     streams: Rc<ConnStreams>,
+    /// Runs until `streams.drain_until` (see `draining`).
+    drain_timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl Drop for DownstreamIo {
@@ -337,6 +353,24 @@ impl Drop for DownstreamIo {
 }
 
 impl DownstreamIo {
+    /// Pending until `then` past the end of a closing HTTP/2 connection's drain timeout. Envoy
+    /// sends its first GOAWAY when the connection is to close, the second one after its
+    /// `drain_timeout`, and closes the socket after its `delayed_close_timeout` (1 s) unless the
+    /// client closed first; hyper's graceful close sends a GOAWAY and a PING, the second GOAWAY
+    /// as soon as the PING's ack is read, and then closes. So while the drain runs, an idle
+    /// connection's reads wait (the ack with them), and the close waits for the drain and the
+    /// delayed close in any case (conformance test `http2_idle_timeout_and_drain`). A
+    /// connection with a stream in flight keeps reading: its second GOAWAY may go out early.
+    fn draining(&mut self, cx: &mut std::task::Context<'_>, then: Duration) -> std::task::Poll<()> {
+        let Some(until) = self.streams.drain_until.get() else { return std::task::Poll::Ready(()) };
+        let at = until + then;
+        let timer = self.drain_timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+        if timer.deadline() != at {
+            timer.as_mut().reset(at);
+        }
+        timer.as_mut().poll(cx)
+    }
+
     fn rewrite(&self, buf: &[u8]) -> Option<Vec<u8>> {
         if !self.refused_http10.get() || !buf.starts_with(b"HTTP/1.0 ") {
             return None;
@@ -354,6 +388,9 @@ impl tokio::io::AsyncRead for DownstreamIo {
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
+        if self.streams.active.get() == 0 && self.draining(cx, Duration::ZERO).is_pending() {
+            return std::task::Poll::Pending;
+        }
         if !self.first.is_empty() {
             let n = self.first.len().min(buf.remaining());
             let head = self.first.split_to(n);
@@ -400,6 +437,9 @@ impl tokio::io::AsyncWrite for DownstreamIo {
         mut self: Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
+        if self.draining(cx, DELAYED_CLOSE).is_pending() {
+            return std::task::Poll::Pending;
+        }
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }

@@ -2144,3 +2144,20 @@ async fn http2_held_response_and_the_buffer_limit() {
     let statuses: Vec<&String> = t.client.iter().filter(|l| l.starts_with("status")).collect();
     assert_eq!(statuses, ["status 500", "status 200", "status 500"]);
 }
+
+/// The connection idle timeout over HTTP/2 (1 s) with a `drain_timeout` of 2 s: the client
+/// keeps its side of the connection open after a GET and waits for the proxy to close it.
+/// Envoy starts its drain sequence at the idle timeout (a first GOAWAY) and sends the second
+/// GOAWAY and closes after the drain timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn http2_idle_timeout_and_drain() {
+    let mut sc = Plugin::new().scenario("http2_idle_timeout_and_drain");
+    sc.idle_timeout_ms = Some(1000);
+    sc.drain_timeout_ms = Some(2000);
+    let t = differential(sc.steps(vec![Step::Http2Idle { path: "/idle", wait_ms: 8000 }])).await;
+    assert!(
+        t.client.iter().any(|l| l.starts_with("GOAWAY") && l.ends_with("after 3 s")),
+        "{:?}",
+        t.client
+    );
+}

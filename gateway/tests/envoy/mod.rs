@@ -156,6 +156,10 @@ pub enum Step {
     Raw { bytes: String, hold_ms: u64 },
     /// Wait (for timers, or for a callout to finish after a client went away).
     Sleep(u64),
+    /// A GET over HTTP/2 with prior knowledge on a connection the client then keeps open, doing
+    /// nothing, until the proxy closes it (at most `wait_ms`): the response's end, the GOAWAY
+    /// frames and the close, with the whole seconds (rounded) since the response's end.
+    Http2Idle { path: &'static str, wait_ms: u64 },
     /// Sequences of steps run at the same time (e.g. a stream held while another one traps);
     /// their transcripts follow one another in this order.
     Parallel(Vec<Vec<Step>>),
@@ -266,6 +270,10 @@ pub struct Scenario {
     pub buffer_limit: u32,
     /// Worker threads (Envoy `--concurrency`, this host's workers).
     pub workers: usize,
+    /// The HCM's `common_http_protocol_options.idle_timeout` and `drain_timeout`, in ms (set in
+    /// both configs when given; otherwise each proxy's default).
+    pub idle_timeout_ms: Option<u64>,
+    pub drain_timeout_ms: Option<u64>,
     /// The HCM's `http_protocol_options.accept_http_10` (set in both configs). Default true, as
     /// in Higress, whose gateway pods set `ISTIO_META_HTTP10=1`; Envoy's own default is false.
     pub accept_http_10: bool,
@@ -304,6 +312,8 @@ impl Scenario {
             buffer_limit: 32768,
             workers: 1,
             accept_http_10: true,
+            idle_timeout_ms: None,
+            drain_timeout_ms: None,
             failure_policy: None,
             configuration: r#"{"a":1}"#,
             steps: vec![],
@@ -480,8 +490,13 @@ impl Envoy {
 
 fn render_gateway(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) -> String {
     let mut y = format!(
-        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}, accept_http_10: {}}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n",
-        sc.buffer_limit, sc.accept_http_10
+        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}, accept_http_10: {}{}}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n",
+        sc.buffer_limit,
+        sc.accept_http_10,
+        [("idle_timeout_ms", sc.idle_timeout_ms), ("http2_drain_timeout_ms", sc.drain_timeout_ms)]
+            .iter()
+            .filter_map(|(k, v)| v.map(|v| format!(", {k}: {v}")))
+            .collect::<String>()
     );
     for r in &sc.routes {
         let target = match &r.target {
@@ -562,6 +577,15 @@ fn render_envoy(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) 
         }
     }
     let config_json = serde_json::to_string(sc.configuration).unwrap_or_default();
+    let secs = |ms: u64| ms as f64 / 1000.0;
+    let mut timeouts = String::new();
+    if let Some(ms) = sc.idle_timeout_ms {
+        let idle = format!("{{idle_timeout: {}s}}", secs(ms));
+        timeouts.push_str(&format!("\n          common_http_protocol_options: {idle}"));
+    }
+    if let Some(ms) = sc.drain_timeout_ms {
+        timeouts.push_str(&format!("\n          drain_timeout: {}s", secs(ms)));
+    }
     format!(
         r#"admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: 0}}}}
@@ -577,7 +601,7 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: main
           codec_type: AUTO
-          http_protocol_options: {{accept_http_10: {http10}}}
+          http_protocol_options: {{accept_http_10: {http10}}}{timeouts}
           http2_protocol_options: {{max_concurrent_streams: 100, initial_stream_window_size: 65535, initial_connection_window_size: 1048576}}
           route_config:
             name: local
@@ -714,6 +738,10 @@ async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<Str
                 }
             }
         }
+        Step::Http2Idle { path, wait_ms } => {
+            out.push(format!("GET {path} (h2, then idle)"));
+            out.extend(h2_idle(addr, path, *wait_ms).await);
+        }
         Step::Sleep(ms) => tokio::time::sleep(Duration::from_millis(*ms)).await,
         Step::Abort { bytes, hold_ms } => {
             use tokio::io::AsyncWriteExt;
@@ -833,6 +861,93 @@ async fn h2_exchange(
         }
     }
     out
+}
+
+/// See [`Step::Http2Idle`]. A client of raw HTTP/2 frames: the h2 crate's client closes an idle
+/// connection itself at the first GOAWAY. It acknowledges SETTINGS and PING frames (a PING is
+/// not reported: hyper's graceful close sends one, Envoy's does not) and reports each GOAWAY
+/// (last stream id, error code) and the close, in whole seconds (rounded) from the response's
+/// end.
+async fn h2_idle(addr: SocketAddr, path: &str, wait_ms: u64) -> Vec<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+        return vec!["connect failed".into()];
+    };
+    let frame = |ty: u8, flags: u8, stream: u32, payload: &[u8]| {
+        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        f.extend_from_slice(&[ty, flags]);
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    };
+    // HPACK: `:method: GET` and `:scheme: http` from the static table, `:path` (4) and
+    // `:authority` (1) as literals with an indexed name, not Huffman-coded.
+    let mut block = vec![0x82, 0x86];
+    for (index, v) in [(4u8, path), (1, "conformance.test")] {
+        block.extend_from_slice(&[index, v.len() as u8]);
+        block.extend_from_slice(v.as_bytes());
+    }
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend(frame(4, 0, 0, &[]));
+    // HEADERS on stream 1 with END_STREAM and END_HEADERS.
+    hello.extend(frame(1, 0x5, 1, &block));
+    if s.write_all(&hello).await.is_err() {
+        return vec!["write failed".into()];
+    }
+    let mut out = Vec::new();
+    let mut since = Instant::now();
+    let after = |since: Instant| since.elapsed().as_secs_f64().round();
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        while buf.len() >= 9 {
+            let len = u32::from_be_bytes([0, buf[0], buf[1], buf[2]]) as usize;
+            if buf.len() < 9 + len {
+                break;
+            }
+            let (ty, flags) = (buf[3], buf[4]);
+            let stream = u32::from_be_bytes([buf[5], buf[6], buf[7], buf[8]]) & 0x7fff_ffff;
+            let payload: Vec<u8> = buf.drain(..9 + len).skip(9).collect();
+            let word = |i: usize| {
+                payload.get(i..i + 4).map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+            };
+            let ack = match (ty, flags & 1) {
+                (4, 0) => Some(frame(4, 1, 0, &[])),
+                (6, 0) => Some(frame(6, 1, 0, &payload)),
+                _ => None,
+            };
+            if let Some(ack) = ack {
+                let _ = s.write_all(&ack).await;
+            }
+            match ty {
+                // The response's HEADERS or DATA frame that ends stream 1.
+                0 | 1 if stream == 1 && flags & 1 == 1 => {
+                    out.push("response complete".to_string());
+                    since = Instant::now();
+                }
+                3 => out.push(format!("RST_STREAM stream {stream} code {}", word(0))),
+                7 => out.push(format!(
+                    "GOAWAY last stream {} code {} after {} s",
+                    word(0) & 0x7fff_ffff,
+                    word(4),
+                    after(since)
+                )),
+                _ => {}
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+            Ok(_) => {
+                out.push(format!("connection closed after {} s", after(since)));
+                return out;
+            }
+            Err(_) => {
+                out.push(format!("connection still open after {} s", after(since)));
+                return out;
+            }
+        }
+    }
 }
 
 /// Why an HTTP/2 exchange failed: the frame and error code of a reset (" (RST_STREAM
