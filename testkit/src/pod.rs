@@ -71,6 +71,8 @@ struct Behavior {
     fail_status: Option<u16>,
     /// Pause between SSE chunks of a streamed answer.
     stream_chunk_delay: Duration,
+    /// Words a streamed answer carries after "Hello from <name>", one event each.
+    stream_extra_words: usize,
 }
 
 struct State {
@@ -235,6 +237,12 @@ impl Pod {
     /// Pause between SSE chunks when streaming.
     pub fn set_stream_chunk_delay(&self, delay: Duration) {
         self.with_behavior(|b| b.stream_chunk_delay = delay);
+    }
+
+    /// A streamed answer carries `words` more word events after "Hello from <name>" (a gateway
+    /// times a pod's decode rate only on answers of more than a few events).
+    pub fn set_stream_extra_words(&self, words: usize) {
+        self.with_behavior(|b| b.stream_extra_words = words);
     }
 
     fn with_behavior(&self, f: impl FnOnce(&mut Behavior)) {
@@ -410,7 +418,9 @@ async fn handle(
         return Ok(full(200, &name, "application/json", answer.to_string()));
     }
     let mut chunks = Vec::new();
-    for (i, word) in ["Hello", " from", &format!(" {name}")].iter().enumerate() {
+    let mut words = vec!["Hello".to_string(), " from".into(), format!(" {name}")];
+    words.extend((1..=behavior.stream_extra_words).map(|i| format!(" w{i}")));
+    for (i, word) in words.iter().enumerate() {
         let delta = if i == 0 {
             serde_json::json!({"role": "assistant", "content": word})
         } else {

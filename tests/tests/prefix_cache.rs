@@ -609,6 +609,8 @@ async fn one_pod_streaming_slowly(
     for p in &pods {
         p.set_metrics(samples::vllm_v1(1, 0, 0.0));
         p.set_stream_chunk_delay(Duration::from_millis(4));
+        // Answers long enough to be timed (the plugin ignores answers of a few events).
+        p.set_stream_extra_words(20);
     }
     pods[2].set_stream_chunk_delay(Duration::from_millis(40));
     let mut config = json!({"redisKeyTTL": TTL_S, "timeout": 1000});
