@@ -53,10 +53,10 @@ pub const DEFAULT_MAX_HOLDERS: u32 = 2;
 /// "Load-aware defaults").
 pub const DEFAULT_LOAD_LATENCY_WEIGHT: f64 = 16.0;
 /// A hit's pod this many times as steadily slow as the fastest pod is overloaded (0 = never for
-/// slowness). Off: 1.6 meets `unequal-pods` (0.76x Go mode's p90) and no longer costs `hot-spot`
-/// since slowness is the median gap between chunks, but it costs `cache-pressure` 18 points of
-/// hit rate (pods full of long contexts decode slower at every step; README, "Load-aware defaults").
-pub const DEFAULT_OVERLOAD_LATENCY: f64 = 0.0;
+/// slowness). 1.6 meets `unequal-pods` (0.79x Go mode's p90) and, since slowness is the median gap
+/// between chunks of answers long enough to time, costs no other scenario (README, "Load-aware
+/// defaults"). A pod full of long contexts is at most about 1.3x slower per step.
+pub const DEFAULT_OVERLOAD_LATENCY: f64 = 1.6;
 /// Default age (ms) after which scraped metrics count as unknown (ours).
 pub const DEFAULT_METRICS_STALE_MS: u64 = 5000;
 /// Default scrape interval (ms) when the host list carries no metrics (ours).

@@ -90,9 +90,10 @@ fn a_slow_pod_gets_a_penalty_and_is_overloaded_only_past_overload_latency() {
     ];
     let base =
         load_args(&cfg(), &[pod("a", 0.0, 0.0), pod("b", 0.0, 0.0), pod("c", 0.0, 0.0)]).unwrap();
-    let weighted = LoadAwareConfig { latency_weight: 4.0, ..cfg() };
+    let weighted = LoadAwareConfig { latency_weight: 4.0, latency_ratio: 0.0, ..cfg() };
     let a = base.clone().add_slowness(&weighted, &slow);
-    // loadLatencyWeight 4: twice as slow = 4 more requests; 1.2x = 0.8, rounded to 1.
+    // loadLatencyWeight 4: twice as slow = 4 more requests; 1.2x = 0.8, rounded to 1. With
+    // overloadLatency 0 no hit is diverted for slowness.
     assert_eq!(
         flags(&a),
         vec![("a".into(), false, 0), ("b".into(), false, 4), ("c".into(), false, 1)]
@@ -103,13 +104,14 @@ fn a_slow_pod_gets_a_penalty_and_is_overloaded_only_past_overload_latency() {
         flags(&a),
         vec![("a".into(), false, 0), ("b".into(), true, 4), ("c".into(), false, 1)]
     );
-    // The default weight, 16: twice as slow = 16 more; 1.2x = 3.2, rounded to 3. Weight 0: off.
+    // The defaults: weight 16, twice as slow = 16 more, 1.2x = 3.2, rounded to 3; overloadLatency
+    // 1.6, so b's hits are diverted. Weight 0: no penalty.
     assert_eq!(
         flags(&base.clone().add_slowness(&cfg(), &slow)),
-        vec![("a".into(), false, 0), ("b".into(), false, 16), ("c".into(), false, 3)]
+        vec![("a".into(), false, 0), ("b".into(), true, 16), ("c".into(), false, 3)]
     );
-    let off = LoadAwareConfig { latency_weight: 0.0, ..cfg() };
-    assert_eq!(flags(&base.clone().add_slowness(&off, &slow)), flags(&base), "weight 0: off");
+    let off = LoadAwareConfig { latency_weight: 0.0, latency_ratio: 0.0, ..cfg() };
+    assert_eq!(flags(&base.clone().add_slowness(&off, &slow)), flags(&base), "both off");
 }
 
 #[test]
@@ -125,9 +127,8 @@ fn a_pod_slow_only_by_its_prefill_stalls_gets_the_penalty_but_keeps_its_hits() {
     ];
     let base =
         load_args(&cfg(), &[pod("a", 0.0, 0.0), pod("b", 0.0, 0.0), pod("c", 0.0, 0.0)]).unwrap();
-    let divert = LoadAwareConfig { latency_ratio: 1.6, ..cfg() };
     assert_eq!(
-        flags(&base.add_slowness(&divert, &slow)),
+        flags(&base.add_slowness(&cfg(), &slow)),
         vec![("a".into(), false, 0), ("b".into(), false, 16), ("c".into(), true, 16)]
     );
 }

@@ -474,7 +474,9 @@ fn load_aware_counts_a_pod_that_streams_slower_as_more_loaded() {
         per_host,
         vec![
             ("10.0.0.1:8000".to_string(), false, 0),
-            ("10.0.0.2:8000".to_string(), false, 8), // loadLatencyWeight 4 × (3 - 1)
+            // loadLatencyWeight 4 × (3 - 1); steadily 3 times as slow, past the default
+            // overloadLatency 1.6: its hits are diverted.
+            ("10.0.0.2:8000".to_string(), true, 8),
         ]
     );
 }

@@ -664,14 +664,15 @@ async fn load_aware_sends_new_conversations_away_from_a_pod_that_streams_slowly(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_overload_latency_a_conversation_moves_off_a_slow_pod_and_stays_on_its_new_one() {
-    // With `overloadLatency` a conversation whose history lives on the slow pod has its next turn
-    // diverted to a fast pod, which becomes a holder of that history, and the turns after stay
-    // there (the least loaded holder). Without it the conversation would stay on the slow pod.
+async fn load_aware_moves_a_conversation_off_a_slow_pod_and_keeps_it_on_its_new_one() {
+    // A conversation whose history lives on the slow pod has its next turn diverted to a fast pod
+    // (`overloadLatency`, 1.6 by default), which becomes a holder of that history, and the turns
+    // after stay there (the least loaded holder). With `overloadLatency` 0 the conversation would
+    // stay on the slow pod.
     let (redis, pods, gw) = one_pod_streaming_slowly(
         "pc-divert-slow",
         "route-divert-slow",
-        json!({"loadAware": true, "loadLatencyWeight": 4, "overloadLatency": 1.6}),
+        json!({"loadAware": true, "loadLatencyWeight": 4}),
     )
     .await;
     let slow = &pods[2];

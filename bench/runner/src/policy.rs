@@ -156,12 +156,18 @@ pub const POLICIES: &[Policy] = &[
         "prefix_cache",
         r#"{"loadAware":true,"loadLatencyWeight":0}"#,
     ),
-    // loadAware that also diverts hits off a pod observed 1.6x as slow as the fastest (off by
-    // default).
+    // loadAware diverting hits off a pod observed 1.6x as slow as the fastest, explicitly (the
+    // default since 2026-11-27 evening; before it, off: tables before then compare the two).
     plugin_with(
         "prefix_cache_load_aware_divert_slow",
         "prefix_cache",
         r#"{"loadAware":true,"overloadLatency":1.6}"#,
+    ),
+    // loadAware that never diverts a hit for slowness (the default before 2026-11-27 evening).
+    plugin_with(
+        "prefix_cache_load_aware_no_divert",
+        "prefix_cache",
+        r#"{"loadAware":true,"overloadLatency":0}"#,
     ),
     // loadAware that also diverts hits off a pod whose KV-cache use is 0.2 above the least used
     // pod's (the default before 2026-11-26; off by default since).
