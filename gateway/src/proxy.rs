@@ -195,6 +195,8 @@ pub async fn serve_connection(
         refused_http10,
         streams: streams.clone(),
         drain_timer: None,
+        ack_timer: None,
+        frames: h2.then(|| Box::new(H2Frames::new())),
     });
     if h2 {
         let h = opts.http2;
@@ -338,8 +340,121 @@ struct DownstreamIo {
     refused_http10: Rc<std::cell::Cell<bool>>,
     /// The connection's streams; `reset` makes dropping the socket an abortive close.
     streams: Rc<ConnStreams>,
-    /// Runs until `streams.drain_until` (see `draining`).
+    /// Runs until `streams.drain_until` plus the delayed close (see `draining`).
     drain_timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Runs until `streams.drain_until`, while PING acks are held (see `poll_read_h2`).
+    ack_timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// An HTTP/2 connection's client bytes, cut into frames (None on HTTP/1).
+    frames: Option<Box<H2Frames>>,
+}
+
+/// HTTP/2 frame types and flags the IO shim looks at.
+const H2_FRAME_PING: u8 = 0x6;
+const H2_FLAG_ACK: u8 = 0x1;
+/// The client connection preface (`PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n`) and a frame header.
+const H2_PREFACE_LEN: usize = 24;
+const H2_FRAME_HEADER_LEN: usize = 9;
+
+/// What the client sent on an HTTP/2 connection, followed frame by frame, so that the PING acks
+/// that come while the connection drains can be held back from hyper until the drain timeout
+/// ends (see `DownstreamIo::draining`) while every other frame (a new stream's HEADERS) reaches
+/// it at once.
+struct H2Frames {
+    /// Bytes of the client preface still to come.
+    preface: usize,
+    /// The header of the frame being read, while it is incomplete.
+    head: [u8; H2_FRAME_HEADER_LEN],
+    head_len: usize,
+    /// How many of `head`'s bytes hyper has had (they were read while nothing was held; such
+    /// a frame is never held: its start is gone).
+    head_given: usize,
+    /// Payload bytes of the current frame still to come.
+    payload: usize,
+    /// The current frame is held.
+    holding: bool,
+    /// Held frames (whole ones once `at_boundary`), for hyper when the drain timeout ends.
+    held: Vec<u8>,
+    /// Bytes for hyper that its reads did not take yet (they go before anything read later).
+    ready: Vec<u8>,
+}
+
+impl H2Frames {
+    fn new() -> Self {
+        H2Frames {
+            preface: H2_PREFACE_LEN,
+            head: [0; H2_FRAME_HEADER_LEN],
+            head_len: 0,
+            head_given: 0,
+            payload: 0,
+            holding: false,
+            held: Vec::new(),
+            ready: Vec::new(),
+        }
+    }
+
+    /// Between two frames: held frames may go to hyper here without cutting one in two.
+    fn at_boundary(&self) -> bool {
+        self.preface == 0 && self.head_len == 0 && self.payload == 0
+    }
+
+    /// Follows `input`, the next bytes from the client. With `out`, what hyper is to get goes
+    /// there and, when `hold`, PING acks go to `held`. Without, `input` already went to hyper
+    /// as it is: only valid when nothing is held (`hold` false) and no header bytes wait
+    /// (`head_given == head_len`), as then every byte passes in order.
+    fn follow(&mut self, mut input: &[u8], hold: bool, mut out: Option<&mut Vec<u8>>) {
+        let mut give = |b: &[u8]| {
+            if let Some(o) = out.as_deref_mut() {
+                o.extend_from_slice(b);
+            }
+        };
+        while !input.is_empty() {
+            if self.preface > 0 {
+                let n = self.preface.min(input.len());
+                give(&input[..n]);
+                self.preface -= n;
+                input = &input[n..];
+                continue;
+            }
+            if self.payload > 0 {
+                let n = self.payload.min(input.len());
+                if self.holding {
+                    self.held.extend_from_slice(&input[..n]);
+                } else {
+                    give(&input[..n]);
+                }
+                self.payload -= n;
+                input = &input[n..];
+                continue;
+            }
+            let n = (H2_FRAME_HEADER_LEN - self.head_len).min(input.len());
+            self.head[self.head_len..self.head_len + n].copy_from_slice(&input[..n]);
+            self.head_len += n;
+            input = &input[n..];
+            if !hold {
+                // Nothing to hold: the header's bytes need not wait for its type.
+                give(&self.head[self.head_given..self.head_len]);
+                self.head_given = self.head_len;
+            }
+            if self.head_len < H2_FRAME_HEADER_LEN {
+                continue;
+            }
+            let h = self.head;
+            self.payload = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
+            // A PING ack (8 bytes of payload; any other size is hyper's error to find).
+            self.holding = hold
+                && self.head_given == 0
+                && h[3] == H2_FRAME_PING
+                && h[4] & H2_FLAG_ACK != 0
+                && self.payload == 8;
+            if self.holding {
+                self.held.extend_from_slice(&h);
+            } else {
+                give(&h[self.head_given..]);
+            }
+            self.head_len = 0;
+            self.head_given = 0;
+        }
+    }
 }
 
 impl Drop for DownstreamIo {
@@ -357,10 +472,10 @@ impl DownstreamIo {
     /// sends its first GOAWAY when the connection is to close, the second one after its
     /// `drain_timeout`, and closes the socket after its `delayed_close_timeout` (1 s) unless the
     /// client closed first; hyper's graceful close sends a GOAWAY and a PING, the second GOAWAY
-    /// as soon as the PING's ack is read, and then closes. So while the drain runs, an idle
-    /// connection's reads wait (the ack with them), and the close waits for the drain and the
-    /// delayed close in any case (conformance test `http2_idle_timeout_and_drain`). A
-    /// connection with a stream in flight keeps reading: its second GOAWAY may go out early.
+    /// as soon as the PING's ack is read, and then closes. So while the drain runs the client's
+    /// PING acks are held back (`poll_read_h2`; all else is read), and the close waits for the
+    /// drain and the delayed close in any case (conformance test
+    /// `http2_idle_timeout_and_drain`).
     fn draining(&mut self, cx: &mut std::task::Context<'_>, then: Duration) -> std::task::Poll<()> {
         let Some(until) = self.streams.drain_until.get() else { return std::task::Poll::Ready(()) };
         let at = until + then;
@@ -369,6 +484,74 @@ impl DownstreamIo {
             timer.as_mut().reset(at);
         }
         timer.as_mut().poll(cx)
+    }
+
+    /// Whether the drain timeout of a closing HTTP/2 connection runs (then this task wakes when
+    /// it ends). A timer of its own: `poll_shutdown` waits on `drain_timer` for a later time.
+    fn acks_held(&mut self, cx: &mut std::task::Context<'_>) -> bool {
+        let Some(until) = self.streams.drain_until.get() else { return false };
+        let timer = self.ack_timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(until)));
+        if timer.deadline() != until {
+            timer.as_mut().reset(until);
+        }
+        timer.as_mut().poll(cx).is_pending()
+    }
+
+    /// A read on an HTTP/2 connection: everything the client sent, in order, except the PING
+    /// acks that come while the connection drains; those follow once the drain timeout ended.
+    /// Hyper's graceful close sends its second GOAWAY as soon as it reads the ack of the PING it
+    /// sent with the first, where Envoy sends it after `drain_timeout`; a new stream that the
+    /// client opens meanwhile is read and served at once, as Envoy serves it (the h2 crate
+    /// accepts streams until its second GOAWAY; conformance test
+    /// `http2_request_while_the_connection_drains`).
+    fn poll_read_h2(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        loop {
+            let hold = self.acks_held(cx);
+            let Some(f) = self.frames.as_deref_mut() else { return std::task::Poll::Ready(Ok(())) };
+            if !hold && !f.held.is_empty() && f.at_boundary() {
+                let held = std::mem::take(&mut f.held);
+                f.ready.extend_from_slice(&held);
+            }
+            if !f.ready.is_empty() {
+                let n = f.ready.len().min(buf.remaining());
+                buf.put_slice(&f.ready[..n]);
+                f.ready.drain(..n);
+                return std::task::Poll::Ready(Ok(()));
+            }
+            let start = buf.filled().len();
+            if !self.first.is_empty() {
+                let n = self.first.len().min(buf.remaining());
+                let head = self.first.split_to(n);
+                buf.put_slice(&head);
+            } else {
+                std::task::ready!(tokio::io::AsyncRead::poll_read(
+                    Pin::new(&mut self.inner),
+                    cx,
+                    buf
+                ))?;
+            }
+            let Some(f) = self.frames.as_deref_mut() else { return std::task::Poll::Ready(Ok(())) };
+            let new = &buf.filled()[start..];
+            if new.is_empty() {
+                // The client closed its side (or hyper's buffer is full).
+                return std::task::Poll::Ready(Ok(()));
+            }
+            if !hold && f.head_given == f.head_len {
+                // Nothing is held: the bytes stay where they are.
+                f.follow(new, false, None);
+                return std::task::Poll::Ready(Ok(()));
+            }
+            let new = new.to_vec();
+            buf.set_filled(start);
+            let mut ready = std::mem::take(&mut f.ready);
+            f.follow(&new, hold, Some(&mut ready));
+            f.ready = ready;
+            // Then to the top: hyper gets what passed, or (when all was held) the next read.
+        }
     }
 
     fn rewrite(&self, buf: &[u8]) -> Option<Vec<u8>> {
@@ -388,8 +571,8 @@ impl tokio::io::AsyncRead for DownstreamIo {
         cx: &mut std::task::Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
-        if self.streams.active.get() == 0 && self.draining(cx, Duration::ZERO).is_pending() {
-            return std::task::Poll::Pending;
+        if self.frames.is_some() {
+            return self.poll_read_h2(cx, buf);
         }
         if !self.first.is_empty() {
             let n = self.first.len().min(buf.remaining());
@@ -1846,5 +2029,66 @@ impl Drive {
             resp.headers_mut()
                 .insert("connection", hyper::header::HeaderValue::from_static("close"));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(ty: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        f.extend_from_slice(&[ty, flags]);
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+
+    /// The frame follower keeps its place across reads cut anywhere (in the preface, in a frame
+    /// header, in a payload): while holding, exactly the PING acks are held, whole; a frame
+    /// whose header hyper already got in part is never held; without holding, all passes.
+    #[test]
+    fn h2_frames_hold_ping_acks_across_any_cut() {
+        let ack = frame(H2_FRAME_PING, H2_FLAG_ACK, 0, b"12345678");
+        let others = [
+            frame(4, 0, 0, &[0, 3, 0, 0, 0, 100]),
+            frame(H2_FRAME_PING, 0, 0, b"abcdefgh"),
+            frame(1, 0x5, 3, b"\x82\x86\x84"),
+            frame(0, 0x1, 3, &[7u8; 300]),
+            frame(4, 1, 0, &[]),
+        ];
+        let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        let mut kept = input.clone();
+        for f in &others {
+            input.extend_from_slice(&ack);
+            input.extend_from_slice(f);
+            kept.extend_from_slice(f);
+        }
+        let held: Vec<u8> = std::iter::repeat_n(ack.clone(), others.len()).flatten().collect();
+        for cut in 1..=input.len() {
+            let mut f = H2Frames::new();
+            let mut out = Vec::new();
+            for piece in input.chunks(cut) {
+                f.follow(piece, true, Some(&mut out));
+            }
+            assert_eq!(out, kept, "cut {cut}");
+            assert_eq!(f.held, held, "cut {cut}");
+            assert!(f.at_boundary());
+        }
+        // Not holding: nothing is held, and the follower ends between frames.
+        for cut in 1..=input.len() {
+            let mut f = H2Frames::new();
+            for piece in input.chunks(cut) {
+                f.follow(piece, false, None);
+            }
+            assert!(f.held.is_empty() && f.at_boundary(), "cut {cut}");
+        }
+        // Holding starts inside an ack's header that hyper already has in part: it passes.
+        let mut f = H2Frames::new();
+        let mut out = Vec::new();
+        f.follow(&input[..24 + 4], false, None);
+        f.follow(&input[24 + 4..24 + ack.len()], true, Some(&mut out));
+        assert_eq!(out, input[24 + 4..24 + ack.len()]);
+        assert!(f.held.is_empty() && f.at_boundary());
     }
 }

@@ -2154,10 +2154,37 @@ async fn http2_idle_timeout_and_drain() {
     let mut sc = Plugin::new().scenario("http2_idle_timeout_and_drain");
     sc.idle_timeout_ms = Some(1000);
     sc.drain_timeout_ms = Some(2000);
-    let t = differential(sc.steps(vec![Step::Http2Idle { path: "/idle", wait_ms: 8000 }])).await;
+    let steps = vec![Step::Http2Idle { path: "/idle", wait_ms: 8000, again_ms: None }];
+    let t = differential(sc.steps(steps)).await;
     assert!(
         t.client.iter().any(|l| l.starts_with("GOAWAY") && l.ends_with("after 3 s")),
         "{:?}",
         t.client
     );
+}
+
+/// A request on a new stream while an HTTP/2 connection drains: the idle timeout (1 s) sends
+/// the first GOAWAY (last stream 2^31-1), the client opens stream 3 200 ms later, within the
+/// `drain_timeout` (2 s). Envoy serves it at once (through the plugin and the upstream); the
+/// second GOAWAY (last stream 3) still comes when the drain timeout ends and the close 1 s
+/// after. (The host held all reads of an idle draining connection, so the request waited for
+/// the drain's end.)
+#[tokio::test(flavor = "multi_thread")]
+async fn http2_request_while_the_connection_drains() {
+    let mut sc = Plugin::new().scenario("http2_request_while_the_connection_drains");
+    sc.idle_timeout_ms = Some(1000);
+    sc.drain_timeout_ms = Some(2000);
+    let steps = vec![Step::Http2Idle { path: "/idle", wait_ms: 8000, again_ms: Some(200) }];
+    let t = differential(sc.steps(steps)).await;
+    let expect = [
+        "GOAWAY last stream 2147483647 code 0 after 1 s",
+        "GET again",
+        "stream 3 HEADERS :status 200",
+        "stream 3 complete after 0 s",
+        "GOAWAY last stream 3 code 0 after 3 s",
+        "connection closed after 4 s",
+    ];
+    for e in expect {
+        assert!(t.client.iter().any(|l| l == e), "{e:?} not in {:?}", t.client);
+    }
 }

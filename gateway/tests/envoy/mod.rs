@@ -158,8 +158,11 @@ pub enum Step {
     Sleep(u64),
     /// A GET over HTTP/2 with prior knowledge on a connection the client then keeps open, doing
     /// nothing, until the proxy closes it (at most `wait_ms`): the response's end, the GOAWAY
-    /// frames and the close, with the whole seconds (rounded) since the response's end.
-    Http2Idle { path: &'static str, wait_ms: u64 },
+    /// frames and the close, with the whole seconds (rounded) since the response's end. With
+    /// `again_ms`, the client then sends a GET of the same path on stream 3 that long after the
+    /// first GOAWAY (while the connection drains) and reports its response: the `:status` when
+    /// it is 200 and the end of the stream, in whole seconds since that request went out.
+    Http2Idle { path: &'static str, wait_ms: u64, again_ms: Option<u64> },
     /// Sequences of steps run at the same time (e.g. a stream held while another one traps);
     /// their transcripts follow one another in this order.
     Parallel(Vec<Vec<Step>>),
@@ -738,9 +741,9 @@ async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<Str
                 }
             }
         }
-        Step::Http2Idle { path, wait_ms } => {
+        Step::Http2Idle { path, wait_ms, again_ms } => {
             out.push(format!("GET {path} (h2, then idle)"));
-            out.extend(h2_idle(addr, path, *wait_ms).await);
+            out.extend(h2_idle(addr, path, *wait_ms, *again_ms).await);
         }
         Step::Sleep(ms) => tokio::time::sleep(Duration::from_millis(*ms)).await,
         Step::Abort { bytes, hold_ms } => {
@@ -867,8 +870,13 @@ async fn h2_exchange(
 /// connection itself at the first GOAWAY. It acknowledges SETTINGS and PING frames (a PING is
 /// not reported: hyper's graceful close sends one, Envoy's does not) and reports each GOAWAY
 /// (last stream id, error code) and the close, in whole seconds (rounded) from the response's
-/// end.
-async fn h2_idle(addr: SocketAddr, path: &str, wait_ms: u64) -> Vec<String> {
+/// end; with `again_ms`, stream 3 (see the step).
+async fn h2_idle(
+    addr: SocketAddr,
+    path: &str,
+    wait_ms: u64,
+    mut again_ms: Option<u64>,
+) -> Vec<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
         return vec!["connect failed".into()];
@@ -881,7 +889,8 @@ async fn h2_idle(addr: SocketAddr, path: &str, wait_ms: u64) -> Vec<String> {
         f
     };
     // HPACK: `:method: GET` and `:scheme: http` from the static table, `:path` (4) and
-    // `:authority` (1) as literals with an indexed name, not Huffman-coded.
+    // `:authority` (1) as literals with an indexed name (without indexing: no dynamic table
+    // state for the next request), not Huffman-coded.
     let mut block = vec![0x82, 0x86];
     for (index, v) in [(4u8, path), (1, "conformance.test")] {
         block.extend_from_slice(&[index, v.len() as u8]);
@@ -898,6 +907,9 @@ async fn h2_idle(addr: SocketAddr, path: &str, wait_ms: u64) -> Vec<String> {
     let mut since = Instant::now();
     let after = |since: Instant| since.elapsed().as_secs_f64().round();
     let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+    // When stream 3 is to go out (set at the first GOAWAY), and when it went out.
+    let mut again_at: Option<tokio::time::Instant> = None;
+    let mut again_sent = Instant::now();
     let mut buf: Vec<u8> = Vec::new();
     loop {
         while buf.len() >= 9 {
@@ -925,22 +937,49 @@ async fn h2_idle(addr: SocketAddr, path: &str, wait_ms: u64) -> Vec<String> {
                     out.push("response complete".to_string());
                     since = Instant::now();
                 }
+                0 | 1 if stream == 3 => {
+                    // Stream 3's response headers: `:status: 200` is the static table's entry
+                    // 8, which both proxies' HPACK encoders index (0x88).
+                    if ty == 1 {
+                        let status =
+                            if payload.first() == Some(&0x88) { " :status 200" } else { "" };
+                        out.push(format!("stream 3 HEADERS{status}"));
+                    }
+                    if flags & 1 == 1 {
+                        out.push(format!("stream 3 complete after {} s", after(again_sent)));
+                    }
+                }
                 3 => out.push(format!("RST_STREAM stream {stream} code {}", word(0))),
-                7 => out.push(format!(
-                    "GOAWAY last stream {} code {} after {} s",
-                    word(0) & 0x7fff_ffff,
-                    word(4),
-                    after(since)
-                )),
+                7 => {
+                    out.push(format!(
+                        "GOAWAY last stream {} code {} after {} s",
+                        word(0) & 0x7fff_ffff,
+                        word(4),
+                        after(since)
+                    ));
+                    if let Some(ms) = again_ms.take() {
+                        again_at = Some(tokio::time::Instant::now() + Duration::from_millis(ms));
+                    }
+                }
                 _ => {}
             }
         }
         let mut chunk = [0u8; 4096];
-        match tokio::time::timeout_at(deadline, s.read(&mut chunk)).await {
+        let wake = again_at.map_or(deadline, |t| t.min(deadline));
+        match tokio::time::timeout_at(wake, s.read(&mut chunk)).await {
             Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&chunk[..n]),
             Ok(_) => {
                 out.push(format!("connection closed after {} s", after(since)));
                 return out;
+            }
+            Err(_) if again_at.take().is_some() && tokio::time::Instant::now() < deadline => {
+                // HEADERS on stream 3 with END_STREAM and END_HEADERS.
+                out.push("GET again".to_string());
+                again_sent = Instant::now();
+                if s.write_all(&frame(1, 0x5, 3, &block)).await.is_err() {
+                    out.push("write failed".into());
+                    return out;
+                }
             }
             Err(_) => {
                 out.push(format!("connection still open after {} s", after(since)));
