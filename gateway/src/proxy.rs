@@ -540,8 +540,9 @@ impl DownstreamIo {
                 // The client closed its side (or hyper's buffer is full).
                 return std::task::Poll::Ready(Ok(()));
             }
-            if !hold && f.head_given == f.head_len {
-                // Nothing is held: the bytes stay where they are.
+            if !hold && !f.holding && f.head_given == f.head_len {
+                // Nothing is held (not even the rest of a frame held before the drain timeout
+                // ended): the bytes stay where they are.
                 f.follow(new, false, None);
                 return std::task::Poll::Ready(Ok(()));
             }
@@ -2090,5 +2091,15 @@ mod tests {
         f.follow(&input[24 + 4..24 + ack.len()], true, Some(&mut out));
         assert_eq!(out, input[24 + 4..24 + ack.len()]);
         assert!(f.held.is_empty() && f.at_boundary());
+        // The drain timeout ends inside a held ack: its rest is held too (`holding`, which keeps
+        // `poll_read_h2` from passing those bytes on in place), so the ack reaches hyper whole.
+        let mut f = H2Frames::new();
+        let mut out = Vec::new();
+        f.follow(&input[..24 + 12], true, Some(&mut out));
+        assert!(f.holding);
+        f.follow(&input[24 + 12..24 + ack.len()], false, Some(&mut out));
+        assert_eq!(out, input[..24]);
+        assert_eq!(f.held, ack);
+        assert!(f.at_boundary());
     }
 }
