@@ -597,13 +597,9 @@ async fn load_aware_without_pod_metrics_routes_as_go_does_and_says_so() {
 /// Three pods with the same idle metrics (no queue, no KV in use) that stream every 4 ms, but the
 /// third every 40 ms (what a half-speed or throttled GPU looks like to clients), behind one
 /// gateway worker (the speed each pod streams at is observed per worker VM) running `prefix_cache`
-/// with `lb_config` on top of the test's Redis settings; returns once the health check has stored
-/// every pod's metrics.
-async fn one_pod_streaming_slowly(
-    name: &str,
-    route: &str,
-    lb_config: serde_json::Value,
-) -> (RedisFixture, Vec<Pod>, Gateway) {
+/// with `loadAware` (`loadLatencyWeight` 4) on top of the test's Redis settings; returns once the
+/// health check has stored every pod's metrics.
+async fn one_pod_streaming_slowly(name: &str, route: &str) -> (RedisFixture, Vec<Pod>, Gateway) {
     let redis = RedisFixture::start().await.unwrap();
     let pods = start_pods(name, 3).await.unwrap();
     for p in &pods {
@@ -613,10 +609,12 @@ async fn one_pod_streaming_slowly(
         p.set_stream_extra_words(20);
     }
     pods[2].set_stream_chunk_delay(Duration::from_millis(40));
-    let mut config = json!({"redisKeyTTL": TTL_S, "timeout": 1000});
-    if let (Some(c), Some(extra)) = (config.as_object_mut(), lb_config.as_object()) {
-        c.extend(extra.clone());
-    }
+    let config = json!({
+        "redisKeyTTL": TTL_S,
+        "timeout": 1000,
+        "loadAware": true,
+        "loadLatencyWeight": 4,
+    });
     let cfg = redis_policy_config(route, &pods, &redis, "prefix_cache", config)
         .metrics_health_check(LLM_CLUSTER, 100)
         .workers(1);
@@ -642,13 +640,8 @@ async fn until_every_pod_streamed(gw: &Gateway, pods: &[Pod]) -> Vec<(Conversati
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_aware_sends_new_conversations_away_from_a_pod_that_streams_slowly() {
     // Queue, KV and in-flight (nothing between the sequential requests below) cannot tell the
-    // pods apart; only the slow pod's streaming rate can. The latency signal on (off by default).
-    let (redis, pods, gw) = one_pod_streaming_slowly(
-        "pc-slow",
-        "route-slow",
-        json!({"loadAware": true, "loadLatencyWeight": 4}),
-    )
-    .await;
+    // pods apart; only the slow pod's streaming rate can. `loadAware` on (off by default).
+    let (redis, pods, gw) = one_pod_streaming_slowly("pc-slow", "route-slow").await;
     let slow = &pods[2];
     until_every_pod_streamed(&gw, &pods).await;
     // Then the slow pod is passed over for every new conversation.
@@ -669,12 +662,7 @@ async fn load_aware_moves_a_conversation_off_a_slow_pod_and_keeps_it_on_its_new_
     // (`overloadLatency`, 1.6 by default), which becomes a holder of that history, and the turns
     // after stay there (the least loaded holder). With `overloadLatency` 0 the conversation would
     // stay on the slow pod.
-    let (redis, pods, gw) = one_pod_streaming_slowly(
-        "pc-divert-slow",
-        "route-divert-slow",
-        json!({"loadAware": true, "loadLatencyWeight": 4}),
-    )
-    .await;
+    let (redis, pods, gw) = one_pod_streaming_slowly("pc-divert-slow", "route-divert-slow").await;
     let slow = &pods[2];
     let (mut conv, _) = until_every_pod_streamed(&gw, &pods)
         .await
