@@ -495,13 +495,10 @@ impl Worker {
         if let WorkerEvent::Stop = ev {
             return self.stop_root();
         }
-        if let WorkerEvent::Redis { .. } = ev {
-            let _ = self.g.redis_outstanding.fetch_update(
-                std::sync::atomic::Ordering::Relaxed,
-                std::sync::atomic::Ordering::Relaxed,
-                |n| n.checked_sub(1),
-            );
-        }
+        // A Redis reply stops counting as outstanding only after the plugin handled it: a command
+        // it sends in reply (a script resent after NOSCRIPT) is counted first, so the drain never
+        // sees zero in between.
+        let _answered = matches!(ev, WorkerEvent::Redis { .. }).then(|| RedisAnswered(&self.g));
         let Some(root) = self.root_id() else { return };
         if self.root_deleted() {
             return;
@@ -579,5 +576,17 @@ impl Worker {
                 }
             }
         }
+    }
+}
+
+/// Takes one answered Redis call off [`Global::redis_outstanding`] when dropped.
+struct RedisAnswered<'a>(&'a Global);
+
+impl Drop for RedisAnswered<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .0
+            .redis_outstanding
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
     }
 }
