@@ -106,6 +106,7 @@ mod sys {
             token: *mut u32,
         ) -> u32;
         pub fn proxy_set_effective_context(ctx: u32) -> u32;
+        pub fn proxy_done() -> u32;
         pub fn proxy_define_metric(
             t: MetricType,
             name: *const u8,
@@ -399,6 +400,12 @@ impl Host for WasmHost {
             );
         }
     }
+    fn root_done(&mut self) {
+        // SAFETY: no arguments. NotFound (the root is not stopping) leaves nothing to do.
+        unsafe {
+            sys::proxy_done();
+        }
+    }
     fn increment_counter(&mut self, counter: Counter, delta: i64) {
         let name = counter.name();
         let id = METRIC_IDS.with(|m| {
@@ -635,11 +642,19 @@ pub extern "C" fn proxy_on_log(ctx: u32) {
     with_filter(ctx, (), |f, _| f.on_stream_end(&mut WasmHost, ctx));
 }
 
-/// Context done.
+/// Context done: a stream ends; a root stops (not done while its releases are in flight: it calls
+/// `proxy_done` when they are answered).
 #[no_mangle]
 pub extern "C" fn proxy_on_done(ctx: u32) -> u32 {
-    with_filter(ctx, (), |f, _| f.on_stream_end(&mut WasmHost, ctx));
-    1
+    with_filter(ctx, true, |f, root| {
+        if root == ctx {
+            f.on_stop(&mut WasmHost)
+        } else {
+            f.on_stream_end(&mut WasmHost, ctx);
+            true
+        }
+    })
+    .into()
 }
 
 /// Context deleted: forget it.

@@ -112,6 +112,18 @@ pub struct Filter {
     streams: HashMap<u32, StreamEntry>,
     /// Call token -> the stream held for its reply.
     waiting: HashMap<u32, u32>,
+    stop: RootStop,
+}
+
+/// Where the root context is in its stop (see [`Filter::on_stop`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum RootStop {
+    #[default]
+    Running,
+    /// `proxy_on_done` said not done: the policies wait for replies to what they sent.
+    Stopping,
+    /// Done (said by `proxy_on_done` or by `proxy_done`).
+    Done,
 }
 
 impl Filter {
@@ -431,6 +443,34 @@ impl Filter {
         self.on_reply(host, token, stream_active, |p, h, s| p.on_http_reply(h, s, token, reply));
     }
 
+    /// The root context stops (`proxy_on_done`): every policy sends what waited for later.
+    /// Returns whether the root is done now; if not, `Host::root_done` is called once the replies
+    /// the policies wait for have come (Envoy keeps the VM, and delays its own exit, until then).
+    pub fn on_stop(&mut self, host: &mut dyn Host) -> bool {
+        if self.stop != RootStop::Running {
+            return self.stop == RootStop::Done;
+        }
+        let mut done = true;
+        for r in self.routes.iter().chain(&self.previous) {
+            done &= r.call(true, |p| p.on_stop(host));
+        }
+        self.stop = if done { RootStop::Done } else { RootStop::Stopping };
+        done
+    }
+
+    /// A stopping root whose policies got their last replies says so.
+    fn report_stopped(&mut self, host: &mut dyn Host) {
+        if self.stop != RootStop::Stopping {
+            return;
+        }
+        let stopped =
+            self.routes.iter().chain(&self.previous).all(|r| r.call(false, |p| p.stopped()));
+        if stopped {
+            self.stop = RootStop::Done;
+            host.root_done();
+        }
+    }
+
     /// Number of live streams (for tests and leak checks).
     pub fn live_streams(&self) -> usize {
         self.streams.len()
@@ -456,6 +496,7 @@ impl Filter {
                     f(p, host, None);
                 });
             }
+            self.report_stopped(host);
             return;
         };
         self.set_phase(ctx, Phase::Done);

@@ -202,6 +202,9 @@ pub trait Host {
     /// Makes stream `ctx` the context that stream calls (resume, override host, local reply) act on,
     /// inside a root callback such as a tick. False when the host refuses (the stream is gone).
     fn set_effective_stream(&mut self, ctx: u32) -> bool;
+    /// The root context, whose `proxy_on_done` said it was not done, finished its last work
+    /// (`proxy_done`): the host may now delete it.
+    fn root_done(&mut self);
 
     /// Adds `delta` to one of the plugin's counters (exported on the gateway's stats).
     fn increment_counter(&mut self, counter: Counter, delta: i64);

@@ -85,6 +85,8 @@ pub struct FakeHost {
     pub local_responses: Vec<LocalResponse>,
     /// Number of resume_request calls.
     pub resumes: u32,
+    /// Number of `root_done` calls.
+    pub root_dones: u32,
     /// Streams made effective by the dispatcher (inside root callbacks), in order.
     pub effective_streams: Vec<u32>,
     /// Log lines.
@@ -259,6 +261,9 @@ impl Host for FakeHost {
     fn set_effective_stream(&mut self, ctx: u32) -> bool {
         self.effective_streams.push(ctx);
         true
+    }
+    fn root_done(&mut self) {
+        self.root_dones += 1;
     }
     fn increment_counter(&mut self, counter: Counter, delta: i64) {
         *self.counters.entry(counter.name().to_string()).or_insert(0) += delta;

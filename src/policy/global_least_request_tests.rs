@@ -284,6 +284,49 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
 }
 
 #[test]
+fn a_stopping_root_is_done_only_once_its_release_ran() {
+    let (mut f, mut host) = setup(&cfg(""));
+    assert!(f.on_stop(&mut host), "nothing in flight: done at once");
+    let (mut f, mut host) = setup(&cfg(""));
+    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
+    f.on_delete(&mut host, 7);
+    let sent = host.last_redis_token().unwrap();
+    assert!(!f.on_stop(&mut host), "the -1 is in flight");
+    // Redis lost its scripts (restarted): the release goes again with its source.
+    deliver(
+        &mut f,
+        &mut host,
+        sent,
+        RedisReply::Ok(b"-NOSCRIPT No matching script. Please use EVAL.\r\n".to_vec()),
+    );
+    assert_eq!(command(&host, host.redis_calls.len() - 1)[0], "EVAL");
+    assert_eq!(host.root_dones, 0, "the resent -1 is in flight");
+    let resent = host.last_redis_token().unwrap();
+    deliver(&mut f, &mut host, resent, RedisReply::Ok(b"$13\r\n10.0.0.2:8000\r\n".to_vec()));
+    assert_eq!(host.root_dones, 1);
+    f.on_tick(&mut host);
+    assert!(f.on_stop(&mut host));
+    assert_eq!(host.root_dones, 1, "said once");
+}
+
+#[test]
+fn a_stopping_root_sends_the_releases_that_waited_for_redis() {
+    let (mut f, mut host) = setup(&cfg(""));
+    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
+    f.on_delete(&mut host, 7);
+    let first = release_of(&host, 0, false);
+    let lost = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, lost, &RedisReply::NetworkError, false);
+    assert_eq!(releases(&host), vec![first.clone()]);
+    // No later pick or answer would send it again: the stop does.
+    assert!(!f.on_stop(&mut host));
+    assert_eq!(releases(&host), vec![first.clone(), first]);
+    let resent = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, resent, &RedisReply::NetworkError, false);
+    assert_eq!(host.root_dones, 1, "failed again: nothing is left to wait for");
+}
+
+#[test]
 fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
     let (mut f, mut host) = setup(&cfg(""));
     route_to(&mut f, &mut host, 7, "10.0.0.2:8000");

@@ -166,6 +166,18 @@ pub trait Policy {
     /// Periodic work at root level.
     fn on_tick(&mut self, _host: &mut dyn Host) {}
 
+    /// The root context stops (the gateway shuts down, or the plugin is removed): send the work
+    /// that waits for a later pick or tick, which will not come. Returns whether the policy is done;
+    /// if not, [`Policy::stopped`] says when the replies it still waits for have come.
+    fn on_stop(&mut self, _host: &mut dyn Host) -> bool {
+        true
+    }
+
+    /// After [`Policy::on_stop`]: whether nothing this policy sent still needs its reply.
+    fn stopped(&self) -> bool {
+        true
+    }
+
     /// At each tick, for each stream this policy holds with a call in flight: `None` keeps
     /// waiting; a decision gives up on the call and is applied at once (the call's late reply then
     /// comes without the stream).

@@ -353,6 +353,52 @@ async fn the_drain_timeout_cuts_streams_but_still_releases_their_counts() {
     }
 }
 
+/// A gateway that stops sends its releases and keeps its plugin until Redis ran them, even when
+/// Redis stalls through the drain and then answers NOSCRIPT (it lost its scripts): Envoy keeps a
+/// root context whose `on_done` said not done, and delays its exit, until it calls `proxy_done`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopping_gateway_keeps_its_releases_through_a_redis_stall_and_noscript() {
+    let mut redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("stop-stall", 2).await.unwrap();
+    let cfg = redis_policy_config(
+        "route-stop-stall",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"leaseMs": 60_000}),
+    )
+    .drain_timeout_ms(300);
+    let mut gw = Gateway::start(&cfg).await.unwrap();
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let held: Vec<_> = (0..2)
+        .map(|i| spawn_request(gw.addr(), chat(&format!("held {i}")), Duration::from_secs(30)))
+        .collect();
+    eventually(Duration::from_secs(10), "2 requests held and counted", || async {
+        Ok(counters_sum(&redis).await? == 2)
+    })
+    .await
+    .unwrap();
+    redis.client().await.unwrap().cmd(&["SCRIPT", "FLUSH"]).await.unwrap();
+    redis.freeze().await.unwrap();
+    gw.terminate().unwrap();
+    // The drain cuts the streams at 300 ms; their releases wait in the frozen Redis while the
+    // gateway stops its plugin.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    redis.unfreeze().await.unwrap();
+    let status = gw.wait_exit(Duration::from_secs(6)).await.expect("exits once Redis answers");
+    assert!(status.success(), "{status}");
+    for h in held {
+        assert!(h.await.unwrap().is_err(), "a cut stream's client sees its connection close");
+    }
+    assert_eq!(counters_sum(&redis).await.unwrap(), 0, "{:?}", redis_counters(&redis).await);
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+}
+
 /// Clients that send `chat` requests one after another to `addr` until `stop`; each returns the
 /// status of every request (`None`: the request failed without an HTTP answer).
 fn client_loops(
