@@ -115,13 +115,18 @@ pub struct Filter {
     stop: RootStop,
 }
 
+/// How long a stopping root waits for the replies to its releases (each is bounded by the Redis
+/// `timeout`, 3 s by default; one resent after NOSCRIPT takes two).
+const MAX_STOP_WAIT_NS: u64 = 5_000_000_000;
+
 /// Where the root context is in its stop (see [`Filter::on_stop`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 enum RootStop {
     #[default]
     Running,
-    /// `proxy_on_done` said not done: the policies wait for replies to what they sent.
-    Stopping,
+    /// `proxy_on_done` said not done (at this time, ns): the policies wait for replies to what
+    /// they sent.
+    Stopping(u64),
     /// Done (said by `proxy_on_done` or by `proxy_done`).
     Done,
 }
@@ -201,6 +206,7 @@ impl Filter {
         for r in self.routes.iter().chain(&self.previous) {
             r.call((), |p| p.on_tick(host));
         }
+        self.report_stopped(host);
         let mut held: Vec<u32> = self
             .streams
             .iter()
@@ -454,18 +460,25 @@ impl Filter {
         for r in self.routes.iter().chain(&self.previous) {
             done &= r.call(true, |p| p.on_stop(host));
         }
-        self.stop = if done { RootStop::Done } else { RootStop::Stopping };
+        self.stop = if done { RootStop::Done } else { RootStop::Stopping(host.now_nanos()) };
         done
     }
 
-    /// A stopping root whose policies got their last replies says so.
+    /// A stopping root whose policies got their last replies says so; so does one that waited
+    /// [`MAX_STOP_WAIT_NS`] (a reply that never comes must not hold the gateway's exit).
     fn report_stopped(&mut self, host: &mut dyn Host) {
-        if self.stop != RootStop::Stopping {
-            return;
-        }
+        let RootStop::Stopping(since) = self.stop else { return };
         let stopped =
             self.routes.iter().chain(&self.previous).all(|r| r.call(false, |p| p.stopped()));
-        if stopped {
+        let waited = host.now_nanos().saturating_sub(since) >= MAX_STOP_WAIT_NS;
+        if waited && !stopped {
+            host.log(
+                LogLevel::Warn,
+                "ai-load-balancer: stopping without the replies to some releases; other gateways \
+                 release this one's records when its lease runs out",
+            );
+        }
+        if stopped || waited {
             self.stop = RootStop::Done;
             host.root_done();
         }

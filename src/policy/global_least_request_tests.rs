@@ -310,6 +310,21 @@ fn a_stopping_root_is_done_only_once_its_release_ran() {
 }
 
 #[test]
+fn a_stopping_root_whose_release_is_never_answered_is_done_after_five_seconds() {
+    let (mut f, mut host) = setup(&cfg(""));
+    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
+    f.on_delete(&mut host, 7);
+    assert!(!f.on_stop(&mut host));
+    host.now += 4_900 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.root_dones, 0, "still waiting");
+    host.now += 100 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.root_dones, 1, "a reply that never comes does not hold the exit");
+    assert!(host.logged("stopping without the replies"));
+}
+
+#[test]
 fn a_stopping_root_sends_the_releases_that_waited_for_redis() {
     let (mut f, mut host) = setup(&cfg(""));
     route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
