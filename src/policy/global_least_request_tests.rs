@@ -248,11 +248,17 @@ fn replies_for_other_tokens_do_not_resume() {
     assert_eq!(host.override_host, None);
 }
 
-#[test]
-fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
+/// Request 7 routed to `10.0.0.2:8000` and ended: its release is the last Redis call.
+fn one_request_ended() -> (crate::filter::Filter, crate::host::fake::FakeHost) {
     let (mut f, mut host) = setup(&cfg(""));
     route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
     f.on_delete(&mut host, 7);
+    (f, host)
+}
+
+#[test]
+fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
+    let (mut f, mut host) = one_request_ended();
     let first = release_of(&host, 0, false);
     // Higress closes the pipeline on an op timeout: the -1 may never have reached Redis.
     let lost = host.last_redis_token().unwrap();
@@ -287,9 +293,7 @@ fn a_release_lost_to_a_redis_network_error_is_sent_again_once_redis_answers() {
 fn a_stopping_root_is_done_only_once_its_release_ran() {
     let (mut f, mut host) = setup(&cfg(""));
     assert!(f.on_stop(&mut host), "nothing in flight: done at once");
-    let (mut f, mut host) = setup(&cfg(""));
-    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
-    f.on_delete(&mut host, 7);
+    let (mut f, mut host) = one_request_ended();
     let sent = host.last_redis_token().unwrap();
     assert!(!f.on_stop(&mut host), "the -1 is in flight");
     // Redis lost its scripts (restarted): the release goes again with its source.
@@ -311,9 +315,7 @@ fn a_stopping_root_is_done_only_once_its_release_ran() {
 
 #[test]
 fn a_stopping_root_whose_release_is_never_answered_is_done_after_five_seconds() {
-    let (mut f, mut host) = setup(&cfg(""));
-    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
-    f.on_delete(&mut host, 7);
+    let (mut f, mut host) = one_request_ended();
     assert!(!f.on_stop(&mut host));
     host.now += 4_900 * MS;
     f.on_tick(&mut host);
@@ -326,9 +328,7 @@ fn a_stopping_root_whose_release_is_never_answered_is_done_after_five_seconds() 
 
 #[test]
 fn a_stopping_root_sends_the_releases_that_waited_for_redis() {
-    let (mut f, mut host) = setup(&cfg(""));
-    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
-    f.on_delete(&mut host, 7);
+    let (mut f, mut host) = one_request_ended();
     let first = release_of(&host, 0, false);
     let lost = host.last_redis_token().unwrap();
     f.on_redis_reply(&mut host, lost, &RedisReply::NetworkError, false);
@@ -343,9 +343,7 @@ fn a_stopping_root_sends_the_releases_that_waited_for_redis() {
 
 #[test]
 fn a_release_that_keeps_failing_is_dropped_after_a_few_sends() {
-    let (mut f, mut host) = setup(&cfg(""));
-    route_to(&mut f, &mut host, 7, "10.0.0.2:8000");
-    f.on_delete(&mut host, 7);
+    let (mut f, mut host) = one_request_ended();
     let mut ctx = 9;
     for _ in 0..15 {
         // Every send of the release is lost, every pick is answered.

@@ -261,33 +261,50 @@ async fn volatile_lru_eviction_never_takes_the_counts() {
     eprintln!("{evicted} keys evicted; counts exact");
 }
 
-/// A normal stop (SIGTERM, as Kubernetes sends it) with requests in flight: the gateway stops
-/// accepting, lets them finish, runs the plugin's on_log/on_done/on_delete, writes the releases to
-/// Redis, then exits 0. Nothing is left counted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_drains_in_flight_requests_and_their_counts() {
+/// A gateway (global_least_request, lease 60 s, so only releases can bring the counts down) over
+/// two pods that hold every request, with requests held there and counted in Redis.
+struct Holding {
+    redis: RedisFixture,
+    pods: Vec<Pod>,
+    gw: Gateway,
+    held: Vec<tokio::task::JoinHandle<anyhow::Result<testkit::HttpResponse>>>,
+}
+
+/// [`Holding`] with `n` requests and a drain timeout of `drain_ms`; `name` names the pods and route.
+async fn gateway_holding(name: &str, n: usize, drain_ms: u64) -> Holding {
     let redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("drain", 2).await.unwrap();
+    let pods = start_pods(name, 2).await.unwrap();
+    let route = format!("route-{name}");
     let cfg = redis_policy_config(
-        "route-drain",
+        &route,
         &pods,
         &redis,
         "global_least_request",
         json!({"leaseMs": 60_000}),
     )
-    .drain_timeout_ms(10_000);
-    let mut gw = Gateway::start(&cfg).await.unwrap();
+    .drain_timeout_ms(drain_ms);
+    let gw = Gateway::start(&cfg).await.unwrap();
     for p in &pods {
         p.set_hold(true);
     }
-    let held: Vec<_> = (0..3)
-        .map(|i| spawn_request(gw.addr(), chat(&format!("in flight {i}")), Duration::from_secs(30)))
+    let held = (0..n)
+        .map(|i| spawn_request(gw.addr(), chat(&format!("{name} {i}")), Duration::from_secs(30)))
         .collect();
-    eventually(Duration::from_secs(10), "3 requests held and counted", || async {
-        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == 3 && counters_sum(&redis).await? == 3)
+    eventually(Duration::from_secs(10), "the requests held and counted", || async {
+        Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == n
+            && counters_sum(&redis).await? == n as i64)
     })
     .await
     .unwrap();
+    Holding { redis, pods, gw, held }
+}
+
+/// A normal stop (SIGTERM, as Kubernetes sends it) with requests in flight: the gateway stops
+/// accepting, lets them finish, runs the plugin's on_log/on_done/on_delete, writes the releases to
+/// Redis, then exits 0. Nothing is left counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_requests_and_their_counts() {
+    let Holding { redis, pods, mut gw, held } = gateway_holding("drain", 3, 10_000).await;
     gw.terminate().unwrap();
     // Listeners close: new connections are refused while the held requests are still served.
     eventually(Duration::from_secs(3), "new connections refused", || async {
@@ -314,30 +331,7 @@ async fn sigterm_drains_in_flight_requests_and_their_counts() {
 /// counts released) before the process exits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drain_timeout_cuts_streams_but_still_releases_their_counts() {
-    let redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("cut", 2).await.unwrap();
-    let cfg = redis_policy_config(
-        "route-cut",
-        &pods,
-        &redis,
-        "global_least_request",
-        json!({"leaseMs": 60_000}),
-    )
-    .drain_timeout_ms(300);
-    let mut gw = Gateway::start(&cfg).await.unwrap();
-    for p in &pods {
-        p.set_hold(true);
-    }
-    let held: Vec<_> = (0..2)
-        .map(|i| {
-            spawn_request(gw.addr(), chat(&format!("never ends {i}")), Duration::from_secs(30))
-        })
-        .collect();
-    eventually(Duration::from_secs(10), "2 requests held and counted", || async {
-        Ok(counters_sum(&redis).await? == 2)
-    })
-    .await
-    .unwrap();
+    let Holding { redis, pods, mut gw, held } = gateway_holding("cut", 2, 300).await;
     let stopped = Instant::now();
     gw.terminate().unwrap();
     let status = gw.wait_exit(Duration::from_secs(6)).await.expect("exits after the timeout");
@@ -358,28 +352,7 @@ async fn the_drain_timeout_cuts_streams_but_still_releases_their_counts() {
 /// root context whose `on_done` said not done, and delays its exit, until it calls `proxy_done`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopping_gateway_keeps_its_releases_through_a_redis_stall_and_noscript() {
-    let mut redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("stop-stall", 2).await.unwrap();
-    let cfg = redis_policy_config(
-        "route-stop-stall",
-        &pods,
-        &redis,
-        "global_least_request",
-        json!({"leaseMs": 60_000}),
-    )
-    .drain_timeout_ms(300);
-    let mut gw = Gateway::start(&cfg).await.unwrap();
-    for p in &pods {
-        p.set_hold(true);
-    }
-    let held: Vec<_> = (0..2)
-        .map(|i| spawn_request(gw.addr(), chat(&format!("held {i}")), Duration::from_secs(30)))
-        .collect();
-    eventually(Duration::from_secs(10), "2 requests held and counted", || async {
-        Ok(counters_sum(&redis).await? == 2)
-    })
-    .await
-    .unwrap();
+    let Holding { mut redis, pods, mut gw, held } = gateway_holding("stop-stall", 2, 300).await;
     redis.client().await.unwrap().cmd(&["SCRIPT", "FLUSH"]).await.unwrap();
     redis.freeze().await.unwrap();
     gw.terminate().unwrap();
