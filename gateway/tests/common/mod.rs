@@ -22,6 +22,28 @@ pub struct Gateway {
     _dir: TempDir,
 }
 
+/// Asks `child` to stop (SIGTERM) and waits up to `within` for it to exit; its exit status, or
+/// None if it still runs.
+pub async fn terminate(child: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
+    let sent = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(sent, "kill -TERM failed");
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            // Let the log reader take the last lines.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Some(status);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A temp directory removed on drop.
 pub struct TempDir(pub std::path::PathBuf);
 impl TempDir {
@@ -133,23 +155,11 @@ impl Gateway {
     /// Asks the process to stop (SIGTERM) and waits up to `within` for it to exit; its exit
     /// status, or None if it still runs.
     pub async fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let sent = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()
-            .is_ok_and(|s| s.success());
-        assert!(sent, "kill -TERM failed");
-        let deadline = Instant::now() + within;
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                // Let the log reader take the last lines.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                return Some(status);
-            }
-            if Instant::now() >= deadline {
-                return None;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        terminate(&mut self.child, within).await
+    }
+    /// The gateway's process.
+    pub fn process(&mut self) -> &mut Child {
+        &mut self.child
     }
     pub fn admin_url(&self, path: &str) -> String {
         format!("http://{}{}", self.admin, path)

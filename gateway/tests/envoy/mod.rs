@@ -294,6 +294,10 @@ pub struct Scenario {
     /// thread's and the worker's root contexts: their order relative to each other is the
     /// scheduler's, so they are compared as a sorted list after the other events.
     pub unordered: &'static [&'static str],
+    /// After the steps, stop the proxy with SIGTERM and wait up to 15 s for it to exit; the
+    /// client transcript says how it exited (its exit code, or that it had not within 15 s), and
+    /// the plugin's transcript includes what it logged while stopping.
+    pub terminate: bool,
 }
 
 impl Scenario {
@@ -323,6 +327,7 @@ impl Scenario {
             edit: None,
             wasm: None,
             unordered: &[],
+            terminate: false,
         }
     }
     pub fn steps(mut self, steps: Vec<Step>) -> Scenario {
@@ -380,6 +385,8 @@ impl Transcript {
 trait Proxy {
     fn addr(&self) -> SocketAddr;
     fn log(&self) -> Vec<String>;
+    /// The proxy's process (to stop it with a signal and see it exit).
+    fn process(&mut self) -> &mut Child;
 }
 
 impl Proxy for Gateway {
@@ -388,6 +395,9 @@ impl Proxy for Gateway {
     }
     fn log(&self) -> Vec<String> {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+    fn process(&mut self) -> &mut Child {
+        Gateway::process(self)
     }
 }
 
@@ -405,6 +415,9 @@ impl Proxy for Envoy {
     }
     fn log(&self) -> Vec<String> {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+    fn process(&mut self) -> &mut Child {
+        &mut self.child
     }
 }
 
@@ -1136,7 +1149,7 @@ pub async fn run(sc: &Scenario, under: Under) -> Transcript {
         }
     };
     let mut t = Transcript::default();
-    let proxy = match proxy {
+    let mut proxy = match proxy {
         Ok(p) => p,
         Err(e) => {
             eprintln!("[{}] {under:?} refused to start: {e}", sc.name);
@@ -1157,6 +1170,13 @@ pub async fn run(sc: &Scenario, under: Under) -> Transcript {
     let names = Names(names);
     for s in &sc.steps {
         run_step(&with_addresses(s, &ups), proxy.addr(), &names, &mut t.client).await;
+    }
+    if sc.terminate {
+        let within = Duration::from_secs(15);
+        t.client.push(match common::terminate(proxy.process(), within).await {
+            Some(status) => format!("SIGTERM: exited, code {:?}", status.code()),
+            None => format!("SIGTERM: still running after {} s", within.as_secs()),
+        });
     }
     // Settle: the plugin's transcript is complete when nothing new was logged for 400 ms.
     let start = Instant::now();
