@@ -451,7 +451,10 @@ impl Filter {
 
     /// The root context stops (`proxy_on_done`): every policy sends what waited for later.
     /// Returns whether the root is done now; if not, `Host::root_done` is called once the replies
-    /// the policies wait for have come (Envoy keeps the VM, and delays its own exit, until then).
+    /// the policies wait for have come. This helps when Envoy stops a root while it runs (its
+    /// configuration removed or replaced: proxy-wasm-cpp-host keeps the VM until then); at
+    /// Envoy's exit nothing sent here leaves (conformance test
+    /// `at_exit_a_root_context_that_is_not_done_gets_nothing_more` in `gateway/`).
     pub fn on_stop(&mut self, host: &mut dyn Host) -> bool {
         if self.stop != RootStop::Running {
             return self.stop == RootStop::Done;
@@ -465,7 +468,7 @@ impl Filter {
     }
 
     /// A stopping root whose policies got their last replies says so; so does one that waited
-    /// [`MAX_STOP_WAIT_NS`] (a reply that never comes must not hold the gateway's exit).
+    /// [`MAX_STOP_WAIT_NS`] (a reply that never comes must not keep the VM alive for good).
     fn report_stopped(&mut self, host: &mut dyn Host) {
         let RootStop::Stopping(since) = self.stop else { return };
         let stopped =

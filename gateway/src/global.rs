@@ -85,6 +85,10 @@ pub struct Global {
     /// Workers whose root context has not finished stopping yet (set by the drain, see
     /// [`WorkerEvent::Stop`]).
     pub roots_stopping: std::sync::atomic::AtomicUsize,
+    /// The process is exiting (the drain is over): as in Envoy, whose exit runs the last
+    /// callbacks after its dispatchers stopped, what the plugin sends from now on never leaves
+    /// (the hostcalls still answer Ok) and nothing more is delivered to it.
+    pub exiting: std::sync::atomic::AtomicBool,
 }
 
 /// The gateway's stop sequence, as Envoy drains on SIGTERM.
@@ -125,10 +129,11 @@ pub enum WorkerEvent {
         /// VM generation.
         gen: u64,
     },
-    /// The gateway stops (after the drain of its streams): the root context's `proxy_on_done`,
-    /// then `proxy_on_delete` at once (on_done returned true) or once the plugin calls
-    /// `proxy_done`, as proxy-wasm-cpp-host's `WasmBase::startShutdown` / `done` do. The worker
-    /// then decrements [`Global::roots_stopping`].
+    /// The gateway exits (after the drain of its streams): the root context's `proxy_on_done`,
+    /// then `proxy_on_delete` when it returned true; when it returned false, nothing more (the
+    /// VM is destroyed with its root pending, as Envoy 1.40 does at exit: conformance test
+    /// `at_exit_a_root_context_that_is_not_done_gets_nothing_more`). The worker then decrements
+    /// [`Global::roots_stopping`].
     Stop,
     /// A shared queue got an item.
     QueueReady {

@@ -105,6 +105,7 @@ fn global_state(cfg: &config::Config, args: &Args) -> anyhow::Result<Arc<global:
         live_streams: Default::default(),
         redis_outstanding: Default::default(),
         roots_stopping: Default::default(),
+        exiting: Default::default(),
     }))
 }
 
@@ -267,9 +268,12 @@ fn start_workers(
     Ok(())
 }
 
-/// Envoy's drain on SIGTERM: stop accepting, let in-flight streams finish (idle keep-alive
-/// connections close at once), cut what is left after `timeout`, then wait briefly until every
-/// stream's on_log/on_done/on_delete ran and the Redis commands they sent were answered.
+/// A Higress gateway pod's stop (its agent drains Envoy's listeners, then Envoy exits): stop
+/// accepting, let in-flight streams finish (idle keep-alive connections close at once), then
+/// exit as Envoy 1.40 does. Its dispatchers stop first; the streams still open are cut after
+/// that (their on_log/on_done/on_delete run), then each root context's on_done, and nothing the
+/// plugin sends from those callbacks leaves, nor does any answer or tick reach it (conformance
+/// test `at_exit_a_root_context_that_is_not_done_gets_nothing_more`).
 async fn drain(
     g: &Arc<global::Global>,
     timeout: std::time::Duration,
@@ -280,14 +284,17 @@ async fn drain(
     let live = || g.live_streams.load(Ordering::Relaxed);
     tracing::info!("{why}: draining {} stream(s) for up to {timeout:?}", live());
     g.shutdown.send_replace(global::Shutdown::Draining);
-    if !settled(|| live() == 0, timeout).await {
+    let drained = settled(|| live() == 0, timeout).await;
+    g.exiting.store(true, Ordering::Relaxed);
+    if !drained {
         tracing::warn!("drain timeout: cutting {} stream(s)", live());
         g.shutdown.send_replace(global::Shutdown::Cut);
         settled(|| live() == 0, std::time::Duration::from_secs(2)).await;
     }
-    // The root contexts stop: Envoy's thread-local Wasm handles are destroyed at shutdown, which
-    // calls the root context's on_done (and on_delete once done). Redis commands they send (e.g.
-    // releases a plugin queued) are waited for below.
+    // The root contexts stop: Envoy's thread-local Wasm handles are destroyed at exit, which
+    // calls the root context's on_done. The Redis commands sent before the exit were written
+    // while Envoy's dispatchers ran; waiting for their replies (which the plugin no longer gets)
+    // makes sure this host wrote them too.
     let roots_done = stop_roots(g).await;
     let redis_done = settled(
         || g.redis_outstanding.load(Ordering::Relaxed) == 0,
@@ -305,7 +312,7 @@ async fn drain(
 }
 
 /// Asks every worker (and the main thread's VM) to stop its root context and waits up to 2 s
-/// until all did (a plugin whose on_done returned false has that long to call `proxy_done`).
+/// until all did.
 async fn stop_roots(g: &Arc<global::Global>) -> bool {
     use std::sync::atomic::Ordering;
     let Some(workers) = g.worker_events.get() else { return true };

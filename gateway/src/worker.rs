@@ -356,10 +356,7 @@ impl Worker {
         stats.vm_calls_total.fetch_add(1, Ordering::Relaxed);
         stats.vm_call_nanos_total.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         match r {
-            Ok(x) => {
-                self.after_root_done();
-                Ok(x)
-            }
+            Ok(x) => Ok(x),
             Err(e) => {
                 let policy = self.failure_policy();
                 tracing::error!(worker = self.idx, plugin = %self.g.plugin_name, ?policy, "plugin trapped in {name}: {e:?}");
@@ -376,68 +373,40 @@ impl Worker {
         }
     }
 
-    /// The plugin called `proxy_done` during the VM call that just returned: the root context's
-    /// `proxy_on_delete` now (cpp-host defers it out of the `done` hostcall), and the stop is
-    /// over for this worker.
-    fn after_root_done(&self) {
-        let root = {
-            let mut vm = self.vm.borrow_mut();
-            let Some(vm) = vm.as_mut() else { return };
-            if vm.state().root_stop != RootStop::DoneCalled {
-                return;
-            }
-            vm.state().root_stop = RootStop::Deleted;
-            vm.root_id
-        };
-        let _ = self.vm_call(root, "proxy_on_delete", &[root as i32]);
-        self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
-    }
-
-    /// The gateway stops: the root context's `proxy_on_done`; `proxy_on_delete` at once when it
-    /// returned true, else when the plugin calls `proxy_done` (see [`Worker::after_root_done`]).
+    /// The gateway exits: the root context's `proxy_on_done`, then `proxy_on_delete` when it
+    /// returned true. When it returned false Envoy keeps the root pending until `proxy_done`,
+    /// but at exit it destroys the VM right after, so nothing more runs (no on_delete).
     /// A worker without a running VM (none, or failed) has nothing to stop.
     fn stop_root(&self) {
         let root = {
             let mut vm = self.vm.borrow_mut();
             match vm.as_mut() {
                 Some(vm) if vm.store.data().root_stop == RootStop::Running => {
-                    vm.state().root_stop = RootStop::AwaitingDone;
+                    vm.state().root_stop = RootStop::Stopped;
                     Some(vm.root_id)
                 }
                 _ => None,
             }
         };
-        let Some(root) = root else {
-            self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
-            return;
-        };
-        match self.vm_call(root, "proxy_on_done", &[root as i32]) {
-            // Done at once (a module without proxy_on_done counts as done).
-            Ok((r, _)) if r.is_none_or(|r| r != 0) => {
-                let mut vm = self.vm.borrow_mut();
-                let awaiting =
-                    vm.as_mut().is_some_and(|vm| vm.state().root_stop == RootStop::AwaitingDone);
-                if awaiting {
-                    if let Some(vm) = vm.as_mut() {
-                        vm.state().root_stop = RootStop::Deleted;
-                    }
-                    drop(vm);
+        if let Some(root) = root {
+            // Done at once (a module without proxy_on_done counts as done); a trap ends the VM.
+            if let Ok((r, _)) = self.vm_call(root, "proxy_on_done", &[root as i32]) {
+                if r.is_none_or(|r| r != 0) {
                     let _ = self.vm_call(root, "proxy_on_delete", &[root as i32]);
-                    self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
                 }
             }
-            // Not done: the plugin calls proxy_done later (or already did in on_done).
-            Ok(_) => {}
-            // Trapped: the VM is gone, nothing more will run.
-            Err(Trapped) => {
-                self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
-            }
         }
+        self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// The root context was deleted at a stop: its callbacks are dropped.
-    fn root_deleted(&self) -> bool {
-        self.vm.borrow_mut().as_mut().is_some_and(|vm| vm.state().root_stop == RootStop::Deleted)
+    /// The root context stopped, or the gateway is exiting: callbacks are dropped.
+    fn root_stopped(&self) -> bool {
+        self.g.exiting.load(Ordering::Relaxed)
+            || self
+                .vm
+                .borrow_mut()
+                .as_mut()
+                .is_some_and(|vm| vm.state().root_stop == RootStop::Stopped)
     }
 
     /// Drops the VM; streams waiting on it are woken (they see it gone).
@@ -500,7 +469,7 @@ impl Worker {
         // sees zero in between.
         let _answered = matches!(ev, WorkerEvent::Redis { .. }).then(|| RedisAnswered(&self.g));
         let Some(root) = self.root_id() else { return };
-        if self.root_deleted() {
+        if self.root_stopped() {
             return;
         }
         let cur = self.gen.get();

@@ -538,6 +538,84 @@ async fn tick_timer_on_the_root_context() {
     differential(sc.steps(vec![Step::Sleep(700)])).await;
 }
 
+/// The exit (SIGTERM, no stream in flight) with a plugin whose root context, on `proxy_on_done`,
+/// calls out (GET /slow: 500 ms), calls `proxy_done` and answers "not done" (false); it would
+/// call `proxy_done` again from the callout's answer. Each VM numbers what it logs while
+/// stopping: the root's on_done, the first tick after it, the callout's answer, the root's
+/// on_delete; and the client transcript how the proxy exited. Envoy 1.40 runs each root's on_done
+/// after its dispatchers stopped, as it destroys the VMs: the callout is accepted (Ok) but never
+/// sent, `proxy_done` inside on_done is NotFound, then no tick, no answer, no on_delete, and the
+/// proxy exits at once (0). So nothing a plugin sends from a root's on_done at exit leaves: its
+/// releases must have gone out before.
+#[tokio::test(flavor = "multi_thread")]
+async fn at_exit_a_root_context_that_is_not_done_gets_nothing_more() {
+    let mut p = Plugin::new();
+    let hdrs = p.w.b(&pairs(&[(":method", "GET"), (":path", "/slow"), (":authority", "callout")]));
+    let (cl, ev_stop, ev_done, ev_c) =
+        (p.s("callout"), p.ev("stop"), p.ev("done"), p.ev("callout"));
+    let (done, tick, reply, delete) =
+        (p.s("root_done"), p.s("tick"), p.s("callout_answer"), p.s("root_delete"));
+    let ev_delete = p.ev("delete");
+    // Root contexts are marked at 1536 + their id (set in on_configure; below the strings at 8192).
+    let is_root = "(i32.load8_u (i32.add (i32.const 1536) (local.get $ctx)))";
+    let stop_ev = |what: &str| {
+        format!(
+            "{ev_stop} (global.set $seq (i32.add (global.get $seq) (i32.const 1))) (call $ev_num (global.get $seq)) (call $ev_str {what})"
+        )
+    };
+    let p = p
+        .extra(format!(
+            r#"  (import "env" "proxy_done" (func $proxy_done (result i32)))
+  (global $stopping (mut i32) (i32.const 0))
+  (global $seq (mut i32) (i32.const 0))
+  (global $ticked (mut i32) (i32.const 0))
+  (func (export "proxy_on_tick") (param $root i32)
+    (if (i32.and (global.get $stopping) (i32.eqz (global.get $ticked)))
+      (then (global.set $ticked (i32.const 1)) {tick_ev} (call $ev_end))))
+"#,
+            tick_ev = stop_ev(&tick),
+        ))
+        .on(
+            "proxy_on_configure",
+            "(i32.store8 (i32.add (i32.const 1536) (local.get $root)) (i32.const 1))
+    (drop (call $proxy_set_tick_period_milliseconds (i32.const 100))) (i32.const 1)"
+                .into(),
+        )
+        .on(
+            "proxy_on_done",
+            format!(
+                "(if (i32.eqz {is_root}) (then {ev_done} (call $ev_end) (return (i32.const 1))))
+    (global.set $stopping (i32.const 1))
+    {done_ev}
+    (call $ev_num (call $proxy_http_call {cl} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 264)))
+    (call $ev_num (call $proxy_done))
+    (call $ev_end) (i32.const 0)",
+                done_ev = stop_ev(&done),
+            ),
+        )
+        .on(
+            "proxy_on_http_call_response",
+            format!(
+                "(if (i32.eqz (global.get $stopping)) (then {ev_c} (call $ev_end) (return)))
+    {reply_ev} (call $ev_num (local.get $nb)) (call $ev_num (call $proxy_done)) (call $ev_end)",
+                reply_ev = stop_ev(&reply),
+            ),
+        )
+        .on(
+            "proxy_on_delete",
+            format!(
+                "(if (i32.eqz {is_root}) (then {ev_delete} (call $ev_end) (return)))
+    {delete_ev} (call $ev_end)",
+                delete_ev = stop_ev(&delete),
+            ),
+        );
+    let mut sc = p.scenario("at_exit_a_root_context_that_is_not_done_gets_nothing_more");
+    // Each VM (the main thread's, the worker's) stops on its own thread.
+    sc.unordered = &["stop"];
+    sc.terminate = true;
+    differential(sc.steps(vec![Step::get("/p")])).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn shared_data_with_cas() {
     let mut p = Plugin::new();

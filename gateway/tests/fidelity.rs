@@ -1974,8 +1974,9 @@ async fn a_second_redis_init_keeps_the_connection_unless_its_settings_change() {
 }
 
 /// A plugin whose root context, when the gateway stops, sends a Redis command from `on_done`,
-/// answers "not done yet" (false), and calls `proxy_done` from the reply; it logs each step and
-/// its root `on_delete`. `proxy_done` is also called once outside a stop (at configure).
+/// calls `proxy_done`, answers "not done yet" (false), and would call `proxy_done` from the reply;
+/// it logs each step and its root `on_delete`. `proxy_done` is also called once outside a stop
+/// (at configure).
 fn stopping_root_plugin() -> String {
     let mut w = Wat::new();
     let body = format!(
@@ -1989,7 +1990,8 @@ fn stopping_root_plugin() -> String {
     (i32.const 1))
   (func (export "proxy_on_done") (param $ctx i32) (result i32)
     (if (i32.ne (local.get $ctx) (global.get $root)) (then (return (i32.const 1))))
-    (call $ev_start {ev_done}) (call $ev_num (call $proxy_redis_call {cluster} {cmd} (i32.const 264))) (call $ev_end)
+    (call $ev_start {ev_done}) (call $ev_num (call $proxy_redis_call {cluster} {cmd} (i32.const 264)))
+    (call $ev_num (call $proxy_done)) (call $ev_end)
     (i32.const 0))
   (func (export "proxy_on_redis_call_response") (param $root i32) (param $token i32) (param $status i32) (param $size i32)
     (call $ev_start {ev_reply}) (call $ev_num (local.get $status)) (call $ev_num (call $proxy_done)) (call $ev_end))
@@ -2006,31 +2008,30 @@ fn stopping_root_plugin() -> String {
     w.module("0_2_100", &body)
 }
 
-/// A stop (SIGTERM) stops the root context as Envoy does when it destroys a VM
-/// (proxy-wasm-cpp-host `WasmBase::startShutdown` and `done`): `proxy_on_done` on the root; it
-/// answered false, so the gateway waits, delivers the reply to the Redis command sent from
-/// on_done (the command reaches Redis before the exit), takes `proxy_done` (Ok now; NotFound
-/// outside a stop) and then runs the root's `proxy_on_delete`, before it exits.
+/// A stop (SIGTERM) stops the root context as Envoy 1.40 does when it destroys the VM at exit
+/// (proxy-wasm-cpp-host `WasmBase::startShutdown`, after the dispatchers stopped): `proxy_on_done`
+/// on the root, where `proxy_done` is NotFound (the root is not pending yet) and a Redis call is
+/// accepted (Ok) but never written; it answered false, so no reply, no on_delete, and the gateway
+/// exits at once (what the conformance test `at_exit_a_root_context_that_is_not_done_gets_nothing_more`
+/// shows for Envoy with an HTTP callout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_runs_the_root_on_done_flushes_its_redis_command_and_waits_for_proxy_done() {
+async fn sigterm_runs_the_root_on_done_but_nothing_it_sends_leaves() {
     let up = Upstream::start().await;
     let (addr, seen) = fake_redis().await;
     let mut gw =
         Gateway::start(&redis_config(&up, &addr.to_string()), Some(&stopping_root_plugin()), 1);
     assert_eq!(get(&gw.url("/p"), &[]).await.status, 200);
+    let stopped = Instant::now();
     let status = gw.terminate(Duration::from_secs(10)).await;
     assert!(status.is_some_and(|s| s.success()), "the gateway did not exit cleanly: {status:?}");
+    assert!(stopped.elapsed() < Duration::from_secs(2), "no wait for proxy_done: {stopped:?}");
     let ev = gw.events();
     // One worker and the main thread's VM: each root context stops.
     assert_eq!(ev.iter().filter(|e| *e == "early_done 1").count(), 2, "NotFound: {ev:?}");
-    assert_eq!(ev.iter().filter(|e| *e == "root_done 0").count(), 2, "{ev:?}");
-    assert_eq!(ev.iter().filter(|e| *e == "reply 0 0").count(), 2, "reply Ok, done Ok: {ev:?}");
-    assert_eq!(ev.iter().filter(|e| *e == "root_delete").count(), 2, "{ev:?}");
-    let first_delete = ev.iter().position(|e| e == "root_delete").unwrap();
-    let first_reply = ev.iter().position(|e| e == "reply 0 0").unwrap();
-    assert!(first_reply < first_delete, "on_delete only after proxy_done: {ev:?}");
+    assert_eq!(ev.iter().filter(|e| *e == "root_done 0 1").count(), 2, "Ok, NotFound: {ev:?}");
+    assert!(!ev.iter().any(|e| e.starts_with("reply") || e == "root_delete"), "{ev:?}");
     let sets = seen.lock().unwrap().iter().filter(|c| c[0] == "SET").count();
-    assert_eq!(sets, 2, "each root's command reached Redis before the exit");
+    assert_eq!(sets, 0, "a command sent from the root's on_done at exit is never written");
 }
 
 /// A RESP command frame as its arguments (a fake Redis server's view of what the gateway sent).

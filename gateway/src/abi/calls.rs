@@ -14,7 +14,8 @@
 //! 0 and `proxy_get_status` gives BrokenConnection. Tokens start at 4 and step by 4.
 
 use super::{
-    read_bytes, read_string, status, unmarshal_pairs, write_u32, CallResponse, HostState, Registrar,
+    code, read_bytes, read_string, status, unmarshal_pairs, write_u32, CallResponse, HostState,
+    Registrar,
 };
 use crate::global::WorkerEvent;
 use bytes::Bytes;
@@ -73,6 +74,10 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             // router answers inside the async client's `send`, which then returns no request, and
             // the call is InternalFailure at once, with no callback; its token is used up.
             let Some(endpoint) = endpoint else { return status::INTERNAL_FAILURE };
+            // Exiting: Envoy's dispatchers have stopped, so the request never goes out.
+            if st.g.exiting.load(std::sync::atomic::Ordering::Relaxed) {
+                return code(write_u32(&mut c, tokp, token));
+            }
             let client = st.http_client.clone();
             let events = st.events.clone();
             let gen = st.gen;

@@ -11,7 +11,7 @@
 //! returns Ok and is read by the router when the request headers leave this filter (non-strict).
 
 use super::{
-    copy_out, marshal_pairs, read_bytes, read_string, status, write_u32, HostState, Registrar,
+    code, copy_out, marshal_pairs, read_bytes, read_string, status, write_u32, HostState, Registrar,
 };
 use crate::redis::{RedisClient, RedisConfig, RedisTarget};
 use bytes::Bytes;
@@ -71,6 +71,10 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             };
             let token = st.next_redis_token;
             st.next_redis_token = st.next_redis_token.wrapping_add(4);
+            // Exiting: Envoy's dispatchers have stopped, so the command is never written.
+            if st.g.exiting.load(std::sync::atomic::Ordering::Relaxed) {
+                return code(write_u32(&mut c, tokp, token));
+            }
             let (events, gen) = (st.events.clone(), st.gen);
             let ct = cluster.connect_timeout;
             let client = st.redis_clients.entry(name).or_insert_with(|| {

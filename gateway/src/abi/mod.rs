@@ -322,18 +322,16 @@ pub struct HostState {
     pub root_stop: RootStop,
 }
 
-/// The root context's stop, as proxy-wasm-cpp-host runs it (`WasmBase::startShutdown`, `done`).
+/// The root context's stop at exit, as Envoy 1.40 runs it (proxy-wasm-cpp-host
+/// `WasmBase::startShutdown` as the thread-local VM is destroyed, after the dispatcher stopped).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum RootStop {
-    /// Not stopping: `proxy_done` is NotFound.
+    /// Serving.
     #[default]
     Running,
-    /// `proxy_on_done` returned false: the plugin finishes its work and calls `proxy_done`.
-    AwaitingDone,
-    /// `proxy_done` was called: `proxy_on_delete` runs once the current VM call returned.
-    DoneCalled,
-    /// `proxy_on_delete` ran: callbacks for the root context are dropped.
-    Deleted,
+    /// `proxy_on_done` ran (and `proxy_on_delete`, when it returned true): callbacks for the
+    /// root context are dropped.
+    Stopped,
 }
 
 impl HostState {

@@ -127,17 +127,12 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             status::BAD_ARGUMENT
         }
     })?;
-    // Only a root context whose `proxy_on_done` returned false may say it is done
-    // (cpp-host `WasmBase::done`: NotFound otherwise); its on_delete follows the current VM call.
-    l.func("proxy_done", |mut c: Caller<'_, HostState>| -> i32 {
-        let st = c.data_mut();
-        if st.root_stop == super::RootStop::AwaitingDone {
-            st.root_stop = super::RootStop::DoneCalled;
-            status::OK
-        } else {
-            status::NOT_FOUND
-        }
-    })?;
+    // Only a root context whose `proxy_on_done` returned false may say it is done (cpp-host
+    // `WasmBase::done`: NotFound otherwise, also inside that on_done, which has not returned
+    // yet). Envoy calls a root's on_done only as it destroys the VM at exit, after which no
+    // callback runs that could call it: NotFound always (conformance test
+    // `at_exit_a_root_context_that_is_not_done_gets_nothing_more`).
+    l.func("proxy_done", |_c: Caller<'_, HostState>| -> i32 { status::NOT_FOUND })?;
     l.func(
         "proxy_call_foreign_function",
         |_c: Caller<'_, HostState>,
