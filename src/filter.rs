@@ -452,9 +452,10 @@ impl Filter {
     /// The root context stops (`proxy_on_done`): every policy sends what waited for later.
     /// Returns whether the root is done now; if not, `Host::root_done` is called once the replies
     /// the policies wait for have come. This helps when Envoy stops a root while it runs (its
-    /// configuration removed or replaced: proxy-wasm-cpp-host keeps the VM until then); at
-    /// Envoy's exit nothing sent here leaves (conformance test
-    /// `at_exit_a_root_context_that_is_not_done_gets_nothing_more` in `gateway/`).
+    /// configuration replaced or removed: Envoy keeps the root, with its answers and ticks, until
+    /// then); at Envoy's exit nothing sent here leaves (conformance tests in `gateway/`:
+    /// `envoy_keeps_a_replaced_configurations_root_until_proxy_done`,
+    /// `at_exit_a_root_context_that_is_not_done_gets_nothing_more`).
     pub fn on_stop(&mut self, host: &mut dyn Host) -> bool {
         if self.stop != RootStop::Running {
             return self.stop == RootStop::Done;

@@ -6,7 +6,7 @@ mod common;
 mod envoy;
 
 use common::Wat;
-use envoy::{differential, Cluster, Route, Scenario, Step, Target};
+use envoy::{differential, Cluster, Proxy, Route, Scenario, Step, Target};
 use std::collections::BTreeMap;
 
 fn pairs(p: &[(&str, &str)]) -> Vec<u8> {
@@ -547,8 +547,8 @@ async fn tick_timer_on_the_root_context() {
 /// sent, `proxy_done` inside on_done is NotFound, then no tick, no answer, no on_delete, and the
 /// proxy exits at once (0). So nothing a plugin sends from a root's on_done at exit leaves: its
 /// releases must have gone out before.
-#[tokio::test(flavor = "multi_thread")]
-async fn at_exit_a_root_context_that_is_not_done_gets_nothing_more() {
+/// The plugin of the stop scenarios (see `at_exit_a_root_context_that_is_not_done_gets_nothing_more`).
+fn stopping_root_plugin() -> Plugin {
     let mut p = Plugin::new();
     let hdrs = p.w.b(&pairs(&[(":method", "GET"), (":path", "/slow"), (":authority", "callout")]));
     let (cl, ev_stop, ev_done, ev_c) =
@@ -556,24 +556,26 @@ async fn at_exit_a_root_context_that_is_not_done_gets_nothing_more() {
     let (done, tick, reply, delete) =
         (p.s("root_done"), p.s("tick"), p.s("callout_answer"), p.s("root_delete"));
     let ev_delete = p.ev("delete");
-    // Root contexts are marked at 1536 + their id (set in on_configure; below the strings at 8192).
+    // Root contexts are marked at 1536 + their id (set in on_configure), stopping ones at 1792 +
+    // their id (set in on_done), below the strings at 8192.
     let is_root = "(i32.load8_u (i32.add (i32.const 1536) (local.get $ctx)))";
+    let stopping =
+        |ctx: &str| format!("(i32.load8_u (i32.add (i32.const 1792) (local.get {ctx})))");
     let stop_ev = |what: &str| {
         format!(
             "{ev_stop} (global.set $seq (i32.add (global.get $seq) (i32.const 1))) (call $ev_num (global.get $seq)) (call $ev_str {what})"
         )
     };
-    let p = p
-        .extra(format!(
+    p.extra(format!(
             r#"  (import "env" "proxy_done" (func $proxy_done (result i32)))
-  (global $stopping (mut i32) (i32.const 0))
   (global $seq (mut i32) (i32.const 0))
   (global $ticked (mut i32) (i32.const 0))
   (func (export "proxy_on_tick") (param $root i32)
-    (if (i32.and (global.get $stopping) (i32.eqz (global.get $ticked)))
+    (if (i32.and {stopping} (i32.eqz (global.get $ticked)))
       (then (global.set $ticked (i32.const 1)) {tick_ev} (call $ev_end))))
 "#,
             tick_ev = stop_ev(&tick),
+            stopping = stopping("$root"),
         ))
         .on(
             "proxy_on_configure",
@@ -585,7 +587,7 @@ async fn at_exit_a_root_context_that_is_not_done_gets_nothing_more() {
             "proxy_on_done",
             format!(
                 "(if (i32.eqz {is_root}) (then {ev_done} (call $ev_end) (return (i32.const 1))))
-    (global.set $stopping (i32.const 1))
+    (i32.store8 (i32.add (i32.const 1792) (local.get $ctx)) (i32.const 1))
     {done_ev}
     (call $ev_num (call $proxy_http_call {cl} {hdrs} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 264)))
     (call $ev_num (call $proxy_done))
@@ -596,9 +598,10 @@ async fn at_exit_a_root_context_that_is_not_done_gets_nothing_more() {
         .on(
             "proxy_on_http_call_response",
             format!(
-                "(if (i32.eqz (global.get $stopping)) (then {ev_c} (call $ev_end) (return)))
+                "(if (i32.eqz {stopping}) (then {ev_c} (call $ev_end) (return)))
     {reply_ev} (call $ev_num (local.get $nb)) (call $ev_num (call $proxy_done)) (call $ev_end)",
                 reply_ev = stop_ev(&reply),
+                stopping = stopping("$root"),
             ),
         )
         .on(
@@ -608,12 +611,94 @@ async fn at_exit_a_root_context_that_is_not_done_gets_nothing_more() {
     {delete_ev} (call $ev_end)",
                 delete_ev = stop_ev(&delete),
             ),
-        );
+        )
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn at_exit_a_root_context_that_is_not_done_gets_nothing_more() {
+    let p = stopping_root_plugin();
     let mut sc = p.scenario("at_exit_a_root_context_that_is_not_done_gets_nothing_more");
     // Each VM (the main thread's, the worker's) stops on its own thread.
     sc.unordered = &["stop"];
     sc.terminate = true;
     differential(sc.steps(vec![Step::get("/p")])).await;
+}
+
+/// Envoy 1.40 alone (this host does not replace a plugin's configuration while it runs): the
+/// plugin's configuration is replaced through ECDS (a file) while Envoy runs. The old
+/// configuration's root context, on each thread, gets `proxy_on_done` with the dispatchers running:
+/// the callout it makes there is answered, and `proxy_done` from that answer is Ok and is followed
+/// by its `proxy_on_delete`; the VM serves the new configuration meanwhile. This is the case the
+/// plugin's stop (its releases sent from a root's on_done, done only once Redis ran them) is for.
+#[tokio::test(flavor = "multi_thread")]
+async fn envoy_keeps_a_replaced_configurations_root_until_proxy_done() {
+    let _serial = envoy::SERIAL.lock().await;
+    let sc = stopping_root_plugin().scenario("replaced_configuration");
+    let ups = [common::Upstream::start().await, common::Upstream::start().await];
+    let dir = common::TempDir::new();
+    let wasm = dir.0.join("plugin.wasm");
+    std::fs::write(&wasm, sc.module("0_2_1")).unwrap();
+    let unused = "127.0.0.1:9".parse().unwrap();
+    let bootstrap = envoy::render_envoy(&sc, &ups, unused, &wasm);
+    let (from, to) = (
+        bootstrap.find("          - name: envoy.filters.http.wasm\n").unwrap(),
+        bootstrap.find("          - name: envoy.filters.http.router\n").unwrap(),
+    );
+    let ecds = dir.0.join("ecds.yaml");
+    // File-based xDS needs a node.
+    let bootstrap = format!(
+        "node: {{id: conformance, cluster: conformance}}\n{}          - name: envoy.filters.http.wasm\n            config_discovery:\n              config_source: {{path_config_source: {{path: \"{}\"}}, resource_api_version: V3}}\n              type_urls: [\"type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm\"]\n{}",
+        &bootstrap[..from],
+        ecds.display(),
+        &bootstrap[to..]
+    );
+    let plugin_config = |value: &str| {
+        format!(
+            r#"resources:
+- "@type": type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig
+  name: envoy.filters.http.wasm
+  typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+    config:
+      name: test-plugin
+      root_id: test-root
+      configuration: {{"@type": type.googleapis.com/google.protobuf.StringValue, value: '{value}'}}
+      vm_config: {{runtime: envoy.wasm.runtime.v8, code: {{local: {{filename: "{}"}}}}}}
+"#,
+            wasm.display()
+        )
+    };
+    // Envoy watches the file's directory and reads a file moved into place.
+    let replace = |value: &str| {
+        let next = dir.0.join("next.yaml");
+        std::fs::write(&next, plugin_config(value)).unwrap();
+        std::fs::rename(&next, &ecds).unwrap();
+    };
+    replace(r#"{"a":1}"#);
+    let proxy = envoy::Envoy::start(&bootstrap, common::TempDir::new(), 1).expect("envoy starts");
+    let url = format!("http://{}/p", proxy.addr());
+    assert_eq!(common::get(&url, &[]).await.status, 200);
+    replace(r#"{"a":2}"#);
+    // The old roots' callouts take 500 ms.
+    let start = std::time::Instant::now();
+    let mut ev = Vec::new();
+    while start.elapsed() < std::time::Duration::from_secs(5) {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        ev = envoy::events(&proxy.log());
+        if ev.iter().filter(|e| e.contains("root_delete")).count() >= 2 {
+            break;
+        }
+    }
+    assert_eq!(common::get(&url, &[]).await.status, 200, "the new configuration serves");
+    let mut stop: Vec<&str> =
+        ev.iter().filter(|e| e.starts_with("stop ")).map(String::as_str).collect();
+    stop.sort();
+    // The main thread's and the worker's old roots, each in this order: on_done (callout Ok,
+    // proxy_done NotFound), a tick, the callout's answer (proxy_done Ok), on_delete.
+    let each =
+        ["stop 1 root_done 0 1", "stop 2 tick", "stop 3 callout_answer 4 0", "stop 4 root_delete"];
+    let both: Vec<&str> = each.iter().flat_map(|e| [*e, *e]).collect();
+    assert_eq!(stop, both, "{ev:#?}");
 }
 
 #[tokio::test(flavor = "multi_thread")]

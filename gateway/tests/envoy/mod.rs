@@ -335,7 +335,7 @@ impl Scenario {
         self
     }
 
-    fn module(&self, marker: &str) -> Vec<u8> {
+    pub fn module(&self, marker: &str) -> Vec<u8> {
         if let Some(w) = &self.wasm {
             return w.clone();
         }
@@ -382,7 +382,7 @@ impl Transcript {
 }
 
 /// A running proxy under test.
-trait Proxy {
+pub trait Proxy {
     fn addr(&self) -> SocketAddr;
     fn log(&self) -> Vec<String>;
     /// The proxy's process (to stop it with a signal and see it exit).
@@ -553,7 +553,7 @@ fn render_gateway(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path
     y
 }
 
-fn render_envoy(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) -> String {
+pub fn render_envoy(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) -> String {
     let mut routes = String::new();
     for r in &sc.routes {
         let target = match &r.target {
@@ -1083,7 +1083,7 @@ fn with_addresses(step: &Step, ups: &[Upstream]) -> Step {
 }
 
 /// Plugin events ("EV ..." lines) in order.
-fn events(log: &[String]) -> Vec<String> {
+pub fn events(log: &[String]) -> Vec<String> {
     log.iter().filter_map(|l| l.split_once("EV ").map(|(_, e)| e.trim().to_string())).collect()
 }
 
