@@ -91,7 +91,8 @@ pub struct Global {
     pub exiting: std::sync::atomic::AtomicBool,
 }
 
-/// The gateway's stop sequence, as Envoy drains on SIGTERM.
+/// The gateway's stop sequence on SIGTERM, as a Higress gateway pod stops (its agent drains
+/// Envoy's listeners, then Envoy exits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shutdown {
     /// Serving.
