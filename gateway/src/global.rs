@@ -91,6 +91,13 @@ pub struct Global {
     pub exiting: std::sync::atomic::AtomicBool,
 }
 
+impl Global {
+    /// Whether the process is exiting (see [`Global::exiting`]).
+    pub fn is_exiting(&self) -> bool {
+        self.exiting.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
 /// The gateway's stop sequence on SIGTERM, as a Higress gateway pod stops (its agent drains
 /// Envoy's listeners, then Envoy exits).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

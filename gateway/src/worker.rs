@@ -1,7 +1,7 @@
 //! Workers: each one is a thread with its own Tokio runtime and its own plugin VM (wasmtime
 //! Store + instance of the module compiled once), like Envoy workers.
 
-use crate::abi::{self, AbiVersion, Action, HostState, RootStop, StreamState};
+use crate::abi::{self, AbiVersion, Action, HostState, StreamState};
 use crate::body::HttpClient;
 use crate::config::{FailurePolicy, PluginConfig};
 use crate::global::{Global, WorkerEvent};
@@ -250,7 +250,6 @@ impl Worker {
             events: self.events.clone(),
             http_client: self.client.clone(),
             next_ctx: self.next_ctx.clone(),
-            root_stop: RootStop::Running,
         };
         let mut store = Store::new(&p.engine, state);
         let instance: Instance = p
@@ -376,19 +375,10 @@ impl Worker {
     /// The gateway exits: the root context's `proxy_on_done`, then `proxy_on_delete` when it
     /// returned true. When it returned false Envoy keeps the root pending until `proxy_done`,
     /// but at exit it destroys the VM right after, so nothing more runs (no on_delete).
-    /// A worker without a running VM (none, or failed) has nothing to stop.
+    /// A worker without a running VM (none, or failed) has nothing to stop. Later callbacks to
+    /// the root are dropped, as the gateway is exiting (see [`Worker::handle_event`]).
     fn stop_root(&self) {
-        let root = {
-            let mut vm = self.vm.borrow_mut();
-            match vm.as_mut() {
-                Some(vm) if vm.store.data().root_stop == RootStop::Running => {
-                    vm.state().root_stop = RootStop::Stopped;
-                    Some(vm.root_id)
-                }
-                _ => None,
-            }
-        };
-        if let Some(root) = root {
+        if let Some(root) = self.root_id() {
             // Done at once (a module without proxy_on_done counts as done); a trap ends the VM.
             if let Ok((r, _)) = self.vm_call(root, "proxy_on_done", &[root as i32]) {
                 if r.is_none_or(|r| r != 0) {
@@ -397,16 +387,6 @@ impl Worker {
             }
         }
         self.g.roots_stopping.fetch_sub(1, Ordering::Relaxed);
-    }
-
-    /// The root context stopped, or the gateway is exiting: callbacks are dropped.
-    fn root_stopped(&self) -> bool {
-        self.g.exiting.load(Ordering::Relaxed)
-            || self
-                .vm
-                .borrow_mut()
-                .as_mut()
-                .is_some_and(|vm| vm.state().root_stop == RootStop::Stopped)
     }
 
     /// Drops the VM; streams waiting on it are woken (they see it gone).
@@ -469,7 +449,8 @@ impl Worker {
         // sees zero in between.
         let _answered = matches!(ev, WorkerEvent::Redis { .. }).then(|| RedisAnswered(&self.g));
         let Some(root) = self.root_id() else { return };
-        if self.root_stopped() {
+        // Exiting: Envoy's dispatchers have stopped, nothing more reaches the plugin.
+        if self.g.is_exiting() {
             return;
         }
         let cur = self.gen.get();

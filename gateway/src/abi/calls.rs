@@ -75,7 +75,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             // the call is InternalFailure at once, with no callback; its token is used up.
             let Some(endpoint) = endpoint else { return status::INTERNAL_FAILURE };
             // Exiting: Envoy's dispatchers have stopped, so the request never goes out.
-            if st.g.exiting.load(std::sync::atomic::Ordering::Relaxed) {
+            if st.g.is_exiting() {
                 return code(write_u32(&mut c, tokp, token));
             }
             let client = st.http_client.clone();

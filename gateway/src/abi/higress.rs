@@ -72,7 +72,7 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             let token = st.next_redis_token;
             st.next_redis_token = st.next_redis_token.wrapping_add(4);
             // Exiting: Envoy's dispatchers have stopped, so the command is never written.
-            if st.g.exiting.load(std::sync::atomic::Ordering::Relaxed) {
+            if st.g.is_exiting() {
                 return code(write_u32(&mut c, tokp, token));
             }
             let (events, gen) = (st.events.clone(), st.gen);

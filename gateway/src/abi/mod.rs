@@ -318,20 +318,6 @@ pub struct HostState {
     pub http_client: crate::body::HttpClient,
     /// Next context id (shared counter, never reused across VM generations).
     pub next_ctx: Arc<std::sync::atomic::AtomicU32>,
-    /// Where the root context is in stopping (see [`RootStop`]).
-    pub root_stop: RootStop,
-}
-
-/// The root context's stop at exit, as Envoy 1.40 runs it (proxy-wasm-cpp-host
-/// `WasmBase::startShutdown` as the thread-local VM is destroyed, after the dispatcher stopped).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum RootStop {
-    /// Serving.
-    #[default]
-    Running,
-    /// `proxy_on_done` ran (and `proxy_on_delete`, when it returned true): callbacks for the
-    /// root context are dropped.
-    Stopped,
 }
 
 impl HostState {
