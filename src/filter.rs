@@ -453,7 +453,8 @@ impl Filter {
     /// Returns whether the root is done now; if not, `Host::root_done` is called once the replies
     /// the policies wait for have come. This helps when Envoy stops a root while it runs (its
     /// configuration replaced or removed: Envoy keeps the root, with its answers and ticks, until
-    /// then); at Envoy's exit nothing sent here leaves (conformance tests in `gateway/`:
+    /// then); at Envoy's exit nothing sent here leaves, and a Higress pod's agent ends Envoy
+    /// with SIGKILL after its drain, so it is not even called there (conformance tests in `gateway/`:
     /// `envoy_keeps_a_replaced_configurations_root_until_proxy_done`,
     /// `at_exit_a_root_context_that_is_not_done_gets_nothing_more`).
     pub fn on_stop(&mut self, host: &mut dyn Host) -> bool {

@@ -71,6 +71,27 @@ pub async fn handle(g: Arc<Global>, req: Request<Incoming>) -> Response<GwBody> 
     let method = req.method().clone();
     match (method, path.as_str()) {
         (Method::GET, "/ready") => resp(StatusCode::OK, "text/plain", "LIVE\n".into()),
+        // What pilot-agent asks of Envoy when its pod stops. Only the graceful drain is
+        // modelled (the listeners keep accepting, each response closes its connection); an
+        // immediate one (listeners closed at once) is refused rather than done otherwise.
+        (Method::POST, "/drain_listeners") => {
+            let graceful = req.uri().query().is_some_and(|q| q.split('&').any(|p| p == "graceful"));
+            if !graceful {
+                return resp(
+                    StatusCode::BAD_REQUEST,
+                    "text/plain",
+                    "this host drains only gracefully: POST /drain_listeners?graceful\n".into(),
+                );
+            }
+            g.shutdown.send_if_modified(|s| {
+                let start = *s == crate::global::Shutdown::Running;
+                if start {
+                    *s = crate::global::Shutdown::Draining;
+                }
+                start
+            });
+            resp(StatusCode::OK, "text/plain", "OK\n".into())
+        }
         (Method::GET, "/stats") | (Method::GET, "/stats/prometheus") => {
             let mut ups = Vec::new();
             for c in g.clusters.all() {

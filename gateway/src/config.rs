@@ -21,14 +21,35 @@ pub struct Config {
     /// The proxy-wasm plugin; without it the gateway is a plain proxy.
     #[serde(default)]
     pub plugin: Option<PluginConfig>,
-    /// On SIGTERM/SIGINT: how long in-flight streams may take to finish before they are cut
-    /// (Envoy's `--drain-time-s`, here in ms).
+    /// On SIGTERM/SIGINT (a Higress gateway pod stopping): how long the listeners drain before
+    /// the proxy ends. Istio's pilot-agent, which runs Higress's Envoy, asks Envoy for a graceful
+    /// drain and waits this long in full (`terminationDrainDuration`, default 5 s), whatever is
+    /// still in flight; see [`ExitAfterDrain`] for what ends the proxy then.
     #[serde(default = "default_drain_timeout")]
     pub drain_timeout_ms: u64,
+    /// How the proxy ends once the drain is over.
+    #[serde(default)]
+    pub exit_after_drain: ExitAfterDrain,
 }
 
 fn default_drain_timeout() -> u64 {
-    30_000
+    5_000
+}
+
+/// How the proxy ends after the drain (see [`Config::drain_timeout_ms`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExitAfterDrain {
+    /// As pilot-agent ends Envoy in a Higress gateway pod: SIGKILL (Go's `Process.Kill` in its
+    /// `envoy.Run`). Nothing more runs: no stream's or root context's callback, no Redis
+    /// command or callout leaves; the kernel closes the sockets.
+    #[default]
+    Kill,
+    /// As Envoy 1.40 itself exits on SIGTERM (what a bare Envoy does, and what the conformance
+    /// tests compare): its dispatchers stop, the streams still open are cut (their on_log,
+    /// on_done, on_delete run), then each root context's on_done, and nothing the plugin sends
+    /// from those callbacks leaves.
+    Envoy,
 }
 
 /// One listener.

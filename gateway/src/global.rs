@@ -99,15 +99,20 @@ impl Global {
 }
 
 /// The gateway's stop sequence on SIGTERM, as a Higress gateway pod stops (its agent drains
-/// Envoy's listeners, then Envoy exits).
+/// Envoy's listeners, then ends Envoy).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Shutdown {
     /// Serving.
     Running,
-    /// Listeners closed; connections close once their in-flight request is answered.
+    /// Envoy's graceful listener drain as pilot-agent starts it (`drain_listeners?graceful`,
+    /// `--drain-strategy immediate`): new connections are still accepted and idle ones stay
+    /// open, but every response that starts from now on closes its connection (`connection:
+    /// close` on HTTP/1, the GOAWAY sequence on HTTP/2; conformance test
+    /// `a_graceful_drain_keeps_accepting_and_closes_each_connection_after_its_response`).
     Draining,
-    /// The drain timeout passed: remaining connections are closed (their streams end as on a
-    /// client abort, so the plugin's on_log/on_done/on_delete still run).
+    /// Envoy exits on SIGTERM: its listeners close and the remaining connections are closed
+    /// (their streams end as on a client abort, so the plugin's on_log/on_done/on_delete still
+    /// run).
     Cut,
 }
 

@@ -58,7 +58,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tracing::info!("plugin ABI marker: {:?}", p.abi);
     }
     let g = global_state(&cfg, &args)?;
-    let drain_timeout = std::time::Duration::from_millis(cfg.drain_timeout_ms);
+    let stop = Stop {
+        drain: std::time::Duration::from_millis(cfg.drain_timeout_ms),
+        exit: cfg.exit_after_drain,
+    };
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
     warm_clusters(&rt, &g);
@@ -80,8 +83,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
             r = serve_admin => r,
-            _ = term.recv() => drain(&g, drain_timeout, "SIGTERM").await,
-            _ = tokio::signal::ctrl_c() => drain(&g, drain_timeout, "SIGINT").await,
+            _ = term.recv() => stop_pod(&g, stop, "SIGTERM").await,
+            _ = tokio::signal::ctrl_c() => stop_pod(&g, stop, "SIGINT").await,
         }
     })
 }
@@ -227,9 +230,9 @@ fn start_workers(
                         loop {
                             let accepted = tokio::select! {
                                 a = l.accept() => a,
-                                // A stop closes the listener (dropped below): new connections
-                                // are refused, as Envoy's listeners stop on drain.
-                                _ = stop.wait_for(|s| *s != global::Shutdown::Running) => break,
+                                // Envoy's exit closes the listener (dropped below): new
+                                // connections are refused. A graceful drain still accepts.
+                                _ = stop.wait_for(|s| *s == global::Shutdown::Cut) => break,
                             };
                             match accepted {
                                 Ok((stream, peer)) => {
@@ -268,29 +271,53 @@ fn start_workers(
     Ok(())
 }
 
-/// A Higress gateway pod's stop (its agent drains Envoy's listeners, then Envoy exits): stop
-/// accepting, let in-flight streams finish (idle keep-alive connections close at once), then
-/// exit as Envoy 1.40 does. Its dispatchers stop first; the streams still open are cut after
-/// that (their on_log/on_done/on_delete run), then each root context's on_done, and nothing the
-/// plugin sends from those callbacks leaves, nor does any answer or tick reach it (conformance
-/// test `at_exit_a_root_context_that_is_not_done_gets_nothing_more`).
-async fn drain(
-    g: &Arc<global::Global>,
-    timeout: std::time::Duration,
-    why: &str,
-) -> anyhow::Result<()> {
+/// How the gateway stops on SIGTERM/SIGINT (see [`config::Config::drain_timeout_ms`]).
+#[derive(Debug, Clone, Copy)]
+struct Stop {
+    drain: std::time::Duration,
+    exit: config::ExitAfterDrain,
+}
+
+/// A Higress gateway pod's stop, as its pilot-agent runs it: a graceful drain of Envoy's
+/// listeners (they still accept; each response closes its connection) for the whole drain time,
+/// whatever is in flight, then the end of the proxy (see [`config::ExitAfterDrain`]).
+async fn stop_pod(g: &Arc<global::Global>, stop: Stop, why: &str) -> anyhow::Result<()> {
+    use std::sync::atomic::Ordering;
+    let live = || g.live_streams.load(Ordering::Relaxed);
+    tracing::info!(
+        "{why}: draining the listeners for {:?} ({} stream(s) in flight)",
+        stop.drain,
+        live()
+    );
+    g.shutdown.send_replace(global::Shutdown::Draining);
+    tokio::time::sleep(stop.drain).await;
+    // From here on nothing the plugin sends leaves, and nothing more reaches it.
+    g.exiting.store(true, Ordering::Relaxed);
+    match stop.exit {
+        config::ExitAfterDrain::Kill => {
+            tracing::info!(
+                "drain over: the proxy ends as SIGKILL ends it ({} stream(s) cut)",
+                live()
+            );
+            Ok(())
+        }
+        config::ExitAfterDrain::Envoy => exit_as_envoy(g).await,
+    }
+}
+
+/// Envoy 1.40's exit on SIGTERM: its dispatchers stop first; the streams still open are cut
+/// after that (their on_log/on_done/on_delete run), then each root context's on_done, and
+/// nothing the plugin sends from those callbacks leaves, nor does any answer or tick reach it
+/// (conformance test `at_exit_a_root_context_that_is_not_done_gets_nothing_more`).
+async fn exit_as_envoy(g: &Arc<global::Global>) -> anyhow::Result<()> {
     use std::sync::atomic::Ordering;
     let started = std::time::Instant::now();
     let live = || g.live_streams.load(Ordering::Relaxed);
-    tracing::info!("{why}: draining {} stream(s) for up to {timeout:?}", live());
-    g.shutdown.send_replace(global::Shutdown::Draining);
-    let drained = settled(|| live() == 0, timeout).await;
-    g.exiting.store(true, Ordering::Relaxed);
-    if !drained {
-        tracing::warn!("drain timeout: cutting {} stream(s)", live());
-        g.shutdown.send_replace(global::Shutdown::Cut);
-        settled(|| live() == 0, std::time::Duration::from_secs(2)).await;
+    if live() > 0 {
+        tracing::warn!("exit: cutting {} stream(s)", live());
     }
+    g.shutdown.send_replace(global::Shutdown::Cut);
+    settled(|| live() == 0, std::time::Duration::from_secs(2)).await;
     // The root contexts stop: Envoy's thread-local Wasm handles are destroyed at exit, which
     // calls the root context's on_done. The Redis commands sent before the exit were written
     // while Envoy's dispatchers ran; waiting for their replies (which the plugin no longer gets)

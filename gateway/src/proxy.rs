@@ -54,6 +54,9 @@ struct ConnStreams {
     /// An HTTP/2 connection that is closing: when Envoy's drain timeout ends (see
     /// `DownstreamIo::draining`).
     drain_until: std::cell::Cell<Option<tokio::time::Instant>>,
+    /// A response started while the gateway drained: the connection closes after it (an
+    /// HTTP/2 one starts its GOAWAY sequence).
+    drain_close: std::cell::Cell<bool>,
 }
 
 /// One stream in flight on a connection (ends when dropped, after the plugin's on_delete).
@@ -130,7 +133,7 @@ pub async fn serve_connection(
     streams.idle_since.set(Some(tokio::time::Instant::now()));
     let mut stop = shutdown.subscribe();
     // The first read picks the codec. Until it comes the connection is idle: the idle timeout
-    // and a drain close it (as they close an idle HTTP/1 connection).
+    // and the exit close it (as they close an idle HTTP/1 connection; a drain does not).
     let first = {
         let mut buf = vec![0u8; 16 * 1024];
         let idle_at = streams.idle_deadline(opts.timers.idle);
@@ -143,7 +146,7 @@ pub async fn serve_connection(
                 _ => return,
             },
             _ = deadline_passed(idle_at) => return,
-            _ = stopping(&mut stop) => return,
+            _ = exited(&mut stop) => return,
         }
     };
     let h2 = first.starts_with(H2_PREFACE_START);
@@ -172,10 +175,19 @@ pub async fn serve_connection(
             let close = !h2 && (refusal.is_some() || (http10 && !keep_alive));
             let low_version = refusal.as_ref().is_some_and(|r| r.status == 426);
             let conn = ConnInfo { peer, local, id: conn_id };
+            let g = w.g.clone();
             let mut resp = handle(w, req, conn, opts, refusal, in_flight).await;
+            // Envoy's HCM while its listeners drain (strategy immediate, as pilot-agent starts
+            // Envoy): each response closes its connection, whenever the connection was opened.
+            let drain_close = *g.shutdown.borrow() == Shutdown::Draining;
+            if drain_close && h2 {
+                streams.drain_close.set(true);
+                streams.changed.notify_one();
+            }
             // Envoy's HTTP/1 codec: `connection: close` on a response to an HTTP/1.0 request
-            // without keep-alive and on these refusals (the connection closes after it).
-            if close {
+            // without keep-alive, on these refusals and while draining (the connection closes
+            // after it).
+            if close || (drain_close && !h2) {
                 resp.headers_mut()
                     .insert("connection", hyper::header::HeaderValue::from_static("close"));
                 if http10 {
@@ -218,9 +230,9 @@ pub async fn serve_connection(
     }
 }
 
-/// Resolves when a drain or a cut starts (never, once no stop can come any more).
-async fn stopping(stop: &mut tokio::sync::watch::Receiver<Shutdown>) {
-    if stop.wait_for(|s| *s != Shutdown::Running).await.is_err() {
+/// Resolves when the proxy exits (never, once no stop can come any more).
+async fn exited(stop: &mut tokio::sync::watch::Receiver<Shutdown>) {
+    if stop.wait_for(|s| *s == Shutdown::Cut).await.is_err() {
         std::future::pending::<()>().await;
     }
 }
@@ -265,6 +277,10 @@ async fn drive_connection<C>(
                     tracing::debug!("downstream connection reset");
                     return;
                 }
+                if streams.drain_close.get() && !closing {
+                    closing = true;
+                    start_closing(conn.as_mut());
+                }
             }
             r = conn.as_mut() => {
                 if let Err(e) = r {
@@ -282,18 +298,13 @@ async fn drive_connection<C>(
                 }
                 let now = *stop.borrow_and_update();
                 match now {
-                    // Finish the requests in flight, then close (an idle connection closes
-                    // now; HTTP/2 gets a GOAWAY).
-                    Shutdown::Draining => {
-                        if !closing {
-                            closing = true;
-                            start_closing(conn.as_mut());
-                        }
-                    }
                     // Dropping the connection ends its streams as a client abort would: the
                     // plugin's on_log/on_done/on_delete still run.
                     Shutdown::Cut => return,
-                    Shutdown::Running => {}
+                    // A drain leaves the connection as it is, idle or not: its next response
+                    // closes it (Envoy 1.40 sends an idle connection nothing when its
+                    // listeners start draining).
+                    Shutdown::Draining | Shutdown::Running => {}
                 }
             }
         }

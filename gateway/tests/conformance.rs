@@ -2351,3 +2351,53 @@ async fn http2_request_while_the_connection_drains() {
         assert!(t.client.iter().any(|l| l == e), "{e:?} not in {:?}", t.client);
     }
 }
+
+/// What a Higress gateway pod's agent starts when the pod stops: Envoy's graceful listener
+/// drain (`POST /drain_listeners?graceful`, `--drain-strategy immediate`). Envoy 1.40 keeps
+/// accepting new connections and leaves open ones alone, idle or not; every response from then
+/// on closes its connection: `connection: close` on HTTP/1 (a keep-alive connection opened
+/// before the drain too, at its next response), the GOAWAY sequence on HTTP/2. (The host used
+/// to refuse new connections and close idle ones at once.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_graceful_drain_keeps_accepting_and_closes_each_connection_after_its_response() {
+    let mut sc = Plugin::new()
+        .scenario("a_graceful_drain_keeps_accepting_and_closes_each_connection_after_its_response");
+    sc.drain_timeout_ms = Some(1000);
+    let get = |path: &str| format!("GET {path} HTTP/1.1\r\nhost: conformance.test\r\n\r\n");
+    let steps = vec![
+        Step::Parallel(vec![
+            // Opened and answered before the drain, asked again after it started.
+            vec![Step::RawAgain {
+                first: get("/before"),
+                pause_ms: 600,
+                second: get("/again"),
+                hold_ms: 1000,
+            }],
+            vec![Step::Sleep(300), Step::DrainListeners],
+        ]),
+        Step::Raw { bytes: get("/new"), hold_ms: 1000 },
+        Step::Http2Idle { path: "/new-h2", wait_ms: 6000, again_ms: None },
+    ];
+    let t = differential(sc.steps(steps)).await;
+    let at = |line: &str| t.client.iter().position(|l| l == line);
+    let again = at("then \"GET /again HTTP/1.1\"").expect("the second request was sent");
+    let closes: Vec<usize> = t
+        .client
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| *l == "  connection: close")
+        .map(|(i, _)| i)
+        .collect();
+    assert!(
+        !closes.iter().any(|i| *i < again),
+        "the answer before the drain keeps the connection: {:?}",
+        t.client
+    );
+    assert_eq!(closes.len(), 2, "both answers after the drain close: {:?}", t.client);
+    assert!(at("drain_listeners?graceful: status 200").is_some(), "{:?}", t.client);
+    assert!(
+        t.client.iter().any(|l| l.starts_with("GOAWAY last stream 2147483647")),
+        "an HTTP/2 connection opened during the drain gets the GOAWAY sequence: {:?}",
+        t.client
+    );
+}

@@ -1973,6 +1973,35 @@ async fn a_second_redis_init_keeps_the_connection_unless_its_settings_change() {
     assert!(ev.iter().any(|e| e.starts_with("redis ") && e.contains(" 1 0")), "{ev:?}");
 }
 
+/// A stop as a Higress pod stops, by default: the listeners drain for `drain_timeout_ms` (still
+/// accepting: a request during the drain is served, its answer says `connection: close`), then
+/// the proxy ends as pilot-agent ends Envoy, with SIGKILL: the root context gets no on_done, and
+/// nothing more is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_for_the_drain_time_then_ends_the_proxy_as_sigkill_does() {
+    let up = Upstream::start().await;
+    let (addr, seen) = fake_redis().await;
+    let cfg = format!("drain_timeout_ms: 800\n{}", redis_config(&up, &addr.to_string()));
+    let mut gw = Gateway::start(&cfg, Some(&stopping_root_plugin()), 1);
+    assert_eq!(get(&gw.url("/p"), &[]).await.status, 200);
+    let stopped = Instant::now();
+    let during = gw.url("/during-the-drain");
+    let (status, r) = tokio::join!(gw.terminate(Duration::from_secs(5)), async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        get(&during, &[]).await
+    });
+    assert_eq!(r.status, 200, "a new connection during the drain is served");
+    assert_eq!(r.header("connection").as_deref(), Some("close"), "{:?}", r.headers);
+    assert!(status.is_some_and(|s| s.success()), "the gateway did not exit cleanly: {status:?}");
+    let took = stopped.elapsed();
+    assert!(took >= Duration::from_millis(800), "exited before the drain's end: {took:?}");
+    assert!(took < Duration::from_secs(2), "the end waits for nothing: {took:?}");
+    let ev = gw.events();
+    assert!(!ev.iter().any(|e| e.starts_with("root_done") || e == "root_delete"), "{ev:?}");
+    let sets = seen.lock().unwrap().iter().filter(|c| c[0] == "SET").count();
+    assert_eq!(sets, 0, "nothing is sent at the end");
+}
+
 /// A plugin whose root context, when the gateway stops, sends a Redis command from `on_done`,
 /// calls `proxy_done`, answers "not done yet" (false), and would call `proxy_done` from the reply;
 /// it logs each step and its root `on_delete`. `proxy_done` is also called once outside a stop
@@ -2008,18 +2037,22 @@ fn stopping_root_plugin() -> String {
     w.module("0_2_100", &body)
 }
 
-/// A stop (SIGTERM) stops the root context as Envoy 1.40 does when it destroys the VM at exit
-/// (proxy-wasm-cpp-host `WasmBase::startShutdown`, after the dispatchers stopped): `proxy_on_done`
-/// on the root, where `proxy_done` is NotFound (the root is not pending yet) and a Redis call is
-/// accepted (Ok) but never written; it answered false, so no reply, no on_delete, and the gateway
-/// exits at once (what the conformance test `at_exit_a_root_context_that_is_not_done_gets_nothing_more`
-/// shows for Envoy with an HTTP callout).
+/// With `exit_after_drain: envoy` (a bare Envoy on SIGTERM: no drain), a stop stops the root
+/// context as Envoy 1.40 does when it destroys the VM at exit (proxy-wasm-cpp-host
+/// `WasmBase::startShutdown`, after the dispatchers stopped): `proxy_on_done` on the root, where
+/// `proxy_done` is NotFound (the root is not pending yet) and a Redis call is accepted (Ok) but
+/// never written; it answered false, so no reply, no on_delete, and the gateway exits at once
+/// (what the conformance test `at_exit_a_root_context_that_is_not_done_gets_nothing_more` shows
+/// for Envoy with an HTTP callout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_runs_the_root_on_done_but_nothing_it_sends_leaves() {
     let up = Upstream::start().await;
     let (addr, seen) = fake_redis().await;
-    let mut gw =
-        Gateway::start(&redis_config(&up, &addr.to_string()), Some(&stopping_root_plugin()), 1);
+    let cfg = format!(
+        "drain_timeout_ms: 0\nexit_after_drain: envoy\n{}",
+        redis_config(&up, &addr.to_string())
+    );
+    let mut gw = Gateway::start(&cfg, Some(&stopping_root_plugin()), 1);
     assert_eq!(get(&gw.url("/p"), &[]).await.status, 200);
     let stopped = Instant::now();
     let status = gw.terminate(Duration::from_secs(10)).await;
@@ -2137,12 +2170,13 @@ async fn http2_streams_share_a_connection_and_the_idle_timeout_ends_it() {
     drop(send);
 }
 
-/// A stop (SIGTERM) with an HTTP/2 stream in flight: the stream is answered to its end, then
-/// the connection closes and the gateway exits cleanly.
+/// A stop (SIGTERM) with an HTTP/2 stream in flight: the stream is answered to its end (its
+/// answer, started during the drain, starts the connection's GOAWAY sequence), and the
+/// connection is gone once the gateway has exited cleanly after the drain.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_an_http2_connection() {
     let up = Upstream::start().await;
-    let cfg = timer_config(&up, "", "", false);
+    let cfg = format!("drain_timeout_ms: 1000\n{}", timer_config(&up, "", "", false));
     let mut gw = Gateway::start(&cfg, None, 1);
     let (mut send, conn) = h2_connect(gw.addr).await;
     let slow = tokio::spawn(async move { h2_get(&mut send, "/slow").await });

@@ -71,7 +71,8 @@ impl GatewayConfig {
         self
     }
 
-    /// `drain_timeout_ms`: how long in-flight streams may take to finish after SIGTERM.
+    /// `drain_timeout_ms`: how long the listeners drain after SIGTERM before the gateway ends
+    /// (in full, as pilot-agent waits; default 5 s).
     pub fn drain_timeout_ms(mut self, ms: u64) -> GatewayConfig {
         self.drain_timeout_ms = Some(ms);
         self

@@ -91,7 +91,8 @@ async fn trapping_gateway(pod: &Pod, dir: &testkit::paths::TempDir, expect: bool
         .route("r", "/", LLM_CLUSTER)
         .cluster(LLM_CLUSTER, &[pod.host()])
         .plugin_module(&module, json!({}))
-        .workers(1);
+        .workers(1)
+        .drain_timeout_ms(0);
     let cfg = if expect { cfg.expect_traps() } else { cfg };
     let gw = Gateway::start(&cfg).await.unwrap();
     let r = gw.send(HttpRequest::get("/v1/models"), Duration::from_secs(5)).await.unwrap();

@@ -154,6 +154,10 @@ pub enum Step {
     /// the proxy closes is not compared: after a local reply with `connection: close` Envoy
     /// waits up to its `delayed_close_timeout` (1 s) for the client to close first.
     Raw { bytes: String, hold_ms: u64 },
+    /// Two requests on one keep-alive connection: `first`, what comes back within `pause_ms`,
+    /// then `second` on the same connection (or that the proxy had closed it), what comes back
+    /// within `hold_ms`; each compared as in [`Step::Raw`].
+    RawAgain { first: String, pause_ms: u64, second: String, hold_ms: u64 },
     /// Wait (for timers, or for a callout to finish after a client went away).
     Sleep(u64),
     /// A GET over HTTP/2 with prior knowledge on a connection the client then keeps open, doing
@@ -174,6 +178,10 @@ pub enum Step {
     /// with an empty DATA frame carrying END_STREAM. Trailers, when the step has some (see
     /// [`Step::trailer`]), follow the body in a HEADERS frame that carries END_STREAM instead.
     Http2(Box<Step>, Vec<(&'static str, String)>),
+    /// What pilot-agent asks of the proxy when its pod stops: `POST /drain_listeners?graceful`
+    /// on its admin listener (Envoy runs with `--drain-strategy immediate`, as pilot-agent
+    /// starts it). The transcript gets the admin's status.
+    DrainListeners,
 }
 
 impl Step {
@@ -384,6 +392,8 @@ impl Transcript {
 /// A running proxy under test.
 pub trait Proxy {
     fn addr(&self) -> SocketAddr;
+    /// The admin listener, `ip:port`.
+    fn admin(&self) -> String;
     fn log(&self) -> Vec<String>;
     /// The proxy's process (to stop it with a signal and see it exit).
     fn process(&mut self) -> &mut Child;
@@ -392,6 +402,9 @@ pub trait Proxy {
 impl Proxy for Gateway {
     fn addr(&self) -> SocketAddr {
         self.addr
+    }
+    fn admin(&self) -> String {
+        self.admin.to_string()
     }
     fn log(&self) -> Vec<String> {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
@@ -405,6 +418,7 @@ impl Proxy for Gateway {
 pub struct Envoy {
     child: Child,
     addr: SocketAddr,
+    admin: String,
     log: Arc<Mutex<Vec<String>>>,
     _dir: common::TempDir,
 }
@@ -412,6 +426,9 @@ pub struct Envoy {
 impl Proxy for Envoy {
     fn addr(&self) -> SocketAddr {
         self.addr
+    }
+    fn admin(&self) -> String {
+        self.admin.clone()
     }
     fn log(&self) -> Vec<String> {
         self.log.lock().map(|l| l.clone()).unwrap_or_default()
@@ -447,6 +464,8 @@ impl Envoy {
             .arg("-c")
             .arg(&cfg)
             .args(["--concurrency", &workers.to_string(), "--disable-hot-restart", "-l", "warning"])
+            // How pilot-agent starts Envoy (its `drainDuration` default, 45 s).
+            .args(["--drain-strategy", "immediate", "--drain-time-s", "45"])
             .args(["--component-log-level", "wasm:info", "--log-format", "%v"])
             .arg("--admin-address-path")
             .arg(&admin_file)
@@ -499,14 +518,15 @@ impl Envoy {
                 continue;
             }
             let addr = format!("{ip}:{port}").parse().map_err(|e| format!("{e}"))?;
-            return Ok(Envoy { child, addr, log, _dir: dir });
+            return Ok(Envoy { child, addr, admin, log, _dir: dir });
         }
     }
 }
 
 fn render_gateway(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) -> String {
     let mut y = format!(
-        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}, accept_http_10: {}{}}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n",
+        // SIGTERM ends a bare Envoy at once, in its own way (no drain: that is pilot-agent's).
+        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}, accept_http_10: {}{}}}]\nadmin: {{address: 127.0.0.1:0}}\ndrain_timeout_ms: 0\nexit_after_drain: envoy\nroutes:\n",
         sc.buffer_limit,
         sc.accept_http_10,
         [("idle_timeout_ms", sc.idle_timeout_ms), ("http2_drain_timeout_ms", sc.drain_timeout_ms)]
@@ -688,16 +708,22 @@ fn header_lines(h: &hyper::HeaderMap, names: &Names) -> Vec<String> {
     v
 }
 
-async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<String>) {
-    let Step::Parallel(seqs) = step else { return run_one(step, addr, names, out).await };
+async fn run_step(
+    step: &Step,
+    addr: SocketAddr,
+    admin: &str,
+    names: &Names,
+    out: &mut Vec<String>,
+) {
+    let Step::Parallel(seqs) = step else { return run_one(step, addr, admin, names, out).await };
     let runs: Vec<_> = seqs
         .iter()
         .map(|seq| {
-            let (seq, names) = (seq.clone(), names.clone());
+            let (seq, names, admin) = (seq.clone(), names.clone(), admin.to_string());
             tokio::spawn(async move {
                 let mut out = Vec::new();
                 for s in &seq {
-                    run_one(s, addr, &names, &mut out).await;
+                    run_one(s, addr, &admin, &names, &mut out).await;
                 }
                 out
             })
@@ -709,8 +735,12 @@ async fn run_step(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<St
 }
 
 /// One step that is not `Parallel` (those do not nest).
-async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<String>) {
+async fn run_one(step: &Step, addr: SocketAddr, admin: &str, names: &Names, out: &mut Vec<String>) {
     match step {
+        Step::DrainListeners => {
+            let answer = admin_post(admin, "/drain_listeners?graceful").await;
+            out.push(format!("drain_listeners?graceful: {answer}"));
+        }
         Step::Parallel(_) => out.push("nested Parallel".into()),
         Step::Http2(inner, trailers) => match &**inner {
             Step::Send { method, path, headers, chunks, pause_ms } => {
@@ -772,6 +802,43 @@ async fn run_one(step: &Step, addr: SocketAddr, names: &Names, out: &mut Vec<Str
             out.push(format!("raw {:?}", bytes.lines().next().unwrap_or("")));
             out.extend(raw_exchange(addr, bytes, *hold_ms, names).await);
         }
+        Step::RawAgain { first, pause_ms, second, hold_ms } => {
+            use tokio::io::AsyncWriteExt;
+            out.push(format!("raw {:?}", first.lines().next().unwrap_or("")));
+            let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
+                return out.push("connect failed".into());
+            };
+            if s.write_all(first.as_bytes()).await.is_err() {
+                return out.push("write failed".into());
+            }
+            let (got, closed) = read_for(&mut s, *pause_ms).await;
+            out.extend(raw_answer(&got, names));
+            out.push(format!("then {:?}", second.lines().next().unwrap_or("")));
+            if closed {
+                return out.push("the proxy had closed the connection".into());
+            }
+            if s.write_all(second.as_bytes()).await.is_err() {
+                return out.push("write failed".into());
+            }
+            let (got, _) = read_for(&mut s, *hold_ms).await;
+            out.extend(raw_answer(&got, names));
+        }
+    }
+}
+
+/// POSTs `path` to the admin listener `admin`: the answer's status, or what went wrong.
+async fn admin_post(admin: &str, path: &str) -> String {
+    let Ok(req) = hyper::Request::builder()
+        .method("POST")
+        .uri(format!("http://{admin}{path}"))
+        .body(GwBody::full(Bytes::new()))
+    else {
+        return "bad request".into();
+    };
+    match tokio::time::timeout(Duration::from_secs(5), common::client().request(req)).await {
+        Ok(Ok(r)) => format!("status {}", r.status().as_u16()),
+        Ok(Err(_)) => "reset".into(),
+        Err(_) => "timeout".into(),
     }
 }
 
@@ -1028,23 +1095,35 @@ fn h2_reason(e: &hyper::Error) -> String {
 /// Send `bytes` on a new connection and read for `hold_ms` (or until the proxy closes it);
 /// the response as transcript lines.
 async fn raw_exchange(addr: SocketAddr, bytes: &str, hold_ms: u64, names: &Names) -> Vec<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
         return vec!["connect failed".into()];
     };
     if s.write_all(bytes.as_bytes()).await.is_err() {
         return vec!["write failed".into()];
     }
+    let (got, _) = read_for(&mut s, hold_ms).await;
+    raw_answer(&got, names)
+}
+
+/// What `s` gives within `ms`, and whether the proxy closed it (read end or error) by then.
+async fn read_for(s: &mut tokio::net::TcpStream, ms: u64) -> (Vec<u8>, bool) {
+    use tokio::io::AsyncReadExt;
     let mut got = Vec::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(hold_ms);
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(ms);
     loop {
         let mut buf = [0u8; 4096];
         match tokio::time::timeout_at(deadline, s.read(&mut buf)).await {
             Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
-            _ => break,
+            Ok(_) => return (got, true),
+            Err(_) => return (got, false),
         }
     }
-    let text = String::from_utf8_lossy(&got).into_owned();
+}
+
+/// A raw HTTP/1 answer as the transcript shows it (see [`Step::Raw`]).
+fn raw_answer(got: &[u8], names: &Names) -> Vec<String> {
+    let text = String::from_utf8_lossy(got).into_owned();
     let mut out = Vec::new();
     let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));
     let mut lines = head.split("\r\n");
@@ -1169,7 +1248,8 @@ pub async fn run(sc: &Scenario, under: Under) -> Transcript {
     }
     let names = Names(names);
     for s in &sc.steps {
-        run_step(&with_addresses(s, &ups), proxy.addr(), &names, &mut t.client).await;
+        run_step(&with_addresses(s, &ups), proxy.addr(), &proxy.admin(), &names, &mut t.client)
+            .await;
     }
     if sc.terminate {
         let within = Duration::from_secs(15);
