@@ -308,7 +308,7 @@ async fn gateway_holding(name: &str, n: usize, drain_ms: u64, lease_ms: u64) -> 
 /// nothing is left counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests_and_their_counts() {
-    const DRAIN_MS: u64 = 3000;
+    const DRAIN_MS: u64 = 4000;
     // Lease 60 s: only the releases can bring the counts down.
     let Holding { redis, pods, mut gw, held, .. } =
         gateway_holding("drain", 3, DRAIN_MS, 60_000).await;
