@@ -183,6 +183,14 @@ pub async fn serve_connection(
             if drain_close && h2 {
                 streams.drain_close.set(true);
                 streams.changed.notify_one();
+                // Envoy sends its GOAWAY as it encodes the response headers, before them: the
+                // connection's task (on this thread, woken above) starts the close first.
+                for _ in 0..8 {
+                    if streams.drain_until.get().is_some() {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
             }
             // Envoy's HTTP/1 codec: `connection: close` on a response to an HTTP/1.0 request
             // without keep-alive, on these refusals and while draining (the connection closes
