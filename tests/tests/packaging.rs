@@ -162,6 +162,9 @@ fn every_example_is_accepted_by_the_parser_and_the_schema() {
         let cfg = yaml_to_json(&fs::read_to_string(&path).expect("read"), &n);
         let parsed = parse(&cfg).unwrap_or_else(|e| panic!("{n}: the plugin refuses it: {e}"));
         schema.check(&cfg).unwrap_or_else(|e| panic!("{n}: schema.json refuses it: {e}"));
+        // An example means what it says: nothing in it is ignored (a rule's key its kind of
+        // match does not consult, a key Go tolerates but this plugin does not use).
+        assert!(parsed.warnings.is_empty(), "{n}: the plugin warns: {:?}", parsed.warnings);
         if let Some(d) = &parsed.default {
             assert_matches_source(&n, &cfg, d);
             seen.insert(policy_name(&d.policy));
