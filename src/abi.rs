@@ -407,30 +407,37 @@ impl Host for WasmHost {
         }
     }
     fn increment_counter(&mut self, counter: Counter, delta: i64) {
-        let name = counter.name();
-        let id = METRIC_IDS.with(|m| {
-            let mut m = m.try_borrow_mut().ok()?;
-            if let Some(id) = m.get(name) {
-                return Some(*id);
-            }
-            let mut id = 0u32;
-            // SAFETY: valid slice and local.
-            let rc = unsafe {
-                sys::proxy_define_metric(MetricType::Counter, name.as_ptr(), name.len(), &mut id)
-            };
-            if rc != 0 {
-                return None;
-            }
-            m.insert(name.to_string(), id);
-            Some(id)
-        });
-        if let Some(id) = id {
+        if let Some(id) = metric_id(counter) {
             // SAFETY: plain integer arguments.
             unsafe {
                 sys::proxy_increment_metric(id, delta);
             }
         }
     }
+    fn define_counter(&mut self, counter: Counter) {
+        let _ = metric_id(counter);
+    }
+}
+
+/// The host's id of `counter`'s metric, defined on first use (`None` if the host refused it).
+fn metric_id(counter: Counter) -> Option<u32> {
+    let name = counter.name();
+    METRIC_IDS.with(|m| {
+        let mut m = m.try_borrow_mut().ok()?;
+        if let Some(id) = m.get(name) {
+            return Some(*id);
+        }
+        let mut id = 0u32;
+        // SAFETY: valid slice and local.
+        let rc = unsafe {
+            sys::proxy_define_metric(MetricType::Counter, name.as_ptr(), name.len(), &mut id)
+        };
+        if rc != 0 {
+            return None;
+        }
+        m.insert(name.to_string(), id);
+        Some(id)
+    })
 }
 
 /// All contexts of this VM: root contexts own a [`Filter`]; streams map to their root.

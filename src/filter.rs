@@ -150,6 +150,9 @@ impl Filter {
         for w in &cfg.warnings {
             host.log(LogLevel::Warn, w);
         }
+        for counter in Counter::ALL {
+            host.define_counter(counter);
+        }
         let rules = cfg.rules.len();
         let reads_consumer = cfg.matches_consumers();
         let mut routes: Vec<Rc<Route>> = cfg

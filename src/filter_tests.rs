@@ -235,6 +235,22 @@ fn unmatched_requests_are_not_touched_when_only_rules_configure_the_plugin() {
 }
 
 #[test]
+fn every_counter_is_defined_when_the_plugin_starts() {
+    // Exported at 0 before its first event (Envoy exports a proxy-wasm metric once defined), so
+    // a rate alert sees that first event and a dashboard shows 0 rather than no data.
+    let mut host = FakeHost::new();
+    let mut f = Filter::new();
+    let cfg = br#"{"lb_policy":"global_least_request","lb_config":{"serviceFQDN":"redis.static","servicePort":6379}}"#;
+    assert!(f.configure(&mut host, cfg));
+    assert_eq!(host.defined_counters, Counter::ALL.to_vec());
+    assert!(host.counters.is_empty(), "defined, not incremented");
+    let mut names: Vec<&str> = Counter::ALL.iter().map(|c| c.name()).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), Counter::ALL.len(), "each counter listed once");
+}
+
+#[test]
 fn unconfigured_filter_passes_everything() {
     let mut f = Filter::new();
     let mut host = FakeHost::new();

@@ -208,6 +208,11 @@ pub trait Host {
 
     /// Adds `delta` to one of the plugin's counters (exported on the gateway's stats).
     fn increment_counter(&mut self, counter: Counter, delta: i64);
+
+    /// Defines one of the plugin's counters, so that the gateway exports it (at 0) before its
+    /// first event: an alert on its rate then sees that first event, and a dashboard shows 0, not
+    /// "no data".
+    fn define_counter(&mut self, counter: Counter);
     /// Sets a response header; only effective in the response headers callback.
     fn set_response_header(&mut self, name: &str, value: &str);
 }
@@ -280,6 +285,37 @@ pub enum Counter {
 }
 
 impl Counter {
+    /// Every counter, each defined when the plugin starts.
+    pub const ALL: [Counter; 27] = [
+        Counter::LeastRequestRouted,
+        Counter::PrefixHit,
+        Counter::PrefixHitDiverted,
+        Counter::PrefixHolderAdded,
+        Counter::PrefixLoadUnknown,
+        Counter::PrefixMiss,
+        Counter::PrefixMatchedBlocks,
+        Counter::Rejected,
+        Counter::MetricsRouted,
+        Counter::RedisDownRoutedByMetrics,
+        Counter::FallbackRedisError,
+        Counter::FallbackRedisTimeout,
+        Counter::FallbackRedisSlow,
+        Counter::FallbackBreakerOpen,
+        Counter::FallbackBadBody,
+        Counter::FallbackBodyTooLarge,
+        Counter::FallbackNoMetrics,
+        Counter::BreakerOpened,
+        Counter::ReleaseDropped,
+        Counter::StaleRecordsReleased,
+        Counter::CountsRecounted,
+        Counter::EnginePromptTokens,
+        Counter::EngineCachedTokens,
+        Counter::PredictedHitEngineHit,
+        Counter::PredictedHitEngineMiss,
+        Counter::PredictedMissEngineHit,
+        Counter::PredictedMissEngineMiss,
+    ];
+
     /// The metric name.
     pub fn name(self) -> &'static str {
         match self {

@@ -97,6 +97,8 @@ pub struct FakeHost {
     pub rng: u64,
     /// Counters by name.
     pub counters: HashMap<String, i64>,
+    /// Counters defined (`define_counter`), in order.
+    pub defined_counters: Vec<Counter>,
     /// `(name, value)` of each response header the plugin set.
     pub response_headers_set: Vec<(String, String)>,
     next_token: u32,
@@ -267,6 +269,11 @@ impl Host for FakeHost {
     }
     fn increment_counter(&mut self, counter: Counter, delta: i64) {
         *self.counters.entry(counter.name().to_string()).or_insert(0) += delta;
+    }
+    fn define_counter(&mut self, counter: Counter) {
+        if !self.defined_counters.contains(&counter) {
+            self.defined_counters.push(counter);
+        }
     }
     fn set_response_header(&mut self, name: &str, value: &str) {
         self.response_headers_set.push((name.to_string(), value.to_string()));

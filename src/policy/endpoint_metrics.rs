@@ -79,7 +79,7 @@ impl EndpointMetrics {
             Some(pod) => {
                 host.log(LogLevel::Debug, &format!("endpoint_metrics: model {model:?} -> {pod}"));
                 host.increment_counter(Counter::MetricsRouted, 1);
-                stream.decision = Some("metrics".into());
+                stream.decision = Some(Counter::MetricsRouted.label().into());
                 Decision::Route(pod)
             }
             None => {
@@ -88,7 +88,7 @@ impl EndpointMetrics {
                     "endpoint_metrics: no pod with fresh metrics; using normal balancing",
                 );
                 host.increment_counter(Counter::FallbackNoMetrics, 1);
-                stream.decision = Some("fallback_no_metrics".into());
+                stream.decision = Some(Counter::FallbackNoMetrics.label().into());
                 Decision::Passthrough
             }
         }

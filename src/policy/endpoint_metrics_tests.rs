@@ -94,6 +94,22 @@ fn routes_to_the_least_loaded_healthy_pod_from_host_metrics() {
 }
 
 #[test]
+fn each_decision_is_named_after_its_counter() {
+    // The decision header's value is the counter's name without `ai_lb_`, as for every policy.
+    let mut h = two_healthy_pods(vllm(20, 30, 0.9, None), vllm(4, 0, 0.2, None));
+    let mut p = EndpointMetrics::new(config("{}"));
+    let mut s = bodiless();
+    assert_eq!(p.on_request_headers(&mut h, &mut s), Decision::Route("10.0.0.2:8000".into()));
+    assert_eq!(s.decision.as_deref(), Some("metrics_routed"));
+    assert_eq!(h.counters.get("ai_lb_metrics_routed"), Some(&1));
+    let mut none = host_with(&[("10.0.0.1:8000", true, None)]);
+    let mut s = bodiless();
+    assert_eq!(p.on_request_headers(&mut none, &mut s), Decision::Passthrough);
+    assert_eq!(s.decision.as_deref(), Some("fallback_no_metrics"));
+    assert_eq!(none.counters.get("ai_lb_fallback_no_metrics"), Some(&1));
+}
+
+#[test]
 fn a_new_health_check_body_replaces_the_cached_parse() {
     let mut h = two_healthy_pods(vllm(20, 30, 0.9, None), vllm(4, 0, 0.2, None));
     let mut p = EndpointMetrics::new(config("{}"));

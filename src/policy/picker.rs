@@ -353,6 +353,9 @@ pub struct PickResult {
     pub diverted: bool,
     /// The diverted pod became a holder of the prefix (prefix_cache with `loadAware` only).
     pub holder_added: bool,
+    /// The request had a prompt whose prefix the pick looked up (prefix_cache: at least one chain
+    /// key); filled in from the pick's own call, not from the reply.
+    pub had_prompt: bool,
 }
 
 /// Parses `{host, count, admitted[, matched, diverted[, holder added]]}`.
@@ -376,7 +379,7 @@ pub fn parse_pick(frame: &Frame) -> Option<PickResult> {
     if host.is_empty() {
         return None;
     }
-    Some(PickResult { host, count, admitted, matched, diverted, holder_added })
+    Some(PickResult { host, count, admitted, matched, diverted, holder_added, had_prompt: false })
 }
 
 /// Fisher–Yates shuffle with the host's randomness: the script takes the first minimum, so ties
@@ -471,6 +474,8 @@ pub(crate) struct PickState {
     carried: Vec<(String, String)>,
     /// The prediction to check against the engine's cache report (`prefix_cache`).
     cache_check: Option<CacheCheck>,
+    /// See [`PickResult::had_prompt`].
+    had_prompt: bool,
 }
 
 /// One release (`-1`, or the cancel of an abandoned pick). `release.lua` is idempotent per pick
@@ -671,6 +676,7 @@ impl Picker {
             kind,
         };
         let (call_keys, call_args) = call.keys_args();
+        let had_prompt = matches!(&call.kind, PickKind::Prefix { chain, .. } if !chain.is_empty());
         let query = self.script.command(&call_keys, &call_args, false);
         match self.redis.call(host, &query) {
             Ok(token) => {
@@ -687,6 +693,7 @@ impl Picker {
                         picked: None,
                         carried: call.ended,
                         cache_check: None,
+                        had_prompt,
                     },
                 );
                 Decision::Pending(token)
@@ -753,11 +760,12 @@ impl Picker {
         }
         // Redis answers: releases that waited can go out (before this stream's own).
         self.flush_release_queue(host);
-        let Some(pick) = parse_pick(&frame) else {
+        let Some(mut pick) = parse_pick(&frame) else {
             return self.fallback(host, stream, Fallback::BadReply("unexpected reply".into()));
         };
         let now = host.now_nanos();
         if let Some(state) = self.picks.get_mut(&stream.id) {
+            pick.had_prompt = state.had_prompt;
             // The pick ran: so did the releases it carried.
             state.carried.clear();
             if let Some(group) = self.groups.get_mut(&state.keys.owners) {

@@ -31,8 +31,9 @@ pub const MAX_BLOCKS: usize = 256;
 /// request then passes through). An object without `messages`/`prompt` gives no blocks.
 /// `split_system`: also cut after the leading system/developer messages (`splitSystemPrompt`).
 ///
-/// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `messages` (each
-/// message's `role`, `content` and `tool_calls`) and `prompt` are read, other keys are skipped,
+/// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `system`
+/// (Anthropic's top-level system prompt), `messages` (each message's `role`, `content` and
+/// `tool_calls`) and `prompt` are read, other keys are skipped,
 /// and string contents without escapes are borrowed from the body, not copied.
 ///
 /// A body that fails to parse only for its text (bytes that are not UTF-8, or a `\uD83D` escape
@@ -108,6 +109,15 @@ fn blocks_of(req: &ChatBody<'_>, split_system: bool) -> Vec<String> {
         cur.push_str(&tools.to_string());
     }
     if let Some(Messages::List(messages)) = &req.messages {
+        // A top-level system prompt (Anthropic) is rendered first, as a system message is: two
+        // conversations that differ only in it share no cached prefix.
+        if let Some(system) = &req.system {
+            cur.push_str("system:");
+            push_content(&mut cur, system);
+            if split_system && !messages.is_empty() {
+                blocks.push(std::mem::take(&mut cur));
+            }
+        }
         let last = messages.len().saturating_sub(1);
         let is_system = |m: &Message<'_>| matches!(m.role(), "system" | "developer");
         for (i, m) in messages.iter().enumerate() {
@@ -199,6 +209,9 @@ fn push_content(out: &mut String, content: &Json<'_>) {
 /// The parts of a chat/completions body the blocks are made of.
 struct ChatBody<'a> {
     tools: Option<Value>,
+    /// Anthropic's Messages API (`/v1/messages`): the system prompt, a string or text blocks,
+    /// beside `messages` (which then holds no system message).
+    system: Option<Json<'a>>,
     messages: Option<Messages<'a>>,
     prompt: Option<Value>,
 }
@@ -244,6 +257,7 @@ mod body_de {
     #[serde(field_identifier, rename_all = "snake_case")]
     enum BodyField {
         Tools,
+        System,
         Messages,
         Prompt,
         #[serde(other)]
@@ -293,11 +307,13 @@ mod body_de {
                     f.write_str("a JSON object")
                 }
                 fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                    let mut body = ChatBody { tools: None, messages: None, prompt: None };
+                    let mut body =
+                        ChatBody { tools: None, system: None, messages: None, prompt: None };
                     // A repeated key: the last one counts (as in a parsed JSON object).
                     while let Some(key) = map.next_key::<BodyField>()? {
                         match key {
                             BodyField::Tools => body.tools = map.next_value()?,
+                            BodyField::System => body.system = map.next_value()?,
                             BodyField::Messages => body.messages = map.next_value()?,
                             BodyField::Prompt => body.prompt = map.next_value()?,
                             BodyField::Other => {
@@ -447,7 +463,13 @@ pub fn chain(blocks: &[String]) -> Vec<String> {
 
 /// An admitted pick is a hit (on the pod holding the longest known prefix), a hit diverted for
 /// load (`hitLoadFactor`, `loadAware`), or a miss; a hit's prediction is checked against the engine's report.
+/// A request without a prompt (`GET /v1/models`, an empty body, `messages: []`) had no prefix to
+/// find: it is a least-request pick, counted as one, with no prediction to check.
 fn routed(host: &mut dyn Host, pick: &PickResult) -> Routed {
+    if !pick.had_prompt {
+        let counter = Counter::LeastRequestRouted;
+        return Routed { counter, decision: counter.label().to_string(), predicted_hit: None };
+    }
     let counter = match (pick.matched > 0, pick.diverted) {
         (true, false) => Counter::PrefixHit,
         (true, true) => Counter::PrefixHitDiverted,
@@ -532,6 +554,11 @@ impl Policy for PrefixCache {
         stream: &mut Stream,
         body: &[u8],
     ) -> Decision {
+        if body.trim_ascii().is_empty() {
+            // An empty body (chunked with no data) is a request without a prompt, as one whose
+            // headers ended it: a least-request pick.
+            return self.pick(host, stream, &[]);
+        }
         let Some(blocks) = blocks_from_body(body, self.config.split_system_prompt) else {
             host.log(
                 LogLevel::Info,

@@ -152,6 +152,38 @@ fn content_parts_images_tool_calls_tools_and_prompt() {
 }
 
 #[test]
+fn an_anthropic_system_prompt_opens_the_first_block() {
+    // /v1/messages: the system prompt is a top-level string or list of text blocks, rendered
+    // before the messages. Two conversations that differ only in it share no cached prefix.
+    let body = |system: &str| {
+        format!(
+            r#"{{"model":"m","system":{system},"messages":[{{"role":"user","content":"hi"}},{{"role":"assistant","content":"yo"}},{{"role":"user","content":"more"}}],"max_tokens":5}}"#
+        )
+    };
+    let pirate = blocks_from_body(body(r#""You are a pirate""#).as_bytes(), false).unwrap();
+    let lawyer = blocks_from_body(body(r#""You are a lawyer""#).as_bytes(), false).unwrap();
+    assert_eq!(pirate, vec!["system:You are a pirateuser:hi", "assistant:youser:more"]);
+    assert_ne!(chain(&pirate)[0], chain(&lawyer)[0]);
+    let as_blocks = blocks_from_body(
+        body(r#"[{"type":"text","text":"You are a pirate","cache_control":{"type":"ephemeral"}}]"#)
+            .as_bytes(),
+        false,
+    )
+    .unwrap();
+    assert_eq!(as_blocks, pirate, "text blocks read as the same text");
+    // splitSystemPrompt: the system prompt is a block of its own, shared by every conversation
+    // that starts with it.
+    let split = blocks_from_body(body(r#""You are a pirate""#).as_bytes(), true).unwrap();
+    assert_eq!(split, vec!["system:You are a pirate", "user:hi", "assistant:youser:more"]);
+    // An OpenAI body has no top-level system: unchanged.
+    let openai = r#"{"messages":[{"role":"system","content":"You are a pirate"},{"role":"user","content":"hi"}]}"#;
+    assert_eq!(
+        blocks_from_body(openai.as_bytes(), false).unwrap(),
+        vec!["system:You are a pirateuser:hi"]
+    );
+}
+
+#[test]
 fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     let (mut f, mut host) = setup(&cfg(r#","hitLoadFactor":2"#));
     assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::StopIteration);
@@ -210,14 +242,52 @@ fn body_above_max_body_bytes_passes_through() {
 
 #[test]
 fn bodiless_request_is_a_least_request_pick_in_the_headers_phase() {
-    let (mut f, mut host) = setup(&cfg(""));
+    let (mut f, mut host) = setup(&cfg(r#","decisionHeader":"x-ai-lb-decision""#));
     assert_eq!(f.on_request_headers(&mut host, 7, true), HeaderAction::StopIteration);
     let (_, args) = keys_args(&command(&host, 0));
     assert_eq!(args[6], "0", "no prefix keys");
     let t = host.last_redis_token().unwrap();
     deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
     assert_eq!(host.resumes, 1);
+    // No prompt, so no prefix to find: counted as the least-request pick it is, not as a miss
+    // (a miss is a prompt whose prefix no pod holds: GET /v1/models would skew the hit rate).
+    assert_eq!(host.counters.get("ai_lb_least_request_routed"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_prefix_miss"), None);
+    f.on_response_headers(&mut host, 7);
+    assert_eq!(
+        host.response_headers_set,
+        vec![("x-ai-lb-decision".into(), "least_request_routed".into())]
+    );
+}
+
+#[test]
+fn an_empty_body_is_a_request_without_a_prompt_not_a_bad_body() {
+    // Chunked with no data: the body callback ends the stream with 0 bytes (Content-Length: 0
+    // ends it in the headers instead); both are least-request picks.
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    host.request_body = b" \r\n".to_vec();
+    let n = host.request_body.len();
+    assert_eq!(f.on_request_body(&mut host, 7, n, true), DataAction::StopIterationAndBuffer);
+    let (_, args) = keys_args(&command(&host, 0));
+    assert_eq!(args[6], "0", "no prefix keys");
+    let t = host.last_redis_token().unwrap();
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(host.counters.get("ai_lb_least_request_routed"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_fallback_bad_body"), None);
+}
+
+#[test]
+fn a_prompt_whose_prefix_no_pod_holds_is_a_miss() {
+    let (mut f, mut host) = setup(&cfg(""));
+    f.on_request_headers(&mut host, 7, false);
+    host.request_body = CHAT.as_bytes().to_vec();
+    f.on_request_body(&mut host, 7, CHAT.len(), true);
+    let t = host.last_redis_token().unwrap();
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
     assert_eq!(host.counters.get("ai_lb_prefix_miss"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_least_request_routed"), None);
 }
 
 #[test]

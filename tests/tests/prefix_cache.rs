@@ -688,3 +688,58 @@ async fn load_aware_moves_a_conversation_off_a_slow_pod_and_keeps_it_on_its_new_
     assert_eq!(diverted(&after), diverted(&stats), "turns 3 and 4 were hits: {after}");
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
+
+/// What an operator reads: every counter exported at 0 from the start; a request without a
+/// prompt counted as the least-request pick it is (not as a miss that would skew the hit rate);
+/// and Anthropic `/v1/messages` bodies, whose system prompt is a top-level field, match only
+/// conversations that start with the same system prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counters_start_at_zero_and_requests_without_a_prompt_are_least_request_picks() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pz", 2).await.unwrap();
+    let config = redis_policy_config(
+        "route-zero",
+        &pods,
+        &redis,
+        "prefix_cache",
+        json!({"redisKeyTTL": TTL_S, "decisionHeader": "x-ai-lb"}),
+    );
+    let gw = Gateway::start(&config).await.unwrap();
+    let stats = gw.stats().await.unwrap();
+    for name in [
+        "ai_lb_prefix_hit",
+        "ai_lb_prefix_miss",
+        "ai_lb_least_request_routed",
+        "ai_lb_fallback_redis_timeout",
+        "ai_lb_fallback_breaker_open",
+        "ai_lb_breaker_opened",
+        "ai_lb_release_dropped",
+        "ai_lb_counts_recounted",
+    ] {
+        assert!(
+            stats.lines().any(|l| l == format!("{name} 0")),
+            "{name} is not exported at 0 before any request:\n{stats}"
+        );
+    }
+
+    let models = gw.send(HttpRequest::get("/v1/models"), Duration::from_secs(5)).await.unwrap();
+    assert_eq!(models.status, 200);
+    assert_eq!(models.header("x-ai-lb"), Some("least_request_routed"));
+
+    let anthropic = |system: &str| {
+        json!({"model": "m", "system": system, "max_tokens": 8,
+               "messages": [{"role": "user", "content": "hello, same opening line"}]})
+    };
+    let first = gw.post_json("/v1/messages", &anthropic("You are a pirate.")).await.unwrap();
+    let second = gw.post_json("/v1/messages", &anthropic("You are a lawyer.")).await.unwrap();
+    let again = gw.post_json("/v1/messages", &anthropic("You are a pirate.")).await.unwrap();
+    assert_eq!(first.header("x-ai-lb"), Some("prefix_miss; blocks=0"));
+    assert_eq!(second.header("x-ai-lb"), Some("prefix_miss; blocks=0"), "another system prompt");
+    assert_eq!(again.header("x-ai-lb"), Some("prefix_hit; blocks=1"));
+
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_least_request_routed"), 1, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 2, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 1, "{stats}");
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
