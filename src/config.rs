@@ -57,6 +57,9 @@ pub const DEFAULT_LOAD_LATENCY_WEIGHT: f64 = 16.0;
 /// between chunks of answers long enough to time, costs no other scenario (README, "Load-aware
 /// defaults"). A pod full of long contexts is at most about 1.3x slower per step.
 pub const DEFAULT_OVERLOAD_LATENCY: f64 = 1.6;
+/// Bytes of a pod's prefill backlog (prompts this worker sent it, not answered yet, past what it
+/// holds) that count as one more request in flight in the combined load signal (0 = off).
+pub const DEFAULT_LOAD_PREFILL_BYTES: u32 = 4096;
 /// Default age (ms) after which scraped metrics count as unknown (ours).
 pub const DEFAULT_METRICS_STALE_MS: u64 = 5000;
 /// Default scrape interval (ms) when the host list carries no metrics (ours).
@@ -225,6 +228,9 @@ pub struct LoadAwareConfig {
     /// `overloadLatency`: a hit's pod at least this many times as slow as the fastest is
     /// overloaded (0 = off).
     pub latency_ratio: f64,
+    /// `loadPrefillBytes`: this many bytes of a pod's prefill backlog count as one more request
+    /// in its combined load (0 = off).
+    pub prefill_bytes: u32,
 }
 
 impl Default for LoadAwareConfig {
@@ -239,6 +245,7 @@ impl Default for LoadAwareConfig {
             max_holders: DEFAULT_MAX_HOLDERS,
             latency_weight: DEFAULT_LOAD_LATENCY_WEIGHT,
             latency_ratio: DEFAULT_OVERLOAD_LATENCY,
+            prefill_bytes: DEFAULT_LOAD_PREFILL_BYTES,
         }
     }
 }
@@ -1041,6 +1048,9 @@ fn parse_load_aware(f: &Fields<'_>) -> Result<Option<LoadAwareConfig>, ConfigErr
         max_holders: max_holders as u32,
         latency_weight: f.float("loadLatencyWeight")?.unwrap_or(DEFAULT_LOAD_LATENCY_WEIGHT),
         latency_ratio,
+        prefill_bytes: f
+            .uint("loadPrefillBytes", u64::from(u32::MAX))?
+            .map_or(DEFAULT_LOAD_PREFILL_BYTES, |x| x as u32),
     };
     Ok(f.boolean("loadAware")?.unwrap_or(false).then_some(cfg))
 }

@@ -922,6 +922,7 @@ fn la_pick_with(
             config: cfg,
             args: Some(args),
             decode_averages: Vec::new(),
+            prefill_backlog: Vec::new(),
         });
     }
     let s = Script::new(PREFIX_CACHE_LUA);

@@ -101,6 +101,26 @@ impl LoadArgs {
         self
     }
 
+    /// Adds each pod's prefill backlog (bytes of prompts this worker sent it that it has not
+    /// started answering, past what it holds): one more request in its combined load per
+    /// `loadPrefillBytes`. Pods not in `backlog` are unchanged.
+    pub fn add_prefill_backlog(
+        mut self,
+        cfg: &LoadAwareConfig,
+        backlog: &[(String, u64)],
+    ) -> LoadArgs {
+        if cfg.prefill_bytes == 0 {
+            return self;
+        }
+        let by_pod = first_by_key(backlog.iter().map(|(a, b)| (a.as_str(), *b)));
+        for h in &mut self.hosts {
+            let Some(&bytes) = by_pod.get(h.address.as_str()) else { continue };
+            let extra = bytes / u64::from(cfg.prefill_bytes);
+            h.penalty = h.penalty.saturating_add(u32::try_from(extra).unwrap_or(u32::MAX));
+        }
+        self
+    }
+
     /// The script's load arguments for `healthy` (in that order): in-flight gap, ratio, max
     /// holders, one flag character per host (`1` overloaded), then one penalty per host. A host
     /// without a load entry (it cannot happen: both come from one host list) reads as idle.

@@ -162,3 +162,16 @@ fn every_pod_of_a_large_cluster_gets_its_own_load_and_slowness() {
         (0..300u32).rev().map(|i| i + if i % 3 == 0 { 16 } else { 0 }).collect();
     assert_eq!(penalties, expected);
 }
+
+#[test]
+fn a_prefill_backlog_adds_one_request_per_load_prefill_bytes() {
+    let pods = [pod("10.0.0.1:8000", 0.0, 0.0), pod("10.0.0.2:8000", 0.0, 0.0)];
+    let backlog = vec![("10.0.0.1:8000".to_string(), 48_000), ("10.0.0.9:8000".to_string(), 9_000)];
+    let with = load_args(&cfg(), &pods).unwrap().add_prefill_backlog(&cfg(), &backlog);
+    let penalties: Vec<u32> = with.hosts.iter().map(|h| h.penalty).collect();
+    assert_eq!(penalties, vec![48_000 / 4096, 0], "one request per 4096 bytes by default");
+    assert!(with.hosts.iter().all(|h| !h.overloaded), "a backlog never diverts a hit");
+    let off = LoadAwareConfig { prefill_bytes: 0, ..cfg() };
+    let without = load_args(&off, &pods).unwrap().add_prefill_backlog(&off, &backlog);
+    assert!(without.hosts.iter().all(|h| h.penalty == 0));
+}

@@ -38,6 +38,7 @@ pub mod global_least_request;
 pub mod latency;
 pub mod load;
 pub mod picker;
+pub mod prefill;
 pub mod prefix_cache;
 
 /// What the dispatcher should do with the request.

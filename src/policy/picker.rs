@@ -199,6 +199,9 @@ pub struct LoadAware {
     /// Each pod's recent decode time per byte (`prefix_cache`'s [`super::latency::PodSpeed`]),
     /// compared over the healthy pods when the pick starts.
     pub decode_averages: Vec<latency::DecodeAverage>,
+    /// Each pod's prefill backlog from this worker, bytes (`prefix_cache`'s
+    /// [`super::prefill::PrefillBacklog`]).
+    pub prefill_backlog: Vec<(String, u64)>,
 }
 
 /// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
@@ -476,6 +479,8 @@ pub(crate) struct PickState {
     cache_check: Option<CacheCheck>,
     /// See [`PickResult::had_prompt`].
     had_prompt: bool,
+    /// Prefix blocks the picked pod holds (an admitted hit not diverted; else 0).
+    cached_blocks: usize,
 }
 
 /// One release (`-1`, or the cancel of an abandoned pick). `release.lua` is idempotent per pick
@@ -628,6 +633,7 @@ impl Picker {
                 .and_then(|pods| {
                     load.as_ref().and_then(|l| {
                         load_args::load_args(&l.config, &pods).map(|a| {
+                            let a = a.add_prefill_backlog(&l.config, &l.prefill_backlog);
                             if l.decode_averages.is_empty() {
                                 return a;
                             }
@@ -694,6 +700,7 @@ impl Picker {
                         carried: call.ended,
                         cache_check: None,
                         had_prompt,
+                        cached_blocks: 0,
                     },
                 );
                 Decision::Pending(token)
@@ -776,6 +783,8 @@ impl Picker {
             }
             if pick.admitted {
                 state.picked = Some(pick.host.clone());
+                state.cached_blocks =
+                    if pick.diverted { 0 } else { usize::try_from(pick.matched).unwrap_or(0) };
             }
         }
         // Debug, as the Go plugin logs it: one line per routed request at the gateway's default
@@ -1041,6 +1050,15 @@ impl Picker {
     ///
     /// An admitted request's release waits for this VM's next pick on the route+cluster to carry
     /// it, while other requests there are in flight; the last one's goes out at once (with any
+    /// Where `stream`'s admitted pick placed it, while the stream lives.
+    pub fn placement(&self, stream: u32) -> Option<super::prefill::Placement<'_>> {
+        let s = self.picks.get(&stream)?;
+        Some(super::prefill::Placement {
+            pod: s.picked.as_deref()?,
+            cached_blocks: s.cached_blocks,
+        })
+    }
+
     /// still waiting), and the root tick sends what no pick carried.
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         // A pick made by the pods' metrics (Redis down) no longer loads its pod.

@@ -16,6 +16,7 @@
 
 use super::latency::PodSpeed;
 use super::picker::{LoadAware, PickKind, PickResult, Picker, Routed};
+use super::prefill::PrefillBacklog;
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
 use crate::host::{Counter, Host, LogLevel};
@@ -495,6 +496,8 @@ pub struct PrefixCache {
     /// `loadAware` with `loadLatencyWeight` or `overloadLatency` only: each pod's decode rate as
     /// this worker observes it.
     speed: Option<PodSpeed>,
+    /// `loadAware` with `loadPrefillBytes` only: each pod's prefill backlog from this worker.
+    prefill: Option<PrefillBacklog>,
 }
 
 impl PrefixCache {
@@ -512,6 +515,11 @@ impl PrefixCache {
                 .as_ref()
                 .is_some_and(|l| l.latency_weight > 0.0 || l.latency_ratio >= 1.0)
                 .then(PodSpeed::default),
+            prefill: config
+                .load_aware
+                .as_ref()
+                .is_some_and(|l| l.prefill_bytes > 0)
+                .then(PrefillBacklog::default),
             config,
         }
     }
@@ -529,6 +537,11 @@ impl PrefixCache {
                     .speed
                     .as_ref()
                     .map(|speed| speed.averages(host.now_nanos()))
+                    .unwrap_or_default(),
+                prefill_backlog: self
+                    .prefill
+                    .as_ref()
+                    .map(|p| p.per_pod(host.now_nanos(), |s| self.picker.placement(s)))
                     .unwrap_or_default(),
             }),
         };
@@ -569,6 +582,11 @@ impl Policy for PrefixCache {
             return Decision::Passthrough;
         };
         let keys = chain(&blocks);
+        if let Some(prefill) = self.prefill.as_mut() {
+            // Only the blocks that have chain keys (a chain stops before an all-zero key).
+            let sizes = blocks.iter().take(keys.len().max(1)).map(String::len);
+            prefill.on_prompt(stream.id, sizes, host.now_nanos());
+        }
         self.pick(host, stream, &keys)
     }
 
@@ -593,6 +611,11 @@ impl Policy for PrefixCache {
     ) {
         if let Some(speed) = self.speed.as_mut() {
             speed.on_response_body(stream.id, host.now_nanos(), size, end_of_stream);
+        }
+        if size > 0 || end_of_stream {
+            if let Some(prefill) = self.prefill.as_mut() {
+                prefill.on_answered(stream.id);
+            }
         }
         self.picker.on_response_body(host, stream, size, end_of_stream);
     }

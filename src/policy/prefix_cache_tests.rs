@@ -552,6 +552,41 @@ fn load_aware_counts_a_pod_that_streams_slower_as_more_loaded() {
 }
 
 #[test]
+fn load_aware_counts_the_prompts_a_pod_has_not_started_answering() {
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true"#));
+    set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
+    let doc = "lorem ipsum ".repeat(4_000); // 48000 bytes: a document to prefill
+    let body = format!(r#"{{"messages":[{{"role":"user","content":"{doc}"}}]}}"#);
+    let penalties = |host: &FakeHost| {
+        let (_, mut per_host) = load_args_of(host, host.redis_calls.len() - 1).expect("load");
+        per_host.sort();
+        per_host.into_iter().map(|h| h.2).collect::<Vec<_>>()
+    };
+    // The document goes to .1 (a miss): until .1 answers, it owes its prefill.
+    f.on_request_headers(&mut host, 1, false);
+    host.request_body = body.as_bytes().to_vec();
+    f.on_request_body(&mut host, 1, body.len(), true);
+    let t = host.last_redis_token().unwrap();
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
+    send_chat(&mut f, &mut host, 2);
+    // "user:" + the document: 48005 bytes, one request per 4096 (loadPrefillBytes' default).
+    assert_eq!(penalties(&host), vec![11, 0]);
+    // The same document again, a hit on .2 that holds it: nothing left to prefill there.
+    f.on_request_headers(&mut host, 3, false);
+    f.on_request_body(&mut host, 3, body.len(), true);
+    let t = host.last_redis_token().unwrap();
+    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, Some(1))));
+    send_chat(&mut f, &mut host, 4);
+    assert_eq!(penalties(&host), vec![11, 0]);
+    // .1's first answer byte: its prefill is over.
+    host.properties.insert("upstream.address".into(), b"10.0.0.1:8000".to_vec());
+    f.on_response_headers(&mut host, 1);
+    f.on_response_body(&mut host, 1, 100, false);
+    send_chat(&mut f, &mut host, 5);
+    assert_eq!(penalties(&host), vec![0, 0]);
+}
+
+#[test]
 fn a_go_config_does_not_time_the_pods() {
     let (mut f, mut host) = setup(&cfg(""));
     set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));

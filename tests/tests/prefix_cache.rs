@@ -743,3 +743,68 @@ async fn counters_start_at_zero_and_requests_without_a_prompt_are_least_request_
     assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 1, "{stats}");
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
+
+/// `loadAware` (one worker, so that one VM sees every prompt): a new long document goes to the
+/// pod that is not still prefilling another one, even when that pod has more requests in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_aware_sends_a_new_document_to_a_pod_not_prefilling_another() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pc-prefill", 2).await.unwrap();
+    for p in &pods {
+        p.set_metrics(samples::vllm_v1(2, 0, 0.1));
+    }
+    let config = load_aware_config("route-prefill", &pods, &redis).workers(1);
+    let gw = Arc::new(Gateway::start(&config).await.unwrap());
+    wait_scrapes(&pods, &[0, 0], 2, Duration::from_secs(15)).await.unwrap();
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let in_flight = || pods.iter().map(Pod::in_flight).sum::<usize>();
+    let held = Arc::new(tokio::sync::Mutex::new(Vec::new()));
+    // Sends `content` as a new conversation; returns once the pods hold `n` requests in all.
+    let send = |content: String, n: usize| {
+        let gw = gw.clone();
+        let held = held.clone();
+        async move {
+            let body = json!({"model": "m", "max_tokens": 8,
+                              "messages": [{"role": "user", "content": content}]});
+            held.lock().await.push(tokio::spawn(async move {
+                gw.send(
+                    HttpRequest::post_json("/v1/chat/completions", &body),
+                    Duration::from_secs(30),
+                )
+                .await
+            }));
+            eventually(Duration::from_secs(10), "the request reached a pod", || async {
+                Ok(in_flight() == n)
+            })
+            .await
+            .unwrap();
+        }
+    };
+    let document = |topic: &str| format!("{topic}: {}", "clause and schedule text ".repeat(2_000));
+    // A 50 kB document (a miss) goes to a pod, which holds it: no answer byte yet.
+    send(document("contract A"), 1).await;
+    let busy = pods.iter().position(|p| p.in_flight() == 1).unwrap();
+    let other = 1 - busy;
+    // Two short new chats: both to the other pod (the busy one owes a prefill of ~12 requests).
+    send("a short question".into(), 2).await;
+    send("another short question".into(), 3).await;
+    assert_eq!(pods[other].in_flight(), 2, "short chats go to the pod not prefilling");
+    // A second document: by in-flight counts the busy pod (1) is the least loaded (the other has
+    // 2), but it is still prefilling the first document.
+    send(document("contract B"), 4).await;
+    assert_eq!(pods[busy].in_flight(), 1, "the second document must not join the first one's pod");
+    assert_eq!(pods[other].in_flight(), 3);
+
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    for h in held.lock().await.drain(..) {
+        let resp = h.await.unwrap().unwrap();
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        assert_eq!(resp.header("x-ai-lb-decision"), Some("prefix_miss; blocks=0"));
+    }
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}

@@ -361,7 +361,12 @@ fn pick_call(
                     chain: chain.to_vec(),
                     ttl_s: 1800,
                     hit_load_factor: 0.0,
-                    load: Some(LoadAware { config, args, decode_averages: Vec::new() }),
+                    load: Some(LoadAware {
+                        config,
+                        args,
+                        decode_averages: Vec::new(),
+                        prefill_backlog: Vec::new(),
+                    }),
                 }
             }
             _ => PickKind::LeastRequest,
