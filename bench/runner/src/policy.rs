@@ -176,6 +176,12 @@ pub const POLICIES: &[Policy] = &[
         "prefix_cache",
         r#"{"loadAware":true,"overloadKvCache":0.2}"#,
     ),
+    // loadAware without the prefill backlog signal (the default before 2026-11-28).
+    plugin_with(
+        "prefix_cache_load_aware_no_prefill",
+        "prefix_cache",
+        r#"{"loadAware":true,"loadPrefillBytes":0}"#,
+    ),
     plugin("endpoint_metrics", "endpoint_metrics"),
     external("sglang_round_robin", Router::Sglang, "round_robin"),
     external("sglang_cache_aware", Router::Sglang, "cache_aware"),
