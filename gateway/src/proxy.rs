@@ -1048,6 +1048,11 @@ impl Drive {
             }
             add_to(0, &mut headers, k.as_str().to_string(), v.as_bytes().to_vec());
         }
+        // Envoy (`proxy_100_continue` off, its default and Higress's) answers `expect:
+        // 100-continue` itself and removes the header before the filters: neither the plugin
+        // nor the upstream sees it (conformance test `expect_100_continue`). Here hyper sends
+        // the 100 over HTTP/1 when the body is first read; over HTTP/2 it sends none.
+        headers.retain(|(k, v)| !(k == "expect" && v.eq_ignore_ascii_case(b"100-continue")));
         // Envoy generates x-request-id when missing.
         let id = match header_value(&headers, "x-request-id") {
             Some(id) => id,

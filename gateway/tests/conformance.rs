@@ -2071,6 +2071,26 @@ async fn host_is_the_authority_in_the_request_header_map() {
     differential(p.scenario("host_is_the_authority_in_the_request_header_map").steps(steps)).await;
 }
 
+/// A request with `expect: 100-continue`: who answers the 100, and whether the plugin and the
+/// upstream see the header (Envoy's default `proxy_100_continue: false`), on HTTP/1 (raw bytes,
+/// so the interim response is in the transcript) and HTTP/2.
+#[tokio::test(flavor = "multi_thread")]
+async fn expect_100_continue() {
+    let mut p = Plugin::new();
+    let (ev_h, expect) = (p.ev("req_hdrs"), p.s("expect"));
+    let p = p.extra(header_value_fns()).on(
+        "proxy_on_request_headers",
+        format!("{ev_h} (call $hget (i32.const 0) {expect}) (call $ev_end) (i32.const 0)"),
+    );
+    let raw = "POST /raw HTTP/1.1\r\nhost: conformance.test\r\nexpect: 100-continue\r\n\
+               content-length: 7\r\n\r\n{\"a\":1}";
+    let steps = vec![
+        Step::Raw { bytes: raw.into(), hold_ms: 600 },
+        Step::post("/h2", &["{\"a\":1}"]).header("expect", "100-continue").h2(),
+    ];
+    differential(p.scenario("expect_100_continue").steps(steps)).await;
+}
+
 /// StopIterationNoBuffer (3) answered to the end-of-stream callback (see [`answering_plugin`]):
 /// after StopIterationAndBuffer to every chunk (`/buffered`) and after Continue to the first two
 /// chunks and StopIterationNoBuffer to the last (`/dropped`); in the response, to the end of an

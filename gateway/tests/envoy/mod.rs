@@ -1121,10 +1121,16 @@ async fn read_for(s: &mut tokio::net::TcpStream, ms: u64) -> (Vec<u8>, bool) {
     }
 }
 
-/// A raw HTTP/1 answer as the transcript shows it (see [`Step::Raw`]).
+/// A raw HTTP/1 answer as the transcript shows it (see [`Step::Raw`]). Interim (1xx) responses
+/// before it are shown by their status line and headers (a proxy adds none to them).
 fn raw_answer(got: &[u8], names: &Names) -> Vec<String> {
-    let text = String::from_utf8_lossy(got).into_owned();
+    let mut text = String::from_utf8_lossy(got).into_owned();
     let mut out = Vec::new();
+    while text.starts_with("HTTP/1.1 1") {
+        let Some((interim, rest)) = text.split_once("\r\n\r\n") else { break };
+        out.push(format!("interim {interim:?}"));
+        text = rest.to_string();
+    }
     let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));
     let mut lines = head.split("\r\n");
     out.push(format!("status line {:?}", lines.next().unwrap_or("")));
