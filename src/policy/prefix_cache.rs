@@ -583,9 +583,7 @@ impl Policy for PrefixCache {
         };
         let keys = chain(&blocks);
         if let Some(prefill) = self.prefill.as_mut() {
-            // Only the blocks that have chain keys (a chain stops before an all-zero key).
-            let sizes = blocks.iter().take(keys.len().max(1)).map(String::len);
-            prefill.on_prompt(stream.id, sizes, host.now_nanos());
+            prefill.on_prompt(stream.id, blocks.iter().map(String::len), host.now_nanos());
         }
         self.pick(host, stream, &keys)
     }
