@@ -1055,6 +1055,16 @@ fn parse_load_aware(f: &Fields<'_>) -> Result<Option<LoadAwareConfig>, ConfigErr
     Ok(f.boolean("loadAware")?.unwrap_or(false).then_some(cfg))
 }
 
+/// `rate_limit` (both metrics policies): a share of the recent picks, 0–1 (1 = no limit). Above
+/// 1 is a share never reached: accepted as Go accepts it, with a warning.
+fn parse_rate_limit(f: &Fields<'_>) -> Result<f64, ConfigError> {
+    let r = f.float("rate_limit")?.unwrap_or(1.0);
+    if r > 1.0 {
+        f.warn("rate_limit", format!("{r} is above 1, a share never reached: no limit"));
+    }
+    Ok(r)
+}
+
 fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {
     Ok(GlobalLeastRequestConfig {
         redis: parse_redis(f)?,
@@ -1149,7 +1159,7 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
     Ok(EndpointMetricsConfig {
         metric_policy,
         target_metric,
-        rate_limit: f.float("rate_limit")?.unwrap_or(1.0),
+        rate_limit: parse_rate_limit(f)?,
         window_size: match f.uint("window_size", 1_000_000)? {
             None | Some(0) => DEFAULT_WINDOW_SIZE,
             Some(x) => x as usize,
@@ -1221,7 +1231,7 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
             .string("cluster_header")?
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| DEFAULT_CLUSTER_HEADER.into()),
-        rate_limit: f.float("rate_limit")?.unwrap_or(1.0),
+        rate_limit: parse_rate_limit(f)?,
         queue_size: match f.int("queue_size")? {
             None | Some(0) => DEFAULT_QUEUE_SIZE,
             Some(x) if x < 0 => {

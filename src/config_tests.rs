@@ -283,6 +283,21 @@ fn error_rate_limit() {
     );
 }
 #[test]
+fn a_rate_limit_above_one_starts_with_a_warning() {
+    for (policy, keys) in [
+        (r#""lb_policy":"endpoint_metrics""#, ""),
+        (r#""lb_type":"cluster","lb_policy":"cluster_metrics""#, r#","service_list":["a"]"#),
+    ] {
+        let c = parse(&format!(r#"{{{policy},"lb_config":{{"rate_limit":2{keys}}}}}"#)).unwrap();
+        assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+        assert!(c.warnings[0].contains("lb_config.rate_limit"), "{:?}", c.warnings);
+        assert!(c.warnings[0].contains("no limit"), "{:?}", c.warnings);
+        let quiet =
+            parse(&format!(r#"{{{policy},"lb_config":{{"rate_limit":0.5{keys}}}}}"#)).unwrap();
+        assert!(quiet.warnings.is_empty(), "{:?}", quiet.warnings);
+    }
+}
+#[test]
 fn error_service_list() {
     expect_err(
         r#"{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{"mode":"LeastBusy"}}"#,
