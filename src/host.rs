@@ -222,7 +222,8 @@ pub trait Host {
 /// `wasmcustom.<name>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Counter {
-    /// `global_least_request`: routed to the pod with the fewest in-flight requests.
+    /// `global_least_request`, and `prefix_cache` for a request without a prompt: routed to the
+    /// pod with the fewest in-flight requests.
     LeastRequestRouted,
     /// `prefix_cache`: routed to the pod holding the request's longest known prefix.
     PrefixHit,

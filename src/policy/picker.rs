@@ -50,9 +50,14 @@ use std::collections::HashMap;
 
 /// The `Policy` methods the Redis policies hand to their `picker` field: name, start, Redis replies
 /// (`$routed` names how the policy counts an admitted pick, see [`Routed`]), metric scrapes, stream
-/// end (the release), ticks and slow picks.
+/// end (the release), ticks and slow picks. `$stream_done`, when given, is called with the policy
+/// and the stream id at the stream's end, before the picker's release: what the policy keeps
+/// per stream goes there.
 macro_rules! delegate_to_picker {
     ($routed:expr) => {
+        $crate::policy::picker::delegate_to_picker!($routed, |_: &mut Self, _: u32| {});
+    };
+    ($routed:expr, $stream_done:expr) => {
         fn name(&self) -> &'static str {
             self.picker.name()
         }
@@ -83,6 +88,7 @@ macro_rules! delegate_to_picker {
         }
 
         fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
+            ($stream_done)(self, stream.id);
             self.picker.on_done(host, stream);
         }
 
@@ -1045,11 +1051,6 @@ impl Picker {
         Some(self.without_redis(host, stream, &Fallback::Slow, None))
     }
 
-    /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
-    /// runs before the cancel on the same connection, or finds the tombstone).
-    ///
-    /// An admitted request's release waits for this VM's next pick on the route+cluster to carry
-    /// it, while other requests there are in flight; the last one's goes out at once (with any
     /// Where `stream`'s admitted pick placed it, while the stream lives.
     pub fn placement(&self, stream: u32) -> Option<super::prefill::Placement<'_>> {
         let s = self.picks.get(&stream)?;
@@ -1059,6 +1060,11 @@ impl Picker {
         })
     }
 
+    /// Stream end: `-1` for the picked host, exactly once; a pick still in flight is cancelled (it
+    /// runs before the cancel on the same connection, or finds the tombstone).
+    ///
+    /// An admitted request's release waits for this VM's next pick on the route+cluster to carry
+    /// it, while other requests there are in flight; the last one's goes out at once (with any
     /// still waiting), and the root tick sends what no pick carried.
     pub fn on_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         // A pick made by the pods' metrics (Redis down) no longer loads its pod.

@@ -8,17 +8,22 @@
 //! that is still prefilling another one waits for it: on document QA (`long-context`) that made
 //! least-request placement of first turns slower than hashing sessions blindly.
 
+use super::prefix_cache::MAX_BLOCKS;
 use std::collections::HashMap;
 
-/// A prompt older than this with no answer (a stream whose end was never seen) no longer counts.
+/// A prompt older than this with no answer no longer counts (a stream whose end the plugin never
+/// saw).
 const FORGET_NS: u64 = 60 * 1_000_000_000;
-/// At most this many prompts are tracked (bounded memory per worker).
+/// At most this many prompts are tracked (bounded memory per worker); past it the oldest goes.
 const MAX_TRACKED: usize = 4096;
 
 /// One prompt sent and not answered yet.
 struct Prompt {
-    /// Cumulative bytes of its prefix blocks: `cum[i]` = bytes of blocks `0..=i`.
+    /// Cumulative bytes of its first prefix blocks (at most [`MAX_BLOCKS`], as many as a pick
+    /// can find cached): `cum[i]` = bytes of blocks `0..=i`.
     cum: Vec<usize>,
+    /// Bytes of all its blocks.
+    total: usize,
     sent_ns: u64,
 }
 
@@ -47,23 +52,33 @@ impl PrefillBacklog {
     ) {
         if self.prompts.len() >= MAX_TRACKED {
             self.prompts.retain(|_, p| now_ns.saturating_sub(p.sent_ns) < FORGET_NS);
-            if self.prompts.len() >= MAX_TRACKED {
-                self.prompts.clear();
+        }
+        if self.prompts.len() >= MAX_TRACKED {
+            let oldest = self.prompts.iter().min_by_key(|(_, p)| p.sent_ns).map(|(s, _)| *s);
+            if let Some(oldest) = oldest {
+                self.prompts.remove(&oldest);
             }
         }
         let mut total = 0usize;
-        let cum = block_bytes
-            .map(|b| {
-                total = total.saturating_add(b);
-                total
-            })
-            .collect();
-        self.prompts.insert(stream, Prompt { cum, sent_ns: now_ns });
+        let mut cum = Vec::new();
+        for b in block_bytes {
+            total = total.saturating_add(b);
+            if cum.len() < MAX_BLOCKS {
+                cum.push(total);
+            }
+        }
+        self.prompts.insert(stream, Prompt { cum, total, sent_ns: now_ns });
     }
 
     /// The pod started answering `stream` (its prefill is over), or the stream ended.
     pub fn on_answered(&mut self, stream: u32) {
         self.prompts.remove(&stream);
+    }
+
+    /// How many prompts are tracked.
+    #[cfg(test)]
+    pub(crate) fn tracked(&self) -> usize {
+        self.prompts.len()
     }
 
     /// Each pod's backlog in bytes: the uncached part of every prompt still waiting for its first
@@ -80,7 +95,7 @@ impl PrefillBacklog {
                 continue;
             }
             let Some(place) = placement(*stream) else { continue };
-            let total = p.cum.last().copied().unwrap_or(0);
+            let total = p.total;
             let cached =
                 place.cached_blocks.checked_sub(1).and_then(|i| p.cum.get(i)).copied().unwrap_or(0);
             *by_pod.entry(place.pod).or_insert(0) += total.saturating_sub(cached) as u64;

@@ -41,10 +41,25 @@ fn a_prompt_with_no_answer_for_a_minute_no_longer_counts() {
 }
 
 #[test]
-fn the_tracked_prompts_stay_bounded() {
+fn the_tracked_prompts_stay_bounded_and_the_oldest_go_first() {
     let mut b = PrefillBacklog::default();
     for i in 0..(MAX_TRACKED as u32 + 10) {
         b.on_prompt(i, [1].into_iter(), u64::from(i));
     }
-    assert!(b.prompts.len() <= MAX_TRACKED);
+    assert_eq!(b.tracked(), MAX_TRACKED);
+    let newest = MAX_TRACKED as u32 + 9;
+    let counted = |s: u32| b.per_pod(S, |t| if t == s { placed("a", 0) } else { None });
+    assert_eq!(counted(newest), vec![("a".into(), 1)], "the newest prompt is kept");
+    assert!(counted(0).is_empty(), "the oldest went");
+}
+
+#[test]
+fn a_prompt_of_many_blocks_keeps_a_bounded_record() {
+    let mut b = PrefillBacklog::default();
+    // 100000 one-message blocks (a 4 MiB body of tiny messages): only the first MAX_BLOCKS
+    // cumulative sums are kept, as no pick can find more cached; the total stays whole.
+    b.on_prompt(1, std::iter::repeat_n(10, 100_000), 0);
+    assert!(b.prompts.get(&1).is_some_and(|p| p.cum.len() == MAX_BLOCKS));
+    assert_eq!(b.per_pod(S, |_| placed("a", 0)), vec![("a".into(), 1_000_000)]);
+    assert_eq!(b.per_pod(S, |_| placed("a", MAX_BLOCKS)), vec![("a".into(), 1_000_000 - 2_560)]);
 }

@@ -1,8 +1,8 @@
 //! `prefix_cache`: send a conversation to the pod that already holds its prompt prefix in KV cache.
 //!
 //! Blocks: the text `role + ":" + content` of each message, concatenated, cut after each user
-//! message and after the last message; the `tools` list (what a chat template renders first) opens
-//! the first block. Each block is hashed with SHA-1; the chain is `key_i = key_{i-1} XOR sha1_i`
+//! message and after the last message; the `tools` list (what a chat template renders first),
+//! then a top-level `system` prompt (Anthropic's Messages API), open the first block. Each block is hashed with SHA-1; the chain is `key_i = key_{i-1} XOR sha1_i`
 //! (Higress's key semantics), named by upper-case hex. The chain is computed here, not in Lua, and
 //! sent in one `prefix_cache.lua` call that finds the longest chain present in Redis, routes to its
 //! host if healthy (re-homing keys that name a gone/unhealthy host, without breaking the chain),
@@ -618,7 +618,13 @@ impl Policy for PrefixCache {
         self.picker.on_response_body(host, stream, size, end_of_stream);
     }
 
-    super::picker::delegate_to_picker!(routed);
+    super::picker::delegate_to_picker!(routed, |p: &mut Self, stream: u32| {
+        // A stream that ends before its first answer byte (client gone during the prefill, an
+        // upstream reset, a headers-only answer) leaves no prompt behind.
+        if let Some(prefill) = p.prefill.as_mut() {
+            prefill.on_answered(stream);
+        }
+    });
 }
 
 #[cfg(test)]

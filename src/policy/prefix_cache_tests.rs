@@ -262,8 +262,8 @@ fn bodiless_request_is_a_least_request_pick_in_the_headers_phase() {
 
 #[test]
 fn an_empty_body_is_a_request_without_a_prompt_not_a_bad_body() {
-    // Chunked with no data: the body callback ends the stream with 0 bytes (Content-Length: 0
-    // ends it in the headers instead); both are least-request picks.
+    // Chunked with nothing but whitespace (or no data at all: then the body callback ends the
+    // stream with 0 bytes, where Content-Length: 0 ends it in the headers): a least-request pick.
     let (mut f, mut host) = setup(&cfg(""));
     f.on_request_headers(&mut host, 7, false);
     host.request_body = b" \r\n".to_vec();
@@ -584,6 +584,28 @@ fn load_aware_counts_the_prompts_a_pod_has_not_started_answering() {
     f.on_response_body(&mut host, 1, 100, false);
     send_chat(&mut f, &mut host, 5);
     assert_eq!(penalties(&host), vec![0, 0]);
+}
+
+#[test]
+fn a_stream_that_ends_before_its_first_answer_byte_leaves_no_prompt_behind() {
+    // The client went away during the prefill: no response body ever comes.
+    let config =
+        match crate::config::PluginConfig::from_json(cfg(r#","loadAware":true"#).as_bytes())
+            .ok()
+            .and_then(|c| c.default)
+            .map(|d| d.policy)
+        {
+            Some(crate::config::PolicyConfig::PrefixCache(c)) => c,
+            other => panic!("bad test config: {other:?}"),
+        };
+    let mut p = PrefixCache::new(config);
+    let mut host = FakeHost::new();
+    host.set_hosts(&[("10.0.0.1:8000", true)]);
+    let mut stream = Stream { id: 9, cluster: "c".into(), ..Default::default() };
+    let _ = p.on_request_body(&mut host, &mut stream, CHAT.as_bytes());
+    assert_eq!(p.prefill.as_ref().map(PrefillBacklog::tracked), Some(1));
+    p.on_stream_done(&mut host, &mut stream);
+    assert_eq!(p.prefill.as_ref().map(PrefillBacklog::tracked), Some(0));
 }
 
 #[test]
