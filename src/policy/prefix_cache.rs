@@ -2,11 +2,12 @@
 //!
 //! Blocks: the text `role + ":" + content` of each message, concatenated, cut after each user
 //! message and after the last message; the `tools` list (what a chat template renders first),
-//! then a top-level `system` prompt (Anthropic's Messages API), open the first block. Each block is hashed with SHA-1; the chain is `key_i = key_{i-1} XOR sha1_i`
-//! (Higress's key semantics), named by upper-case hex. The chain is computed here, not in Lua, and
-//! sent in one `prefix_cache.lua` call that finds the longest chain present in Redis, routes to its
-//! host if healthy (re-homing keys that name a gone/unhealthy host, without breaking the chain),
-//! otherwise picks the least-loaded host, writes the rest of the chain, and counts in-flight like
+//! then a top-level `system` prompt (Anthropic's Messages API), open the first block. Each block
+//! is hashed with SHA-1; the chain is `key_i = key_{i-1} XOR sha1_i` (Higress's key semantics),
+//! named by upper-case hex. The chain is computed here, not in Lua, and sent in one
+//! `prefix_cache.lua` call that finds the longest chain present in Redis, routes to its host if
+//! healthy (re-homing keys that name a gone/unhealthy host, without breaking the chain), otherwise
+//! picks the least-loaded host, writes the rest of the chain, and counts in-flight like
 //! `global_least_request`.
 //!
 //! With `loadAware` (ours, off by default) and fresh metrics for every healthy pod, the call also
@@ -34,8 +35,8 @@ pub const MAX_BLOCKS: usize = 256;
 ///
 /// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `system`
 /// (Anthropic's top-level system prompt), `messages` (each message's `role`, `content` and
-/// `tool_calls`) and `prompt` are read, other keys are skipped,
-/// and string contents without escapes are borrowed from the body, not copied.
+/// `tool_calls`) and `prompt` are read, other keys are skipped, and string contents without
+/// escapes are borrowed from the body, not copied.
 ///
 /// A body that fails to parse only for its text (bytes that are not UTF-8, or a `\uD83D` escape
 /// without its other half, as a JavaScript client that cut a string in the middle of an emoji
