@@ -60,6 +60,10 @@ pub const DEFAULT_OVERLOAD_LATENCY: f64 = 1.6;
 /// Bytes of a pod's prefill backlog (prompts this worker sent it, not answered yet, past what it
 /// holds) that count as one more request in flight in the combined load signal (0 = off).
 pub const DEFAULT_LOAD_PREFILL_BYTES: u32 = 4096;
+/// `divertPrefixBytes` default: a diverted hit pays one request per 4096 bytes of the matched
+/// prefix it gives up (the same exchange rate as `loadPrefillBytes`: bytes to prefill that weigh
+/// as one request).
+pub const DEFAULT_DIVERT_PREFIX_BYTES: u32 = 4096;
 /// Default age (ms) after which scraped metrics count as unknown (ours).
 pub const DEFAULT_METRICS_STALE_MS: u64 = 5000;
 /// Default scrape interval (ms) when the host list carries no metrics (ours).
@@ -231,6 +235,10 @@ pub struct LoadAwareConfig {
     /// `loadPrefillBytes`: this many bytes of a pod's prefill backlog count as one more request
     /// in its combined load (0 = off).
     pub prefill_bytes: u32,
+    /// `divertPrefixBytes`: a hit is diverted only when the pod it would go to, charged one more
+    /// request per this many bytes of the matched prefix (which it must prefill again), is still
+    /// less loaded than the holder (0 = off: an overloaded holder always loses the hit).
+    pub divert_prefix_bytes: u32,
 }
 
 impl Default for LoadAwareConfig {
@@ -246,6 +254,7 @@ impl Default for LoadAwareConfig {
             latency_weight: DEFAULT_LOAD_LATENCY_WEIGHT,
             latency_ratio: DEFAULT_OVERLOAD_LATENCY,
             prefill_bytes: DEFAULT_LOAD_PREFILL_BYTES,
+            divert_prefix_bytes: DEFAULT_DIVERT_PREFIX_BYTES,
         }
     }
 }
@@ -1051,6 +1060,9 @@ fn parse_load_aware(f: &Fields<'_>) -> Result<Option<LoadAwareConfig>, ConfigErr
         prefill_bytes: f
             .uint("loadPrefillBytes", u64::from(u32::MAX))?
             .map_or(DEFAULT_LOAD_PREFILL_BYTES, |x| x as u32),
+        divert_prefix_bytes: f
+            .uint("divertPrefixBytes", u64::from(u32::MAX))?
+            .map_or(DEFAULT_DIVERT_PREFIX_BYTES, |x| x as u32),
     };
     Ok(f.boolean("loadAware")?.unwrap_or(false).then_some(cfg))
 }

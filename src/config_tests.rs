@@ -231,6 +231,7 @@ fn error_load_aware_keys() {
     );
     expect_err(&prefix(r#","maxHolders":9"#), "lb_config.maxHolders", "between 0 and 8");
     expect_err(&prefix(r#","loadPrefillBytes":-1"#), "lb_config.loadPrefillBytes", "integer");
+    expect_err(&prefix(r#","divertPrefixBytes":"x""#), "lb_config.divertPrefixBytes", "integer");
 }
 #[test]
 fn load_aware_is_off_by_default_and_reads_its_thresholds() {
@@ -241,7 +242,7 @@ fn load_aware_is_off_by_default_and_reads_its_thresholds() {
     };
     assert_eq!(policy(""), None, "a Go config routes as Go does");
     assert_eq!(policy(r#","overloadQueue":2"#), None, "thresholds alone do not turn it on");
-    let l = policy(r#","loadAware":true,"overloadQueue":2,"overloadKvCache":"0.3","overloadInflight":6,"overloadRatio":2,"loadKvWeight":4,"maxHolders":3,"loadLatencyWeight":2,"overloadLatency":1.8,"loadPrefillBytes":8192"#).unwrap();
+    let l = policy(r#","loadAware":true,"overloadQueue":2,"overloadKvCache":"0.3","overloadInflight":6,"overloadRatio":2,"loadKvWeight":4,"maxHolders":3,"loadLatencyWeight":2,"overloadLatency":1.8,"loadPrefillBytes":8192,"divertPrefixBytes":2048"#).unwrap();
     assert_eq!(
         l,
         LoadAwareConfig {
@@ -254,6 +255,7 @@ fn load_aware_is_off_by_default_and_reads_its_thresholds() {
             latency_weight: 2.0,
             latency_ratio: 1.8,
             prefill_bytes: 8192,
+            divert_prefix_bytes: 2048,
         }
     );
     let d = policy(r#","loadAware":true"#).unwrap();

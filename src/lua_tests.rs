@@ -890,12 +890,33 @@ fn la_pick(
     la_pick_with(r, chain, pods, crate::config::LoadAwareConfig::default())
 }
 
+/// [`la_pick`] whose diverted hit would give up `divert_costs[matched - 1]` requests' worth of
+/// cached prefix.
+fn la_pick_costing(
+    r: &mut Redis,
+    chain: &[&str],
+    pods: &[(&str, f64, f64, i64)],
+    divert_costs: &[u64],
+) -> crate::policy::picker::PickResult {
+    la_pick_full(r, chain, pods, crate::config::LoadAwareConfig::default(), divert_costs)
+}
+
 /// [`la_pick`] with thresholds other than the defaults.
 fn la_pick_with(
     r: &mut Redis,
     chain: &[&str],
     pods: &[(&str, f64, f64, i64)],
     cfg: crate::config::LoadAwareConfig,
+) -> crate::policy::picker::PickResult {
+    la_pick_full(r, chain, pods, cfg, &[])
+}
+
+fn la_pick_full(
+    r: &mut Redis,
+    chain: &[&str],
+    pods: &[(&str, f64, f64, i64)],
+    cfg: crate::config::LoadAwareConfig,
+    divert_costs: &[u64],
 ) -> crate::policy::picker::PickResult {
     use crate::metrics::router::PodView;
     use crate::metrics::PodMetrics;
@@ -918,12 +939,13 @@ fn la_pick_with(
     let hosts: Vec<&str> = pods.iter().map(|p| p.0).collect();
     let mut call = pc(chain, 0, 600, 0.0, &hosts);
     if let PickKind::Prefix { load, .. } = &mut call.kind {
-        *load = Some(crate::policy::picker::LoadAware {
+        *load = Some(Box::new(crate::policy::picker::LoadAware {
             config: cfg,
             args: Some(args),
             decode_averages: Vec::new(),
             prefill_backlog: Vec::new(),
-        });
+            divert_costs: divert_costs.to_vec(),
+        }));
     }
     let s = Script::new(PREFIX_CACHE_LUA);
     let f = r.run(&s, &call);
@@ -986,6 +1008,34 @@ fn load_aware_hit_is_diverted_by_in_flight_past_gap_and_ratio() {
     r.cmd(&["SET", "pfx:k9", "a"]);
     let p = la_pick(&mut r, &["k9"], &[("a", 0.0, 0.1, 16), ("b", 0.0, 0.1, 11)]);
     assert_eq!((p.host.as_str(), p.diverted), ("a", false));
+}
+
+#[test]
+fn load_aware_diverts_a_hit_only_when_the_gap_outweighs_the_prefix_it_gives_up() {
+    let mut r = Redis::start();
+    r.cmd(&["SET", "pfx:k1", "a"]);
+    // a: 10 in flight + 1 (KV) = 11, b: 5 + 1 = 6; past the in-flight gap and ratio.
+    let pods = [("a", 0.0, 0.1, 10), ("b", 0.0, 0.1, 5)];
+    // Re-prefilling the matched block on b weighs 4 requests: 6 + 4 < 11, diverted.
+    let p = la_pick_costing(&mut r, &["k1", "k2"], &pods, &[4, 12]);
+    assert_eq!((p.host.as_str(), p.matched, p.diverted), ("b", 1, true));
+    // 5 requests: 6 + 5 is not below 11, the hit stays on a.
+    r.cmd(&["SET", "pfx:j1", "a"]);
+    let p = la_pick_costing(&mut r, &["j1", "j2"], &pods, &[5, 12]);
+    assert_eq!((p.host.as_str(), p.matched, p.diverted), ("a", 1, false));
+    // The cost is that of the matched length: both blocks held, 12 requests, kept.
+    r.cmd(&["SET", "pfx:i1", "a"]);
+    r.cmd(&["SET", "pfx:i2", "a"]);
+    let p = la_pick_costing(&mut r, &["i1", "i2"], &pods, &[1, 12]);
+    assert_eq!((p.host.as_str(), p.matched, p.diverted), ("a", 2, false));
+    // divertPrefixBytes 0: no cost is sent, the overloaded holder loses the hit.
+    let off = crate::config::LoadAwareConfig {
+        divert_prefix_bytes: 0,
+        ..crate::config::LoadAwareConfig::default()
+    };
+    r.cmd(&["SET", "pfx:h1", "a"]);
+    let p = la_pick_full(&mut r, &["h1"], &pods, off, &[50]);
+    assert_eq!((p.host.as_str(), p.diverted), ("b", true));
 }
 
 #[test]

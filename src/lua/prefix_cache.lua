@@ -14,6 +14,8 @@
 -- ARGV[9+K+N]  in-flight gap   ARGV[10+K+N] ratio   ARGV[11+K+N] max holders per key
 -- ARGV[12+K+N]  one character per healthy host, '1' = overloaded by its queue or KV-cache use
 -- ARGV[13+K+N .. 12+K+2N]  per healthy host, queue + weighted KV-cache use (added to in-flight)
+-- ARGV[13+K+2N]  (`divertPrefixBytes` on) what a diverted hit gives up for each matched length, in
+--                requests, joined by ',' ('' = all 0)
 -- Returns {host, in-flight after the pick, admitted 1|0, matched blocks, diverted 1|0, holder
 -- added 1|0} (diverted: a prefix was found but its pod was too loaded, so the least loaded pod
 -- was chosen instead; holder added: that pod now holds the matched prefix too).
@@ -106,8 +108,20 @@ if target ~= nil then
   -- pod a diverted request would go to (the least loaded by the combined signal). Not over the pod
   -- with the fewest in flight: a pod that has few only because its queue, KV use or slowness keeps
   -- requests away would make every hit elsewhere look overloaded and send it to a third pod.
+  -- With `divertPrefixBytes`, only when the pod it would go to, charged with prefilling the
+  -- matched prefix again, is still less loaded than the holder: a long cached document is not
+  -- thrown away for a small gap.
   if la and (string.byte(flags, ti) == 49 or (targetc - lc > gap and targetc > ratio * lc)) then
-    chosen = least
+    local costs = ARGV[first + 2 * n + 4]
+    local cost = 0
+    if costs ~= nil and costs ~= '' then
+      local i = 0
+      for c in string.gmatch(costs, '[^,]+') do
+        i = i + 1
+        if i == matched then cost = tonumber(c) or 0; break end
+      end
+    end
+    if costs == nil or leasts + cost < targets then chosen = least end
   end
 end
 local function diverted() if target ~= nil and chosen ~= target then return 1 end return 0 end

@@ -50,14 +50,25 @@ use std::collections::HashMap;
 
 /// The `Policy` methods the Redis policies hand to their `picker` field: name, start, Redis replies
 /// (`$routed` names how the policy counts an admitted pick, see [`Routed`]), metric scrapes, stream
-/// end (the release), ticks and slow picks. `$stream_done`, when given, is called with the policy
-/// and the stream id at the stream's end, before the picker's release: what the policy keeps
-/// per stream goes there.
+/// end (the release), ticks and slow picks. `$stream_done`, when given, is called with the policy,
+/// the host and the stream id at the stream's end, before the picker's release: what the policy keeps
+/// per stream goes there. `$after_reply`, when given, is called with the policy and the host after
+/// each Redis reply the picker handled (a pick it answers has its placement by then).
 macro_rules! delegate_to_picker {
     ($routed:expr) => {
-        $crate::policy::picker::delegate_to_picker!($routed, |_: &mut Self, _: u32| {});
+        $crate::policy::picker::delegate_to_picker!(
+            $routed,
+            |_: &mut Self, _: &mut dyn $crate::host::Host, _: u32| {}
+        );
     };
     ($routed:expr, $stream_done:expr) => {
+        $crate::policy::picker::delegate_to_picker!(
+            $routed,
+            $stream_done,
+            |_: &mut Self, _: &mut dyn $crate::host::Host| {}
+        );
+    };
+    ($routed:expr, $stream_done:expr, $after_reply:expr) => {
         fn name(&self) -> &'static str {
             self.picker.name()
         }
@@ -73,7 +84,9 @@ macro_rules! delegate_to_picker {
             token: u32,
             reply: &crate::host::RedisReply,
         ) -> Decision {
-            self.picker.on_redis_reply(host, stream, token, reply, $routed)
+            let decision = self.picker.on_redis_reply(host, stream, token, reply, $routed);
+            ($after_reply)(self, host);
+            decision
         }
 
         fn on_http_reply(
@@ -88,7 +101,7 @@ macro_rules! delegate_to_picker {
         }
 
         fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
-            ($stream_done)(self, stream.id);
+            ($stream_done)(self, host, stream.id);
             self.picker.on_done(host, stream);
         }
 
@@ -191,7 +204,7 @@ pub enum PickKind {
         hit_load_factor: f64,
         /// `loadAware`: `None` when off; [`Picker::start`] fills in the pods' loads, or sets
         /// `None` when some pod has no fresh metrics (decided as with it off).
-        load: Option<LoadAware>,
+        load: Option<Box<LoadAware>>,
     },
 }
 
@@ -208,6 +221,10 @@ pub struct LoadAware {
     /// Each pod's prefill backlog from this worker, bytes (`prefix_cache`'s
     /// [`super::prefill::PrefillBacklog`]).
     pub prefill_backlog: Vec<(String, u64)>,
+    /// What giving up each matched prefix costs a diverted hit, in requests: entry `i` is the
+    /// bytes of the prompt's first `i + 1` blocks over `divertPrefixBytes` (one per chain value;
+    /// empty when `divertPrefixBytes` is 0).
+    pub divert_costs: Vec<u64>,
 }
 
 /// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
@@ -260,8 +277,23 @@ impl PickCall {
                 args.extend(chain.iter().cloned());
                 args.push(self.healthy.len().to_string());
                 args.extend(self.healthy.iter().cloned());
-                if let Some(load) = load.as_ref().and_then(|l| l.args.as_ref()) {
-                    load.args(&self.healthy, &mut args);
+                if let Some((load, args_of_load)) =
+                    load.as_ref().and_then(|l| Some((l, l.args.as_ref()?)))
+                {
+                    args_of_load.args(&self.healthy, &mut args);
+                    if load.config.divert_prefix_bytes > 0 {
+                        // Non-decreasing: all zero (short prompts) is sent as nothing at all.
+                        let costs = if load.divert_costs.iter().all(|c| *c == 0) {
+                            String::new()
+                        } else {
+                            load.divert_costs
+                                .iter()
+                                .map(u64::to_string)
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        };
+                        args.push(costs);
+                    }
                 }
             }
             PickKind::LeastRequest => args.extend(self.healthy.iter().cloned()),

@@ -9,6 +9,7 @@
 //! least-request placement of first turns slower than hashing sessions blindly.
 
 use super::prefix_cache::MAX_BLOCKS;
+use crate::host::Host;
 use std::collections::HashMap;
 
 /// A prompt older than this with no answer no longer counts (a stream whose end the plugin never
@@ -101,6 +102,152 @@ impl PrefillBacklog {
             *by_pod.entry(place.pod).or_insert(0) += total.saturating_sub(cached) as u64;
         }
         by_pod.into_iter().map(|(pod, bytes)| (pod.to_string(), bytes)).collect()
+    }
+}
+
+/// The shared-data key listing the worker VMs that publish a backlog, one id per line.
+const WORKERS_KEY: &str = "ai-lb/prefill-workers";
+/// A worker's published backlog: this prefix and its id.
+const BACKLOG_KEY_PREFIX: &str = "ai-lb/prefill/";
+/// Tries of a compare-and-swap write of the worker list before giving up until the next publish.
+const CAS_TRIES: usize = 5;
+
+/// The other workers' backlogs, through the gateway's shared data (Envoy's process-wide key-value
+/// store for the VMs of one plugin).
+///
+/// Why: each worker thread of a gateway runs its own VM and sees only the prompts it routed; with
+/// the usual one worker per core, a worker would know of a small share of the documents each pod
+/// is prefilling (on `long-context` two workers already cost most of what the backlog gains). Each
+/// worker publishes its per-pod totals whenever they change (`{written ms}` then `{pod} {bytes}`
+/// lines, under its own key, so no write ever contends) and adds the others' to its own at each
+/// pick. A value not rewritten for [`FORGET_NS`] (a worker gone with its VM, or one whose
+/// prompts all went unanswered) counts as empty and its worker is dropped from the list, as its
+/// own prompts would be forgotten.
+pub struct SharedBacklogs {
+    /// This worker's id (random, unique in the process).
+    id: String,
+    /// What this worker last published (publishing the same again is skipped).
+    published: Option<Vec<(String, u64)>>,
+}
+
+impl SharedBacklogs {
+    /// A worker with a random id.
+    pub fn new(host: &mut dyn Host) -> Self {
+        SharedBacklogs { id: format!("{:016x}", host.random_u64()), published: None }
+    }
+
+    fn key(id: &str) -> String {
+        format!("{BACKLOG_KEY_PREFIX}{id}")
+    }
+
+    /// Publishes this worker's backlog `own` (pod -> bytes) if it changed, and joins the worker
+    /// list when it is not on it.
+    pub fn publish(&mut self, host: &mut dyn Host, mut own: Vec<(String, u64)>) {
+        own.retain(|(_, bytes)| *bytes > 0);
+        own.sort();
+        let changed = self.published.as_ref() != Some(&own);
+        if changed {
+            let mut value = (host.now_nanos() / 1_000_000).to_string();
+            for (pod, bytes) in &own {
+                value.push('\n');
+                value.push_str(pod);
+                value.push(' ');
+                value.push_str(&bytes.to_string());
+            }
+            if host.set_shared_data(&Self::key(&self.id), value.as_bytes(), 0).is_err() {
+                return;
+            }
+            self.published = None;
+        }
+        // Listed every time: another worker's unchecked first write of the list (CAS 0 while it
+        // does not exist) can drop this worker from it.
+        let listed = self.edit_workers(host, |ids| {
+            if ids.contains(&self.id) {
+                return false;
+            }
+            ids.push(self.id.clone());
+            true
+        });
+        // Not listed (the list kept changing under it): the next publish writes and tries again.
+        if changed && listed {
+            self.published = Some(own);
+        }
+    }
+
+    /// Every other worker's backlog, pod -> bytes, summed over the workers; drops from the list
+    /// the workers whose value is older than [`FORGET_NS`] (or gone).
+    pub fn others(&self, host: &mut dyn Host) -> Vec<(String, u64)> {
+        let now_ms = host.now_nanos() / 1_000_000;
+        let mut by_pod: HashMap<String, u64> = HashMap::new();
+        let mut stale = Vec::new();
+        for id in Self::workers(host).0 {
+            if id == self.id {
+                continue;
+            }
+            let (value, cas) = host.get_shared_data(&Self::key(&id));
+            let value = value.unwrap_or_default();
+            let text = String::from_utf8_lossy(&value);
+            let mut lines = text.lines();
+            let written_ms = lines.next().and_then(|l| l.parse::<u64>().ok());
+            let fresh = written_ms
+                .is_some_and(|w| now_ms.saturating_sub(w).saturating_mul(1_000_000) < FORGET_NS);
+            if !fresh {
+                stale.push((id, cas));
+                continue;
+            }
+            for line in lines {
+                let Some((pod, bytes)) = line.rsplit_once(' ') else { continue };
+                let Ok(bytes) = bytes.parse::<u64>() else { continue };
+                let sum = by_pod.entry(pod.to_string()).or_insert(0);
+                *sum = sum.saturating_add(bytes);
+            }
+        }
+        // Cleared only if not rewritten since it was read (a worker that came back keeps its
+        // value; its next publish lists it again if it is dropped here anyway).
+        let cleared: Vec<String> = stale
+            .into_iter()
+            .filter(|(id, cas)| host.set_shared_data(&Self::key(id), b"", *cas).is_ok())
+            .map(|(id, _)| id)
+            .collect();
+        if !cleared.is_empty() {
+            self.edit_workers(host, |ids| {
+                let before = ids.len();
+                ids.retain(|i| !cleared.contains(i));
+                ids.len() != before
+            });
+        }
+        by_pod.into_iter().collect()
+    }
+
+    /// The worker list and its CAS.
+    fn workers(host: &dyn Host) -> (Vec<String>, u32) {
+        let (value, cas) = host.get_shared_data(WORKERS_KEY);
+        let ids = String::from_utf8_lossy(&value.unwrap_or_default())
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect();
+        (ids, cas)
+    }
+
+    /// Applies `edit` to the worker list (it says whether it changed anything) with a
+    /// compare-and-swap write, read back and retried until `edit` finds nothing to change: another
+    /// worker may write in between, and while the list does not exist yet its CAS is 0, which
+    /// Envoy takes as "no check". Whether the list is now as `edit` wants it.
+    fn edit_workers(
+        &self,
+        host: &mut dyn Host,
+        mut edit: impl FnMut(&mut Vec<String>) -> bool,
+    ) -> bool {
+        for _ in 0..CAS_TRIES {
+            let (mut ids, cas) = Self::workers(host);
+            if !edit(&mut ids) {
+                return true;
+            }
+            // A stale CAS is retried by the loop.
+            let _ = host.set_shared_data(WORKERS_KEY, ids.join("\n").as_bytes(), cas);
+        }
+        false
     }
 }
 

@@ -63,3 +63,71 @@ fn a_prompt_of_many_blocks_keeps_a_bounded_record() {
     assert_eq!(b.per_pod(S, |_| placed("a", 0)), vec![("a".into(), 1_000_000)]);
     assert_eq!(b.per_pod(S, |_| placed("a", MAX_BLOCKS)), vec![("a".into(), 1_000_000 - 2_560)]);
 }
+
+fn backlog(pods: &[(&str, u64)]) -> Vec<(String, u64)> {
+    pods.iter().map(|(p, b)| (p.to_string(), *b)).collect()
+}
+
+#[test]
+fn each_worker_adds_what_the_other_workers_published() {
+    use crate::host::fake::FakeHost;
+    // Three worker VMs of one gateway share its shared data (one FakeHost).
+    let mut host = FakeHost::new();
+    let mut a = SharedBacklogs::new(&mut host);
+    let mut b = SharedBacklogs::new(&mut host);
+    let c = SharedBacklogs::new(&mut host);
+    a.publish(&mut host, backlog(&[("p1", 48_000), ("p2", 0)]));
+    b.publish(&mut host, backlog(&[("p1", 1_000), ("p3", 500)]));
+    assert_eq!(sorted(c.others(&mut host)), backlog(&[("p1", 49_000), ("p3", 500)]));
+    // A worker does not count itself.
+    assert_eq!(sorted(a.others(&mut host)), backlog(&[("p1", 1_000), ("p3", 500)]));
+    // a's prompt was answered: its value goes empty.
+    a.publish(&mut host, Vec::new());
+    assert_eq!(sorted(c.others(&mut host)), backlog(&[("p1", 1_000), ("p3", 500)]));
+}
+
+#[test]
+fn a_worker_that_stopped_publishing_for_a_minute_no_longer_counts_and_leaves_the_list() {
+    use crate::host::fake::FakeHost;
+    use crate::host::Host;
+    let mut host = FakeHost::new();
+    let mut gone = SharedBacklogs::new(&mut host);
+    let mut live = SharedBacklogs::new(&mut host);
+    let reader = SharedBacklogs::new(&mut host);
+    host.now = 0;
+    gone.publish(&mut host, backlog(&[("p1", 9_000)]));
+    host.now = 30 * S;
+    live.publish(&mut host, backlog(&[("p2", 100)]));
+    host.now = 59 * S;
+    assert_eq!(sorted(reader.others(&mut host)), backlog(&[("p1", 9_000), ("p2", 100)]));
+    // The worker gone with its VM (or all of whose prompts went unanswered) wrote nothing for a
+    // minute: as its own prompts would be, it is forgotten, and dropped from the list.
+    host.now = 60 * S;
+    assert_eq!(reader.others(&mut host), backlog(&[("p2", 100)]));
+    let listed = host.get_shared_data(WORKERS_KEY).0.unwrap_or_default();
+    assert_eq!(String::from_utf8_lossy(&listed).lines().count(), 1, "only the live worker");
+    // Publishing again lists it again.
+    gone.publish(&mut host, backlog(&[("p1", 1)]));
+    assert_eq!(sorted(reader.others(&mut host)), backlog(&[("p1", 1), ("p2", 100)]));
+}
+
+#[test]
+fn an_unchanged_backlog_is_not_written_again_and_a_lost_listing_is_retried() {
+    use crate::host::fake::FakeHost;
+    use crate::host::Host;
+    let mut host = FakeHost::new();
+    let mut a = SharedBacklogs::new(&mut host);
+    let reader = SharedBacklogs::new(&mut host);
+    a.publish(&mut host, backlog(&[("p1", 5)]));
+    let key = SharedBacklogs::key(&a.id);
+    let cas = host.get_shared_data(&key).1;
+    a.publish(&mut host, backlog(&[("p1", 5)]));
+    assert_eq!(host.get_shared_data(&key).1, cas, "no write");
+    // Another worker's unchecked first write (CAS 0 while the list did not exist) replaced the
+    // list without a: its next publish lists it again, without writing its value.
+    host.set_shared_data(WORKERS_KEY, b"someone", 0).unwrap();
+    assert!(reader.others(&mut host).is_empty());
+    a.publish(&mut host, backlog(&[("p1", 5)]));
+    assert_eq!(reader.others(&mut host), backlog(&[("p1", 5)]));
+    assert_eq!(host.get_shared_data(&key).1, cas, "no write");
+}

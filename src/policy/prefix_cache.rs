@@ -17,13 +17,14 @@
 
 use super::latency::PodSpeed;
 use super::picker::{LoadAware, PickKind, PickResult, Picker, Routed};
-use super::prefill::PrefillBacklog;
+use super::prefill::{PrefillBacklog, SharedBacklogs};
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
 use crate::host::{Counter, Host, LogLevel};
 use crate::redis;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
+use std::collections::HashMap;
 
 /// At most this many chain keys per request: prefixes matter from the start, and the script call
 /// must stay small. Later blocks are not indexed.
@@ -490,6 +491,24 @@ fn routed(host: &mut dyn Host, pick: &PickResult) -> Routed {
     }
 }
 
+/// What a diverted hit gives up for each chain length (`chain_len` values), in requests: the
+/// cumulative bytes of the first blocks over `per_request` bytes, rounded down (empty when
+/// `per_request` is 0).
+fn divert_costs(block_bytes: &[usize], chain_len: usize, per_request: u32) -> Vec<u64> {
+    if per_request == 0 {
+        return Vec::new();
+    }
+    let mut total = 0u64;
+    block_bytes
+        .iter()
+        .take(chain_len)
+        .map(|b| {
+            total = total.saturating_add(*b as u64);
+            total / u64::from(per_request)
+        })
+        .collect()
+}
+
 /// The `prefix_cache` policy.
 pub struct PrefixCache {
     picker: Picker,
@@ -499,6 +518,8 @@ pub struct PrefixCache {
     speed: Option<PodSpeed>,
     /// `loadAware` with `loadPrefillBytes` only: each pod's prefill backlog from this worker.
     prefill: Option<PrefillBacklog>,
+    /// With `prefill`: the other workers' backlogs (created at first use, with a random id).
+    shared_prefill: Option<SharedBacklogs>,
 }
 
 impl PrefixCache {
@@ -521,29 +542,63 @@ impl PrefixCache {
                 .as_ref()
                 .is_some_and(|l| l.prefill_bytes > 0)
                 .then(PrefillBacklog::default),
+            shared_prefill: None,
             config,
         }
     }
 
-    fn pick(&mut self, host: &mut dyn Host, stream: &mut Stream, chain: &[String]) -> Decision {
+    /// Each pod's prefill backlog from every worker of this gateway: this worker's own, and what
+    /// the others published.
+    fn prefill_backlog(&mut self, host: &mut dyn Host) -> Vec<(String, u64)> {
+        let Some(prefill) = self.prefill.as_ref() else { return Vec::new() };
+        let own = prefill.per_pod(host.now_nanos(), |s| self.picker.placement(s));
+        let shared = self.shared_prefill.get_or_insert_with(|| SharedBacklogs::new(host));
+        let mut by_pod: HashMap<String, u64> = HashMap::new();
+        for (pod, bytes) in own.into_iter().chain(shared.others(host)) {
+            let sum = by_pod.entry(pod).or_insert(0);
+            *sum = sum.saturating_add(bytes);
+        }
+        by_pod.into_iter().collect()
+    }
+
+    /// Publishes this worker's prefill backlog for the other workers (when it changed).
+    fn publish_prefill_backlog(&mut self, host: &mut dyn Host) {
+        let Some(prefill) = self.prefill.as_ref() else { return };
+        let own = prefill.per_pod(host.now_nanos(), |s| self.picker.placement(s));
+        let shared = self.shared_prefill.get_or_insert_with(|| SharedBacklogs::new(host));
+        shared.publish(host, own);
+    }
+
+    /// Picks for a prompt whose chain values are `chain` and whose blocks are `block_bytes` long.
+    fn pick(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &mut Stream,
+        chain: &[String],
+        block_bytes: &[usize],
+    ) -> Decision {
+        let prefill_backlog = self.prefill_backlog(host);
         let kind = PickKind::Prefix {
             chain: chain.to_vec(),
             ttl_s: self.config.redis_key_ttl_s,
             hit_load_factor: self.config.hit_load_factor,
-            load: self.config.load_aware.as_ref().map(|config| LoadAware {
-                config: config.clone(),
-                args: None,
-                // Compared over the healthy pods by the picker, from the host list it reads.
-                decode_averages: self
-                    .speed
-                    .as_ref()
-                    .map(|speed| speed.averages(host.now_nanos()))
-                    .unwrap_or_default(),
-                prefill_backlog: self
-                    .prefill
-                    .as_ref()
-                    .map(|p| p.per_pod(host.now_nanos(), |s| self.picker.placement(s)))
-                    .unwrap_or_default(),
+            load: self.config.load_aware.as_ref().map(|config| {
+                Box::new(LoadAware {
+                    config: config.clone(),
+                    args: None,
+                    // Compared over the healthy pods by the picker, from the host list it reads.
+                    decode_averages: self
+                        .speed
+                        .as_ref()
+                        .map(|speed| speed.averages(host.now_nanos()))
+                        .unwrap_or_default(),
+                    prefill_backlog,
+                    divert_costs: divert_costs(
+                        block_bytes,
+                        chain.len(),
+                        config.divert_prefix_bytes,
+                    ),
+                })
             }),
         };
         self.picker.start(host, stream, kind)
@@ -557,7 +612,7 @@ impl Policy for PrefixCache {
         }
         if stream.bodiless {
             // Bodiless (GET...): no prompt, so a least-request pick now (Higress #3740: never wait).
-            return self.pick(host, stream, &[]);
+            return self.pick(host, stream, &[], &[]);
         }
         Decision::NeedBody
     }
@@ -571,7 +626,7 @@ impl Policy for PrefixCache {
         if body.trim_ascii().is_empty() {
             // An empty body (chunked with no data) is a request without a prompt, as one whose
             // headers ended it: a least-request pick.
-            return self.pick(host, stream, &[]);
+            return self.pick(host, stream, &[], &[]);
         }
         let Some(blocks) = blocks_from_body(body, self.config.split_system_prompt) else {
             host.log(
@@ -583,10 +638,11 @@ impl Policy for PrefixCache {
             return Decision::Passthrough;
         };
         let keys = chain(&blocks);
+        let block_bytes: Vec<usize> = blocks.iter().map(String::len).collect();
         if let Some(prefill) = self.prefill.as_mut() {
-            prefill.on_prompt(stream.id, blocks.iter().map(String::len), host.now_nanos());
+            prefill.on_prompt(stream.id, block_bytes.iter().copied(), host.now_nanos());
         }
-        self.pick(host, stream, &keys)
+        self.pick(host, stream, &keys, &block_bytes)
     }
 
     fn on_response_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) {
@@ -611,21 +667,28 @@ impl Policy for PrefixCache {
         if let Some(speed) = self.speed.as_mut() {
             speed.on_response_body(stream.id, host.now_nanos(), size, end_of_stream);
         }
-        if size > 0 || end_of_stream {
+        if size > 0 {
             if let Some(prefill) = self.prefill.as_mut() {
                 prefill.on_answered(stream.id);
             }
+            self.publish_prefill_backlog(host);
         }
         self.picker.on_response_body(host, stream, size, end_of_stream);
     }
 
-    super::picker::delegate_to_picker!(routed, |p: &mut Self, stream: u32| {
-        // A stream that ends before its first answer byte (client gone during the prefill, an
-        // upstream reset, a headers-only answer) leaves no prompt behind.
-        if let Some(prefill) = p.prefill.as_mut() {
-            prefill.on_answered(stream);
-        }
-    });
+    super::picker::delegate_to_picker!(
+        routed,
+        |p: &mut Self, host: &mut dyn Host, stream: u32| {
+            // A stream that ends before its first answer byte (client gone during the prefill, an
+            // upstream reset, a headers-only answer) leaves no prompt behind.
+            if let Some(prefill) = p.prefill.as_mut() {
+                prefill.on_answered(stream);
+            }
+            p.publish_prefill_backlog(host);
+        },
+        // A pick's reply places its prompt on a pod.
+        |p: &mut Self, host: &mut dyn Host| p.publish_prefill_backlog(host)
+    );
 }
 
 #[cfg(test)]

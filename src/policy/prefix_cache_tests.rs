@@ -463,7 +463,10 @@ fn load_args_of(host: &FakeHost, n: usize) -> Option<(Vec<String>, Vec<(String, 
     if rest.is_empty() {
         return None;
     }
-    assert_eq!(rest.len(), 4 + nh, "gap, ratio, holders, flags, one penalty per host: {rest:?}");
+    assert!(
+        rest.len() == 4 + nh || rest.len() == 5 + nh,
+        "gap, ratio, holders, flags, one penalty per host, divert costs: {rest:?}"
+    );
     let flags: Vec<char> = rest[3].chars().collect();
     let per_host = healthy
         .iter()
@@ -471,6 +474,14 @@ fn load_args_of(host: &FakeHost, n: usize) -> Option<(Vec<String>, Vec<(String, 
         .map(|(i, h)| (h.clone(), flags[i] == '1', rest[4 + i].parse().unwrap()))
         .collect();
     Some((rest[..3].to_vec(), per_host))
+}
+
+/// The divert costs argument of call `n` (after the penalties), if sent.
+fn divert_costs_of(host: &FakeHost, n: usize) -> Option<String> {
+    let (_, args) = keys_args(&command(host, n));
+    let k: usize = args[6].parse().unwrap();
+    let nh: usize = args[7 + k].parse().unwrap();
+    args.get(8 + k + nh + 4 + nh).cloned()
 }
 
 fn send_chat(f: &mut Filter, host: &mut FakeHost, ctx: u32) {
@@ -584,6 +595,71 @@ fn load_aware_counts_the_prompts_a_pod_has_not_started_answering() {
     f.on_response_body(&mut host, 1, 100, false);
     send_chat(&mut f, &mut host, 5);
     assert_eq!(penalties(&host), vec![0, 0]);
+}
+
+#[test]
+fn load_aware_counts_the_prompts_other_workers_of_the_gateway_sent_a_pod() {
+    // Two worker VMs of one gateway: one host (its shared data), two filters.
+    let config = cfg(r#","loadAware":true"#);
+    let (mut a, mut host) = setup(&config);
+    let mut b = Filter::new();
+    assert!(b.configure(&mut host, config.as_bytes()));
+    set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
+    let doc = "lorem ipsum ".repeat(4_000);
+    let body = format!(r#"{{"messages":[{{"role":"user","content":"{doc}"}}]}}"#);
+    let penalties = |host: &FakeHost| {
+        let (_, mut per_host) = load_args_of(host, host.redis_calls.len() - 1).expect("load");
+        per_host.sort();
+        per_host.into_iter().map(|h| h.2).collect::<Vec<_>>()
+    };
+    // Worker a sends the document to .1 (a miss).
+    a.on_request_headers(&mut host, 1, false);
+    host.request_body = body.as_bytes().to_vec();
+    a.on_request_body(&mut host, 1, body.len(), true);
+    let t = host.last_redis_token().unwrap();
+    deliver(&mut a, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
+    // Worker b, which never saw it, counts it in .1's load.
+    send_chat(&mut b, &mut host, 2);
+    assert_eq!(penalties(&host), vec![11, 0]);
+    // .1 starts answering a's request: b no longer counts it.
+    host.properties.insert("upstream.address".into(), b"10.0.0.1:8000".to_vec());
+    a.on_response_headers(&mut host, 1);
+    a.on_response_body(&mut host, 1, 100, false);
+    send_chat(&mut b, &mut host, 3);
+    assert_eq!(penalties(&host), vec![0, 0]);
+}
+
+#[test]
+fn load_aware_tells_the_script_what_each_matched_prefix_would_cost_a_diverted_hit() {
+    let doc = "lorem ipsum ".repeat(4_000);
+    let body = format!(
+        r#"{{"messages":[{{"role":"user","content":"{doc}"}},{{"role":"assistant","content":"ok"}},{{"role":"user","content":"why?"}}]}}"#
+    );
+    let send = |f: &mut Filter, host: &mut FakeHost| {
+        f.on_request_headers(host, 1, false);
+        host.request_body = body.as_bytes().to_vec();
+        f.on_request_body(host, 1, body.len(), true);
+    };
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true"#));
+    set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
+    send(&mut f, &mut host);
+    // Block 1 is "user:" + the document (48005 bytes: 11 requests of 4096); block 2 adds the
+    // answer and the question, a few bytes.
+    assert_eq!(divert_costs_of(&host, 0).as_deref(), Some("11,11"));
+    // A short chat costs nothing to give up: sent empty.
+    send_chat(&mut f, &mut host, 2);
+    assert_eq!(divert_costs_of(&host, 1).as_deref(), Some(""));
+    // divertPrefixBytes 0: not sent.
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true,"divertPrefixBytes":0"#));
+    set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
+    send(&mut f, &mut host);
+    assert!(load_args_of(&host, 0).is_some());
+    assert_eq!(divert_costs_of(&host, 0), None);
+    // A larger exchange rate: 48005 / 16000.
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true,"divertPrefixBytes":16000"#));
+    set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
+    send(&mut f, &mut host);
+    assert_eq!(divert_costs_of(&host, 0).as_deref(), Some("3,3"));
 }
 
 #[test]

@@ -748,17 +748,27 @@ async fn counters_start_at_zero_and_requests_without_a_prompt_are_least_request_
 /// pod that is not still prefilling another one, even when that pod has more requests in flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_aware_sends_a_new_document_to_a_pod_not_prefilling_another() {
+    new_document_goes_to_a_pod_not_prefilling_another(1).await;
+}
+
+/// The same through four workers: each connection goes to whichever worker accepts it first, so
+/// the two documents are usually routed by different VMs, and each VM must count the prompts the
+/// others sent (shared data).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_aware_counts_the_documents_every_worker_sent_a_pod() {
+    new_document_goes_to_a_pod_not_prefilling_another(4).await;
+}
+
+async fn new_document_goes_to_a_pod_not_prefilling_another(workers: usize) {
     let redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("pc-prefill", 2).await.unwrap();
+    let pods = start_pods(&format!("pc-prefill-{workers}"), 2).await.unwrap();
     for p in &pods {
         p.set_metrics(samples::vllm_v1(2, 0, 0.1));
     }
-    let config = load_aware_config("route-prefill", &pods, &redis).workers(1);
+    let route = format!("route-prefill-{workers}");
+    let config = load_aware_config(&route, &pods, &redis).workers(workers);
     let gw = Arc::new(Gateway::start(&config).await.unwrap());
     wait_scrapes(&pods, &[0, 0], 2, Duration::from_secs(15)).await.unwrap();
-    for p in &pods {
-        p.set_hold(true);
-    }
     let in_flight = || pods.iter().map(Pod::in_flight).sum::<usize>();
     let held = Arc::new(tokio::sync::Mutex::new(Vec::new()));
     // Sends `content` as a new conversation; returns once the pods hold `n` requests in all.
@@ -783,28 +793,45 @@ async fn load_aware_sends_a_new_document_to_a_pod_not_prefilling_another() {
         }
     };
     let document = |topic: &str| format!("{topic}: {}", "clause and schedule text ".repeat(2_000));
-    // A 50 kB document (a miss) goes to a pod, which holds it: no answer byte yet.
-    send(document("contract A"), 1).await;
-    let busy = pods.iter().position(|p| p.in_flight() == 1).unwrap();
-    let other = 1 - busy;
-    // Two short new chats: both to the other pod (the busy one owes a prefill of ~12 requests).
-    send("a short question".into(), 2).await;
-    send("another short question".into(), 3).await;
-    assert_eq!(pods[other].in_flight(), 2, "short chats go to the pod not prefilling");
-    // A second document: by in-flight counts the busy pod (1) is the least loaded (the other has
-    // 2), but it is still prefilling the first document.
-    send(document("contract B"), 4).await;
-    assert_eq!(pods[busy].in_flight(), 1, "the second document must not join the first one's pod");
-    assert_eq!(pods[other].in_flight(), 3);
+    // With several workers, a few rounds: in each, which worker routes which request is up to
+    // the accepting race.
+    let rounds = if workers > 1 { 4 } else { 1 };
+    for round in 0..rounds {
+        for p in &pods {
+            p.set_hold(true);
+        }
+        // A 50 kB document (a miss) goes to a pod, which holds it: no answer byte yet.
+        send(document(&format!("contract A{round}")), 1).await;
+        let busy = pods.iter().position(|p| p.in_flight() == 1).unwrap();
+        let other = 1 - busy;
+        // Two short new chats: both to the other pod (the busy one owes a prefill of ~12
+        // requests).
+        send(format!("a short question {round}"), 2).await;
+        send(format!("another short question {round}"), 3).await;
+        assert_eq!(
+            pods[other].in_flight(),
+            2,
+            "round {round}: short chats go to the pod not prefilling"
+        );
+        // A second document: by in-flight counts the busy pod (1) is the least loaded (the other
+        // has 2), but it is still prefilling the first document.
+        send(document(&format!("contract B{round}")), 4).await;
+        assert_eq!(
+            pods[busy].in_flight(),
+            1,
+            "round {round}: the second document must not join the first one's pod"
+        );
+        assert_eq!(pods[other].in_flight(), 3);
 
-    for p in &pods {
-        p.set_hold(false);
-        p.release();
-    }
-    for h in held.lock().await.drain(..) {
-        let resp = h.await.unwrap().unwrap();
-        assert_eq!(resp.status, 200, "{}", resp.text());
-        assert_eq!(resp.header("x-ai-lb-decision"), Some("prefix_miss; blocks=0"));
+        for p in &pods {
+            p.set_hold(false);
+            p.release();
+        }
+        for h in held.lock().await.drain(..) {
+            let resp = h.await.unwrap().unwrap();
+            assert_eq!(resp.status, 200, "{}", resp.text());
+            assert_eq!(resp.header("x-ai-lb-decision"), Some("prefix_miss; blocks=0"));
+        }
     }
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }

@@ -182,6 +182,13 @@ pub const POLICIES: &[Policy] = &[
         "prefix_cache",
         r#"{"loadAware":true,"loadPrefillBytes":0}"#,
     ),
+    // loadAware whose diverts do not weigh the cached prefix they give up (the default before
+    // 2026-11-28 afternoon).
+    plugin_with(
+        "prefix_cache_load_aware_no_divert_cost",
+        "prefix_cache",
+        r#"{"loadAware":true,"divertPrefixBytes":0}"#,
+    ),
     plugin("endpoint_metrics", "endpoint_metrics"),
     external("sglang_round_robin", Router::Sglang, "round_robin"),
     external("sglang_cache_aware", Router::Sglang, "cache_aware"),

@@ -361,12 +361,14 @@ fn pick_call(
                     chain: chain.to_vec(),
                     ttl_s: 1800,
                     hit_load_factor: 0.0,
-                    load: Some(LoadAware {
+                    load: Some(Box::new(LoadAware {
                         config,
                         args,
                         decode_averages: Vec::new(),
                         prefill_backlog: Vec::new(),
-                    }),
+                        // Short chat turns: nothing to give up (sent as an empty argument).
+                        divert_costs: vec![0; chain.len()],
+                    })),
                 }
             }
             _ => PickKind::LeastRequest,
