@@ -485,9 +485,40 @@ fn divert_costs_of(host: &FakeHost, n: usize) -> Option<String> {
 }
 
 fn send_chat(f: &mut Filter, host: &mut FakeHost, ctx: u32) {
+    send_body(f, host, ctx, CHAT);
+}
+
+fn send_body(f: &mut Filter, host: &mut FakeHost, ctx: u32, body: &str) {
     f.on_request_headers(host, ctx, false);
-    host.request_body = CHAT.as_bytes().to_vec();
-    f.on_request_body(host, ctx, CHAT.len(), true);
+    host.request_body = body.as_bytes().to_vec();
+    f.on_request_body(host, ctx, body.len(), true);
+}
+
+/// A one-message chat whose message is a 48000-byte document to prefill ("user:" + it: 48005
+/// bytes, 11 requests of 4096).
+fn document_chat() -> String {
+    let doc = "lorem ipsum ".repeat(4_000);
+    format!(r#"{{"messages":[{{"role":"user","content":"{doc}"}}]}}"#)
+}
+
+/// The penalties of the last call's load arguments, by host address.
+fn last_penalties(host: &FakeHost) -> Vec<u32> {
+    let (_, mut per_host) = load_args_of(host, host.redis_calls.len() - 1).expect("load");
+    per_host.sort();
+    per_host.into_iter().map(|h| h.2).collect()
+}
+
+/// Answers the last pick sent: admitted to `pod`, `matched` blocks found.
+fn answer_last_pick(f: &mut Filter, host: &mut FakeHost, pod: &str, matched: i64) {
+    let t = host.last_redis_token().unwrap();
+    deliver(f, host, t, RedisReply::Ok(pick_reply(pod, 1, true, Some(matched))));
+}
+
+/// `pod` sends the first body bytes of stream `ctx`'s answer.
+fn first_answer_bytes(f: &mut Filter, host: &mut FakeHost, ctx: u32, pod: &str) {
+    host.properties.insert("upstream.address".into(), pod.as_bytes().to_vec());
+    f.on_response_headers(host, ctx);
+    f.on_response_body(host, ctx, 100, false);
 }
 
 #[test]
@@ -566,35 +597,21 @@ fn load_aware_counts_a_pod_that_streams_slower_as_more_loaded() {
 fn load_aware_counts_the_prompts_a_pod_has_not_started_answering() {
     let (mut f, mut host) = setup(&cfg(r#","loadAware":true"#));
     set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
-    let doc = "lorem ipsum ".repeat(4_000); // 48000 bytes: a document to prefill
-    let body = format!(r#"{{"messages":[{{"role":"user","content":"{doc}"}}]}}"#);
-    let penalties = |host: &FakeHost| {
-        let (_, mut per_host) = load_args_of(host, host.redis_calls.len() - 1).expect("load");
-        per_host.sort();
-        per_host.into_iter().map(|h| h.2).collect::<Vec<_>>()
-    };
+    let body = document_chat();
     // The document goes to .1 (a miss): until .1 answers, it owes its prefill.
-    f.on_request_headers(&mut host, 1, false);
-    host.request_body = body.as_bytes().to_vec();
-    f.on_request_body(&mut host, 1, body.len(), true);
-    let t = host.last_redis_token().unwrap();
-    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
+    send_body(&mut f, &mut host, 1, &body);
+    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
     send_chat(&mut f, &mut host, 2);
-    // "user:" + the document: 48005 bytes, one request per 4096 (loadPrefillBytes' default).
-    assert_eq!(penalties(&host), vec![11, 0]);
+    assert_eq!(last_penalties(&host), vec![11, 0]);
     // The same document again, a hit on .2 that holds it: nothing left to prefill there.
-    f.on_request_headers(&mut host, 3, false);
-    f.on_request_body(&mut host, 3, body.len(), true);
-    let t = host.last_redis_token().unwrap();
-    deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.2:8000", 1, true, Some(1))));
+    send_body(&mut f, &mut host, 3, &body);
+    answer_last_pick(&mut f, &mut host, "10.0.0.2:8000", 1);
     send_chat(&mut f, &mut host, 4);
-    assert_eq!(penalties(&host), vec![11, 0]);
+    assert_eq!(last_penalties(&host), vec![11, 0]);
     // .1's first answer byte: its prefill is over.
-    host.properties.insert("upstream.address".into(), b"10.0.0.1:8000".to_vec());
-    f.on_response_headers(&mut host, 1);
-    f.on_response_body(&mut host, 1, 100, false);
+    first_answer_bytes(&mut f, &mut host, 1, "10.0.0.1:8000");
     send_chat(&mut f, &mut host, 5);
-    assert_eq!(penalties(&host), vec![0, 0]);
+    assert_eq!(last_penalties(&host), vec![0, 0]);
 }
 
 #[test]
@@ -605,28 +622,27 @@ fn load_aware_counts_the_prompts_other_workers_of_the_gateway_sent_a_pod() {
     let mut b = Filter::new();
     assert!(b.configure(&mut host, config.as_bytes()));
     set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
-    let doc = "lorem ipsum ".repeat(4_000);
-    let body = format!(r#"{{"messages":[{{"role":"user","content":"{doc}"}}]}}"#);
-    let penalties = |host: &FakeHost| {
-        let (_, mut per_host) = load_args_of(host, host.redis_calls.len() - 1).expect("load");
-        per_host.sort();
-        per_host.into_iter().map(|h| h.2).collect::<Vec<_>>()
-    };
-    // Worker a sends the document to .1 (a miss).
-    a.on_request_headers(&mut host, 1, false);
-    host.request_body = body.as_bytes().to_vec();
-    a.on_request_body(&mut host, 1, body.len(), true);
-    let t = host.last_redis_token().unwrap();
-    deliver(&mut a, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
+    let body = document_chat();
+    // Worker a sends a document to .1 (a miss).
+    send_body(&mut a, &mut host, 1, &body);
+    answer_last_pick(&mut a, &mut host, "10.0.0.1:8000", 0);
     // Worker b, which never saw it, counts it in .1's load.
     send_chat(&mut b, &mut host, 2);
-    assert_eq!(penalties(&host), vec![11, 0]);
-    // .1 starts answering a's request: b no longer counts it.
-    host.properties.insert("upstream.address".into(), b"10.0.0.1:8000".to_vec());
-    a.on_response_headers(&mut host, 1);
-    a.on_response_body(&mut host, 1, 100, false);
-    send_chat(&mut b, &mut host, 3);
-    assert_eq!(penalties(&host), vec![0, 0]);
+    assert_eq!(last_penalties(&host), vec![11, 0]);
+    // b sends another document to .1 itself: both count, for either worker (2 × 48005 bytes,
+    // 23 requests of 4096).
+    send_body(&mut b, &mut host, 3, &body.replace("lorem", "dolor"));
+    answer_last_pick(&mut b, &mut host, "10.0.0.1:8000", 0);
+    send_chat(&mut b, &mut host, 4);
+    assert_eq!(last_penalties(&host), vec![23, 0]);
+    send_chat(&mut a, &mut host, 5);
+    assert_eq!(last_penalties(&host), vec![23, 0]);
+    // .1 starts answering a's request: neither counts it any more.
+    first_answer_bytes(&mut a, &mut host, 1, "10.0.0.1:8000");
+    send_chat(&mut b, &mut host, 6);
+    assert_eq!(last_penalties(&host), vec![11, 0]);
+    send_chat(&mut a, &mut host, 7);
+    assert_eq!(last_penalties(&host), vec![11, 0]);
 }
 
 #[test]
@@ -635,11 +651,7 @@ fn load_aware_tells_the_script_what_each_matched_prefix_would_cost_a_diverted_hi
     let body = format!(
         r#"{{"messages":[{{"role":"user","content":"{doc}"}},{{"role":"assistant","content":"ok"}},{{"role":"user","content":"why?"}}]}}"#
     );
-    let send = |f: &mut Filter, host: &mut FakeHost| {
-        f.on_request_headers(host, 1, false);
-        host.request_body = body.as_bytes().to_vec();
-        f.on_request_body(host, 1, body.len(), true);
-    };
+    let send = |f: &mut Filter, host: &mut FakeHost| send_body(f, host, 1, &body);
     let (mut f, mut host) = setup(&cfg(r#","loadAware":true"#));
     set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
     send(&mut f, &mut host);
