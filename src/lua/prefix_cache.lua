@@ -14,8 +14,8 @@
 -- ARGV[9+K+N]  in-flight gap   ARGV[10+K+N] ratio   ARGV[11+K+N] max holders per key
 -- ARGV[12+K+N]  one character per healthy host, '1' = overloaded by its queue or KV-cache use
 -- ARGV[13+K+N .. 12+K+2N]  per healthy host, queue + weighted KV-cache use (added to in-flight)
--- ARGV[13+K+2N]  (`divertPrefixBytes` on) what a diverted hit gives up for each matched length, in
---                requests, joined by ',' ('' = all 0)
+-- ARGV[13+K+2N]  (`divertPrefixBytes` on) what a diverted hit gives up, in requests, by matched
+--                length: `{length}:{cost}` where the cost rises, joined by ',' ('' = all 0)
 -- Returns {host, in-flight after the pick, admitted 1|0, matched blocks, diverted 1|0, holder
 -- added 1|0} (diverted: a prefix was found but its pod was too loaded, so the least loaded pod
 -- was chosen instead; holder added: that pod now holds the matched prefix too).
@@ -115,10 +115,9 @@ if target ~= nil then
     local costs = ARGV[first + 2 * n + 4]
     local cost = 0
     if costs ~= nil and costs ~= '' then
-      local i = 0
-      for c in string.gmatch(costs, '[^,]+') do
-        i = i + 1
-        if i == matched then cost = tonumber(c) or 0; break end
+      for len, c in string.gmatch(costs, '(%d+):(%d+)') do
+        if tonumber(len) > matched then break end
+        cost = tonumber(c) or 0
       end
     end
     if costs == nil or leasts + cost < targets then chosen = least end

@@ -282,17 +282,7 @@ impl PickCall {
                 {
                     args_of_load.args(&self.healthy, &mut args);
                     if load.config.divert_prefix_bytes > 0 {
-                        // Non-decreasing: all zero (short prompts) is sent as nothing at all.
-                        let costs = if load.divert_costs.iter().all(|c| *c == 0) {
-                            String::new()
-                        } else {
-                            load.divert_costs
-                                .iter()
-                                .map(u64::to_string)
-                                .collect::<Vec<_>>()
-                                .join(",")
-                        };
-                        args.push(costs);
+                        args.push(divert_cost_steps(&load.divert_costs));
                     }
                 }
             }
@@ -300,6 +290,21 @@ impl PickCall {
         }
         (keys, args)
     }
+}
+
+/// The divert costs (non-decreasing, one per chain length) as the script reads them: only where
+/// the cost rises, `{chain length}:{cost}` joined by ',' (a 12000-token document then 40 short
+/// turns is `1:11`; a short chat is empty), so a long conversation does not send a number per block.
+fn divert_cost_steps(costs: &[u64]) -> String {
+    let mut steps = Vec::new();
+    let mut last = 0;
+    for (i, &cost) in costs.iter().enumerate() {
+        if cost > last {
+            steps.push(format!("{}:{cost}", i + 1));
+            last = cost;
+        }
+    }
+    steps.join(",")
 }
 
 /// One `release.lua` call, typed: [`ReleaseCall::keys_args`] is the one place that writes KEYS

@@ -71,9 +71,10 @@ impl PrefillBacklog {
         self.prompts.insert(stream, Prompt { cum, total, sent_ns: now_ns });
     }
 
-    /// The pod started answering `stream` (its prefill is over), or the stream ended.
-    pub fn on_answered(&mut self, stream: u32) {
-        self.prompts.remove(&stream);
+    /// The pod started answering `stream` (its prefill is over), or the stream ended. Whether
+    /// `stream` had a prompt waiting (the backlog changed).
+    pub fn on_answered(&mut self, stream: u32) -> bool {
+        self.prompts.remove(&stream).is_some()
     }
 
     /// How many prompts are tracked.

@@ -28,7 +28,8 @@ fn a_pod_owes_the_uncached_part_of_each_prompt_until_it_answers() {
     };
     assert_eq!(sorted(b.per_pod(S, place)), vec![("a".into(), 40_160), ("b".into(), 200)]);
     // Pod a's first answer byte: its prefill is over.
-    b.on_answered(1);
+    assert!(b.on_answered(1), "it was waiting");
+    assert!(!b.on_answered(1), "once");
     assert_eq!(sorted(b.per_pod(S, place)), vec![("b".into(), 200)]);
 }
 

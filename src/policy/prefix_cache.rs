@@ -667,10 +667,8 @@ impl Policy for PrefixCache {
         if let Some(speed) = self.speed.as_mut() {
             speed.on_response_body(stream.id, host.now_nanos(), size, end_of_stream);
         }
-        if size > 0 {
-            if let Some(prefill) = self.prefill.as_mut() {
-                prefill.on_answered(stream.id);
-            }
+        // Only the first answer bytes change the backlog (and only then is it published again).
+        if size > 0 && self.prefill.as_mut().is_some_and(|p| p.on_answered(stream.id)) {
             self.publish_prefill_backlog(host);
         }
         self.picker.on_response_body(host, stream, size, end_of_stream);
@@ -681,10 +679,9 @@ impl Policy for PrefixCache {
         |p: &mut Self, host: &mut dyn Host, stream: u32| {
             // A stream that ends before its first answer byte (client gone during the prefill, an
             // upstream reset, a headers-only answer) leaves no prompt behind.
-            if let Some(prefill) = p.prefill.as_mut() {
-                prefill.on_answered(stream);
+            if p.prefill.as_mut().is_some_and(|prefill| prefill.on_answered(stream)) {
+                p.publish_prefill_backlog(host);
             }
-            p.publish_prefill_backlog(host);
         },
         // A pick's reply places its prompt on a pod.
         |p: &mut Self, host: &mut dyn Host| p.publish_prefill_backlog(host)

@@ -656,8 +656,8 @@ fn load_aware_tells_the_script_what_each_matched_prefix_would_cost_a_diverted_hi
     set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
     send(&mut f, &mut host);
     // Block 1 is "user:" + the document (48005 bytes: 11 requests of 4096); block 2 adds the
-    // answer and the question, a few bytes.
-    assert_eq!(divert_costs_of(&host, 0).as_deref(), Some("11,11"));
+    // answer and the question, a few bytes: the cost rises only at length 1.
+    assert_eq!(divert_costs_of(&host, 0).as_deref(), Some("1:11"));
     // A short chat costs nothing to give up: sent empty.
     send_chat(&mut f, &mut host, 2);
     assert_eq!(divert_costs_of(&host, 1).as_deref(), Some(""));
@@ -671,7 +671,30 @@ fn load_aware_tells_the_script_what_each_matched_prefix_would_cost_a_diverted_hi
     let (mut f, mut host) = setup(&cfg(r#","loadAware":true,"divertPrefixBytes":16000"#));
     set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
     send(&mut f, &mut host);
-    assert_eq!(divert_costs_of(&host, 0).as_deref(), Some("3,3"));
+    assert_eq!(divert_costs_of(&host, 0).as_deref(), Some("1:3"));
+    // A long conversation sends only where the cost rises: 40 turns of 1100 bytes each, 4096
+    // bytes per request.
+    let turns: Vec<String> = (0..40)
+        .map(|i| {
+            format!(
+                r#"{{"role":"user","content":"{}"}},{{"role":"assistant","content":"ok"}}"#,
+                format!("{i:04}").repeat(273)
+            )
+        })
+        .collect();
+    let long = format!(r#"{{"messages":[{}]}}"#, turns.join(","));
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true"#));
+    set_hosts_with_metrics(&mut host, vllm_metrics(1, 0, 0.0), vllm_metrics(1, 0, 0.0));
+    send_body(&mut f, &mut host, 1, &long);
+    let steps = divert_costs_of(&host, 0).unwrap_or_default();
+    let parsed: Vec<(usize, u64)> = steps
+        .split(',')
+        .filter_map(|s| s.split_once(':'))
+        .map(|(l, c)| (l.parse().unwrap(), c.parse().unwrap()))
+        .collect();
+    assert!(parsed.len() < 40, "fewer steps than blocks: {steps}");
+    assert!(parsed.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 < w[1].1), "{steps}");
+    assert_eq!(parsed.first().map(|p| p.1), Some(1), "{steps}");
 }
 
 #[test]
