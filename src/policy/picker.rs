@@ -293,8 +293,9 @@ impl PickCall {
 }
 
 /// The divert costs (non-decreasing, one per chain length) as the script reads them: only where
-/// the cost rises, `{chain length}:{cost}` joined by ',' (a 12000-token document then 40 short
-/// turns is `1:11`; a short chat is empty), so a long conversation does not send a number per block.
+/// the cost rises, `{chain length}:{cost}` joined by ',' (a 12000-token document and a short
+/// question is `1:11`; a short chat is empty), so a long conversation sends about one step per
+/// `divertPrefixBytes` of it, not a number per block.
 fn divert_cost_steps(costs: &[u64]) -> String {
     let mut steps = Vec::new();
     let mut last = 0;
