@@ -52,8 +52,9 @@ use std::collections::HashMap;
 /// (`$routed` names how the policy counts an admitted pick, see [`Routed`]), metric scrapes, stream
 /// end (the release), ticks and slow picks. `$stream_done`, when given, is called with the policy,
 /// the host and the stream id at the stream's end, before the picker's release: what the policy keeps
-/// per stream goes there. `$after_reply`, when given, is called with the policy and the host after
-/// each Redis reply the picker handled (a pick it answers has its placement by then).
+/// per stream goes there. `$after_reply`, when given, is called with the policy, the host and the
+/// id of the reply's stream (none for releases and heartbeats) after each Redis reply the picker
+/// handled (a pick it answers has its placement by then).
 macro_rules! delegate_to_picker {
     ($routed:expr) => {
         $crate::policy::picker::delegate_to_picker!(
@@ -65,7 +66,7 @@ macro_rules! delegate_to_picker {
         $crate::policy::picker::delegate_to_picker!(
             $routed,
             $stream_done,
-            |_: &mut Self, _: &mut dyn $crate::host::Host| {}
+            |_: &mut Self, _: &mut dyn $crate::host::Host, _: Option<u32>| {}
         );
     };
     ($routed:expr, $stream_done:expr, $after_reply:expr) => {
@@ -84,8 +85,9 @@ macro_rules! delegate_to_picker {
             token: u32,
             reply: &crate::host::RedisReply,
         ) -> Decision {
+            let stream_id = stream.as_deref().map(|s| s.id);
             let decision = self.picker.on_redis_reply(host, stream, token, reply, $routed);
-            ($after_reply)(self, host);
+            ($after_reply)(self, host, stream_id);
             decision
         }
 

@@ -41,6 +41,8 @@ pub struct Placement<'a> {
 #[derive(Default)]
 pub struct PrefillBacklog {
     prompts: HashMap<u32, Prompt>,
+    /// The other workers' backlogs (created at first use, with a random id).
+    shared: Option<SharedBacklogs>,
 }
 
 impl PrefillBacklog {
@@ -77,6 +79,11 @@ impl PrefillBacklog {
         self.prompts.remove(&stream).is_some()
     }
 
+    /// Whether `stream`'s prompt is waiting for its first answer byte.
+    pub fn is_waiting(&self, stream: u32) -> bool {
+        self.prompts.contains_key(&stream)
+    }
+
     /// How many prompts are tracked.
     #[cfg(test)]
     pub(crate) fn tracked(&self) -> usize {
@@ -91,19 +98,52 @@ impl PrefillBacklog {
         now_ns: u64,
         placement: impl Fn(u32) -> Option<Placement<'a>>,
     ) -> Vec<(String, u64)> {
-        let mut by_pod: HashMap<&str, u64> = HashMap::new();
-        for (stream, p) in &self.prompts {
+        sum_by_pod(self.prompts.iter().filter_map(|(stream, p)| {
             if now_ns.saturating_sub(p.sent_ns) >= FORGET_NS {
-                continue;
+                return None;
             }
-            let Some(place) = placement(*stream) else { continue };
-            let total = p.total;
+            let place = placement(*stream)?;
             let cached =
                 place.cached_blocks.checked_sub(1).and_then(|i| p.cum.get(i)).copied().unwrap_or(0);
-            *by_pod.entry(place.pod).or_insert(0) += total.saturating_sub(cached) as u64;
-        }
-        by_pod.into_iter().map(|(pod, bytes)| (pod.to_string(), bytes)).collect()
+            Some((place.pod.to_string(), p.total.saturating_sub(cached) as u64))
+        }))
     }
+
+    /// Each pod's backlog from every worker of this gateway: this worker's own ([`Self::per_pod`])
+    /// and what the others published.
+    pub fn totals<'a>(
+        &mut self,
+        host: &mut dyn Host,
+        placement: impl Fn(u32) -> Option<Placement<'a>>,
+    ) -> Vec<(String, u64)> {
+        let own = self.per_pod(host.now_nanos(), placement);
+        let others = self.shared(host).others(host);
+        sum_by_pod(own.into_iter().chain(others))
+    }
+
+    /// Publishes this worker's backlog for the other workers (when it changed).
+    pub fn publish<'a>(
+        &mut self,
+        host: &mut dyn Host,
+        placement: impl Fn(u32) -> Option<Placement<'a>>,
+    ) {
+        let own = self.per_pod(host.now_nanos(), placement);
+        self.shared(host).publish(host, own);
+    }
+
+    fn shared(&mut self, host: &mut dyn Host) -> &mut SharedBacklogs {
+        self.shared.get_or_insert_with(|| SharedBacklogs::new(host))
+    }
+}
+
+/// Bytes summed per pod.
+fn sum_by_pod(items: impl IntoIterator<Item = (String, u64)>) -> Vec<(String, u64)> {
+    let mut by_pod: HashMap<String, u64> = HashMap::new();
+    for (pod, bytes) in items {
+        let sum = by_pod.entry(pod).or_insert(0);
+        *sum = sum.saturating_add(bytes);
+    }
+    by_pod.into_iter().collect()
 }
 
 /// The shared-data key listing the worker VMs that publish a backlog, one id per line.
@@ -179,7 +219,7 @@ impl SharedBacklogs {
     /// the workers whose value is older than [`FORGET_NS`] (or gone).
     pub fn others(&self, host: &mut dyn Host) -> Vec<(String, u64)> {
         let now_ms = host.now_nanos() / 1_000_000;
-        let mut by_pod: HashMap<String, u64> = HashMap::new();
+        let mut published = Vec::new();
         let mut stale = Vec::new();
         for id in Self::workers(host).0 {
             if id == self.id {
@@ -196,12 +236,10 @@ impl SharedBacklogs {
                 stale.push((id, cas));
                 continue;
             }
-            for line in lines {
-                let Some((pod, bytes)) = line.rsplit_once(' ') else { continue };
-                let Ok(bytes) = bytes.parse::<u64>() else { continue };
-                let sum = by_pod.entry(pod.to_string()).or_insert(0);
-                *sum = sum.saturating_add(bytes);
-            }
+            published.extend(lines.filter_map(|line| {
+                let (pod, bytes) = line.rsplit_once(' ')?;
+                Some((pod.to_string(), bytes.parse::<u64>().ok()?))
+            }));
         }
         // Cleared only if not rewritten since it was read (a worker that came back keeps its
         // value; its next publish lists it again if it is dropped here anyway).
@@ -217,7 +255,7 @@ impl SharedBacklogs {
                 ids.len() != before
             });
         }
-        by_pod.into_iter().collect()
+        sum_by_pod(published)
     }
 
     /// The worker list and its CAS.

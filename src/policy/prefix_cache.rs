@@ -17,14 +17,13 @@
 
 use super::latency::PodSpeed;
 use super::picker::{LoadAware, PickKind, PickResult, Picker, Routed};
-use super::prefill::{PrefillBacklog, SharedBacklogs};
+use super::prefill::PrefillBacklog;
 use super::{Decision, Policy, Stream};
 use crate::config::PrefixCacheConfig;
 use crate::host::{Counter, Host, LogLevel};
 use crate::redis;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
-use std::collections::HashMap;
 
 /// At most this many chain keys per request: prefixes matter from the start, and the script call
 /// must stay small. Later blocks are not indexed.
@@ -516,10 +515,9 @@ pub struct PrefixCache {
     /// `loadAware` with `loadLatencyWeight` or `overloadLatency` only: each pod's decode rate as
     /// this worker observes it.
     speed: Option<PodSpeed>,
-    /// `loadAware` with `loadPrefillBytes` only: each pod's prefill backlog from this worker.
+    /// `loadAware` with `loadPrefillBytes` only: each pod's prefill backlog, from this worker and
+    /// the others.
     prefill: Option<PrefillBacklog>,
-    /// With `prefill`: the other workers' backlogs (created at first use, with a random id).
-    shared_prefill: Option<SharedBacklogs>,
 }
 
 impl PrefixCache {
@@ -542,31 +540,15 @@ impl PrefixCache {
                 .as_ref()
                 .is_some_and(|l| l.prefill_bytes > 0)
                 .then(PrefillBacklog::default),
-            shared_prefill: None,
             config,
         }
     }
 
-    /// Each pod's prefill backlog from every worker of this gateway: this worker's own, and what
-    /// the others published.
-    fn prefill_backlog(&mut self, host: &mut dyn Host) -> Vec<(String, u64)> {
-        let Some(prefill) = self.prefill.as_ref() else { return Vec::new() };
-        let own = prefill.per_pod(host.now_nanos(), |s| self.picker.placement(s));
-        let shared = self.shared_prefill.get_or_insert_with(|| SharedBacklogs::new(host));
-        let mut by_pod: HashMap<String, u64> = HashMap::new();
-        for (pod, bytes) in own.into_iter().chain(shared.others(host)) {
-            let sum = by_pod.entry(pod).or_insert(0);
-            *sum = sum.saturating_add(bytes);
-        }
-        by_pod.into_iter().collect()
-    }
-
     /// Publishes this worker's prefill backlog for the other workers (when it changed).
     fn publish_prefill_backlog(&mut self, host: &mut dyn Host) {
-        let Some(prefill) = self.prefill.as_ref() else { return };
-        let own = prefill.per_pod(host.now_nanos(), |s| self.picker.placement(s));
-        let shared = self.shared_prefill.get_or_insert_with(|| SharedBacklogs::new(host));
-        shared.publish(host, own);
+        if let Some(prefill) = self.prefill.as_mut() {
+            prefill.publish(host, |s| self.picker.placement(s));
+        }
     }
 
     /// Picks for a prompt whose chain values are `chain` and whose blocks are `block_bytes` long.
@@ -577,7 +559,10 @@ impl PrefixCache {
         chain: &[String],
         block_bytes: &[usize],
     ) -> Decision {
-        let prefill_backlog = self.prefill_backlog(host);
+        let prefill_backlog = match self.prefill.as_mut() {
+            Some(prefill) => prefill.totals(host, |s| self.picker.placement(s)),
+            None => Vec::new(),
+        };
         let kind = PickKind::Prefix {
             chain: chain.to_vec(),
             ttl_s: self.config.redis_key_ttl_s,
@@ -683,8 +668,17 @@ impl Policy for PrefixCache {
                 p.publish_prefill_backlog(host);
             }
         },
-        // A pick's reply places its prompt on a pod.
-        |p: &mut Self, host: &mut dyn Host| p.publish_prefill_backlog(host)
+        // A pick's reply that placed its prompt on a pod changed the backlog (the replies of
+        // releases and heartbeats did not).
+        |p: &mut Self, host: &mut dyn Host, stream: Option<u32>| {
+            let placed = stream.is_some_and(|s| {
+                p.picker.placement(s).is_some()
+                    && p.prefill.as_ref().is_some_and(|prefill| prefill.is_waiting(s))
+            });
+            if placed {
+                p.publish_prefill_backlog(host);
+            }
+        }
     );
 }
 
