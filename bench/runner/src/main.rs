@@ -121,6 +121,11 @@ enum Cmd {
         /// Other than the default, the report goes to `redis-cost-pods<N>.json`.
         #[arg(long, default_value_t = bench::redis_cost::DEFAULT_PODS)]
         pods: usize,
+        /// Connections sending at once (1 to 4), the plugin VMs shared out among them: Redis is
+        /// then kept busy, as by many gateways, where one connection leaves it idle between calls.
+        /// Above 1, the report goes to `redis-cost[-pods<N>]-clients<N>.json`.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4))]
+        clients: u8,
     },
 }
 
@@ -438,17 +443,25 @@ fn model(paths: Paths, name: String) -> Result<()> {
     Ok(())
 }
 
-async fn redis_cost(paths: Paths, requests: u64, reps: usize, pods: usize) -> Result<()> {
-    let rows = bench::redis_cost::measure(requests, reps, pods).await?;
+async fn redis_cost(
+    paths: Paths,
+    requests: u64,
+    reps: usize,
+    pods: usize,
+    clients: usize,
+) -> Result<()> {
+    let rows = bench::redis_cost::measure(requests, reps, pods, clients).await?;
     let table = bench::redis_cost::table(&rows, reps);
     std::fs::create_dir_all(&paths.results)?;
-    let out = paths.results.join(format!("{}.json", bench::redis_cost::file_stem(pods)));
+    let out =
+        paths.results.join(format!("{}.json", bench::redis_cost::file_stem(pods, clients)));
     let json = bench::redis_cost::RedisCostReport {
         stamp: Stamp::now(&paths.root),
         unix_time: None,
         requests_per_rep: requests,
         reps,
         pods,
+        clients,
         cases: rows,
     };
     std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
@@ -584,8 +597,8 @@ async fn main() {
             }
             Cmd::Tables { write } => tables(paths, write),
             Cmd::Demo => demo(paths).await,
-            Cmd::RedisCost { requests, reps, pods } => {
-                redis_cost(paths, requests, reps, pods).await
+            Cmd::RedisCost { requests, reps, pods, clients } => {
+                redis_cost(paths, requests, reps, pods, usize::from(clients)).await
             }
             Cmd::RouterOverhead { requests, reps, targets } => {
                 router_overhead(paths, requests, reps, targets).await

@@ -29,6 +29,12 @@
 //!
 //! Each case runs `reps` times, interleaved, on a fresh Redis per repetition; medians are reported
 //! with min-max.
+//!
+//! By default one connection sends one call at a time, so Redis sleeps between calls and each call
+//! finds its caches cold: the figures of a Redis that one gateway worker keeps busy. With
+//! `--clients N` (up to the 4 VMs), N connections send at once, each for its share of the VMs,
+//! and Redis never waits: the figures of a Redis shared by many gateways (on 2 cores the client
+//! threads compete with Redis for CPU, which the per-call times include).
 
 use ai_load_balancer::config::LoadAwareConfig;
 use ai_load_balancer::metrics::router::PodView;
@@ -93,7 +99,7 @@ pub struct Summary {
     pub cpu_vs_baseline: f64,
 }
 
-/// `bench/results/<file_stem(pods)>.json`.
+/// `bench/results/<file_stem(pods, clients)>.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RedisCostReport {
     /// Date, commit and machine (blank in a file written before the report carried them).
@@ -109,6 +115,10 @@ pub struct RedisCostReport {
     /// Pods in the cluster (files from before `--pods` ran with the default).
     #[serde(default = "default_pods")]
     pub pods: usize,
+    /// Connections sending at once, the VMs shared out among them (files from before `--clients`
+    /// ran with one).
+    #[serde(default = "one_client")]
+    pub clients: usize,
     /// One summary per case, the floor first.
     pub cases: Vec<Summary>,
 }
@@ -117,26 +127,39 @@ fn default_pods() -> usize {
     DEFAULT_PODS
 }
 
-/// The results file's name without `.json`: `redis-cost`, or `redis-cost-pods<N>` for another
-/// number of pods (so the default run's file is not overwritten).
-pub fn file_stem(pods: usize) -> String {
-    if pods == DEFAULT_PODS {
-        "redis-cost".into()
-    } else {
-        format!("redis-cost-pods{pods}")
+fn one_client() -> usize {
+    1
+}
+
+/// The results file's name without `.json`: `redis-cost`, then `-pods<N>` for another number of
+/// pods and `-clients<N>` for more than one client (so the default run's file is not overwritten).
+pub fn file_stem(pods: usize, clients: usize) -> String {
+    let mut stem = "redis-cost".to_string();
+    if pods != DEFAULT_PODS {
+        stem.push_str(&format!("-pods{pods}"));
     }
+    if clients > 1 {
+        stem.push_str(&format!("-clients{clients}"));
+    }
+    stem
 }
 
 impl RedisCostReport {
     /// Markdown for the README: what was run, the stamp line and the table.
     pub fn section(&self) -> String {
         format!(
-            "`{}` (`bench redis-cost --requests {} --reps {} --pods {}`): what one routed request (pick + release) costs the shared Redis with the plugin's scripts, beside a trivial `EVALSHA` floor and the Go plugin's way; {} pods, {OWNERS} plugin VMs, {IN_FLIGHT} requests in flight, {BLOCKS}-block chats\n\n{} · {} repetitions per case, interleaved, a fresh Redis each · {} routed requests per case and repetition\n\n{}",
-            file_stem(self.pods),
+            "`{}` (`bench redis-cost --requests {} --reps {} --pods {}{}`): what one routed request (pick + release) costs the shared Redis with the plugin's scripts, beside a trivial `EVALSHA` floor and the Go plugin's way; {} pods, {OWNERS} plugin VMs, {IN_FLIGHT} requests in flight, {BLOCKS}-block chats, {}\n\n{} · {} repetitions per case, interleaved, a fresh Redis each · {} routed requests per case and repetition\n\n{}",
+            file_stem(self.pods, self.clients),
             self.requests_per_rep,
             self.reps,
             self.pods,
+            if self.clients > 1 { format!(" --clients {}", self.clients) } else { String::new() },
             self.pods,
+            if self.clients > 1 {
+                format!("{} connections sending at once (Redis kept busy)", self.clients)
+            } else {
+                "one connection, one call at a time (Redis idle between calls)".to_string()
+            },
             crate::tables::stamp_text(&self.stamp, self.unix_time),
             self.reps,
             self.requests_per_rep,
@@ -170,6 +193,7 @@ impl RedisCostReport {
             requests_per_rep: 10_000,
             reps: 3,
             pods: 64,
+            clients: 1,
             cases: vec![
                 summary(
                     Case::Baseline.name(),
@@ -383,8 +407,9 @@ enum Pending {
     PlainRelease { hash_key: String, host: String },
 }
 
-/// Runs one case for `n` routed requests against a fresh Redis.
-async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
+/// Runs one case for `n` routed requests against a fresh Redis, sent by `clients` connections at
+/// once (the VMs shared out among them).
+async fn run_case(case: Case, n: u64, pods: usize, clients: usize) -> Result<Cost> {
     let redis = Redis::start().await?;
     let addr = redis.addr.clone();
     let pick = Script::new(match case {
@@ -392,11 +417,6 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
         Case::LeastRequestMinimum => LEAST_REQUEST_MINIMUM_LUA,
         _ => LEAST_REQUEST_LUA,
     });
-    let go_source = match case {
-        Case::GoPrefixCache => GO_PREFIX_CACHE_LUA,
-        _ => GO_LEAST_REQUEST_LUA,
-    };
-    let go_hash = format!("higress:global_least_request_table:{ROUTE}:{CLUSTER}");
     let release = Script::new(RELEASE_LUA);
     let baseline = Script::new(BASELINE_LUA);
     let mut conn = Conn::open(&addr)?;
@@ -406,7 +426,67 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
     }
     conn.call(&encode_command(&["CONFIG", "RESETSTAT"]))?;
     let before = snapshot(&addr).await?;
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let clients = clients.clamp(1, OWNERS);
+    let scripts = Scripts { pick: &pick, release: &release, baseline: &baseline };
+    let top_level_hincrby = std::thread::scope(|scope| {
+        let runs: Vec<_> = (0..clients)
+            .map(|k| {
+                let client = Client {
+                    owners: (0..OWNERS).filter(|o| o % clients == k).collect(),
+                    requests: n / clients as u64 + u64::from((k as u64) < n % clients as u64),
+                    in_flight: (IN_FLIGHT / clients).max(1),
+                    seed: 0x9E37_79B9_7F4A_7C15 ^ (k as u64).wrapping_mul(0x2545_F491_4F6C_DD1D),
+                };
+                let addr = &addr;
+                let scripts = &scripts;
+                scope.spawn(move || drive(addr, case, pods, scripts, client))
+            })
+            .collect();
+        runs.into_iter().try_fold(0u64, |sum, run| match run.join() {
+            Ok(r) => r.map(|c| sum + c),
+            Err(_) => bail!("a client thread panicked"),
+        })
+    })?;
+    let after = snapshot(&addr).await?;
+    let top_level = Some(("hincrby", top_level_hincrby)).filter(|(_, c)| *c > 0);
+    let usec = redis_usec(&addr, top_level).await?;
+    // The INFO/CONFIG calls of the snapshot itself are a few hundred bytes over the whole run.
+    let nf = n as f64;
+    Ok(Cost {
+        case: case.name().to_string(),
+        requests: n,
+        script_usec: usec / nf,
+        cpu_usec: (after.0 - before.0) * 1e6 / nf,
+        bytes_in: after.1.saturating_sub(before.1) as f64 / nf,
+        bytes_out: after.2.saturating_sub(before.2) as f64 / nf,
+    })
+}
+
+/// The scripts a case sends (loaded before the run).
+struct Scripts<'a> {
+    pick: &'a Script,
+    release: &'a Script,
+    baseline: &'a Script,
+}
+
+/// One connection's share of a case: its VMs, its routed requests, how many it keeps in flight.
+struct Client {
+    owners: Vec<usize>,
+    requests: u64,
+    in_flight: usize,
+    seed: u64,
+}
+
+/// Sends one client's requests, one at a time on its own connection. Returns the top-level (not
+/// scripted) commands it sent.
+fn drive(addr: &str, case: Case, pods: usize, scripts: &Scripts, client: Client) -> Result<u64> {
+    let mut conn = Conn::open(addr)?;
+    let go_source = match case {
+        Case::GoPrefixCache => GO_PREFIX_CACHE_LUA,
+        _ => GO_LEAST_REQUEST_LUA,
+    };
+    let go_hash = format!("higress:global_least_request_table:{ROUTE}:{CLUSTER}");
+    let mut rng = Rng(client.seed | 1);
     let mut outstanding: VecDeque<Pending> = VecDeque::new();
     let mut requests = [0u64; OWNERS];
     // Per VM: ids of its requests that ended, carried by its next pick.
@@ -414,10 +494,10 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
     let mut top_level_hincrby = 0u64;
     // 5-block chats: a conversation's next turn resends its blocks plus one (prefix hits).
     let mut chats: Vec<Vec<String>> = Vec::new();
-    for i in 0..n {
+    for i in 0..client.requests {
         if case == Case::Baseline {
-            conn.script(&baseline, &[], &[])?;
-            conn.script(&baseline, &[], &[])?;
+            conn.script(scripts.baseline, &[], &[])?;
+            conn.script(scripts.baseline, &[], &[])?;
             continue;
         }
         // 64 conversations; each request is its conversation's 4 blocks so far plus a new one.
@@ -429,7 +509,7 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
         while chat.len() < BLOCKS {
             chat.push(format!("{:040X}", u128::from(rng.next()) << 64 | u128::from(rng.next())));
         }
-        let owner = (i as usize) % OWNERS;
+        let owner = client.owners.get(i as usize % client.owners.len().max(1)).copied().unwrap_or(0);
         let pending = match case {
             Case::GoLeastRequest | Case::GoPrefixCache => {
                 let hosts = healthy(&mut rng, pods);
@@ -454,7 +534,7 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
             }
             Case::LeastRequestMinimum => {
                 let keys = [StateKeys::new(ROUTE, CLUSTER, "").inflight];
-                let host = match conn.script(&pick, &keys, &healthy(&mut rng, pods))? {
+                let host = match conn.script(scripts.pick, &keys, &healthy(&mut rng, pods))? {
                     Frame::BulkString(h) => String::from_utf8_lossy(&h).into_owned(),
                     other => bail!("unexpected minimum pick reply {other:?}"),
                 };
@@ -471,7 +551,7 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
                     call.ended = std::mem::take(e);
                 }
                 let (keys, args) = call.keys_args();
-                let pod = match conn.script(&pick, &keys, &args)? {
+                let pod = match conn.script(scripts.pick, &keys, &args)? {
                     Frame::Array(v) => match v.first() {
                         Some(Frame::BulkString(h)) => String::from_utf8_lossy(h).into_owned(),
                         other => bail!("unexpected pick reply {other:?}"),
@@ -486,7 +566,7 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
             *slot = chat;
         }
         outstanding.push_back(pending);
-        if outstanding.len() > IN_FLIGHT {
+        if outstanding.len() > client.in_flight {
             if let Some(p) = outstanding.pop_front() {
                 top_level_hincrby += end_request(&mut conn, &mut ended, p)?;
             }
@@ -508,21 +588,9 @@ async fn run_case(case: Case, n: u64, pods: usize) -> Result<Cost> {
             abandoned: None,
         };
         let (keys, args) = call.keys_args();
-        conn.script(&release, &keys, &args)?;
+        conn.script(scripts.release, &keys, &args)?;
     }
-    let after = snapshot(&addr).await?;
-    let top_level = Some(("hincrby", top_level_hincrby)).filter(|(_, c)| *c > 0);
-    let usec = redis_usec(&addr, top_level).await?;
-    // The INFO/CONFIG calls of the snapshot itself are a few hundred bytes over the whole run.
-    let nf = n as f64;
-    Ok(Cost {
-        case: case.name().to_string(),
-        requests: n,
-        script_usec: usec / nf,
-        cpu_usec: (after.0 - before.0) * 1e6 / nf,
-        bytes_in: after.1.saturating_sub(before.1) as f64 / nf,
-        bytes_out: after.2.saturating_sub(before.2) as f64 / nf,
-    })
+    Ok(top_level_hincrby)
 }
 
 /// A request ends: ours waits for its VM's next pick; a plain release is sent. Returns the top-level
@@ -551,9 +619,10 @@ fn range(v: &[f64]) -> (f64, f64) {
     (v.iter().copied().fold(f64::INFINITY, f64::min), v.iter().copied().fold(0.0, f64::max))
 }
 
-/// Runs every case `reps` times (interleaved) with `n` requests each over `pods` pods; returns one
+/// Runs every case `reps` times (interleaved) with `n` requests each over `pods` pods, sent by
+/// `clients` connections at once; returns one
 /// summary per case.
-pub async fn measure(n: u64, reps: usize, pods: usize) -> Result<Vec<Summary>> {
+pub async fn measure(n: u64, reps: usize, pods: usize, clients: usize) -> Result<Vec<Summary>> {
     let cases = [
         Case::Baseline,
         Case::LeastRequestMinimum,
@@ -566,7 +635,7 @@ pub async fn measure(n: u64, reps: usize, pods: usize) -> Result<Vec<Summary>> {
     let mut runs: Vec<Vec<Cost>> = vec![Vec::new(); cases.len()];
     for _ in 0..reps.max(1) {
         for (i, c) in cases.iter().enumerate() {
-            let cost = run_case(*c, n, pods.max(1)).await?;
+            let cost = run_case(*c, n, pods.max(1), clients).await?;
             if let Some(r) = runs.get_mut(i) {
                 r.push(cost);
             }
@@ -653,6 +722,7 @@ mod tests {
         let o = old.as_object_mut().expect("object");
         o.remove("stamp");
         o.remove("pods");
+        o.remove("clients");
         o.insert("unix_time".into(), 1_795_506_556u64.into());
         let md = serde_json::from_value::<RedisCostReport>(old).expect("old file").section();
         assert!(
@@ -663,7 +733,9 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("| EVALSHA return 1 (floor) | 2.5 (2.4–2.7) | 1.0 |"), "{md}");
-        assert_eq!(file_stem(DEFAULT_PODS), "redis-cost");
+        assert_eq!(file_stem(DEFAULT_PODS, 1), "redis-cost");
+        assert_eq!(file_stem(DEFAULT_PODS, 4), "redis-cost-clients4");
+        assert_eq!(file_stem(64, 4), "redis-cost-pods64-clients4");
     }
 
     #[test]
