@@ -150,7 +150,7 @@ impl Filter {
         for w in &cfg.warnings {
             host.log(LogLevel::Warn, w);
         }
-        for counter in Counter::ALL {
+        for &counter in Counter::ALL {
             host.define_counter(counter);
         }
         let rules = cfg.rules.len();

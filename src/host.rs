@@ -217,139 +217,97 @@ pub trait Host {
     fn set_response_header(&mut self, name: &str, value: &str);
 }
 
-/// The plugin's counters, one per decision kind and failure path, so an operator sees from the
-/// gateway's stats how requests were routed (Envoy exports proxy-wasm metrics as
-/// `wasmcustom.<name>`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Counter {
+/// Defines [`Counter`] from one list of variants and metric names, so that [`Counter::ALL`] (what
+/// the plugin defines at start) cannot miss a counter.
+macro_rules! counters {
+    ($($(#[$doc:meta])* $variant:ident => $name:literal,)+) => {
+        /// The plugin's counters, one per decision kind and failure path, so an operator sees from
+        /// the gateway's stats how requests were routed (Envoy exports proxy-wasm metrics as
+        /// `wasmcustom.<name>`).
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Counter {
+            $($(#[$doc])* $variant,)+
+        }
+
+        impl Counter {
+            /// Every counter, each defined when the plugin starts.
+            pub const ALL: &'static [Counter] = &[$(Counter::$variant,)+];
+
+            /// The metric name.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(Counter::$variant => $name,)+
+                }
+            }
+        }
+    };
+}
+
+counters! {
     /// `global_least_request`, and `prefix_cache` for a request without a prompt: routed to the
     /// pod with the fewest in-flight requests.
-    LeastRequestRouted,
+    LeastRequestRouted => "ai_lb_least_request_routed",
     /// `prefix_cache`: routed to the pod holding the request's longest known prefix.
-    PrefixHit,
+    PrefixHit => "ai_lb_prefix_hit",
     /// `prefix_cache`: the prefix's pod was too loaded (`hitLoadFactor`, `loadAware`); routed to
     /// the least loaded.
-    PrefixHitDiverted,
+    PrefixHitDiverted => "ai_lb_prefix_hit_diverted",
     /// `prefix_cache` (`loadAware`): a diverted hit made its pod a holder of the prefix.
-    PrefixHolderAdded,
+    PrefixHolderAdded => "ai_lb_prefix_holder_added",
     /// `prefix_cache` (`loadAware`): some pod had no fresh metrics, so the request was decided
     /// without them (as with `loadAware` off).
-    PrefixLoadUnknown,
+    PrefixLoadUnknown => "ai_lb_prefix_load_unknown",
     /// `prefix_cache`: no known prefix; routed to the least loaded pod.
-    PrefixMiss,
+    PrefixMiss => "ai_lb_prefix_miss",
     /// `prefix_cache`: sum of the matched prefix blocks over all hits.
-    PrefixMatchedBlocks,
+    PrefixMatchedBlocks => "ai_lb_prefix_matched_blocks",
     /// A Redis policy answered 429 (`maxRequestCount`).
-    Rejected,
+    Rejected => "ai_lb_rejected",
     /// `endpoint_metrics`: routed by the pods' metrics.
-    MetricsRouted,
+    MetricsRouted => "ai_lb_metrics_routed",
     /// A Redis policy could not use Redis and routed by the pods' metrics instead.
-    RedisDownRoutedByMetrics,
+    RedisDownRoutedByMetrics => "ai_lb_redis_down_routed_by_metrics",
     /// Redis answered with an error or an unusable reply, or the call could not be sent.
-    FallbackRedisError,
+    FallbackRedisError => "ai_lb_fallback_redis_error",
     /// Redis connection failure or the host's Redis timeout.
-    FallbackRedisTimeout,
+    FallbackRedisTimeout => "ai_lb_fallback_redis_timeout",
     /// The pick took longer than `breakerSlowMs` and was given up.
-    FallbackRedisSlow,
+    FallbackRedisSlow => "ai_lb_fallback_redis_slow",
     /// The breaker was open: decided without Redis.
-    FallbackBreakerOpen,
+    FallbackBreakerOpen => "ai_lb_fallback_breaker_open",
     /// The body was not a JSON object the policy could read.
-    FallbackBadBody,
+    FallbackBadBody => "ai_lb_fallback_bad_body",
     /// The body was larger than `maxBodyBytes`.
-    FallbackBodyTooLarge,
+    FallbackBodyTooLarge => "ai_lb_fallback_body_too_large",
     /// Normal balancing because no pod had usable metrics (`endpoint_metrics`, or a Redis policy
     /// without Redis).
-    FallbackNoMetrics,
+    FallbackNoMetrics => "ai_lb_fallback_no_metrics",
     /// The Redis breaker opened.
-    BreakerOpened,
+    BreakerOpened => "ai_lb_breaker_opened",
     /// An in-flight count release was given up (the next heartbeat releases its record).
-    ReleaseDropped,
+    ReleaseDropped => "ai_lb_release_dropped",
     /// Records of this VM's requests that a heartbeat released because their releases could not
     /// come (Redis restarted from older state, or releases were dropped).
-    StaleRecordsReleased,
+    StaleRecordsReleased => "ai_lb_stale_records_released",
     /// Pods whose in-flight count the once-a-minute recount set back to what the live owners'
     /// records say.
-    CountsRecounted,
+    CountsRecounted => "ai_lb_counts_recounted",
     /// `prefix_cache`: prompt tokens the engines reported (`usage.prompt_tokens`).
-    EnginePromptTokens,
+    EnginePromptTokens => "ai_lb_engine_prompt_tokens",
     /// `prefix_cache`: prompt tokens the engines found cached
     /// (`usage.prompt_tokens_details.cached_tokens`).
-    EngineCachedTokens,
+    EngineCachedTokens => "ai_lb_engine_cached_tokens",
     /// `prefix_cache`: predicted a hit, and the engine had cached tokens.
-    PredictedHitEngineHit,
+    PredictedHitEngineHit => "ai_lb_predicted_hit_engine_hit",
     /// `prefix_cache`: predicted a hit, and the engine had none cached.
-    PredictedHitEngineMiss,
+    PredictedHitEngineMiss => "ai_lb_predicted_hit_engine_miss",
     /// `prefix_cache`: predicted a miss, and the engine had cached tokens.
-    PredictedMissEngineHit,
+    PredictedMissEngineHit => "ai_lb_predicted_miss_engine_hit",
     /// `prefix_cache`: predicted a miss, and the engine had none cached.
-    PredictedMissEngineMiss,
+    PredictedMissEngineMiss => "ai_lb_predicted_miss_engine_miss",
 }
 
 impl Counter {
-    /// Every counter, each defined when the plugin starts.
-    pub const ALL: [Counter; 27] = [
-        Counter::LeastRequestRouted,
-        Counter::PrefixHit,
-        Counter::PrefixHitDiverted,
-        Counter::PrefixHolderAdded,
-        Counter::PrefixLoadUnknown,
-        Counter::PrefixMiss,
-        Counter::PrefixMatchedBlocks,
-        Counter::Rejected,
-        Counter::MetricsRouted,
-        Counter::RedisDownRoutedByMetrics,
-        Counter::FallbackRedisError,
-        Counter::FallbackRedisTimeout,
-        Counter::FallbackRedisSlow,
-        Counter::FallbackBreakerOpen,
-        Counter::FallbackBadBody,
-        Counter::FallbackBodyTooLarge,
-        Counter::FallbackNoMetrics,
-        Counter::BreakerOpened,
-        Counter::ReleaseDropped,
-        Counter::StaleRecordsReleased,
-        Counter::CountsRecounted,
-        Counter::EnginePromptTokens,
-        Counter::EngineCachedTokens,
-        Counter::PredictedHitEngineHit,
-        Counter::PredictedHitEngineMiss,
-        Counter::PredictedMissEngineHit,
-        Counter::PredictedMissEngineMiss,
-    ];
-
-    /// The metric name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Counter::LeastRequestRouted => "ai_lb_least_request_routed",
-            Counter::PrefixHit => "ai_lb_prefix_hit",
-            Counter::PrefixHitDiverted => "ai_lb_prefix_hit_diverted",
-            Counter::PrefixHolderAdded => "ai_lb_prefix_holder_added",
-            Counter::PrefixLoadUnknown => "ai_lb_prefix_load_unknown",
-            Counter::PrefixMiss => "ai_lb_prefix_miss",
-            Counter::PrefixMatchedBlocks => "ai_lb_prefix_matched_blocks",
-            Counter::Rejected => "ai_lb_rejected",
-            Counter::MetricsRouted => "ai_lb_metrics_routed",
-            Counter::RedisDownRoutedByMetrics => "ai_lb_redis_down_routed_by_metrics",
-            Counter::FallbackRedisError => "ai_lb_fallback_redis_error",
-            Counter::FallbackRedisTimeout => "ai_lb_fallback_redis_timeout",
-            Counter::FallbackRedisSlow => "ai_lb_fallback_redis_slow",
-            Counter::FallbackBreakerOpen => "ai_lb_fallback_breaker_open",
-            Counter::FallbackBadBody => "ai_lb_fallback_bad_body",
-            Counter::FallbackBodyTooLarge => "ai_lb_fallback_body_too_large",
-            Counter::FallbackNoMetrics => "ai_lb_fallback_no_metrics",
-            Counter::BreakerOpened => "ai_lb_breaker_opened",
-            Counter::ReleaseDropped => "ai_lb_release_dropped",
-            Counter::StaleRecordsReleased => "ai_lb_stale_records_released",
-            Counter::CountsRecounted => "ai_lb_counts_recounted",
-            Counter::EnginePromptTokens => "ai_lb_engine_prompt_tokens",
-            Counter::EngineCachedTokens => "ai_lb_engine_cached_tokens",
-            Counter::PredictedHitEngineHit => "ai_lb_predicted_hit_engine_hit",
-            Counter::PredictedHitEngineMiss => "ai_lb_predicted_hit_engine_miss",
-            Counter::PredictedMissEngineHit => "ai_lb_predicted_miss_engine_hit",
-            Counter::PredictedMissEngineMiss => "ai_lb_predicted_miss_engine_miss",
-        }
-    }
-
     /// The name without `ai_lb_`: the decision header's value for requests counted here.
     pub fn label(self) -> &'static str {
         let name = self.name();
