@@ -453,8 +453,7 @@ async fn redis_cost(
     let rows = bench::redis_cost::measure(requests, reps, pods, clients).await?;
     let table = bench::redis_cost::table(&rows, reps);
     std::fs::create_dir_all(&paths.results)?;
-    let out =
-        paths.results.join(format!("{}.json", bench::redis_cost::file_stem(pods, clients)));
+    let out = paths.results.join(format!("{}.json", bench::redis_cost::file_stem(pods, clients)));
     let json = bench::redis_cost::RedisCostReport {
         stamp: Stamp::now(&paths.root),
         unix_time: None,

@@ -509,7 +509,8 @@ fn drive(addr: &str, case: Case, pods: usize, scripts: &Scripts, client: Client)
         while chat.len() < BLOCKS {
             chat.push(format!("{:040X}", u128::from(rng.next()) << 64 | u128::from(rng.next())));
         }
-        let owner = client.owners.get(i as usize % client.owners.len().max(1)).copied().unwrap_or(0);
+        let owner =
+            client.owners.get(i as usize % client.owners.len().max(1)).copied().unwrap_or(0);
         let pending = match case {
             Case::GoLeastRequest | Case::GoPrefixCache => {
                 let hosts = healthy(&mut rng, pods);
