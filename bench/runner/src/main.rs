@@ -126,6 +126,9 @@ enum Cmd {
         /// Above 1, the report goes to `redis-cost[-pods<N>]-clients<N>.json`.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4))]
         clients: u8,
+        /// Appended to the report's file name (`redis-cost[...]-<tag>.json`), as `run --tag` does.
+        #[arg(long)]
+        tag: Option<String>,
     },
 }
 
@@ -449,11 +452,13 @@ async fn redis_cost(
     reps: usize,
     pods: usize,
     clients: usize,
+    tag: Option<String>,
 ) -> Result<()> {
     let rows = bench::redis_cost::measure(requests, reps, pods, clients).await?;
     let table = bench::redis_cost::table(&rows, reps);
     std::fs::create_dir_all(&paths.results)?;
-    let out = paths.results.join(format!("{}.json", bench::redis_cost::file_stem(pods, clients)));
+    let stem = bench::redis_cost::file_stem(pods, clients, tag.as_deref());
+    let out = paths.results.join(format!("{stem}.json"));
     let json = bench::redis_cost::RedisCostReport {
         stamp: Stamp::now(&paths.root),
         unix_time: None,
@@ -461,6 +466,7 @@ async fn redis_cost(
         reps,
         pods,
         clients,
+        tag,
         cases: rows,
     };
     std::fs::write(&out, serde_json::to_string_pretty(&json)?)?;
@@ -596,8 +602,8 @@ async fn main() {
             }
             Cmd::Tables { write } => tables(paths, write),
             Cmd::Demo => demo(paths).await,
-            Cmd::RedisCost { requests, reps, pods, clients } => {
-                redis_cost(paths, requests, reps, pods, usize::from(clients)).await
+            Cmd::RedisCost { requests, reps, pods, clients, tag } => {
+                redis_cost(paths, requests, reps, pods, usize::from(clients), tag).await
             }
             Cmd::RouterOverhead { requests, reps, targets } => {
                 router_overhead(paths, requests, reps, targets).await

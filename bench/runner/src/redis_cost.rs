@@ -99,7 +99,7 @@ pub struct Summary {
     pub cpu_vs_baseline: f64,
 }
 
-/// `bench/results/<file_stem(pods, clients)>.json`.
+/// `bench/results/<file_stem(pods, clients, tag)>.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RedisCostReport {
     /// Date, commit and machine (blank in a file written before the report carried them).
@@ -119,6 +119,10 @@ pub struct RedisCostReport {
     /// ran with one).
     #[serde(default = "one_client")]
     pub clients: usize,
+    /// `--tag` (another machine's run, say), appended to the file name so that it does not
+    /// replace the default run's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
     /// One summary per case, the floor first.
     pub cases: Vec<Summary>,
 }
@@ -132,14 +136,19 @@ fn one_client() -> usize {
 }
 
 /// The results file's name without `.json`: `redis-cost`, then `-pods<N>` for another number of
-/// pods and `-clients<N>` for more than one client (so the default run's file is not overwritten).
-pub fn file_stem(pods: usize, clients: usize) -> String {
+/// pods, `-clients<N>` for more than one client and `-<tag>` for a tag (so the default run's file
+/// is not overwritten).
+pub fn file_stem(pods: usize, clients: usize, tag: Option<&str>) -> String {
     let mut stem = "redis-cost".to_string();
     if pods != DEFAULT_PODS {
         stem.push_str(&format!("-pods{pods}"));
     }
     if clients > 1 {
         stem.push_str(&format!("-clients{clients}"));
+    }
+    if let Some(tag) = tag {
+        stem.push('-');
+        stem.push_str(tag);
     }
     stem
 }
@@ -148,12 +157,13 @@ impl RedisCostReport {
     /// Markdown for the README: what was run, the stamp line and the table.
     pub fn section(&self) -> String {
         format!(
-            "`{}` (`bench redis-cost --requests {} --reps {} --pods {}{}`): what one routed request (pick + release) costs the shared Redis with the plugin's scripts, beside a trivial `EVALSHA` floor and the Go plugin's way; {} pods, {OWNERS} plugin VMs, {IN_FLIGHT} requests in flight, {BLOCKS}-block chats, {}\n\n{} · {} repetitions per case, interleaved, a fresh Redis each · {} routed requests per case and repetition\n\n{}",
-            file_stem(self.pods, self.clients),
+            "`{}` (`bench redis-cost --requests {} --reps {} --pods {}{}{}`): what one routed request (pick + release) costs the shared Redis with the plugin's scripts, beside a trivial `EVALSHA` floor and the Go plugin's way; {} pods, {OWNERS} plugin VMs, {IN_FLIGHT} requests in flight, {BLOCKS}-block chats, {}\n\n{} · {} repetitions per case, interleaved, a fresh Redis each · {} routed requests per case and repetition\n\n{}",
+            file_stem(self.pods, self.clients, self.tag.as_deref()),
             self.requests_per_rep,
             self.reps,
             self.pods,
             if self.clients > 1 { format!(" --clients {}", self.clients) } else { String::new() },
+            self.tag.as_ref().map(|t| format!(" --tag {t}")).unwrap_or_default(),
             self.pods,
             if self.clients > 1 {
                 format!("{} connections sending at once (Redis kept busy)", self.clients)
@@ -194,6 +204,7 @@ impl RedisCostReport {
             reps: 3,
             pods: 64,
             clients: 1,
+            tag: None,
             cases: vec![
                 summary(
                     Case::Baseline.name(),
@@ -711,6 +722,16 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("\n\n2026-11-24 07:49 UTC · commit `abc123` · vm · 3 repetitions"));
+
+        // A tagged run names its file and the flag that made it.
+        let tagged = RedisCostReport { tag: Some("amd".into()), ..RedisCostReport::example() };
+        assert!(
+            tagged.section().starts_with(
+                "`redis-cost-pods64-amd` (`bench redis-cost --requests 10000 --reps 3 --pods 64 --tag amd`): "
+            ),
+            "{}",
+            tagged.section()
+        );
         assert!(
             md.contains(
                 "| prefix_cache | 44.2 (41.3–44.9) | 17.7 | 80.5 (77.0–82.3) | 1.3 | 630 | 44 |"
@@ -734,9 +755,10 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("| EVALSHA return 1 (floor) | 2.5 (2.4–2.7) | 1.0 |"), "{md}");
-        assert_eq!(file_stem(DEFAULT_PODS, 1), "redis-cost");
-        assert_eq!(file_stem(DEFAULT_PODS, 4), "redis-cost-clients4");
-        assert_eq!(file_stem(64, 4), "redis-cost-pods64-clients4");
+        assert_eq!(file_stem(DEFAULT_PODS, 1, None), "redis-cost");
+        assert_eq!(file_stem(DEFAULT_PODS, 4, None), "redis-cost-clients4");
+        assert_eq!(file_stem(64, 4, None), "redis-cost-pods64-clients4");
+        assert_eq!(file_stem(DEFAULT_PODS, 1, Some("amd")), "redis-cost-amd");
     }
 
     #[test]
