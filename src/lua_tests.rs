@@ -508,12 +508,50 @@ fn a_pick_carries_releases_exactly_once_and_nets_them_with_its_own_count() {
     assert_eq!(r.hget("own:vm1", &full.request_id), None, "no record for a 429");
 }
 
+/// `n` least-request picks of `vm1` over pods `a` and `b`, and the pod each went to.
+fn picks_over_a_and_b(r: &mut Redis, s: &Script, n: usize) -> (Vec<PickCall>, Vec<String>) {
+    let picks: Vec<PickCall> = (0..n).map(|_| lr(&["a", "b"])).collect();
+    let pods = picks.iter().map(|p| pick(&r.run(s, p)).0).collect();
+    (picks, pods)
+}
+
+#[test]
+fn a_least_request_pick_carrying_several_releases_applies_only_those_still_held() {
+    let mut r = Redis::start();
+    let s = Script::new(LEAST_REQUEST_LUA);
+    let (picks, pods) = picks_over_a_and_b(&mut r, &s, 4);
+    assert_eq!((r.count("a"), r.count("b")), (Some(2), Some(2)));
+    // The first is released on its own; a later pick then carries it again (its release's outcome
+    // was unknown), the second and third, and an id that names no record.
+    assert_eq!(r.release("vm1", &picks[0].request_id, Some(&pods[0])), Frame::Integer(1));
+    let ended: Vec<(String, String)> =
+        (0..3).map(|i| (picks[i].request_id.clone(), pods[i].clone())).collect();
+    let carrier =
+        PickCall { ended: [ended, vec![("nope".into(), "a".into())]].concat(), ..lr(&["a", "b"]) };
+    r.cmd(&["CONFIG", "RESETSTAT"]);
+    let (host, count, admitted, _) = pick(&r.run(&s, &carrier));
+    assert_eq!((count, admitted), (1, 1), "one in flight left, on {}: it picks the other", pods[3]);
+    assert_ne!(host, pods[3]);
+    assert_eq!(r.count("a").unwrap() + r.count("b").unwrap(), 2, "the fourth and the carrier");
+    assert_eq!((calls(&mut r, "hmget"), calls(&mut r, "hdel")), (1, 1), "one read, one delete");
+    for p in &picks[..3] {
+        assert_eq!(r.hget("own:vm1", &p.request_id), None, "released record gone");
+    }
+    // A pick with no candidate still applies what it carries (by HINCRBY: it read no counts).
+    let empty = PickCall { ended: vec![(picks[3].request_id.clone(), pods[3].clone())], ..lr(&[]) };
+    let none =
+        Frame::Array(vec![Frame::BulkString(Vec::new()), Frame::Integer(0), Frame::Integer(0)]);
+    assert_eq!(r.run(&s, &empty), none, "no candidate: no pick");
+    assert_eq!(r.count(&pods[3]), Some(if host == pods[3] { 1 } else { 0 }));
+    assert_eq!(r.count(&host), Some(1), "the carrier's own request is still in flight");
+    assert_eq!(r.hget("own:vm1", &picks[3].request_id), None);
+}
+
 #[test]
 fn one_release_call_releases_many_requests_exactly_once() {
     let mut r = Redis::start();
     let s = Script::new(LEAST_REQUEST_LUA);
-    let picks: Vec<PickCall> = (0..5).map(|_| lr(&["a", "b"])).collect();
-    let pods: Vec<String> = picks.iter().map(|p| pick(&r.run(&s, p)).0).collect();
+    let (picks, pods) = picks_over_a_and_b(&mut r, &s, 5);
     assert_eq!(r.count("a").unwrap() + r.count("b").unwrap(), 5);
     let call = ReleaseCall {
         inflight_key: "inflight".into(),
@@ -810,7 +848,7 @@ fn once_a_minute_a_heartbeat_sets_every_count_to_the_live_owners_records() {
     assert_eq!(r.recounted, 0, "nothing left to correct");
 }
 
-/// `HKEYS` of an owner's hash holding no record: only the marker that keeps it (shared.lua).
+/// `HKEYS` of an owner's hash holding no record: only the marker that keeps it (prelude.lua).
 fn marker_only() -> Frame {
     Frame::Array(vec![Frame::BulkString("~".into())])
 }

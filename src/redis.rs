@@ -26,23 +26,26 @@ use sha1::{Digest, Sha1};
 
 pub use redis_protocol::resp2::types::OwnedFrame as Frame;
 
-/// The global least-request script (after the shared lease prelude).
-pub const LEAST_REQUEST_LUA: &str = concat!(
-    include_str!("lua/shared.lua"),
-    include_str!("lua/lease.lua"),
-    include_str!("lua/least_request.lua")
-);
-/// The prefix-cache script (after the shared lease prelude).
+/// The global least-request script: written out flat after the prelude, without the shared
+/// functions (see its header).
+pub const LEAST_REQUEST_LUA: &str =
+    concat!(include_str!("lua/prelude.lua"), include_str!("lua/least_request.lua"));
+/// The prefix-cache script (after the shared functions and the lease prelude).
 pub const PREFIX_CACHE_LUA: &str = concat!(
+    include_str!("lua/prelude.lua"),
     include_str!("lua/shared.lua"),
     include_str!("lua/lease.lua"),
     include_str!("lua/prefix_cache.lua")
 );
 /// The release script (the `-1` at stream end, and the cancel of an abandoned pick).
-pub const RELEASE_LUA: &str =
-    concat!(include_str!("lua/shared.lua"), include_str!("lua/release.lua"));
+pub const RELEASE_LUA: &str = concat!(
+    include_str!("lua/prelude.lua"),
+    include_str!("lua/shared.lua"),
+    include_str!("lua/release.lua")
+);
 /// Renews an owner's lease, reaps dead owners, cleans out hosts that left the cluster.
 pub const HEARTBEAT_LUA: &str = concat!(
+    include_str!("lua/prelude.lua"),
     include_str!("lua/shared.lua"),
     include_str!("lua/reap.lua"),
     include_str!("lua/heartbeat.lua")

@@ -1,14 +1,6 @@
--- ai-load-balancer: shared functions of the scripts (prepended to each). Every key of a
--- route+cluster shares one hash tag, so the scripts derive them from the in-flight hash key they are
--- given (KEYS[1] = `<base>inflight`): `<base>owners`, `<base>own:<owner>`, `<base>pfx:<hex>`,
--- `<base>last_clean`, `<base>last_recount`. One slot, and far fewer bytes per call than passing each key.
-local inflight = KEYS[1]
-local base = string.sub(inflight, 1, #inflight - 8)
-local owners = base .. 'owners'
-
--- Redis before 5 needs effects replication for a write after TIME (now_ms), and asks for it
--- before any write: here, first thing in every script.
-if redis.replicate_commands then redis.replicate_commands() end
+-- ai-load-balancer: the functions the scripts share (after prelude.lua). Redis runs a script's whole
+-- body at every call, so each function defined here is a new closure at every call of each script
+-- that includes this file: least_request.lua, on the path of every routed request, does without.
 
 -- Redis's clock in ms (every gateway uses the same clock for leases).
 local function now_ms()
@@ -16,9 +8,9 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- A field of an owner's hash is a record (the pod of an admitted request) or not: the marker below
--- (value ''), or the tombstone of an abandoned pick ('#' and the Redis time it was written, ms; ''
--- before 2026-11-27). Pod addresses never start with '#'.
+-- A field of an owner's hash is a record (the pod of an admitted request) or not: the marker
+-- (MARKER in prelude.lua, value ''), or the tombstone of an abandoned pick ('#' and the Redis time
+-- it was written, ms; '' before 2026-11-27). Pod addresses never start with '#'.
 local function is_record(h)
   return h ~= '' and string.byte(h, 1) ~= 35
 end
@@ -53,13 +45,6 @@ local function held_ended(mine, ended, freed)
   return held
 end
 
--- Every owner's hash holds this field (value '', skipped like a tombstone by reap) from the owner's
--- registration until the reaper deletes the hash, so deleting records can never delete the hash:
--- on a Redis Cluster slot being migrated, a script's access to a key the old master no longer holds
--- (Redis checks only KEYS[1], the in-flight hash, before the script runs) fails there, and a write
--- after a record's deletion would then fail after the record was gone and before its count went
--- down (the release, sent again, would find nothing). Request ids are hex.
-local MARKER = '~'
 
 -- Registers an owner until `expires` (ms): its marker first, so that no owner is ever registered
 -- without one (if that write fails, nothing is registered).
