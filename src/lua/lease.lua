@@ -1,7 +1,8 @@
 -- ai-load-balancer: the leases of a pick (after shared.lua, before prefix_cache.lua; the
--- least-request pick, least_request.lua, does the same steps written out flat). In-flight counts are held under per-VM leases: each admitted pick is recorded
--- in its owner's hash, and an owner whose lease runs out has its picks subtracted (reap.lua), so a
--- gateway that dies cannot leave its +1s behind. Nothing here has a TTL that eviction could remove.
+-- least-request pick, least_request.lua, takes the same steps written out flat). In-flight counts
+-- are held under per-VM leases: each admitted pick is recorded in its owner's hash, and an owner
+-- whose lease runs out has its picks subtracted (reap.lua), so a gateway that dies cannot leave its
+-- +1s behind. Nothing here has a TTL that eviction could remove.
 -- A pick also carries the releases of the owner's requests that ended since its last pick: one
 -- script call per routed request, and one HSET of the counts that change (none when -1 +1 net out).
 -- KEYS[1]  in-flight hash of this route+cluster: host -> in-flight requests over the live owners

@@ -1,8 +1,8 @@
 -- ai-load-balancer: global least request pick, one round trip (after prelude.lua only). The same
--- leases as the prefix-cache pick's (lease.lua says why each step is where it is), written out flat:
--- Redis runs a script's whole body at every call, and each function it defines is a new closure,
--- made and collected at every call. shared.lua's and lease.lua's functions took about a quarter of
--- this script's time (bench/HISTORY.md, "A flat least-request script").
+-- leases as the prefix-cache pick's (lease.lua says why each step is where it is), written out
+-- flat: Redis runs a script's whole body at every call, and each function it defines is a new
+-- closure, made and collected at every call. Without shared.lua's and lease.lua's twelve, a pick
+-- takes about 4 us less of its 22-26 (bench/HISTORY.md, "A flat least-request script").
 -- KEYS[1]  in-flight hash of this route+cluster: host -> in-flight requests over the live owners
 -- ARGV[1]  max in-flight (0 = no limit)   ARGV[2] lease (ms)   ARGV[3] owner id
 -- ARGV[4]  this request's id (unique per owner), then the owner's ended requests whose release

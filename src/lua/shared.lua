@@ -1,6 +1,7 @@
--- ai-load-balancer: the functions the scripts share (after prelude.lua). Redis runs a script's whole
--- body at every call, so each function defined here is a new closure at every call of each script
--- that includes this file: least_request.lua, on the path of every routed request, does without.
+-- ai-load-balancer: the functions the scripts share (after prelude.lua). Redis runs a script's
+-- whole body at every call, so each function defined here is a new closure at every call of each
+-- script that includes this file: least_request.lua, on the path of every routed request, does
+-- without.
 
 -- Redis's clock in ms (every gateway uses the same clock for leases).
 local function now_ms()
@@ -44,7 +45,6 @@ local function held_ended(mine, ended, freed)
   end
   return held
 end
-
 
 -- Registers an owner until `expires` (ms): its marker first, so that no owner is ever registered
 -- without one (if that write fails, nothing is registered).
