@@ -225,6 +225,16 @@ impl Host for WasmHost {
         }
         t
     }
+    /// proxy-wasm's current time: Envoy's system clock, which the gateways share within their
+    /// clocks' skew.
+    fn unix_seconds(&self) -> u64 {
+        let mut t: u64 = 0;
+        // SAFETY: t is a valid local.
+        unsafe {
+            sys::proxy_get_current_time_nanoseconds(&mut t);
+        }
+        t / 1_000_000_000
+    }
     fn random_u64(&mut self) -> u64 {
         let mut b = [0u8; 8];
         // SAFETY: b is a valid 8-byte buffer.

@@ -145,6 +145,8 @@ pub trait Host {
     fn log(&self, level: LogLevel, msg: &str);
     /// A monotonic clock in nanoseconds: only differences between two readings mean anything.
     fn now_nanos(&self) -> u64;
+    /// The wall clock, unix seconds: for times other gateways read (prefix keys' stamps).
+    fn unix_seconds(&self) -> u64;
     /// A random 64-bit number (WASI `random_get` in the .wasm).
     fn random_u64(&mut self) -> u64;
 

@@ -263,6 +263,10 @@ fn pc(chain: &[&str], maxc: u64, ttl_s: u64, factor: f64, healthy: &[&str]) -> P
         kind: PickKind::Prefix {
             chain: chain.iter().map(|k| k.to_string()).collect(),
             ttl_s,
+            // The test's Redis runs on this machine: its clock and the gateway's are one.
+            now_s: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
             hit_load_factor: factor,
             load: None,
         },
@@ -278,12 +282,12 @@ fn pick(f: &Frame) -> (String, i64, i64, i64) {
 #[test]
 fn script_sha_matches_redis_and_noscript_is_recognised() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let (keys, args) = lr(&["a"]).keys_args();
     let first = r.raw(&s.command(&keys, &args, false));
     assert!(crate::redis::is_noscript(&first), "{first:?}");
     assert_eq!(
-        r.cmd(&["SCRIPT", "LOAD", LEAST_REQUEST_LUA]),
+        r.cmd(&["SCRIPT", "LOAD", LEAST_REQUEST_LUA.as_str()]),
         Frame::BulkString(s.sha.clone().into_bytes())
     );
 }
@@ -291,7 +295,7 @@ fn script_sha_matches_redis_and_noscript_is_recognised() {
 #[test]
 fn least_request_picks_the_minimum_counting_missing_hosts_as_zero() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     r.cmd(&["HSET", "inflight", "a", "3", "b", "1"]);
     let f = r.run(&s, &lr(&["a", "b", "c"]));
     assert_eq!(pick(&f).0, "c", "c is missing from the hash: 0 in flight");
@@ -304,7 +308,7 @@ fn least_request_picks_the_minimum_counting_missing_hosts_as_zero() {
 #[test]
 fn least_request_rejects_above_max_and_undoes_the_increment() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     r.cmd(&["HSET", "inflight", "a", "2", "b", "2"]);
     let f = r.run(&s, &PickCall { max_inflight: 2, ..lr(&["a", "b"]) });
     assert_eq!(pick(&f), ("a".to_string(), 3, 0, 0));
@@ -348,7 +352,7 @@ fn heartbeats_clean_out_idle_hosts_that_left_every_interval() {
 #[test]
 fn least_request_repairs_negative_counts() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     r.cmd(&["HSET", "inflight", "a", "-2", "b", "0"]);
     let f = r.run(&s, &lr(&["a", "b"]));
     assert_eq!(pick(&f).0, "a");
@@ -358,7 +362,7 @@ fn least_request_repairs_negative_counts() {
 #[test]
 fn prefix_miss_writes_the_chain_to_the_least_loaded_host() {
     let mut r = Redis::start();
-    let s = Script::new(PREFIX_CACHE_LUA);
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
     r.cmd(&["HSET", "inflight", "a", "5"]);
     let f = r.run(&s, &pc(&["k1", "k2"], 0, 600, 0.0, &["a", "b"]));
     assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
@@ -370,7 +374,7 @@ fn prefix_miss_writes_the_chain_to_the_least_loaded_host() {
 #[test]
 fn prefix_hit_routes_to_the_holder_refreshes_and_extends_the_chain() {
     let mut r = Redis::start();
-    let s = Script::new(PREFIX_CACHE_LUA);
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
     r.cmd(&["SET", "pfx:k1", "a", "EX", "10"]);
     r.cmd(&["SET", "pfx:k2", "a", "EX", "10"]);
     r.cmd(&["HSET", "inflight", "a", "3", "b", "0"]);
@@ -400,9 +404,29 @@ fn prefix_hit_routes_to_the_holder_refreshes_and_extends_the_chain() {
 }
 
 #[test]
+fn prefix_keys_are_stamped_with_the_gateways_clock_not_redis() {
+    // Gateways share the stamps through Redis, so the pick takes the time it is given: here a
+    // gateway whose clock is 1000 s behind Redis's. A key it stamped 100 s ago by its own clock is
+    // fresh to it; the keys it writes carry its time.
+    let mut r = Redis::start();
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
+    let gateway_now = r.now_s() - 1000;
+    let recent = format!("a@{}", gateway_now - 100);
+    r.cmd(&["SET", "pfx:k1", &recent, "EX", "500"]);
+    let mut call = pc(&["k1", "k2"], 0, 1800, 0.0, &["b", "a"]);
+    if let PickKind::Prefix { now_s, .. } = &mut call.kind {
+        *now_s = gateway_now;
+    }
+    let f = r.run(&s, &call);
+    assert_eq!(pick(&f), ("a".to_string(), 1, 1, 1));
+    assert_eq!(r.get("pfx:k1"), Some(recent), "100 s < 1800/8 by the gateway's clock: not written");
+    assert_eq!(r.get("pfx:k2"), Some(format!("a@{gateway_now}")), "the new key carries its time");
+}
+
+#[test]
 fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned() {
     let mut r = Redis::start();
-    let s = Script::new(PREFIX_CACHE_LUA);
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
     // k1 on healthy a; k2, k3 on sick (unhealthy) host; k4 new.
     r.cmd(&["SET", "pfx:k1", "a"]);
     r.cmd(&["SET", "pfx:k2", "sick"]);
@@ -432,7 +456,7 @@ fn prefix_hit_on_an_unhealthy_host_rehomes_that_key_and_keeps_the_chain_aligned(
 #[test]
 fn prefix_load_guard_and_max_request_count() {
     let mut r = Redis::start();
-    let s = Script::new(PREFIX_CACHE_LUA);
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
     r.cmd(&["SET", "pfx:k1", "a"]);
     r.cmd(&["HSET", "inflight", "a", "10", "b", "1"]);
     // factor 2: a has 10 > 2 * (1 + 1) -> spill to b, chain beyond the match goes to b.
@@ -461,7 +485,7 @@ fn prefix_load_guard_and_max_request_count() {
 #[test]
 fn release_undoes_the_pick_exactly_once() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let f = r.run(&s, &lr(&["a"]));
     assert_eq!(pick(&f).0, "a");
     let req = r.last_req.clone();
@@ -477,7 +501,7 @@ fn release_undoes_the_pick_exactly_once() {
 #[test]
 fn a_pick_carries_releases_exactly_once_and_nets_them_with_its_own_count() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let first = lr(&["a"]);
     assert_eq!(pick(&r.run(&s, &first)).0, "a");
     assert_eq!(pick(&r.run(&s, &lr(&["b"]))).0, "b");
@@ -518,7 +542,7 @@ fn picks_over_a_and_b(r: &mut Redis, s: &Script, n: usize) -> (Vec<PickCall>, Ve
 #[test]
 fn a_least_request_pick_carrying_several_releases_applies_only_those_still_held() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let (picks, pods) = picks_over_a_and_b(&mut r, &s, 4);
     assert_eq!((r.count("a"), r.count("b")), (Some(2), Some(2)));
     // The first is released on its own; a later pick then carries it again (its release's outcome
@@ -550,7 +574,7 @@ fn a_least_request_pick_carrying_several_releases_applies_only_those_still_held(
 #[test]
 fn one_release_call_releases_many_requests_exactly_once() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let (picks, pods) = picks_over_a_and_b(&mut r, &s, 5);
     assert_eq!(r.count("a").unwrap() + r.count("b").unwrap(), 5);
     let call = ReleaseCall {
@@ -575,7 +599,7 @@ fn one_release_call_releases_many_requests_exactly_once() {
 #[test]
 fn a_prefix_pick_carries_releases() {
     let mut r = Redis::start();
-    let s = Script::new(PREFIX_CACHE_LUA);
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
     let first = pc(&["k1"], 0, 600, 0.0, &["a", "b"]);
     let home = pick(&r.run(&s, &first)).0;
     // Same prefix again, carrying the first's release: a hit on its pod, whose count stays 1.
@@ -592,7 +616,7 @@ fn a_prefix_pick_carries_releases() {
 fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
     // A stalled Redis runs the pick after the plugin gave up (timeout) and sent the cancel.
     let mut r = Redis::start();
-    let s = Script::new(PREFIX_CACHE_LUA);
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
     let late = pc(&["k1"], 0, 600, 0.0, &["a"]);
     assert_eq!(r.release("vm1", &late.request_id, None), Frame::Integer(0));
     assert_eq!(r.release("vm1", &late.request_id, None), Frame::Integer(0), "resent");
@@ -614,7 +638,7 @@ fn a_pick_cancelled_before_it_runs_does_nothing_when_it_arrives_late() {
 #[test]
 fn a_dead_owners_counts_are_subtracted_once_its_lease_runs_out() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     // vm1 (lease 1 s) takes a and b, then dies without releasing; vm2 (lease 10 s) takes c.
     let first = as_owner("vm1", 1000, &["a", "b", "c"]);
     assert_eq!(pick(&r.run(&s, &first)).0, "a");
@@ -639,7 +663,7 @@ fn a_dead_owners_counts_are_subtracted_once_its_lease_runs_out() {
 #[test]
 fn heartbeats_keep_a_live_owners_counts() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     assert_eq!(pick(&r.run(&s, &as_owner("vm1", 1000, &["a"]))).0, "a");
     for _ in 0..3 {
         std::thread::sleep(Duration::from_millis(400));
@@ -656,7 +680,7 @@ fn an_owner_is_registered_with_its_marker_and_keeps_it_until_reaped() {
     let mut r = Redis::start();
     assert_eq!(r.heartbeat("vm9", 1000), Frame::Integer(0));
     assert_eq!(r.cmd(&["HKEYS", "own:vm9"]), Frame::Array(vec![Frame::BulkString("~".into())]));
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let first = as_owner("vm9", 1000, &["a"]);
     assert_eq!(pick(&r.run(&s, &first)).0, "a");
     let next = PickCall {
@@ -676,7 +700,7 @@ fn an_owner_is_registered_with_its_marker_and_keeps_it_until_reaped() {
 fn no_key_the_counts_depend_on_has_a_ttl() {
     // Under a volatile-* maxmemory policy Redis evicts only keys with a TTL.
     let mut r = Redis::start();
-    let f = r.run(&Script::new(PREFIX_CACHE_LUA), &pc(&["k1"], 0, 600, 0.0, &["a"]));
+    let f = r.run(&Script::new(PREFIX_CACHE_LUA.as_str()), &pc(&["k1"], 0, 600, 0.0, &["a"]));
     assert_eq!(pick(&f).0, "a");
     r.release("vm1", "abandoned-before-it-ran", None);
     for k in ["inflight", "owners", "own:vm1"] {
@@ -688,7 +712,7 @@ fn no_key_the_counts_depend_on_has_a_ttl() {
 #[test]
 fn a_live_owners_heartbeat_reaps_a_dead_one_without_any_pick() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     assert_eq!(pick(&r.run(&s, &as_owner("dead", 500, &["a"]))).0, "a");
     assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
     assert_eq!(r.count("a"), Some(1));
@@ -703,7 +727,7 @@ fn a_late_pick_of_a_reaped_owner_registers_it_again_so_its_count_is_reaped_too()
     // A gateway dies during a freeze; a pick it sent before is read from its socket and run after
     // the reaper removed the owner.
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     assert_eq!(pick(&r.run(&s, &as_owner("dead", 1000, &["a"]))).0, "a");
     std::thread::sleep(Duration::from_millis(1100));
     assert_eq!(r.heartbeat("live", 10_000), Frame::Integer(0));
@@ -720,7 +744,7 @@ fn a_late_pick_carrying_releases_of_a_reaped_owner_registers_it_again() {
     // As above, but the late pick carries releases: their records went with the reaped hash, so
     // they prove nothing and the pick reads the owners set and registers its owner.
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let first = as_owner("dead", 1000, &["a", "b"]);
     assert_eq!(pick(&r.run(&s, &first)).0, "a");
     std::thread::sleep(Duration::from_millis(1100));
@@ -744,7 +768,7 @@ fn a_heartbeat_releases_the_records_its_vm_no_longer_needs_exactly_once() {
     // since are there again, with their +1s. vm1's heartbeat lists what it still needs (one
     // request in flight, one whose release is on its way); the others are released.
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let ids: Vec<String> = (0..4)
         .map(|_| {
             let call = as_owner("vm1", 10_000, &["a"]);
@@ -782,7 +806,7 @@ fn a_heartbeat_deletes_tombstones_a_lease_old_and_a_later_pick_is_still_released
     // at a failover) leave tombstones; without an end, an owner living for months would gather
     // them by the million, and every heartbeat reads the whole hash.
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let lease = 300;
     assert_eq!(r.release("vm1", "gone1", None), Frame::Integer(0));
     assert_eq!(r.release("vm1", "gone2", None), Frame::Integer(0));
@@ -817,7 +841,7 @@ fn once_a_minute_a_heartbeat_sets_every_count_to_the_live_owners_records() {
     // importing master of a half-moved Redis Cluster slot leaves once the resharding tool
     // replaced its owner's hash; and a -1 too many) mend at the next recount, and only then.
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     r.defer_recount();
     let mut held = Vec::new();
     for owner in ["vm1", "vm1", "vm2"] {
@@ -868,7 +892,7 @@ fn calls(r: &mut Redis, cmd: &str) -> u64 {
 #[test]
 fn a_pick_carrying_a_release_skips_the_owner_read_and_writes_counts_once() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let first = lr(&["a", "b"]);
     assert_eq!(pick(&r.run(&s, &first)).0, "a");
     r.cmd(&["CONFIG", "RESETSTAT"]);
@@ -898,7 +922,7 @@ fn a_pick_carrying_a_release_skips_the_owner_read_and_writes_counts_once() {
 #[test]
 fn least_request_hosts_go_whole_and_the_least_loaded_wins() {
     let mut r = Redis::start();
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let hosts = ["10.0.0.1:8000", "10.0.0.12:8000", "[fd00::3]:8000"];
     let call = lr(&hosts);
     let (_, args) = call.keys_args();
@@ -985,7 +1009,7 @@ fn la_pick_full(
             divert_costs: divert_costs.to_vec(),
         }));
     }
-    let s = Script::new(PREFIX_CACHE_LUA);
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
     let f = r.run(&s, &call);
     parse_pick(&f).unwrap_or_else(|| panic!("bad reply {f:?}"))
 }
@@ -1101,7 +1125,7 @@ fn load_aware_miss_goes_to_the_least_combined_load_not_the_least_in_flight() {
     assert_eq!(r.holders("pfx:k1").as_deref(), Some("a"));
     // Without load arguments (stale metrics: as today) the in-flight count alone decides.
     r.cmd(&["HSET", "inflight", "a", "2", "b", "1"]);
-    let f = r.run(&Script::new(PREFIX_CACHE_LUA), &pc(&["j1"], 0, 600, 0.0, &["b", "a"]));
+    let f = r.run(&Script::new(PREFIX_CACHE_LUA.as_str()), &pc(&["j1"], 0, 600, 0.0, &["b", "a"]));
     assert_eq!(pick(&f).0, "b");
 }
 

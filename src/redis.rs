@@ -6,13 +6,14 @@
 //! one script call touches one slot):
 //! * `higress:ai-lb:{<route>|<cluster>}:inflight`   hash: host -> in-flight requests
 //! * `higress:ai-lb:{<route>|<cluster>}:last_clean` unix seconds of the last cleanup
+//! * `higress:ai-lb:{<route>|<cluster>}:last_recount` Redis ms time of the last recount
 //! * `higress:ai-lb:{<route>|<cluster>}:pfx:<40 upper-case hex>` prefix chain key -> host (TTL)
 //! * `higress:ai-lb:{<route>|<cluster>}:owners`     sorted set: owner (one plugin VM) -> lease
 //!   expiry (ms, Redis clock)
 //! * `higress:ai-lb:{<route>|<cluster>}:own:<owner>` hash: `<request>` (hex) -> host of each
-//!   admitted pick of that owner not released yet (an empty value is the tombstone of an abandoned
-//!   pick), and the marker `~` (empty) from the owner's registration on. Deleted, and its picks
-//!   subtracted, once the owner's lease runs out.
+//!   admitted pick of that owner not released yet (`#` and a Redis time in ms is the tombstone of
+//!   an abandoned pick), and the marker `~` (empty) from the owner's registration on. Deleted, and
+//!   its picks subtracted, once the owner's lease runs out.
 //!
 //! The scripts get only the in-flight key and derive the others from it (same hash tag, one slot).
 //!
@@ -23,20 +24,35 @@ use crate::config::RedisConfig;
 use crate::host::{Host, HostError, LogLevel, RedisInit};
 use redis_protocol::resp2::types::{OwnedFrame, Resp2Frame};
 use sha1::{Digest, Sha1};
+use std::sync::LazyLock;
 
 pub use redis_protocol::resp2::types::OwnedFrame as Frame;
 
-/// The global least-request script: written out flat after the prelude, without the shared
-/// functions (see its header).
-pub const LEAST_REQUEST_LUA: &str =
-    concat!(include_str!("lua/prelude.lua"), include_str!("lua/least_request.lua"));
-/// The prefix-cache script (after the shared functions and the lease prelude).
-pub const PREFIX_CACHE_LUA: &str = concat!(
-    include_str!("lua/prelude.lua"),
-    include_str!("lua/shared.lua"),
-    include_str!("lua/lease.lua"),
-    include_str!("lua/prefix_cache.lua")
-);
+/// The first lines of every script: the key names derived from KEYS[1], effects replication, the
+/// owner hash's marker.
+const PRELUDE_LUA: &str = include_str!("lua/prelude.lua");
+/// The lease steps of a pick, spliced in where a pick script's `--@settle` and `--@commit` lines
+/// stand: the pick scripts are written out flat, without functions, as Redis runs a script's whole
+/// body (and makes each function it defines anew) at every call.
+const PICK_SETTLE_LUA: &str = include_str!("lua/pick_settle.lua");
+const PICK_COMMIT_LUA: &str = include_str!("lua/pick_commit.lua");
+
+/// A pick script: the prelude, then the policy's script with the lease steps spliced in.
+fn pick_script(policy: &str) -> String {
+    let body = policy.replacen("--@settle\n", PICK_SETTLE_LUA, 1).replacen(
+        "--@commit\n",
+        PICK_COMMIT_LUA,
+        1,
+    );
+    format!("{PRELUDE_LUA}{body}")
+}
+
+/// The global least-request pick.
+pub static LEAST_REQUEST_LUA: LazyLock<String> =
+    LazyLock::new(|| pick_script(include_str!("lua/least_request.lua")));
+/// The prefix-cache pick.
+pub static PREFIX_CACHE_LUA: LazyLock<String> =
+    LazyLock::new(|| pick_script(include_str!("lua/prefix_cache.lua")));
 /// The release script (the `-1` at stream end, and the cancel of an abandoned pick).
 pub const RELEASE_LUA: &str = concat!(
     include_str!("lua/prelude.lua"),

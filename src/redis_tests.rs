@@ -46,7 +46,7 @@ fn script_sha_is_sha1_of_source() {
     // What Redis names a script: the lower-case hex SHA-1 of its source (vector from Python's
     // hashlib.sha1(b"return 1")).
     assert_eq!(Script::new("return 1").sha, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db");
-    let s = Script::new(LEAST_REQUEST_LUA);
+    let s = Script::new(LEAST_REQUEST_LUA.as_str());
     let cmd = s.command(&["k1".into()], &["a".into()], false);
     let f = decode_reply(&cmd).unwrap();
     let Frame::Array(parts) = f else { panic!("not an array") };
@@ -55,7 +55,7 @@ fn script_sha_is_sha1_of_source() {
     assert_eq!(parts[2], Frame::BulkString(b"1".to_vec()));
     let eval = decode_reply(&s.command(&["k1".into()], &[], true)).unwrap();
     let Frame::Array(parts) = eval else { panic!("not an array") };
-    assert_eq!(parts[1], Frame::BulkString(LEAST_REQUEST_LUA.as_bytes().to_vec()));
+    assert_eq!(parts[1], Frame::BulkString(LEAST_REQUEST_LUA.as_str().as_bytes().to_vec()));
 }
 
 #[test]
@@ -123,4 +123,21 @@ fn failed_init_is_retried_after_a_while_not_on_every_request() {
     assert!(c.call(&mut host, b"*1\r\n$4\r\nPING\r\n").is_ok());
     assert_eq!(host.redis_inits.len(), 2);
     assert_eq!(host.redis_inits[1].timeout_ms, 50);
+}
+
+#[test]
+fn pick_scripts_have_the_lease_steps_spliced_in_once_and_define_at_most_one_function() {
+    for (name, script, functions) in
+        [("least_request", &*LEAST_REQUEST_LUA, 0), ("prefix_cache", &*PREFIX_CACHE_LUA, 1)]
+    {
+        assert!(script.starts_with(PRELUDE_LUA), "{name}: the prelude first");
+        assert_eq!(script.matches(PICK_SETTLE_LUA).count(), 1, "{name}: pick_settle.lua once");
+        assert_eq!(script.matches(PICK_COMMIT_LUA).count(), 1, "{name}: pick_commit.lua once");
+        let marker_left = script.lines().any(|l| l.trim_start().starts_with("--@"));
+        assert!(!marker_left, "{name}: a marker line left in");
+        // Redis makes each function a script defines anew at every call (see pick_settle.lua).
+        let code = script.lines().filter(|l| !l.trim_start().starts_with("--"));
+        let defined: usize = code.map(|l| l.matches("function").count()).sum();
+        assert_eq!(defined, functions, "{name}: functions defined");
+    }
 }

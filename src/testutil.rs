@@ -110,8 +110,8 @@ pub fn releases(host: &FakeHost) -> Vec<ReleaseSent> {
             if let Some(id) = args.get(2) {
                 out.push(one(id, true, &args[0]));
             }
-        } else if runs(&c, crate::redis::LEAST_REQUEST_LUA)
-            || runs(&c, crate::redis::PREFIX_CACHE_LUA)
+        } else if runs(&c, crate::redis::LEAST_REQUEST_LUA.as_str())
+            || runs(&c, crate::redis::PREFIX_CACHE_LUA.as_str())
         {
             for e in args[3].split(',').skip(1) {
                 out.push(one(e.split('=').next().unwrap_or_default(), false, &args[2]));

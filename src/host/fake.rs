@@ -156,6 +156,10 @@ impl Host for FakeHost {
     fn now_nanos(&self) -> u64 {
         self.now
     }
+    fn unix_seconds(&self) -> u64 {
+        // `now` starts at a unix time (2023-11-14), so one clock serves as both.
+        self.now / 1_000_000_000
+    }
     fn random_u64(&mut self) -> u64 {
         // xorshift64*: deterministic given the seed, good enough for tie-break statistics.
         let mut x = self.rng.max(1);

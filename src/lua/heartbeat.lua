@@ -19,7 +19,7 @@ reap(now)
 -- (Redis Cluster) a release ran where the record had not arrived yet. Every release is sent before
 -- this heartbeat on the same connection or is listed, and the owner's next picks come after it, so
 -- what is released here was released by nobody else and never will be: exactly once still. Counts
--- go down before the records go (see MARKER in shared.lua).
+-- go down before the records go (see MARKER in prelude.lua).
 -- A tombstone the VM no longer lists goes once it is a lease old (one without a time, written
 -- before tombstones had one, at once): its pick, if Redis runs it at all, runs within moments of the
 -- cancel that wrote it (both were sent before the VM forgot the id), and should one come later

@@ -1,35 +1,40 @@
--- ai-load-balancer: prefix-cache pick, one round trip (after lease.lua). Chain values are
+-- ai-load-balancer: prefix-cache pick, one round trip (after prelude.lua; the lease steps of
+-- pick_settle.lua and pick_commit.lua stand where `--@settle` and `--@commit` do). Chain values are
 -- computed by the plugin; their keys are `<base>pfx:<hex>`; a key's value is its holder, or with
 -- `loadAware` up to `maxHolders` holders joined by ',', then '@' and the time it was written
--- (Redis's clock, s). A matched key is written again (new time, full TTL) only once an eighth of
--- its TTL has passed since it was written: a key lives at least 7/8 of `redisKeyTTL` after its
--- last use, and a hit does not pay one write per matched block (a value without a time, as an
--- older version wrote it, counts as written long ago).
--- ARGV[5]  key TTL (s)   ARGV[6] hit load factor (0 = off)
--- ARGV[7]  K = number of chain values (key_i = key_{i-1} XOR sha1(block_i)), value = host
--- ARGV[8 .. 7+K]  the chain values, upper-case hex, shortest prefix first
--- ARGV[8+K]  N = number of healthy candidates
--- ARGV[9+K .. 8+K+N]  healthy hosts, shuffled by the plugin (first minimum wins => random among ties)
+-- (unix s, the writing gateway's clock). A matched key is written again (new time, full TTL) only
+-- once an eighth of its TTL has passed since it was written: a key lives at least 7/8 of
+-- `redisKeyTTL` after its last use, and a hit does not pay one write per matched block (a value
+-- without a time, as an older version wrote it, counts as written long ago). The time comes from
+-- the gateway, not Redis's TIME, which cost a pick about 4 us (bench/HISTORY.md, "Flat prefix-cache
+-- picks"); clocks skewed by less than an eighth of the TTL (225 s by default) only move a refresh,
+-- and past that a key in use can expire early: one miss, whose pick writes it again.
+-- KEYS[1]  in-flight hash of this route+cluster: host -> in-flight requests over the live owners
+-- ARGV[1 .. 4]  max in-flight, lease, owner, this request's id and the carried releases
+--               (pick_settle.lua)
+-- ARGV[5]  key TTL (s)   ARGV[6] now (unix s)   ARGV[7] hit load factor (0 = off)
+-- ARGV[8]  K = number of chain values (key_i = key_{i-1} XOR sha1(block_i)), value = host
+-- ARGV[9 .. 8+K]  the chain values, upper-case hex, shortest prefix first
+-- ARGV[9+K]  N = number of healthy candidates
+-- ARGV[10+K .. 9+K+N]  healthy hosts, shuffled by the plugin (first minimum wins => random among
+--                      ties)
 -- Only with `loadAware` and fresh metrics for every healthy host (absent otherwise):
--- ARGV[9+K+N]  in-flight gap   ARGV[10+K+N] ratio   ARGV[11+K+N] max holders per key
--- ARGV[12+K+N]  one character per healthy host, '1' = overloaded by its queue or KV-cache use
--- ARGV[13+K+N .. 12+K+2N]  per healthy host, queue + weighted KV-cache use (added to in-flight)
--- ARGV[13+K+2N]  (`divertPrefixBytes` on) what a diverted hit gives up, in requests, by matched
+-- ARGV[10+K+N]  in-flight gap   ARGV[11+K+N] ratio   ARGV[12+K+N] max holders per key
+-- ARGV[13+K+N]  one character per healthy host, '1' = overloaded by its queue or KV-cache use
+-- ARGV[14+K+N .. 13+K+2N]  per healthy host, queue + weighted KV-cache use (added to in-flight)
+-- ARGV[14+K+2N]  (`divertPrefixBytes` on) what a diverted hit gives up, in requests, by matched
 --                length: `{length}:{cost}` where the cost rises, joined by ',' ('' = all 0)
 -- Returns {host, in-flight after the pick, admitted 1|0, matched blocks, diverted 1|0, holder
 -- added 1|0} (diverted: a prefix was found but its pod was too loaded, so the least loaded pod
--- was chosen instead; holder added: that pod now holds the matched prefix too).
+-- was chosen instead; holder added: that pod now holds the matched prefix too); {'', 0, 0, 0, 0, 0}:
+-- no candidate, or a tombstone was there (see pick_commit.lua).
+local maxc = tonumber(ARGV[1]) or 0
 local ttl = tonumber(ARGV[5]) or 1800
-local factor = tonumber(ARGV[6]) or 0
-local nk = tonumber(ARGV[7]) or 0
-local chain = {}
-for i = 1, nk do chain[i] = base .. 'pfx:' .. ARGV[7 + i] end
-local first = 9 + nk
-local n = tonumber(ARGV[8 + nk]) or 0
-if n < 1 then
-  commit(nil)
-  return {'', 0, 0, 0, 0, 0}
-end
+local now = tonumber(ARGV[6]) or 0
+local factor = tonumber(ARGV[7]) or 0
+local nk = tonumber(ARGV[8]) or 0
+local first = 10 + nk
+local n = tonumber(ARGV[9 + nk]) or 0
 local idx = {}
 for i = 1, n do idx[ARGV[first - 1 + i]] = i end
 local la = ARGV[first + n] ~= nil
@@ -41,14 +46,8 @@ if la then
   flags = ARGV[first + n + 3] or ''
 end
 
--- A key's value split into its holders and the time it was written (0 when absent).
-local function split(v)
-  local at = string.find(v, '@', 1, true)
-  if not at then return v, 0 end
-  return string.sub(v, 1, at - 1), tonumber(string.sub(v, at + 1)) or 0
-end
-
--- A key's healthy holders (`v`: its holders part), or nil.
+-- A key's healthy holders (`v`: its holders part), or nil. The one function the script defines:
+-- the match and a diverted hit's new holder both need it.
 local function live(v)
   if idx[v] then return {v} end
   if not string.find(v, ',', 1, true) then return nil end
@@ -60,16 +59,23 @@ end
 
 -- Longest present prefix of the chain, then the longest part of it with a healthy holder. Keys past
 -- that point name gone/unhealthy hosts: they are re-homed below (same key, new host), so the chain
--- stays aligned.
-local matched, held, vals, written = 0, nil, nil, {}
-if nk > 0 then
+-- stays aligned. Each value is split into its holders (`vals`) and the time it was written
+-- (`written`, 0 when absent).
+local chain, matched, held, vals, written = {}, 0, nil, {}, {}
+if nk > 0 and n > 0 then
+  for i = 1, nk do chain[i] = base .. 'pfx:' .. ARGV[8 + i] end
   vals = redis.call('MGET', unpack(chain))
-  for i = 1, nk do
-    if vals[i] then vals[i], written[i] = split(vals[i]) end
-  end
   local present = 0
   for i = 1, nk do
-    if vals[i] then present = i else break end
+    local v = vals[i]
+    if not v then break end
+    present = i
+    local at = string.find(v, '@', 1, true)
+    if at then
+      vals[i], written[i] = string.sub(v, 1, at - 1), tonumber(string.sub(v, at + 1)) or 0
+    else
+      written[i] = 0
+    end
   end
   for i = present, 1, -1 do
     local hs = live(vals[i])
@@ -80,16 +86,16 @@ if nk > 0 then
     end
   end
 end
-
--- Each host's load: in flight, plus (loadAware) its queue and KV pressure. The least loaded host
--- (the miss path, and where a diverted hit goes), and the least loaded holder (the target).
-counts = all_counts()
-settle()
+--@settle
+-- Each host's load: in flight (once the carried releases are applied; a count below 0 counts as
+-- 0), plus (loadAware) its queue and KV pressure. The least loaded host (the miss path, and where a
+-- diverted hit goes), and the least loaded holder (the target).
 local least, leasts, lc, minc = nil, nil, 0, nil
 local target, targets, targetc, ti = nil, nil, 0, 0
 for i = 1, n do
   local h = ARGV[first - 1 + i]
-  local c = read_count(h)
+  local c = (tonumber(counts[h]) or 0) - (down[h] or 0)
+  if c < 0 then c = 0 end
   local s = c
   if la then s = c + (tonumber(ARGV[first + n + 3 + i]) or 0) end
   if leasts == nil or s < leasts then least, leasts, lc = h, s, c end
@@ -99,11 +105,11 @@ for i = 1, n do
   end
 end
 
-local chosen = least
+local chosen, chosenc = least, lc
 if target ~= nil then
-  chosen = target
+  chosen, chosenc = target, targetc
   -- Load guard (ours): a hot prefix must not pile every request onto one pod.
-  if factor > 0 and targetc > factor * (minc + 1) then chosen = least end
+  if factor > 0 and targetc > factor * (minc + 1) then chosen, chosenc = least, lc end
   -- loadAware: overloaded by its metrics, or by in-flight past both the gap and the ratio over the
   -- pod a diverted request would go to (the least loaded by the combined signal). Not over the pod
   -- with the fewest in flight: a pod that has few only because its queue, KV use or slowness keeps
@@ -120,52 +126,50 @@ if target ~= nil then
         cost = tonumber(c) or 0
       end
     end
-    if costs == nil or leasts + cost < targets then chosen = least end
+    if costs == nil or leasts + cost < targets then chosen, chosenc = least, lc end
   end
 end
-local function diverted() if target ~= nil and chosen ~= target then return 1 end return 0 end
-
-local after = read_count(chosen) + 1
-if maxc > 0 and after > maxc then
-  -- over maxRequestCount: the least loaded host instead, or a 429 (no +1)
-  if chosen ~= least then
-    chosen = least
-    after = lc + 1
-  end
-  if after > maxc then
-    commit(nil)
-    return {chosen, after, 0, matched, diverted(), 0}
-  end
+-- Over maxRequestCount: the least loaded host instead, or a 429 (no +1).
+local after = chosenc + 1
+if chosen and maxc > 0 and after > maxc then chosen, after = least, lc + 1 end
+local diverted = 0
+if target ~= nil and chosen ~= target then diverted = 1 end
+local pick, reply = nil, {'', 0, 0, 0, 0, 0}
+if chosen and maxc > 0 and after > maxc then
+  reply = {chosen, after, 0, matched, diverted, 0}
+elseif chosen then
+  pick = chosen
 end
-if not commit(chosen) then return {'', 0, 0, 0, 0, 0} end
-
--- Matched keys still name a healthy host that holds that prefix: refresh them. The rest of the
--- chain (new blocks, and keys that named a gone/unhealthy host) now belongs to the chosen host.
--- loadAware, a diverted hit: the chosen host becomes one more holder of the matched keys, while a
--- key has fewer than `maxHolders` (holders are only added, never swapped for others while the key
--- lives, so a key cannot flip between pods; a full key keeps its holders until it expires).
-local added = 0
-local grow = la and diverted() == 1
-local now = nk > 0 and math.floor(now_ms() / 1000) or 0
-local stamp = '@' .. now
-local fresh = ttl / 8
-for i = 1, nk do
-  local k = chain[i]
-  if i <= matched then
-    local hs = grow and live(vals[i]) or nil
-    local has = false
-    for _, h in ipairs(hs or {}) do if h == chosen then has = true end end
-    if grow and hs == nil then
+--@commit
+if admitted then
+  -- Matched keys still name a healthy host that holds that prefix: refresh them. The rest of the
+  -- chain (new blocks, and keys that named a gone/unhealthy host) now belongs to the chosen host.
+  -- loadAware, a diverted hit: the chosen host becomes one more holder of the matched keys, while a
+  -- key has fewer than `maxHolders` (holders are only added, never swapped for others while the key
+  -- lives, so a key cannot flip between pods; a full key keeps its holders until it expires).
+  local added = 0
+  local grow = la and diverted == 1
+  local stamp = '@' .. now
+  local fresh = ttl / 8
+  for i = 1, nk do
+    local k = chain[i]
+    if i <= matched then
+      local hs = grow and live(vals[i]) or nil
+      local has = false
+      for _, h in ipairs(hs or {}) do if h == chosen then has = true end end
+      if grow and hs == nil then
+        redis.call('SET', k, chosen .. stamp, 'EX', ttl)
+      elseif grow and not has and #hs < maxh then
+        hs[#hs + 1] = chosen
+        redis.call('SET', k, table.concat(hs, ',') .. stamp, 'EX', ttl)
+        if i == matched then added = 1 end
+      elseif now - written[i] >= fresh then
+        redis.call('SET', k, vals[i] .. stamp, 'EX', ttl)
+      end
+    else
       redis.call('SET', k, chosen .. stamp, 'EX', ttl)
-    elseif grow and not has and #hs < maxh then
-      hs[#hs + 1] = chosen
-      redis.call('SET', k, table.concat(hs, ',') .. stamp, 'EX', ttl)
-      if i == matched then added = 1 end
-    elseif now - written[i] >= fresh then
-      redis.call('SET', k, vals[i] .. stamp, 'EX', ttl)
     end
-  else
-    redis.call('SET', k, chosen .. stamp, 'EX', ttl)
   end
+  reply = {chosen, after, 1, matched, diverted, added}
 end
-return {chosen, after, 1, matched, diverted(), added}
+return reply

@@ -1,4 +1,4 @@
--- ai-load-balancer: the first lines of every script (then shared.lua, except in least_request.lua).
+-- ai-load-balancer: the first lines of every script (then shared.lua, except in the pick scripts).
 -- Every key of a route+cluster shares one hash tag, so the scripts derive them from the in-flight
 -- hash key they are given (KEYS[1] = `<base>inflight`): `<base>owners`, `<base>own:<owner>`,
 -- `<base>pfx:<hex>`, `<base>last_clean`, `<base>last_recount`. One slot, and far fewer bytes per

@@ -21,7 +21,7 @@ impl GlobalLeastRequest {
     /// Creates the policy from its config.
     pub fn new(config: GlobalLeastRequestConfig) -> Self {
         GlobalLeastRequest {
-            picker: Picker::new(config, redis::LEAST_REQUEST_LUA, "global_least_request"),
+            picker: Picker::new(config, redis::LEAST_REQUEST_LUA.as_str(), "global_least_request"),
         }
     }
 }

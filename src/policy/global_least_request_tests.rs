@@ -58,7 +58,7 @@ fn picks_in_headers_phase_and_routes_to_the_script_choice() {
     assert_eq!(host.redis_calls.len(), 1);
     let cmd = command(&host, 0);
     assert_eq!(cmd[0], "EVALSHA");
-    assert_eq!(cmd[1], crate::redis::sha1_hex_lower(LEAST_REQUEST_LUA.as_bytes()));
+    assert_eq!(cmd[1], crate::redis::sha1_hex_lower(LEAST_REQUEST_LUA.as_str().as_bytes()));
     let (keys, args) = keys_args(&cmd);
     assert_eq!(keys, vec![inflight_key("r1", CLUSTER)], "the scripts derive the other keys");
     assert_eq!(args[0], "10", "maxRequestCount");
@@ -178,7 +178,7 @@ fn noscript_falls_back_to_eval_then_routes() {
     assert_eq!(host.resumes, 0, "still waiting for the EVAL");
     let cmd = command(&host, 1);
     assert_eq!(cmd[0], "EVAL");
-    assert_eq!(cmd[1], LEAST_REQUEST_LUA);
+    assert_eq!(cmd[1], LEAST_REQUEST_LUA.as_str());
     assert_eq!(keys_args(&cmd), keys_args(&command(&host, 0)), "same keys and args");
     let t2 = host.last_redis_token().unwrap();
     deliver(&mut f, &mut host, t2, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));

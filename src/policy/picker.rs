@@ -202,6 +202,8 @@ pub enum PickKind {
         chain: Vec<String>,
         /// `redisKeyTTL`.
         ttl_s: u64,
+        /// The gateway's wall clock (unix s): the time written keys are stamped with.
+        now_s: u64,
         /// `hitLoadFactor`.
         hit_load_factor: f64,
         /// `loadAware`: `None` when off; [`Picker::start`] fills in the pods' loads, or sets
@@ -230,7 +232,7 @@ pub struct LoadAware {
 }
 
 /// One pick script call, typed. [`PickCall::keys_args`] is the one place that writes KEYS and ARGV
-/// in the order the scripts' headers (`lua/lease.lua`, `lua/least_request.lua`,
+/// in the order the scripts' headers (`lua/pick_settle.lua`, `lua/least_request.lua`,
 /// `lua/prefix_cache.lua`) read them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PickCall {
@@ -271,9 +273,10 @@ impl PickCall {
             ids,
         ];
         match &self.kind {
-            PickKind::Prefix { chain, ttl_s, hit_load_factor, load } => {
-                args.reserve(4 + chain.len() + self.healthy.len());
+            PickKind::Prefix { chain, ttl_s, now_s, hit_load_factor, load } => {
+                args.reserve(5 + chain.len() + self.healthy.len());
                 args.push(ttl_s.to_string());
+                args.push(now_s.to_string());
                 args.push(format!("{hit_load_factor}"));
                 args.push(chain.len().to_string());
                 args.extend(chain.iter().cloned());

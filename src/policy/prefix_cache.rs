@@ -526,7 +526,7 @@ impl PrefixCache {
         PrefixCache {
             picker: Picker::new(
                 config.least_request.clone(),
-                redis::PREFIX_CACHE_LUA,
+                redis::PREFIX_CACHE_LUA.as_str(),
                 "prefix_cache",
             ),
             // Timed only when the latency signal is used.
@@ -566,6 +566,7 @@ impl PrefixCache {
         let kind = PickKind::Prefix {
             chain: chain.to_vec(),
             ttl_s: self.config.redis_key_ttl_s,
+            now_s: host.unix_seconds(),
             hit_load_factor: self.config.hit_load_factor,
             load: self.config.load_aware.as_ref().map(|config| {
                 Box::new(LoadAware {

@@ -196,15 +196,17 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     );
     assert_eq!(host.redis_calls.len(), 1, "one round trip");
     let cmd = command(&host, 0);
-    assert_eq!(cmd[1], crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_bytes()));
+    assert_eq!(cmd[1], crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_str().as_bytes()));
     let (keys, args) = keys_args(&cmd);
     let expected_chain = chain(&blocks_from_body(CHAT.as_bytes(), false).unwrap());
     assert_eq!(keys, vec![inflight_key("r1", CLUSTER)]);
     assert_eq!(args[4], "600", "redisKeyTTL");
-    assert_eq!(args[5], "2", "hitLoadFactor");
-    assert_eq!(args[6], expected_chain.len().to_string(), "chain length");
-    assert_eq!(args[7..7 + expected_chain.len()], expected_chain[..]);
-    assert_eq!(args[7 + expected_chain.len()], "2", "healthy count");
+    assert_eq!(args[5], host.unix_seconds().to_string(), "the gateway's clock");
+    assert_eq!(args[6], "2", "hitLoadFactor");
+    assert_eq!(args[CHAIN_LEN_AT], expected_chain.len().to_string(), "chain length");
+    let chain_at = CHAIN_LEN_AT + 1;
+    assert_eq!(args[chain_at..chain_at + expected_chain.len()], expected_chain[..]);
+    assert_eq!(args[chain_at + expected_chain.len()], "2", "healthy count");
     let t = host.last_redis_token().unwrap();
     deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.2:8000", 3, true, Some(2))));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
@@ -245,7 +247,7 @@ fn bodiless_request_is_a_least_request_pick_in_the_headers_phase() {
     let (mut f, mut host) = setup(&cfg(r#","decisionHeader":"x-ai-lb-decision""#));
     assert_eq!(f.on_request_headers(&mut host, 7, true), HeaderAction::StopIteration);
     let (_, args) = keys_args(&command(&host, 0));
-    assert_eq!(args[6], "0", "no prefix keys");
+    assert_eq!(args[CHAIN_LEN_AT], "0", "no prefix keys");
     let t = host.last_redis_token().unwrap();
     deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
     assert_eq!(host.resumes, 1);
@@ -270,7 +272,7 @@ fn an_empty_body_is_a_request_without_a_prompt_not_a_bad_body() {
     let n = host.request_body.len();
     assert_eq!(f.on_request_body(&mut host, 7, n, true), DataAction::StopIterationAndBuffer);
     let (_, args) = keys_args(&command(&host, 0));
-    assert_eq!(args[6], "0", "no prefix keys");
+    assert_eq!(args[CHAIN_LEN_AT], "0", "no prefix keys");
     let t = host.last_redis_token().unwrap();
     deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, Some(0))));
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.1:8000"));
@@ -346,7 +348,7 @@ fn split_system_prompt_gives_shared_system_prompts_a_shared_first_key() {
     host.request_body = a.as_bytes().to_vec();
     f.on_request_body(&mut host, 7, a.len(), true);
     let (_, args) = keys_args(&command(&host, 0));
-    assert_eq!(args[6], "2", "two prefix keys");
+    assert_eq!(args[CHAIN_LEN_AT], "2", "two prefix keys");
 }
 
 #[test]
@@ -450,14 +452,18 @@ fn odd_message_shapes_read_as_a_parsed_object_would() {
     assert_eq!(blocks(r#""just a string""#), None);
 }
 
+/// Where the chain's length stands in a prefix pick's ARGV (0-based; `lua/prefix_cache.lua`'s
+/// ARGV[8]): the chain values follow it, then the healthy count and hosts.
+const CHAIN_LEN_AT: usize = 7;
+
 /// The load arguments of pick `n` (after the healthy hosts), as (host, overloaded, penalty) per
 /// host, with the in-flight gap, ratio and max holders; `None` when the call carries none.
 #[allow(clippy::type_complexity)]
 fn load_args_of(host: &FakeHost, n: usize) -> Option<(Vec<String>, Vec<(String, bool, u32)>)> {
     let (_, args) = keys_args(&command(host, n));
-    let k: usize = args[6].parse().unwrap();
-    let hosts_at = 8 + k;
-    let nh: usize = args[7 + k].parse().unwrap();
+    let k: usize = args[CHAIN_LEN_AT].parse().unwrap();
+    let hosts_at = CHAIN_LEN_AT + 2 + k;
+    let nh: usize = args[CHAIN_LEN_AT + 1 + k].parse().unwrap();
     let healthy = &args[hosts_at..hosts_at + nh];
     let rest = &args[hosts_at + nh..];
     if rest.is_empty() {
@@ -479,9 +485,9 @@ fn load_args_of(host: &FakeHost, n: usize) -> Option<(Vec<String>, Vec<(String, 
 /// The divert costs argument of call `n` (after the penalties), if sent.
 fn divert_costs_of(host: &FakeHost, n: usize) -> Option<String> {
     let (_, args) = keys_args(&command(host, n));
-    let k: usize = args[6].parse().unwrap();
-    let nh: usize = args[7 + k].parse().unwrap();
-    args.get(8 + k + nh + 4 + nh).cloned()
+    let k: usize = args[CHAIN_LEN_AT].parse().unwrap();
+    let nh: usize = args[CHAIN_LEN_AT + 1 + k].parse().unwrap();
+    args.get(CHAIN_LEN_AT + 2 + k + nh + 4 + nh).cloned()
 }
 
 fn send_chat(f: &mut Filter, host: &mut FakeHost, ctx: u32) {
@@ -775,7 +781,7 @@ fn load_aware_with_scraped_metrics_uses_them_while_fresh_and_not_once_stale() {
     let (mut f, mut host) = setup(&cfg(
         r#","loadAware":true,"scrapeCluster":"pods-original-dst","scrapeIntervalMs":500"#,
     ));
-    let sha = crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_bytes());
+    let sha = crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_str().as_bytes());
     let picks = |host: &FakeHost| -> Vec<usize> {
         (0..host.redis_calls.len()).filter(|&i| command(host, i)[1] == sha).collect()
     };

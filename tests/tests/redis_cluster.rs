@@ -315,7 +315,8 @@ async fn a_pick_carrying_its_owners_last_record_on_a_migrating_slot_keeps_counts
     };
     let eval = |call: PickCall| {
         let (k, a) = call.keys_args();
-        let mut cmd = vec!["EVAL".to_string(), LEAST_REQUEST_LUA.to_string(), k.len().to_string()];
+        let mut cmd =
+            vec!["EVAL".to_string(), LEAST_REQUEST_LUA.as_str().to_string(), k.len().to_string()];
         cmd.extend(k);
         cmd.extend(a);
         cmd

@@ -42,8 +42,8 @@ use ai_load_balancer::metrics::PodMetrics;
 use ai_load_balancer::policy::load::load_args;
 use ai_load_balancer::policy::picker::{LoadAware, PickCall, PickKind, ReleaseCall, StateKeys};
 use ai_load_balancer::redis::{
-    decode_reply, encode_command, is_noscript, Frame, Script, LEAST_REQUEST_LUA, PREFIX_CACHE_LUA,
-    RELEASE_LUA,
+    decode_reply, encode_command, is_noscript, prefix_key, Frame, Script, LEAST_REQUEST_LUA,
+    PREFIX_CACHE_LUA, RELEASE_LUA,
 };
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -64,6 +64,7 @@ const BASELINE_LUA: &str = "return 1";
 const GO_LEAST_REQUEST_LUA: &str = include_str!("go_like/least_request.lua");
 const GO_PREFIX_CACHE_LUA: &str = include_str!("go_like/prefix_cache.lua");
 const LEAST_REQUEST_MINIMUM_LUA: &str = include_str!("least_request_minimum.lua");
+const PREFIX_CACHE_MINIMUM_LUA: &str = include_str!("prefix_cache_minimum.lua");
 
 /// One case's figures per routed request.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -282,6 +283,10 @@ enum Case {
     /// top-level `HINCRBY -1` (no lease or record: none of the plugin's guarantees).
     LeastRequestMinimum,
     LeastRequest,
+    /// The least a shared prefix-cache pick can cost: `MGET` of the chain, `HGETALL`, `HINCRBY`,
+    /// `SET` of the new blocks, released by a top-level `HINCRBY -1` (no lease, record, refresh or
+    /// load guard).
+    PrefixCacheMinimum,
     PrefixCache,
     /// `prefix_cache` with `loadAware`: each pod's overload flag and penalty (queue + KV) sent.
     PrefixCacheLoadAware,
@@ -295,6 +300,7 @@ impl Case {
             Case::Baseline => "EVALSHA return 1 (floor)",
             Case::LeastRequestMinimum => "least-request minimum: HGETALL + HINCRBY",
             Case::LeastRequest => "global_least_request",
+            Case::PrefixCacheMinimum => "prefix-cache minimum: MGET + HGETALL + HINCRBY + SET",
             Case::PrefixCache => "prefix_cache",
             Case::PrefixCacheLoadAware => "prefix_cache loadAware",
             Case::GoLeastRequest => "Go plugin's global_least_request",
@@ -362,6 +368,10 @@ fn pick_call(
     kind: Case,
 ) -> PickCall {
     let owner_id = format!("{:012x}", 0x5eed_0000 + owner);
+    // The gateway's clock, as the plugin stamps prefix keys with it.
+    let now_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     PickCall {
         keys: StateKeys::new(ROUTE, CLUSTER, &owner_id),
         max_inflight: 0,
@@ -374,6 +384,7 @@ fn pick_call(
             Case::PrefixCache => PickKind::Prefix {
                 chain: chain.to_vec(),
                 ttl_s: 1800,
+                now_s,
                 hit_load_factor: 0.0,
                 load: None,
             },
@@ -395,6 +406,7 @@ fn pick_call(
                 PickKind::Prefix {
                     chain: chain.to_vec(),
                     ttl_s: 1800,
+                    now_s,
                     hit_load_factor: 0.0,
                     load: Some(Box::new(LoadAware {
                         config,
@@ -424,9 +436,10 @@ async fn run_case(case: Case, n: u64, pods: usize, clients: usize) -> Result<Cos
     let redis = Redis::start().await?;
     let addr = redis.addr.clone();
     let pick = Script::new(match case {
-        Case::PrefixCache | Case::PrefixCacheLoadAware => PREFIX_CACHE_LUA,
+        Case::PrefixCache | Case::PrefixCacheLoadAware => &PREFIX_CACHE_LUA,
         Case::LeastRequestMinimum => LEAST_REQUEST_MINIMUM_LUA,
-        _ => LEAST_REQUEST_LUA,
+        Case::PrefixCacheMinimum => PREFIX_CACHE_MINIMUM_LUA,
+        _ => &LEAST_REQUEST_LUA,
     });
     let release = Script::new(RELEASE_LUA);
     let baseline = Script::new(BASELINE_LUA);
@@ -553,6 +566,18 @@ fn drive(addr: &str, case: Case, pods: usize, scripts: &Scripts, client: Client)
                 let [hash_key] = keys;
                 Pending::PlainRelease { hash_key, host }
             }
+            Case::PrefixCacheMinimum => {
+                let hash_key = StateKeys::new(ROUTE, CLUSTER, "").inflight;
+                let mut keys = vec![hash_key.clone()];
+                keys.extend(chat.iter().map(|block| prefix_key(ROUTE, CLUSTER, block)));
+                let mut args = vec!["1800".to_string()];
+                args.extend(healthy(&mut rng, pods));
+                let host = match conn.script(scripts.pick, &keys, &args)? {
+                    Frame::BulkString(h) => String::from_utf8_lossy(&h).into_owned(),
+                    other => bail!("unexpected minimum pick reply {other:?}"),
+                };
+                Pending::PlainRelease { hash_key, host }
+            }
             _ => {
                 let req = requests.get_mut(owner).map(|r| {
                     *r += 1;
@@ -639,6 +664,7 @@ pub async fn measure(n: u64, reps: usize, pods: usize, clients: usize) -> Result
         Case::Baseline,
         Case::LeastRequestMinimum,
         Case::LeastRequest,
+        Case::PrefixCacheMinimum,
         Case::PrefixCache,
         Case::PrefixCacheLoadAware,
         Case::GoLeastRequest,
