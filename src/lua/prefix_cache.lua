@@ -152,22 +152,28 @@ if admitted then
   local stamp = '@' .. now
   local fresh = ttl / 8
   for i = 1, nk do
-    local k = chain[i]
-    if i <= matched then
-      local hs = grow and live(vals[i]) or nil
-      local has = false
-      for _, h in ipairs(hs or {}) do if h == chosen then has = true end end
-      if grow and hs == nil then
-        redis.call('SET', k, chosen .. stamp, 'EX', ttl)
-      elseif grow and not has and #hs < maxh then
-        hs[#hs + 1] = chosen
-        redis.call('SET', k, table.concat(hs, ',') .. stamp, 'EX', ttl)
-        if i == matched then added = 1 end
-      elseif now - written[i] >= fresh then
-        redis.call('SET', k, vals[i] .. stamp, 'EX', ttl)
-      end
+    if i > matched then
+      redis.call('SET', chain[i], chosen .. stamp, 'EX', ttl)
     else
-      redis.call('SET', k, chosen .. stamp, 'EX', ttl)
+      -- The key's holders once a diverted hit adds the chosen host (nil: unchanged).
+      local grown = nil
+      if grow then
+        local hs = live(vals[i])
+        local has = false
+        for _, h in ipairs(hs or {}) do if h == chosen then has = true end end
+        if hs == nil then
+          grown = chosen
+        elseif not has and #hs < maxh then
+          hs[#hs + 1] = chosen
+          grown = table.concat(hs, ',')
+          if i == matched then added = 1 end
+        end
+      end
+      if grown then
+        redis.call('SET', chain[i], grown .. stamp, 'EX', ttl)
+      elseif now - written[i] >= fresh then
+        redis.call('SET', chain[i], vals[i] .. stamp, 'EX', ttl)
+      end
     end
   end
   reply = {chosen, after, 1, matched, diverted, added}
