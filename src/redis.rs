@@ -18,7 +18,7 @@
 //! The scripts get only the in-flight key and derive the others from it (same hash tag, one slot).
 //!
 //! No key that correctness depends on has a TTL (eviction under a `volatile-*` policy would remove
-//! it); only prefix keys and the cleanup time do.
+//! it); only prefix keys do.
 
 use crate::config::RedisConfig;
 use crate::host::{Host, HostError, LogLevel, RedisInit};
