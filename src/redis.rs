@@ -35,6 +35,7 @@ const PRELUDE_LUA: &str = include_str!("lua/prelude.lua");
 /// stand: the pick scripts are written out flat, without functions, as Redis runs a script's whole
 /// body (and makes each function it defines anew) at every call.
 const PICK_SETTLE_LUA: &str = include_str!("lua/pick_settle.lua");
+/// The lease steps' second part (see [`PICK_SETTLE_LUA`]).
 const PICK_COMMIT_LUA: &str = include_str!("lua/pick_commit.lua");
 
 /// A pick script: the prelude, then the policy's script with the lease steps spliced in.

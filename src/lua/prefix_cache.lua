@@ -130,12 +130,15 @@ if target ~= nil then
   end
 end
 -- Over maxRequestCount: the least loaded host instead, or a 429 (no +1).
-local after = chosenc + 1
-if chosen and maxc > 0 and after > maxc then chosen, after = least, lc + 1 end
+local after, over = chosenc + 1, false
+if chosen and maxc > 0 and after > maxc then
+  chosen, after = least, lc + 1
+  over = after > maxc
+end
 local diverted = 0
 if target ~= nil and chosen ~= target then diverted = 1 end
 local pick, reply = nil, {'', 0, 0, 0, 0, 0}
-if chosen and maxc > 0 and after > maxc then
+if over then
   reply = {chosen, after, 0, matched, diverted, 0}
 elseif chosen then
   pick = chosen
