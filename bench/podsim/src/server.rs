@@ -114,9 +114,9 @@ fn scaled(ms: f64, scale: f64) -> Duration {
 /// Blocks the calling thread until `deadline`, late by the kernel's timer slack (tens of µs). The
 /// pods' clock is not tokio's timer, which ends every sleep at its next millisecond tick: at time
 /// scale 0.25 a 5.8 simulated ms step (1.44 real ms) then ended 1.1 or 2.1 real ms after the one
-/// before, so a pod's chunk gaps, the plugin's speed signal, came in two values twice apart, and
-/// equal pods read as one twice as slow as the other (hits diverted for nothing), and every TTFT
-/// gained up to 4 simulated ms per sleep. Only on a thread that nothing else runs on.
+/// before, so a pod's chunk gaps, the plugin's speed signal, came in two values twice apart (equal
+/// pods could read as one twice as slow as the other, and have hits diverted for nothing), and
+/// every TTFT gained up to 4 simulated ms per sleep. Only on a thread that nothing else runs on.
 fn sleep_until_precisely(deadline: Instant) {
     let now = Instant::now();
     if deadline > now {
