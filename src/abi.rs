@@ -199,6 +199,8 @@ pub struct WasmHost;
 
 thread_local! {
     static METRIC_IDS: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
+    /// What the host lists this VM read said about each host, for reading the next one cheaply.
+    static HOST_LISTS: RefCell<crate::pairs::HostListMemo> = RefCell::default();
 }
 
 impl Host for WasmHost {
@@ -293,7 +295,10 @@ impl Host for WasmHost {
     fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>> {
         // SAFETY: out-pointers are valid locals.
         match get_bytes(|p, l| unsafe { sys::proxy_get_upstream_hosts(p, l) }) {
-            Ok(Some(b)) => crate::pairs::parse_upstream_hosts(&b),
+            Ok(Some(b)) => HOST_LISTS.with(|m| match m.try_borrow_mut() {
+                Ok(mut memo) => memo.parse(&b),
+                Err(_) => crate::pairs::parse_upstream_hosts(&b),
+            }),
             // Ok with no data: an empty list (every host gone) — the policies pass through.
             Ok(None) => Some(Vec::new()),
             Err(_) => None,

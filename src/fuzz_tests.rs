@@ -135,7 +135,7 @@ fn prometheus_target(text: &[u8]) {
                 .map(|a| UpstreamHost {
                     address: a.to_string(),
                     health: Health::Healthy,
-                    metrics: Some(body.clone()),
+                    metrics: Some(body.as_str().into()),
                 })
                 .collect(),
         );
@@ -402,6 +402,39 @@ proptest! {
     fn fuzz_prometheus_text(text in prometheus_text()) {
         prometheus_target(&text);
     }
+
+    #[test]
+    fn fuzz_host_list_bytes(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+        let mut memo = crate::pairs::HostListMemo::default();
+        prop_assert_eq!(memo.parse(&bytes), crate::pairs::parse_upstream_hosts(&bytes));
+    }
+
+    /// Host lists read one after another through one memo (pods failing, coming back, new
+    /// samples, bodies that are not JSON strings) read as each list alone does.
+    #[test]
+    fn fuzz_host_lists_through_a_memo(lists in prop::collection::vec(host_list(), 1..6)) {
+        let mut memo = crate::pairs::HostListMemo::default();
+        for list in &lists {
+            prop_assert_eq!(memo.parse(list), crate::pairs::parse_upstream_hosts(list));
+        }
+    }
+}
+
+/// A `proxy_get_upstream_hosts` list over a few addresses, with varied health and info.
+fn host_list() -> impl Strategy<Value = Vec<u8>> {
+    let info = prop_oneof![
+        (
+            prop::sample::select(vec!["Healthy", "Unhealthy", "Degraded", ""]),
+            prop::sample::select(vec!["", r"q 1\n", r"q 2\n", r#"\u00e9 \"x\"\n"#]),
+        )
+            .prop_map(|(h, m)| format!(r#"{{"health_status":"{h}","metrics":"{m}"}}"#)),
+        Just(r#"{"health_status":"Healthy","metrics":null}"#.to_string()),
+        Just(r#"{"health_status":7,"metrics":"q 1\n"}"#.to_string()),
+        Just("not json".to_string()),
+    ];
+    let address = prop::sample::select(vec!["10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80"]);
+    prop::collection::vec((address, info), 0..4)
+        .prop_map(|hosts: Vec<(&str, String)>| crate::pairs::serialize(&hosts))
 }
 
 fn corpus(dir: &str) -> Vec<(PathBuf, Vec<u8>)> {

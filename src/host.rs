@@ -6,6 +6,7 @@
 //! made effective. Policies never deal with context ids.
 
 pub use crate::types::LogLevel;
+use std::rc::Rc;
 
 /// Error status of a hostcall (proxy-wasm `WasmResult` values other than Ok).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,8 +80,10 @@ pub struct UpstreamHost {
     pub address: String,
     /// Health as seen by the gateway's health checker.
     pub health: Health,
-    /// The stored health-check response body (Prometheus text from `/metrics`), if any.
-    pub metrics: Option<String>,
+    /// The stored health-check response body (Prometheus text from `/metrics`), if any. Shared:
+    /// every request reads the host list, and an unchanged body is not copied again
+    /// ([`crate::pairs::HostListMemo`]).
+    pub metrics: Option<Rc<str>>,
 }
 
 impl UpstreamHost {

@@ -42,3 +42,65 @@ fn parses_upstream_hosts_with_health_and_metrics() {
     assert_eq!(hosts[2].health, Health::Unknown);
     assert!(!hosts[2].is_healthy());
 }
+
+fn host_list(hosts: &[(&str, &str, &str)]) -> Vec<u8> {
+    let pairs: Vec<(String, String)> = hosts
+        .iter()
+        .map(|(a, health, metrics)| {
+            let info = serde_json::json!({"health_status": health, "metrics": metrics});
+            (a.to_string(), info.to_string())
+        })
+        .collect();
+    serialize(&pairs)
+}
+
+#[test]
+fn a_memo_reads_an_unchanged_host_list_without_copying_its_metrics_bodies() {
+    let body = "vllm:num_requests_waiting{model_name=\"m\"} 2.0\n".repeat(500);
+    let list = host_list(&[("10.0.0.1:8000", "Healthy", &body), ("10.0.0.2:8000", "Healthy", "")]);
+    let mut memo = HostListMemo::default();
+    let first = memo.parse(&list).unwrap();
+    assert_eq!(first, parse_upstream_hosts(&list).unwrap());
+    let again = memo.parse(&list).unwrap();
+    assert_eq!(again, first);
+    let (a, b) = (first[0].metrics.as_ref().unwrap(), again[0].metrics.as_ref().unwrap());
+    assert!(Rc::ptr_eq(a, b), "an unchanged body is shared, not parsed again");
+}
+
+#[test]
+fn a_memo_sees_each_changed_host_at_once() {
+    let mut memo = HostListMemo::default();
+    let before =
+        host_list(&[("10.0.0.1:8000", "Healthy", "q 1\n"), ("10.0.0.2:8000", "Healthy", "q 1\n")]);
+    let kept = memo.parse(&before).unwrap();
+    // Pod 1 fails its health check (Higress clears the stored body), pod 2 has a new sample.
+    let after =
+        host_list(&[("10.0.0.1:8000", "Unhealthy", ""), ("10.0.0.2:8000", "Healthy", "q 7\n")]);
+    let hosts = memo.parse(&after).unwrap();
+    assert_eq!(hosts, parse_upstream_hosts(&after).unwrap());
+    assert_eq!(hosts[0].health, Health::Unhealthy);
+    assert_eq!(hosts[0].metrics, None);
+    assert_eq!(hosts[1].metrics.as_deref(), Some("q 7\n"));
+    // A pod that left is not listed; one that came back is read again.
+    let back = host_list(&[("10.0.0.2:8000", "Healthy", "q 1\n")]);
+    assert_eq!(memo.parse(&back).unwrap(), vec![kept[1].clone()]);
+    assert_eq!(memo.parse(&[1, 0]), None, "malformed bytes are refused as without the memo");
+}
+
+#[test]
+fn a_memo_over_its_byte_bound_starts_over_and_still_reads_right() {
+    let mut memo = HostListMemo::default();
+    let body = "x".repeat(60 * 1024);
+    // 300 pods of 60 KiB each: past the memo's bound within one list.
+    let names: Vec<String> =
+        (0..300).map(|i| format!("10.0.{}.{}:8000", i / 250, i % 250)).collect();
+    let hosts: Vec<(&str, &str, &str)> =
+        names.iter().map(|n| (n.as_str(), "Healthy", body.as_str())).collect();
+    let list = host_list(&hosts);
+    for _ in 0..2 {
+        let read = memo.parse(&list).unwrap();
+        assert_eq!(read.len(), 300);
+        assert!(read.iter().all(|h| h.metrics.as_deref() == Some(body.as_str())));
+        assert!(memo.bytes <= MEMO_MAX_BYTES, "held {} bytes", memo.bytes);
+    }
+}

@@ -146,10 +146,10 @@ pub fn vllm_metrics(running: u32, waiting: u32, kv_cache_usage: f64) -> String {
 /// .3 unhealthy and idle.
 pub fn set_hosts_with_metrics(host: &mut FakeHost, one: String, two: String) {
     use crate::host::{Health, UpstreamHost};
-    let pod = |address: &str, health, metrics| UpstreamHost {
+    let pod = |address: &str, health, metrics: String| UpstreamHost {
         address: address.to_string(),
         health,
-        metrics: Some(metrics),
+        metrics: Some(metrics.into()),
     };
     host.hosts = Some(vec![
         pod("10.0.0.1:8000", Health::Healthy, one),

@@ -13,6 +13,7 @@ use super::{prometheus, PodMetrics};
 use crate::config::PodMetricsSource;
 use crate::host::{Host, HttpReply, LogLevel, UpstreamHost};
 use std::collections::HashMap;
+use std::rc::Rc;
 
 /// Metrics of one healthy pod at decision time.
 pub struct PodView {
@@ -68,10 +69,11 @@ pub struct MetricsRouter {
     scraper: Option<Scraper>,
     scrape_interval_ms: u32,
     /// Last parsed host-provided body per cluster and pod: health-check bodies change once per
-    /// check interval while every request reads them, so an equal body (a memcmp) reuses the
-    /// parse. Kept per cluster, so one policy serving several clusters (rules matching by domain or
-    /// route prefix) does not evict one cluster's pods for another's on every request.
-    parsed: HashMap<String, HashMap<String, (String, PodMetrics)>>,
+    /// check interval while every request reads them, so the same body (shared by the host list's
+    /// memo, else an equal one: a memcmp) reuses the parse. Kept per cluster, so one policy
+    /// serving several clusters (rules matching by domain or route prefix) does not evict one
+    /// cluster's pods for another's on every request.
+    parsed: HashMap<String, HashMap<String, (Rc<str>, PodMetrics)>>,
 }
 
 /// At most this many clusters keep parsed metrics in one policy instance; beyond, the cache starts
@@ -152,7 +154,11 @@ impl MetricsRouter {
                 let metrics = match h.metrics {
                     Some(body) if !body.is_empty() => {
                         let m = match parsed.get(&h.address) {
-                            Some((cached, m)) if *cached == body => m.clone(),
+                            // The same shared body as last time (the host list's memo) or
+                            // an equal one.
+                            Some((cached, m)) if Rc::ptr_eq(cached, &body) || *cached == body => {
+                                m.clone()
+                            }
                             _ => {
                                 let m = prometheus::parse(body.as_bytes(), target);
                                 parsed.insert(h.address.clone(), (body, m.clone()));

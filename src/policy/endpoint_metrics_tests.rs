@@ -43,7 +43,7 @@ fn host_with(pods: &[(&str, bool, Option<String>)]) -> FakeHost {
             .map(|(a, ok, m)| UpstreamHost {
                 address: a.to_string(),
                 health: if *ok { Health::Healthy } else { Health::Unhealthy },
-                metrics: m.clone(),
+                metrics: m.as_deref().map(Into::into),
             })
             .collect(),
     );
@@ -116,8 +116,8 @@ fn a_new_health_check_body_replaces_the_cached_parse() {
     assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
     // The next health check finds the load reversed.
     if let Some(hosts) = h.hosts.as_mut() {
-        hosts[0].metrics = Some(vllm(1, 0, 0.1, None));
-        hosts[1].metrics = Some(vllm(30, 45, 0.97, None));
+        hosts[0].metrics = Some(vllm(1, 0, 0.1, None).into());
+        hosts[1].metrics = Some(vllm(30, 45, 0.97, None).into());
     }
     h.now += 2_000_000_000;
     assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.1:8000".into()));
