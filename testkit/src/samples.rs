@@ -81,3 +81,49 @@ fn sglang_with_prefix(p: &str, running: u32, queued: u32, token_usage: f64) -> S
     s.push_str(&histogram(&format!("{p}time_to_first_token_seconds"), &l, 27));
     s
 }
+
+/// vLLM V1 as a real server exposes it in full: [`vllm_v1`] followed by the request histograms
+/// every vLLM V1 server also exports (each with vLLM's own buckets, its `_sum`, `_count` and
+/// `_created`), for as many engines as it takes to reach `min_bytes`. A real server's `/metrics`
+/// is 30-60 KB (Higress stores up to 64 KiB of it per pod); the short texts above are what a
+/// parser needs, this is what a gateway carries.
+pub fn vllm_v1_full(running: u32, waiting: u32, kv_usage: f64, min_bytes: usize) -> String {
+    const LATENCY: &[&str] = &[
+        "0.3", "0.5", "0.8", "1.0", "1.5", "2.0", "2.5", "5.0", "10.0", "15.0", "20.0", "30.0",
+        "40.0", "50.0", "60.0", "120.0", "240.0", "480.0", "960.0", "1920.0", "7680.0", "+Inf",
+    ];
+    const TOKENS: &[&str] = &[
+        "1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0",
+        "5000.0", "10000.0", "20000.0", "50000.0", "100000.0", "+Inf",
+    ];
+    const FAMILIES: &[(&str, &[&str])] = &[
+        ("vllm:e2e_request_latency_seconds", LATENCY),
+        ("vllm:request_queue_time_seconds", LATENCY),
+        ("vllm:request_inference_time_seconds", LATENCY),
+        ("vllm:request_prefill_time_seconds", LATENCY),
+        ("vllm:request_decode_time_seconds", LATENCY),
+        ("vllm:request_prompt_tokens", TOKENS),
+        ("vllm:request_generation_tokens", TOKENS),
+        ("vllm:request_max_num_generation_tokens", TOKENS),
+        ("vllm:request_params_max_tokens", TOKENS),
+        ("vllm:iteration_tokens_total", TOKENS),
+    ];
+    let mut s = vllm_v1(running, waiting, kv_usage);
+    let mut engine = 0;
+    while s.len() < min_bytes {
+        let l = format!("engine=\"{engine}\",model_name=\"{MODEL}\"");
+        for (name, buckets) in FAMILIES {
+            s.push_str(&format!("# HELP {name} Histogram of requests.\n# TYPE {name} histogram\n"));
+            for (i, le) in buckets.iter().enumerate() {
+                s.push_str(&format!("{name}_bucket{{{l},le=\"{le}\"}} {}.0\n", 17 * (i + 1)));
+            }
+            let n = 17 * buckets.len();
+            s.push_str(&format!(
+                "{name}_count{{{l}}} {n}.0\n{name}_sum{{{l}}} {}.25\n{name}_created{{{l}}} 1.7e+09\n",
+                n * 3
+            ));
+        }
+        engine += 1;
+    }
+    s
+}

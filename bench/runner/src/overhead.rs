@@ -6,13 +6,17 @@
 //! - `plain proxy`: through a gateway without plugin (1 worker, round robin over 2 pods);
 //! - one row per policy: the same gateway with the compiled plugin (`global_least_request` and
 //!   `prefix_cache` make one Redis call before the request leaves, `endpoint_metrics` none: it
-//!   reads the metrics the host's health check keeps);
+//!   reads the metrics the host's health check keeps; `prefix_cache loadAware` both);
 //! - `redis round trip`: a bare `PING` on one connection to the same `redis-server`.
 //!
 //! For the policy rows, `plugin CPU` is the time spent inside the plugin VM per request
 //! (`gateway_vm_call_seconds_total` delta / requests: every callback, hostcalls included) and
 //! `redis cmds` the commands Redis processed per request. The target of issue #8: with one Redis
 //! call, gateway-added p50 at most plain proxy + Redis round trip + 0.2 ms (the `budget` column).
+//!
+//! Two shapes: `overhead`, a short chat and short `/metrics` bodies (what the plugin itself adds),
+//! and `overhead-large`, a 16 KB system prompt and pods whose `/metrics` is the size of a real
+//! vLLM's (40 KB: every request reads every pod's stored body through the host list).
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -26,7 +30,42 @@ use testkit::{Gateway, GatewayConfig, Pod, RedisFixture};
 use crate::stats::interleaved;
 
 /// The plugin policies measured.
-const POLICIES: [&str; 3] = ["global_least_request", "prefix_cache", "endpoint_metrics"];
+const POLICIES: [&str; 4] =
+    ["global_least_request", "prefix_cache", "endpoint_metrics", "prefix_cache loadAware"];
+
+/// What each request and each pod's `/metrics` look like.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct Shape {
+    /// Bytes of system prompt before the short user message (0: none).
+    pub system_prompt_bytes: usize,
+    /// Least bytes of each pod's `/metrics` body (0: the short vLLM V1 sample).
+    pub pod_metrics_bytes: usize,
+}
+
+impl Shape {
+    /// `overhead-large`: a long system prompt, pods' metrics the size of a real vLLM's.
+    pub const LARGE: Shape = Shape { system_prompt_bytes: 16_000, pod_metrics_bytes: 40_000 };
+
+    /// The results' name (`overhead` or `overhead-large`).
+    pub fn name(&self) -> &'static str {
+        if *self == Shape::default() {
+            "overhead"
+        } else {
+            "overhead-large"
+        }
+    }
+
+    fn describe(&self) -> String {
+        if *self == Shape::default() {
+            "a short chat, short pod metrics".to_string()
+        } else {
+            format!(
+                "a {} B system prompt, each pod's `/metrics` {} B as a real vLLM's",
+                self.system_prompt_bytes, self.pod_metrics_bytes
+            )
+        }
+    }
+}
 /// Unmeasured requests before each row.
 const WARMUP: usize = 50;
 
@@ -68,6 +107,9 @@ pub struct OverheadResults {
     /// Date, commit and machine (blank in a file written before the report carried them).
     #[serde(default)]
     pub stamp: crate::Stamp,
+    /// The requests' and pods' shape (the short one in a file written before it was recorded).
+    #[serde(default)]
+    pub shape: Shape,
     /// Repetitions (interleaved).
     pub reps: usize,
     /// Measured requests per row and repetition.
@@ -82,11 +124,13 @@ impl OverheadResults {
     /// Markdown for the README: what was run, the stamp line and the table.
     pub fn section(&self) -> String {
         format!(
-            "`overhead` (`bench run overhead --reps {reps}`): what the gateway host and the plugin add to one request, {} sequential keep-alive requests per row (one gateway worker, 2 stub pods), medians\n\n{} · {reps} repetitions, interleaved · real ms\n\n{}",
+            "`{name}` (`bench run {name} --reps {reps}`): what the gateway host and the plugin add to one request, {} sequential keep-alive requests per row (one gateway worker, 2 stub pods; {}), medians\n\n{} · {reps} repetitions, interleaved · real ms\n\n{}",
             self.requests,
+            self.shape.describe(),
             crate::tables::stamp_text(&self.stamp, None),
             table(&self.rows),
             reps = self.reps,
+            name = self.shape.name(),
         )
     }
 }
@@ -112,6 +156,7 @@ impl OverheadResults {
         let order: Vec<String> = samples.iter().map(|s| s.row.clone()).collect();
         OverheadResults {
             stamp: crate::Stamp::example(),
+            shape: Shape::default(),
             reps: 1,
             requests: 2000,
             rows: summarize(&order, &samples),
@@ -127,14 +172,17 @@ enum Target {
 }
 
 /// Runs the scenario and prints the table; writes `bench/results/overhead.json`.
-pub async fn run(paths: &crate::Paths, reps: usize, requests: usize) -> Result<()> {
+pub async fn run(paths: &crate::Paths, reps: usize, requests: usize, shape: Shape) -> Result<()> {
     if requests < 1000 {
         bail!("overhead needs at least 1000 requests per row (got {requests})");
     }
     let redis = RedisFixture::start().await?;
     let pods = vec![Pod::start("overhead-0").await?, Pod::start("overhead-1").await?];
     for p in &pods {
-        p.set_metrics(testkit::samples::vllm_v1(0, 0, 0.1));
+        p.set_metrics(match shape.pod_metrics_bytes {
+            0 => testkit::samples::vllm_v1(0, 0, 0.1),
+            n => testkit::samples::vllm_v1_full(0, 0, 0.1, n),
+        });
     }
     let hosts: Vec<String> = pods.iter().map(Pod::host).collect();
     let base = |route: &str| {
@@ -150,6 +198,13 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize) -> Result<(
         let cfg = if policy == "endpoint_metrics" {
             base(policy)
                 .plugin(json!({"lb_policy": policy, "lb_config": {}}))
+                .metrics_health_check(LLM_CLUSTER, 200)
+        } else if policy == "prefix_cache loadAware" {
+            let mut lb = redis_lb_config();
+            lb["loadAware"] = json!(true);
+            lb["splitSystemPrompt"] = json!(true);
+            base("load_aware")
+                .plugin(json!({"lb_policy": "prefix_cache", "lb_config": lb}))
                 .metrics_health_check(LLM_CLUSTER, 200)
         } else {
             base(policy).plugin(json!({"lb_policy": policy, "lb_config": redis_lb_config()}))
@@ -180,8 +235,8 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize) -> Result<(
                     None => None,
                 };
                 let addr = *addr;
-                let lat =
-                    tokio::task::spawn_blocking(move || http_requests(addr, requests)).await??;
+                let lat = tokio::task::spawn_blocking(move || http_requests(addr, requests, shape))
+                    .await??;
                 // Late callbacks (the release's Redis reply) land within a few ms.
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 let (cpu, cmds) = match (gw, before) {
@@ -211,6 +266,7 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize) -> Result<(
     }
     let results = OverheadResults {
         stamp: crate::Stamp::now(&paths.root),
+        shape,
         reps,
         requests,
         rows: summarize(&rows.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), &samples),
@@ -218,7 +274,7 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize) -> Result<(
     };
     println!("{}", markdown(&results.rows, reps, requests));
     std::fs::create_dir_all(&paths.results)?;
-    let path = paths.results.join("overhead.json");
+    let path = paths.results.join(format!("{}.json", shape.name()));
     std::fs::write(&path, serde_json::to_string_pretty(&results)?)?;
     eprintln!("wrote {}", path.display());
     Ok(())
@@ -329,17 +385,25 @@ pub fn table(rows: &[Row]) -> String {
 }
 
 /// `n` sequential chat requests on one keep-alive connection (after a warm-up); their latencies.
-fn http_requests(addr: SocketAddr, n: usize) -> Result<Vec<Duration>> {
+fn http_requests(addr: SocketAddr, n: usize, shape: Shape) -> Result<Vec<Duration>> {
     let stream = TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     let mut w = stream.try_clone()?;
     let mut r = BufReader::new(stream);
     let mut lat = Vec::with_capacity(n);
+    let system =
+        "You are a careful assistant; answer briefly. ".repeat(shape.system_prompt_bytes / 45);
     for i in 0..WARMUP + n {
+        let user = json!({"role": "user", "content": format!("overhead request {i}: say hi")});
+        let messages = if system.is_empty() {
+            json!([user])
+        } else {
+            json!([{"role": "system", "content": system}, user])
+        };
         let body = json!({
             "model": testkit::samples::MODEL,
-            "messages": [{"role": "user", "content": format!("overhead request {i}: say hi")}],
+            "messages": messages,
             "max_tokens": 8
         })
         .to_string();
