@@ -84,7 +84,8 @@ fn sglang_with_prefix(p: &str, running: u32, queued: u32, token_usage: f64) -> S
 
 /// vLLM V1 as a real server exposes it in full: [`vllm_v1`] followed by the request histograms
 /// every vLLM V1 server also exports (each with vLLM's own buckets, its `_sum`, `_count` and
-/// `_created`), for as many engines as it takes to reach `min_bytes`. A real server's `/metrics`
+/// `_created`), with the samples of as many engines (data-parallel ranks) as it takes to reach
+/// `min_bytes` in each family. A real server's `/metrics`
 /// is 30-60 KB (Higress stores up to 64 KiB of it per pod); the short texts above are what a
 /// parser needs, this is what a gateway carries.
 pub fn vllm_v1_full(running: u32, waiting: u32, kv_usage: f64, min_bytes: usize) -> String {
@@ -108,22 +109,29 @@ pub fn vllm_v1_full(running: u32, waiting: u32, kv_usage: f64, min_bytes: usize)
         ("vllm:request_params_max_tokens", TOKENS),
         ("vllm:iteration_tokens_total", TOKENS),
     ];
-    let mut s = vllm_v1(running, waiting, kv_usage);
-    let mut engine = 0;
-    while s.len() < min_bytes {
-        let l = format!("engine=\"{engine}\",model_name=\"{MODEL}\"");
+    let with_engines = |engines: usize| {
+        let mut s = vllm_v1(running, waiting, kv_usage);
         for (name, buckets) in FAMILIES {
             s.push_str(&format!("# HELP {name} Histogram of requests.\n# TYPE {name} histogram\n"));
-            for (i, le) in buckets.iter().enumerate() {
-                s.push_str(&format!("{name}_bucket{{{l},le=\"{le}\"}} {}.0\n", 17 * (i + 1)));
+            for engine in 0..engines {
+                let l = format!("engine=\"{engine}\",model_name=\"{MODEL}\"");
+                for (i, le) in buckets.iter().enumerate() {
+                    s.push_str(&format!("{name}_bucket{{{l},le=\"{le}\"}} {}.0\n", 17 * (i + 1)));
+                }
+                let n = 17 * buckets.len();
+                s.push_str(&format!(
+                    "{name}_count{{{l}}} {n}.0\n{name}_sum{{{l}}} {}.25\n{name}_created{{{l}}} 1.7e+09\n",
+                    n * 3
+                ));
             }
-            let n = 17 * buckets.len();
-            s.push_str(&format!(
-                "{name}_count{{{l}}} {n}.0\n{name}_sum{{{l}}} {}.25\n{name}_created{{{l}}} 1.7e+09\n",
-                n * 3
-            ));
         }
-        engine += 1;
+        s
+    };
+    let mut engines = 1;
+    let mut s = with_engines(engines);
+    while s.len() < min_bytes && engines < 64 {
+        engines += 1;
+        s = with_engines(engines);
     }
     s
 }
