@@ -81,7 +81,7 @@ fn a_memo_sees_each_changed_host_at_once() {
     assert_eq!(hosts[0].health, Health::Unhealthy);
     assert_eq!(hosts[0].metrics, None);
     assert_eq!(hosts[1].metrics.as_deref(), Some("q 7\n"));
-    // A pod that left is not listed; one that came back is read again.
+    // Pod 1 left the cluster, and pod 2's body went back to its first sample: what the list says.
     let back = host_list(&[("10.0.0.2:8000", "Healthy", "q 1\n")]);
     assert_eq!(memo.parse(&back).unwrap(), vec![kept[1].clone()]);
     assert_eq!(memo.parse(&[1, 0]), None, "malformed bytes are refused as without the memo");
