@@ -152,13 +152,9 @@ async fn run(
         // scenarios: the pooled p99s then rest on 600-1500 requests instead of one run's few hundred.
         return bench::chaos::run(&paths, reps.unwrap_or(3)).await.map(|_| ());
     }
-    if name == "overhead" || name == "overhead-large" {
+    if let Some(shape) = bench::overhead::Shape::named(&name) {
         // Its own measurement (sequential keep-alive requests per row), not a workload scenario.
         let reps = reps.unwrap_or(3).max(1);
-        let shape = match name.as_str() {
-            "overhead" => bench::overhead::Shape::default(),
-            _ => bench::overhead::Shape::LARGE,
-        };
         return bench::overhead::run(&paths, reps, 2000, shape).await;
     }
     let mut sc = load_scenario(&paths, &name)?;

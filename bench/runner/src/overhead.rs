@@ -46,6 +46,11 @@ impl Shape {
     /// `overhead-large`: a long system prompt, pods' metrics the size of a real vLLM's.
     pub const LARGE: Shape = Shape { system_prompt_bytes: 16_000, pod_metrics_bytes: 40_000 };
 
+    /// The shape a `bench run` name asks for: `overhead` or `overhead-large`.
+    pub fn named(name: &str) -> Option<Shape> {
+        [Shape::default(), Shape::LARGE].into_iter().find(|s| s.name() == name)
+    }
+
     /// The results' name (`overhead` or `overhead-large`).
     pub fn name(&self) -> &'static str {
         if *self == Shape::default() {
@@ -492,6 +497,13 @@ fn redis_pings(addr: SocketAddr, n: usize) -> Result<Vec<Duration>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_shape_is_run_by_its_own_name() {
+        assert_eq!(Shape::named("overhead"), Some(Shape::default()));
+        assert_eq!(Shape::named("overhead-large"), Some(Shape::LARGE));
+        assert_eq!(Shape::named("seed"), None);
+    }
 
     #[test]
     fn the_results_file_reads_back_as_a_stamped_section() {
