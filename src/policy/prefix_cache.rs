@@ -24,14 +24,17 @@ use crate::host::{Counter, Host, LogLevel};
 use crate::redis;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
+use std::borrow::Cow;
 
 /// At most this many chain keys per request: prefixes matter from the start, and the script call
 /// must stay small. Later blocks are not indexed.
 pub const MAX_BLOCKS: usize = 256;
 
-/// Splits a request body into prefix blocks. `None` when the body is not a JSON object (the
-/// request then passes through). An object without `messages`/`prompt` gives no blocks.
+/// Splits a request body into prefix blocks, as text. `None` when the body is not a JSON object
+/// (the request then passes through). An object without `messages`/`prompt` gives no blocks.
 /// `split_system`: also cut after the leading system/developer messages (`splitSystemPrompt`).
+/// The plugin itself routes by [`prompt_from_body`], which hashes the same text as it is read and
+/// keeps none of it; this is the readable form of the same split, for tests and tools.
 ///
 /// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `system`
 /// (Anthropic's top-level system prompt), `messages` (each message's `role`, `content` and
@@ -43,13 +46,127 @@ pub const MAX_BLOCKS: usize = 256;
 /// sends) is read again with each of those as U+FFFD, as the Go plugin's JSON reader does: the
 /// conversation keeps its affinity.
 pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> {
+    let mut text = BlockText::default();
+    split_body(body, split_system, &mut text)?;
+    Some(text.blocks)
+}
+
+/// What routing needs of a prompt: its chain values ([`chain`] of its blocks) and each block's
+/// length in bytes (all blocks, also those past [`MAX_BLOCKS`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Prompt {
+    /// `key_i = key_{i-1} XOR sha1(block_i)`, upper-case hex, as [`chain`] gives them.
+    pub keys: Vec<String>,
+    /// Each block's length in bytes.
+    pub block_bytes: Vec<usize>,
+}
+
+/// The prompt of a request body: the blocks of [`blocks_from_body`], each hashed while the body
+/// is read. No block's text is built: a long chat costs no second copy of its conversation (the
+/// body and, for strings with escapes, their unescaped copies are all it holds).
+pub fn prompt_from_body(body: &[u8], split_system: bool) -> Option<Prompt> {
+    let mut hashes = BlockHashes::default();
+    split_body(body, split_system, &mut hashes)?;
+    Some(hashes.into_prompt())
+}
+
+/// Parses `body` (again with bad text replaced, see [`blocks_from_body`]) and feeds its blocks to
+/// `sink`; `None` when it is not a JSON object.
+fn split_body(body: &[u8], split_system: bool, sink: &mut dyn BlockSink) -> Option<()> {
     match serde_json::from_slice::<ChatBody<'_>>(body) {
-        Ok(req) => Some(blocks_of(&req, split_system)),
+        Ok(req) => blocks_of(&req, split_system, sink),
         Err(_) => {
             let repaired = replace_bad_text(body)?;
             let req: ChatBody<'_> = serde_json::from_slice(&repaired).ok()?;
-            Some(blocks_of(&req, split_system))
+            blocks_of(&req, split_system, sink)
         }
+    }
+    Some(())
+}
+
+/// Where a prompt's block text goes, piece by piece as the body is read.
+trait BlockSink {
+    /// Appends to the current block.
+    fn push(&mut self, text: &[u8]);
+    /// Ends the current block (empty or not).
+    fn cut(&mut self);
+    /// Whether the current block has no text yet.
+    fn current_is_empty(&self) -> bool;
+    /// How many blocks were cut so far.
+    fn cut_count(&self) -> usize;
+}
+
+/// `std::io::Write` into a [`BlockSink`], for serde_json's writer.
+struct SinkWriter<'a>(&'a mut dyn BlockSink);
+
+impl std::io::Write for SinkWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.push(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The blocks as text ([`blocks_from_body`]).
+#[derive(Default)]
+struct BlockText {
+    blocks: Vec<String>,
+    current: Vec<u8>,
+}
+
+impl BlockSink for BlockText {
+    fn push(&mut self, text: &[u8]) {
+        self.current.extend_from_slice(text);
+    }
+    fn cut(&mut self) {
+        // The pieces are whole UTF-8 strings and JSON text, so this never replaces anything.
+        let block = String::from_utf8_lossy(&std::mem::take(&mut self.current)).into_owned();
+        self.blocks.push(block);
+    }
+    fn current_is_empty(&self) -> bool {
+        self.current.is_empty()
+    }
+    fn cut_count(&self) -> usize {
+        self.blocks.len()
+    }
+}
+
+/// The blocks hashed as they come ([`prompt_from_body`]): only the first [`MAX_BLOCKS`] are
+/// hashed, every block is measured.
+#[derive(Default)]
+struct BlockHashes {
+    digests: Vec<[u8; 20]>,
+    block_bytes: Vec<usize>,
+    current: Sha1,
+    current_bytes: usize,
+}
+
+impl BlockHashes {
+    fn into_prompt(self) -> Prompt {
+        Prompt { keys: chain_of_digests(self.digests), block_bytes: self.block_bytes }
+    }
+}
+
+impl BlockSink for BlockHashes {
+    fn push(&mut self, text: &[u8]) {
+        if self.digests.len() < MAX_BLOCKS {
+            self.current.update(text);
+        }
+        self.current_bytes += text.len();
+    }
+    fn cut(&mut self) {
+        if self.digests.len() < MAX_BLOCKS {
+            self.digests.push(std::mem::take(&mut self.current).finalize().into());
+        }
+        self.block_bytes.push(std::mem::take(&mut self.current_bytes));
+    }
+    fn current_is_empty(&self) -> bool {
+        self.current_bytes == 0
+    }
+    fn cut_count(&self) -> usize {
+        self.block_bytes.len()
     }
 }
 
@@ -102,90 +219,101 @@ fn replace_bad_text(body: &[u8]) -> Option<Vec<u8>> {
     changed.then_some(out)
 }
 
-/// The blocks of a parsed body (see [`blocks_from_body`]).
-fn blocks_of(req: &ChatBody<'_>, split_system: bool) -> Vec<String> {
-    let mut blocks = Vec::new();
-    let mut cur = String::new();
+/// Feeds the blocks of a parsed body to `sink` (see [`blocks_from_body`]).
+fn blocks_of(req: &ChatBody<'_>, split_system: bool, sink: &mut dyn BlockSink) {
     if let Some(tools) = &req.tools {
-        cur.push_str("tools:");
-        cur.push_str(&tools.to_string());
+        sink.push(b"tools:");
+        push_json(sink, tools);
     }
     if let Some(Messages::List(messages)) = &req.messages {
         // A top-level system prompt (Anthropic) is rendered first, as a system message is: two
         // conversations that differ only in it share no cached prefix.
         if let Some(system) = &req.system {
-            cur.push_str("system:");
-            push_content(&mut cur, system);
+            sink.push(b"system:");
+            push_content(sink, system);
             if split_system && !messages.is_empty() {
-                blocks.push(std::mem::take(&mut cur));
+                sink.cut();
             }
         }
         let last = messages.len().saturating_sub(1);
-        let is_system = |m: &Message<'_>| matches!(m.role(), "system" | "developer");
+        let is_system = |m: &Message<'_>| matches!(&*m.role(), "system" | "developer");
         for (i, m) in messages.iter().enumerate() {
             let role = m.role();
-            cur.push_str(role);
-            cur.push(':');
+            let role = &*role;
+            sink.push(role.as_bytes());
+            sink.push(b":");
             if let Message::Object { content, tool_calls, .. } = m {
                 if let Some(content) = content {
-                    push_content(&mut cur, content);
+                    push_content(sink, content);
                 }
                 if let Some(tc) = tool_calls {
-                    cur.push_str(&tc.to_string());
+                    push_json(sink, tc);
                 }
             }
             // End of the leading system run: the next message is the first non-system one.
             let system_cut = split_system
-                && blocks.is_empty()
+                && sink.cut_count() == 0
                 && messages.iter().take(i + 1).all(is_system)
                 && messages.get(i + 1).is_some_and(|n| !is_system(n));
             if role == "user" || i == last || system_cut {
-                blocks.push(std::mem::take(&mut cur));
+                sink.cut();
             }
         }
     } else if let Some(prompt) = &req.prompt {
         // /v1/completions: one prompt is one block (a string, or an array of strings / token ids).
+        let prompt = match prompt {
+            Json::Str(s) => {
+                s.push_to(sink);
+                &Value::Null
+            }
+            Json::Other(v) => v,
+        };
         match prompt {
-            Value::String(s) => cur.push_str(s),
+            Value::String(s) => sink.push(s.as_bytes()),
             Value::Array(items) => {
                 for (i, it) in items.iter().enumerate() {
                     match it {
-                        Value::String(s) => cur.push_str(s),
+                        Value::String(s) => sink.push(s.as_bytes()),
                         other => {
                             // Token ids: separated, or [1,23] and [12,3] would share a block.
                             if i > 0 {
-                                cur.push(',');
+                                sink.push(b",");
                             }
-                            cur.push_str(&other.to_string());
+                            push_json(sink, other);
                         }
                     }
                 }
             }
             Value::Null => {}
-            other => cur.push_str(&other.to_string()),
+            other => push_json(sink, other),
         }
-        if !cur.is_empty() {
-            blocks.push(std::mem::take(&mut cur));
+        if !sink.current_is_empty() {
+            sink.cut();
         }
     }
-    blocks
+}
+
+/// Appends `value` as compact JSON (as `Value::to_string` gives it), without building the string.
+fn push_json(sink: &mut dyn BlockSink, value: &Value) {
+    // Writing into a sink cannot fail; a serializer error could only shorten the block.
+    let _ = serde_json::to_writer(SinkWriter(sink), value);
 }
 
 /// Appends the text of a message `content`: a string; an array of parts (text, image URLs so that
 /// different images differ, other parts as JSON); nothing for null.
-fn push_content(out: &mut String, content: &Json<'_>) {
+fn push_content(sink: &mut dyn BlockSink, content: &Json<'_>) {
     let v = match content {
-        Json::Str(s) => return out.push_str(s),
+        Json::Str(s) => return s.push_to(sink),
         Json::Other(v) => v,
     };
     match v {
         Value::Null => {}
-        Value::String(s) => out.push_str(s),
+        Value::String(s) => sink.push(s.as_bytes()),
         Value::Array(parts) => {
             for p in parts {
                 match p.get("type").and_then(Value::as_str) {
                     Some("text") => {
-                        out.push_str(p.get("text").and_then(Value::as_str).unwrap_or(""))
+                        sink.push(p.get("text").and_then(Value::as_str).unwrap_or("").as_bytes())
                     }
                     Some("image_url") => {
                         let url = p
@@ -193,18 +321,18 @@ fn push_content(out: &mut String, content: &Json<'_>) {
                             .and_then(|u| u.get("url").or(Some(u)))
                             .and_then(Value::as_str)
                             .unwrap_or("");
-                        out.push_str("<image:");
-                        out.push_str(url);
-                        out.push('>');
+                        sink.push(b"<image:");
+                        sink.push(url.as_bytes());
+                        sink.push(b">");
                     }
                     _ => match p {
-                        Value::String(s) => out.push_str(s),
-                        other => out.push_str(&other.to_string()),
+                        Value::String(s) => sink.push(s.as_bytes()),
+                        other => push_json(sink, other),
                     },
                 }
             }
         }
-        other => out.push_str(&other.to_string()),
+        other => push_json(sink, other),
     }
 }
 
@@ -215,7 +343,7 @@ struct ChatBody<'a> {
     /// beside `messages` (which then holds no system message).
     system: Option<Json<'a>>,
     messages: Option<Messages<'a>>,
-    prompt: Option<Value>,
+    prompt: Option<Json<'a>>,
 }
 
 /// `messages`: a list, or any other value (then the body is read as a completions body).
@@ -231,28 +359,109 @@ enum Message<'a> {
 }
 
 impl Message<'_> {
-    fn role(&self) -> &str {
+    fn role(&self) -> Cow<'_, str> {
         match self {
-            Message::Object { role: Some(Json::Str(r)), .. } => r,
-            _ => "",
+            Message::Object { role: Some(Json::Str(r)), .. } => r.text(),
+            _ => Cow::Borrowed(""),
         }
     }
 }
 
-/// A JSON value whose strings are borrowed from the body when they need no unescaping; other
-/// values (small: content parts, numbers) are kept as a [`Value`].
+/// A JSON value read for its text. A string is kept as written in the body, escapes and all, and
+/// unescaped only as its text is pushed into a block, piece by piece: a long message is never
+/// copied, nor unescaped into a buffer of its size. Other values (small: content parts, numbers)
+/// are parsed.
 enum Json<'a> {
-    Str(std::borrow::Cow<'a, str>),
+    Str(JsonStr<'a>),
     Other(Value),
+}
+
+/// The contents of a JSON string as the body has them, between the quotes (serde_json checked it:
+/// valid UTF-8, well-formed escapes).
+#[derive(Clone, Copy)]
+struct JsonStr<'a>(&'a str);
+
+impl<'a> JsonStr<'a> {
+    /// Feeds the string's text to `sink`.
+    fn push_to(self, sink: &mut dyn BlockSink) {
+        unescape(self.0, &mut |piece| sink.push(piece.as_bytes()));
+    }
+
+    /// The string's text: borrowed when it has no escapes.
+    fn text(self) -> Cow<'a, str> {
+        if !self.0.contains('\\') {
+            return Cow::Borrowed(self.0);
+        }
+        let mut text = String::with_capacity(self.0.len());
+        unescape(self.0, &mut |piece| text.push_str(piece));
+        Cow::Owned(text)
+    }
+}
+
+/// Calls `out` with the text of the JSON string contents `raw`: each run without escapes as a
+/// slice of `raw`, each escape as its character. Half of a surrogate pair (`\uD83D` alone) is
+/// U+FFFD, as the Go plugin's JSON reader reads it and as [`replace_bad_text`] writes it.
+/// Hand-written: serde_json unescapes only into a buffer of the whole string.
+fn unescape(raw: &str, out: &mut dyn FnMut(&str)) {
+    let mut rest = raw;
+    while let Some(at) = rest.find('\\') {
+        let (run, escape) = rest.split_at_checked(at).unwrap_or((rest, ""));
+        if !run.is_empty() {
+            out(run);
+        }
+        let mut chars = escape.chars();
+        chars.next(); // the backslash
+        let simple = match chars.next() {
+            Some('n') => Some('\n'),
+            Some('t') => Some('\t'),
+            Some('r') => Some('\r'),
+            Some('b') => Some('\u{8}'),
+            Some('f') => Some('\u{c}'),
+            Some(c @ ('"' | '\\' | '/')) => Some(c),
+            _ => None,
+        };
+        let (ch, used) = match simple {
+            Some(c) => (c, 2),
+            None => match hex_unit(escape) {
+                Some(hi @ 0xD800..=0xDBFF) => match escape.get(6..).and_then(hex_unit) {
+                    Some(lo @ 0xDC00..=0xDFFF) => {
+                        let code =
+                            0x10000 + ((u32::from(hi) - 0xD800) << 10) + (u32::from(lo) - 0xDC00);
+                        (char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER), 12)
+                    }
+                    _ => (char::REPLACEMENT_CHARACTER, 6),
+                },
+                Some(unit) => {
+                    (char::from_u32(u32::from(unit)).unwrap_or(char::REPLACEMENT_CHARACTER), 6)
+                }
+                // Not an escape serde_json lets through: kept as written.
+                None => {
+                    let (kept, after) = escape.split_at_checked(1).unwrap_or((escape, ""));
+                    out(kept);
+                    rest = after;
+                    continue;
+                }
+            },
+        };
+        out(ch.encode_utf8(&mut [0; 4]));
+        rest = escape.get(used..).unwrap_or("");
+    }
+    if !rest.is_empty() {
+        out(rest);
+    }
+}
+
+/// The UTF-16 unit of the `\uXXXX` escape `s` starts with.
+fn hex_unit(s: &str) -> Option<u16> {
+    let hex = s.strip_prefix("\\u")?.get(..4)?;
+    u16::from_str_radix(hex, 16).ok().filter(|_| hex.bytes().all(|b| b.is_ascii_hexdigit()))
 }
 
 mod body_de {
     //! Deserializers for [`super::ChatBody`]: visitors that keep only what the blocks need.
-    use super::{ChatBody, Json, Message, Messages};
-    use serde::de::value::{MapAccessDeserializer, SeqAccessDeserializer};
-    use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-    use serde_json::Value;
-    use std::borrow::Cow;
+    use super::{ChatBody, Json, JsonStr, Message, Messages};
+    use serde::de::{Deserialize, Deserializer, Error, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use serde_json::value::RawValue;
     use std::fmt;
 
     #[derive(serde::Deserialize)]
@@ -389,44 +598,13 @@ mod body_de {
 
     impl<'de> Deserialize<'de> for Json<'de> {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl<'de> Visitor<'de> for V {
-                type Value = Json<'de>;
-                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                    f.write_str("any JSON value")
-                }
-                fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Self::Value, E> {
-                    Ok(Json::Str(Cow::Borrowed(s)))
-                }
-                fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
-                    Ok(Json::Str(Cow::Owned(s.to_owned())))
-                }
-                fn visit_string<E>(self, s: String) -> Result<Self::Value, E> {
-                    Ok(Json::Str(Cow::Owned(s)))
-                }
-                fn visit_bool<E>(self, b: bool) -> Result<Self::Value, E> {
-                    Ok(Json::Other(Value::Bool(b)))
-                }
-                fn visit_i64<E>(self, n: i64) -> Result<Self::Value, E> {
-                    Ok(Json::Other(Value::from(n)))
-                }
-                fn visit_u64<E>(self, n: u64) -> Result<Self::Value, E> {
-                    Ok(Json::Other(Value::from(n)))
-                }
-                fn visit_f64<E>(self, n: f64) -> Result<Self::Value, E> {
-                    Ok(Json::Other(Value::from(n)))
-                }
-                fn visit_unit<E>(self) -> Result<Self::Value, E> {
-                    Ok(Json::Other(Value::Null))
-                }
-                fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
-                    Value::deserialize(SeqAccessDeserializer::new(seq)).map(Json::Other)
-                }
-                fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
-                    Value::deserialize(MapAccessDeserializer::new(map)).map(Json::Other)
-                }
+            // The value as the body has it (serde_json checks it, skipping it without unescaping
+            // or copying anything).
+            let raw = <&'de RawValue>::deserialize(d)?.get();
+            match raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+                Some(contents) => Ok(Json::Str(JsonStr(contents))),
+                None => serde_json::from_str(raw).map(Json::Other).map_err(D::Error::custom),
             }
-            d.deserialize_any(V)
         }
     }
 }
@@ -448,10 +626,14 @@ pub fn hex_upper(bytes: &[u8]) -> String {
 /// [`MAX_BLOCKS`]. The chain stops before an all-zero value: XOR cancels repeated blocks, and the
 /// zero key would be shared by unrelated conversations (Higress's bug writes it).
 pub fn chain(blocks: &[String]) -> Vec<String> {
+    chain_of_digests(blocks.iter().take(MAX_BLOCKS).map(|b| sha1(b.as_bytes())))
+}
+
+/// [`chain`] from the blocks' SHA-1 digests.
+fn chain_of_digests(digests: impl IntoIterator<Item = [u8; 20]>) -> Vec<String> {
     let mut acc = [0u8; 20];
-    let mut out = Vec::with_capacity(blocks.len().min(MAX_BLOCKS));
-    for b in blocks.iter().take(MAX_BLOCKS) {
-        let h = sha1(b.as_bytes());
+    let mut out = Vec::new();
+    for h in digests.into_iter().take(MAX_BLOCKS) {
         for (a, x) in acc.iter_mut().zip(h.iter()) {
             *a ^= x;
         }
@@ -614,7 +796,7 @@ impl Policy for PrefixCache {
             // headers ended it: a least-request pick.
             return self.pick(host, stream, &[], &[]);
         }
-        let Some(blocks) = blocks_from_body(body, self.config.split_system_prompt) else {
+        let Some(prompt) = prompt_from_body(body, self.config.split_system_prompt) else {
             host.log(
                 LogLevel::Info,
                 "prefix_cache: request body is not a JSON object; using normal balancing",
@@ -623,12 +805,10 @@ impl Policy for PrefixCache {
             stream.decision = Some(Counter::FallbackBadBody.label().to_string());
             return Decision::Passthrough;
         };
-        let keys = chain(&blocks);
-        let block_bytes: Vec<usize> = blocks.iter().map(String::len).collect();
         if let Some(prefill) = self.prefill.as_mut() {
-            prefill.on_prompt(stream.id, block_bytes.iter().copied(), host.now_nanos());
+            prefill.on_prompt(stream.id, prompt.block_bytes.iter().copied(), host.now_nanos());
         }
-        self.pick(host, stream, &keys, &block_bytes)
+        self.pick(host, stream, &prompt.keys, &prompt.block_bytes)
     }
 
     fn on_response_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) {

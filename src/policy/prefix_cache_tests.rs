@@ -114,6 +114,91 @@ fn never_produces_the_all_zero_key() {
     assert!(c.iter().all(|k| k != &"0".repeat(40)));
 }
 
+/// What [`prompt_from_body`] routes by: the chain of the text blocks and their lengths, with no
+/// block's text built.
+fn prompt_of_text(body: &[u8], split_system: bool) -> Option<Prompt> {
+    blocks_from_body(body, split_system).map(|blocks| Prompt {
+        keys: chain(&blocks),
+        block_bytes: blocks.iter().map(String::len).collect(),
+    })
+}
+
+#[test]
+fn the_hashed_prompt_is_the_chain_of_the_text_blocks() {
+    let tools = r#"{"tools":[{"type":"function","function":{"name":"f","parameters":{"a":[1,2.5,null]}}}],"system":[{"type":"text","text":"S\n\u00e9"}],
+      "messages":[{"role":"system","content":"S"},{"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"http://x/a.png"}},{"type":"input_audio","x":1}]},
+      {"role":"assistant","content":null,"tool_calls":[{"id":"c1","function":{"name":"g","arguments":"{\"q\":1}"}}]},{"role":"tool","content":"ok"},{"role":"user","content":"again"}]}"#;
+    let bodies: [&[u8]; 7] = [
+        CHAT.as_bytes(),
+        tools.as_bytes(),
+        br#"{"prompt":[1,23,"x",{"a":1}]}"#,
+        br#"{"prompt":"Once upon"}"#,
+        br#"{"input":"x"}"#,
+        b"not json",
+        b"{\"messages\":[{\"role\":\"user\",\"content\":\"caf\xe9 \\ud83d\"}]}",
+    ];
+    for body in bodies {
+        for split in [false, true] {
+            let text = prompt_of_text(body, split);
+            assert_eq!(prompt_from_body(body, split), text, "{}", String::from_utf8_lossy(body));
+        }
+    }
+    assert_eq!(prompt_from_body(b"not json", false), None);
+    assert!(!prompt_of_text(tools.as_bytes(), true).unwrap().keys.is_empty());
+}
+
+fn unescaped(raw: &str) -> String {
+    let mut text = String::new();
+    unescape(raw, &mut |piece| text.push_str(piece));
+    text
+}
+
+#[test]
+fn escapes_are_undone_as_json_reads_them_and_half_surrogates_are_replacement_characters() {
+    assert_eq!(unescaped(r#"plain"#), "plain");
+    assert_eq!(unescaped(r#"a\nb\t\"q\" \\ \/ \b\f\r"#), "a\nb\t\"q\" \\ / \u{8}\u{c}\r");
+    assert_eq!(unescaped(r#"caf\u00e9 \u00E9"#), "café é");
+    assert_eq!(unescaped(r#"\uD83D\uDE00!"#), "😀!");
+    assert_eq!(unescaped(r#"a\uD83Db"#), "a\u{FFFD}b", "a high half alone");
+    assert_eq!(unescaped(r#"\uDE00"#), "\u{FFFD}", "a low half alone");
+    assert_eq!(unescaped(r#"\uD83D\uD83D\uDE00"#), "\u{FFFD}😀", "two highs, then a low");
+    assert_eq!(unescaped(r#"\uD83D\n"#), "\u{FFFD}\n");
+    assert_eq!(unescaped(r#"end\uD83D"#), "end\u{FFFD}");
+    // A message whose role is escaped is still a user message.
+    let body = br#"{"messages":[{"role":"us\u0065r","content":"x\ny"},{"role":"assistant","content":"z"}]}"#;
+    assert_eq!(blocks_from_body(body, false).unwrap(), vec!["user:x\ny", "assistant:z"]);
+}
+
+proptest::proptest! {
+    /// Any string, written out by serde_json (short escapes) or with every character as a `\u`
+    /// escape (surrogate pairs past U+FFFF), reads back as itself.
+    #[test]
+    fn any_string_reads_back_through_its_escapes(s in ".*", every_char_escaped in proptest::bool::ANY) {
+        let raw = if every_char_escaped {
+            s.encode_utf16().map(|u| format!("\\u{u:04x}")).collect::<String>()
+        } else {
+            let quoted = serde_json::to_string(&s).unwrap();
+            quoted[1..quoted.len() - 1].to_string()
+        };
+        proptest::prop_assert_eq!(unescaped(&raw), s.clone());
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"{raw}"}}]}}"#);
+        proptest::prop_assert_eq!(blocks_from_body(body.as_bytes(), false), Some(vec![format!("user:{s}")]));
+    }
+}
+
+#[test]
+fn past_max_blocks_the_prompt_keeps_measuring_blocks_it_no_longer_hashes() {
+    let turns: Vec<String> = (0..MAX_BLOCKS + 10)
+        .map(|i| format!(r#"{{"role":"user","content":"turn {i}"}}"#))
+        .collect();
+    let body = format!(r#"{{"messages":[{}]}}"#, turns.join(","));
+    let prompt = prompt_from_body(body.as_bytes(), false).unwrap();
+    assert_eq!(prompt.keys.len(), MAX_BLOCKS);
+    assert_eq!(prompt.block_bytes.len(), MAX_BLOCKS + 10, "every block counts for its prefill");
+    assert_eq!(prompt.block_bytes.last(), Some(&"user:turn 265".len()));
+    assert_eq!(Some(prompt), prompt_of_text(body.as_bytes(), false));
+}
+
 #[test]
 fn content_parts_images_tool_calls_tools_and_prompt() {
     let img = |url: &str| {
