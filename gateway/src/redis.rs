@@ -1,7 +1,8 @@
 //! Per-worker Redis clients for `proxy_redis_init` / `proxy_redis_call` (Higress extension).
 //!
-//! Like Envoy's Redis async client: one connection per cluster per worker, to the cluster's first
-//! endpoint; on connect `AUTH [user] pass` and `SELECT db` are pipelined with discarded replies;
+//! Like Higress's Redis async client (`AsyncClientImpl::send` in its Envoy): each command goes to
+//! the host the cluster's load balancer picks for it (round robin by default, healthy hosts
+//! first), over one connection per host per worker; on connect `AUTH [user] pass` and `SELECT db` are pipelined with discarded replies;
 //! queries are raw RESP bytes written verbatim and replies are matched FIFO. Writes are batched
 //! (flush after `buffer_flush_timeout` ms or `max_buffer_size_before_flush` bytes; 0/0 flushes at
 //! once). Connect failure, remote close and op timeout close the connection and fail every pending
@@ -16,7 +17,7 @@ use crate::cluster::Cluster;
 use crate::config::ClusterType;
 use crate::global::WorkerEvent;
 use bytes::{Bytes, BytesMut};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -123,8 +124,11 @@ pub enum RedisTarget {
 }
 
 impl RedisTarget {
-    /// The target of a gateway cluster: its first endpoint, or on a `REDIS_CLUSTER` cluster all
-    /// its endpoints as seeds. `None` without endpoints (the call then fails with InternalFailure).
+    /// The target of one command on a gateway cluster: the endpoint the cluster's load balancer
+    /// picks (so an ordinary cluster of several independent Redis servers spreads the commands
+    /// over them, as Envoy's `chooseHost` per command does), or on a `REDIS_CLUSTER` cluster all
+    /// its endpoints as seeds. `None` without endpoints (the call then fails with
+    /// InternalFailure).
     pub fn of(cluster: &Cluster) -> Option<RedisTarget> {
         let endpoints = cluster.endpoints();
         match cluster.cluster_type {
@@ -133,7 +137,7 @@ impl RedisTarget {
                 settings: cluster.redis_cluster,
             }),
             ClusterType::RedisCluster => None,
-            _ => endpoints.first().map(|e| RedisTarget::Node(e.addr)),
+            _ => cluster.pick().map(|e| RedisTarget::Node(e.addr)),
         }
     }
 }
@@ -143,7 +147,8 @@ impl RedisTarget {
 pub struct RedisClient {
     /// Settings.
     pub cfg: RedisConfig,
-    tx: Option<mpsc::UnboundedSender<NodeRequest>>,
+    /// The open connections: one per host the load balancer picked, or one Redis Cluster client.
+    conns: HashMap<ConnKey, mpsc::UnboundedSender<NodeRequest>>,
     /// Set by `proxy_redis_init` (a client first used by a call without init has defaults).
     initialized: bool,
 }
@@ -151,7 +156,7 @@ pub struct RedisClient {
 impl RedisClient {
     /// New client; the connection is opened on the first call.
     pub fn new(cfg: RedisConfig) -> RedisClient {
-        RedisClient { cfg, tx: None, initialized: false }
+        RedisClient { cfg, conns: HashMap::new(), initialized: false }
     }
 
     /// `proxy_redis_init` on an existing client, as Higress's Envoy does it
@@ -163,8 +168,8 @@ impl RedisClient {
         if self.initialized && self.cfg.same_settings(&cfg) {
             return;
         }
-        // Dropping the sender ends the connection task, which fails what is pending.
-        self.tx = None;
+        // Dropping the senders ends the connection tasks, which fail what is pending.
+        self.conns.clear();
         self.cfg = cfg;
         self.initialized = true;
     }
@@ -178,29 +183,47 @@ impl RedisClient {
         events: mpsc::UnboundedSender<WorkerEvent>,
         gen: u64,
     ) -> bool {
-        if self.tx.as_ref().is_none_or(|t| t.is_closed()) {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let cfg = self.cfg.clone();
-            match target {
-                RedisTarget::Node(addr) => {
-                    tokio::task::spawn_local(run_node(
-                        cfg,
-                        addr,
-                        rx,
-                        ReplySink::Worker { events, gen },
-                    ));
+        let key = match &target {
+            RedisTarget::Node(addr) => ConnKey::Node(*addr),
+            RedisTarget::Cluster { .. } => ConnKey::Cluster,
+        };
+        let open = self.conns.get(&key).filter(|t| !t.is_closed());
+        let tx = match open {
+            Some(tx) => tx,
+            None => {
+                let (tx, rx) = mpsc::unbounded_channel();
+                let cfg = self.cfg.clone();
+                match target {
+                    RedisTarget::Node(addr) => {
+                        tokio::task::spawn_local(run_node(
+                            cfg,
+                            addr,
+                            rx,
+                            ReplySink::Worker { events, gen },
+                        ));
+                    }
+                    RedisTarget::Cluster { seeds, settings } => {
+                        tokio::task::spawn_local(cluster_client::run(
+                            cfg, seeds, settings, rx, events, gen,
+                        ));
+                    }
                 }
-                RedisTarget::Cluster { seeds, settings } => {
-                    tokio::task::spawn_local(cluster_client::run(
-                        cfg, seeds, settings, rx, events, gen,
-                    ));
-                }
+                // Connections that ended (a host gone or failing) are dropped, not kept per address.
+                self.conns.retain(|_, t| !t.is_closed());
+                self.conns.entry(key).insert_entry(tx).into_mut()
             }
-            self.tx = Some(tx);
-        }
-        let request = NodeRequest { token, query, asking: false };
-        self.tx.as_ref().is_some_and(|t| t.send(request).is_ok())
+        };
+        tx.send(NodeRequest { token, query, asking: false }).is_ok()
     }
+}
+
+/// Which connection of a [`RedisClient`] a command goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum ConnKey {
+    /// The connection to one host.
+    Node(SocketAddr),
+    /// The Redis Cluster client (its own connections to the nodes).
+    Cluster,
 }
 
 /// One command for a node's connection.

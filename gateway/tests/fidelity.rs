@@ -420,6 +420,34 @@ async fn redis_auth_select_pipelining_and_raw_replies() {
     assert_eq!(r.status, 592, "BadArgument (2) surfaced by the plugin");
 }
 
+/// An ordinary cluster of two Redis servers: Higress's Redis client asks the cluster's load
+/// balancer for a host per command (`AsyncClientImpl::send`), so round robin alternates them, each
+/// over its own connection (AUTH and SELECT once per server), not every command to the first.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_ordinary_redis_cluster_of_two_servers_gets_the_commands_by_round_robin() {
+    let up = Upstream::start().await;
+    let (a, seen_a) = fake_redis().await;
+    let (b, seen_b) = fake_redis().await;
+    let config = one_cluster_config(
+        &format!("\"{}\"", up.addr),
+        true,
+        &format!("  - name: {CLUSTER}\n    endpoints: [\"{a}\", \"{b}\"]\n"),
+    );
+    let gw = Gateway::start(&config, Some(&redis_plugin()), 1);
+    for _ in 0..6 {
+        let r = request("POST", &gw.url("/r"), &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
+        assert_eq!((r.status, r.text().as_str()), (200, "+PONG\r\n"));
+    }
+    for (server, seen) in [(a, seen_a), (b, seen_b)] {
+        let cmds = seen.lock().unwrap().clone();
+        let pings = cmds.iter().filter(|c| c[0] == "PING").count();
+        assert_eq!(pings, 3, "{server}: every other command: {cmds:?}");
+        let auths = cmds.iter().filter(|c| c[0] == "AUTH").count();
+        assert_eq!(auths, 1, "{server}: one connection, opened once: {cmds:?}");
+        assert_eq!(cmds[..2], [vec!["AUTH", "secret"], vec!["SELECT", "1"]], "{server}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_down_gives_network_error() {
     let up = Upstream::start().await;

@@ -1,7 +1,7 @@
 //! The Redis client behind `proxy_redis_call` on a `REDIS_CLUSTER` cluster, against a real
 //! 3-master Redis Cluster (local `redis-server` processes): commands routed by their key's slot
 //! (hash tags, the first key of `EVAL`/`EVALSHA`), `MOVED` after a slot moved, `ASK` while it
-//! moves, a master gone, and the same commands on an ordinary cluster (first endpoint only).
+//! moves, a master gone, and the same commands on an ordinary cluster of one of the nodes.
 //!
 //! The test plugin sends the POST body as a raw RESP command to the cluster named in `x-cluster`
 //! and answers with the raw reply (200), or 503 on NetworkError.
@@ -67,8 +67,8 @@ async fn commands_follow_the_slot_map_moved_and_ask() {
         assert_eq!(on_owner, Some(format!("v-{m}")), "{key} is on its slot's master {m}");
         keys.push((m, key));
     }
-    // The same key through an ordinary cluster (first endpoint only, as Higress's Redis client on
-    // a non-Redis-Cluster cluster): the plugin sees the redirection.
+    // The same key through an ordinary cluster of one of the nodes (Higress's Redis client on a
+    // non-Redis-Cluster cluster follows no redirection): the plugin sees it.
     let (_, elsewhere) = keys.iter().find(|(m, _)| *m != masters[0]).unwrap().clone();
     let r = call(&gw, PLAIN, &["GET", &elsewhere]).await;
     assert!(r.text().starts_with("-MOVED "), "plain cluster: {}", r.text());
