@@ -38,8 +38,8 @@ pub const MAX_BLOCKS: usize = 256;
 ///
 /// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `system`
 /// (Anthropic's top-level system prompt), `messages` (each message's `role`, `content` and
-/// `tool_calls`) and `prompt` are read, other keys are skipped, and string contents without
-/// escapes are borrowed from the body, not copied.
+/// `tool_calls`) and `prompt` are read, other keys are skipped, and strings are kept as the body
+/// writes them until their text is needed.
 ///
 /// A body that fails to parse only for its text (bytes that are not UTF-8, or a `\uD83D` escape
 /// without its other half, as a JavaScript client that cut a string in the middle of an emoji
@@ -62,8 +62,8 @@ pub struct Prompt {
 }
 
 /// The prompt of a request body: the blocks of [`blocks_from_body`], each hashed while the body
-/// is read. No block's text is built: a long chat costs no second copy of its conversation (the
-/// body and, for strings with escapes, their unescaped copies are all it holds).
+/// is read. No block's text is built and no string is copied out of the body (each is unescaped
+/// piece by piece into the hash): a long chat costs no second copy of its conversation.
 pub fn prompt_from_body(body: &[u8], split_system: bool) -> Option<Prompt> {
     let mut hashes = BlockHashes::default();
     split_body(body, split_system, &mut hashes)?;
@@ -261,16 +261,9 @@ fn blocks_of(req: &ChatBody<'_>, split_system: bool, sink: &mut dyn BlockSink) {
         }
     } else if let Some(prompt) = &req.prompt {
         // /v1/completions: one prompt is one block (a string, or an array of strings / token ids).
-        let prompt = match prompt {
-            Json::Str(s) => {
-                s.push_to(sink);
-                &Value::Null
-            }
-            Json::Other(v) => v,
-        };
         match prompt {
-            Value::String(s) => sink.push(s.as_bytes()),
-            Value::Array(items) => {
+            Json::Str(s) => s.push_to(sink),
+            Json::Other(Value::Array(items)) => {
                 for (i, it) in items.iter().enumerate() {
                     match it {
                         Value::String(s) => sink.push(s.as_bytes()),
@@ -284,8 +277,8 @@ fn blocks_of(req: &ChatBody<'_>, split_system: bool, sink: &mut dyn BlockSink) {
                     }
                 }
             }
-            Value::Null => {}
-            other => push_json(sink, other),
+            Json::Other(Value::Null) => {}
+            Json::Other(other) => push_json(sink, other),
         }
         if !sink.current_is_empty() {
             sink.cut();
@@ -308,7 +301,6 @@ fn push_content(sink: &mut dyn BlockSink, content: &Json<'_>) {
     };
     match v {
         Value::Null => {}
-        Value::String(s) => sink.push(s.as_bytes()),
         Value::Array(parts) => {
             for p in parts {
                 match p.get("type").and_then(Value::as_str) {
