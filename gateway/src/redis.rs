@@ -2,8 +2,9 @@
 //!
 //! Like Higress's Redis async client (`AsyncClientImpl::send` in its Envoy): each command goes to
 //! the host the cluster's load balancer picks for it (round robin by default, healthy hosts
-//! first), over one connection per host per worker; on connect `AUTH [user] pass` and `SELECT db` are pipelined with discarded replies;
-//! queries are raw RESP bytes written verbatim and replies are matched FIFO. Writes are batched
+//! first), over one connection per host per worker; on connect `AUTH [user] pass` and
+//! `SELECT db` are pipelined with discarded replies; queries are raw RESP bytes written verbatim
+//! and replies are matched FIFO. Writes are batched
 //! (flush after `buffer_flush_timeout` ms or `max_buffer_size_before_flush` bytes; 0/0 flushes at
 //! once). Connect failure, remote close and op timeout close the connection and fail every pending
 //! request with NetworkError (status 1, size 0).
