@@ -169,6 +169,8 @@ fn escapes_are_undone_as_json_reads_them_and_half_surrogates_are_replacement_cha
     assert_eq!(blocks_from_body(body, false).unwrap(), vec!["user:x\ny", "assistant:z"]);
 }
 
+// proptest is a native-only dev-dependency (these tests also run compiled to wasm32-wasip1).
+#[cfg(not(target_arch = "wasm32"))]
 proptest::proptest! {
     /// Any string, written out by serde_json (short escapes) or with every character as a `\u`
     /// escape (surrogate pairs past U+FFFF), reads back as itself.
