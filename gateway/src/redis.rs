@@ -131,13 +131,12 @@ impl RedisTarget {
     /// its endpoints as seeds. `None` without endpoints (the call then fails with
     /// InternalFailure).
     pub fn of(cluster: &Cluster) -> Option<RedisTarget> {
-        let endpoints = cluster.endpoints();
         match cluster.cluster_type {
-            ClusterType::RedisCluster if !endpoints.is_empty() => Some(RedisTarget::Cluster {
-                seeds: endpoints.iter().map(|e| e.addr).collect(),
-                settings: cluster.redis_cluster,
-            }),
-            ClusterType::RedisCluster => None,
+            ClusterType::RedisCluster => {
+                let seeds: Vec<SocketAddr> = cluster.endpoints().iter().map(|e| e.addr).collect();
+                (!seeds.is_empty())
+                    .then_some(RedisTarget::Cluster { seeds, settings: cluster.redis_cluster })
+            }
             _ => cluster.pick().map(|e| RedisTarget::Node(e.addr)),
         }
     }
