@@ -25,6 +25,7 @@
 //! vLLM would admit them and preempt later; only `cache-pressure` gets near that regime.
 
 use crate::radix::{NodeId, RadixCache};
+use crate::stats::{Buckets, RequestStats};
 use crate::tokenizer::{fnv1a32, word, Rng};
 use std::collections::VecDeque;
 
@@ -259,6 +260,20 @@ struct Running {
     emits: bool,
     /// Computed prompt tokens in the current step (their pages are cached at its end).
     prefills: bool,
+    /// Simulated clock (ms) when the request arrived, was admitted, got its first and its latest
+    /// token.
+    arrived_ms: f64,
+    admitted_ms: f64,
+    first_token_ms: f64,
+    last_token_ms: f64,
+}
+
+/// A request waiting for admission.
+#[derive(Debug)]
+struct Queued {
+    req: Request,
+    /// Simulated clock (ms) at arrival.
+    arrived_ms: f64,
 }
 
 /// Cumulative counters (for /metrics).
@@ -288,16 +303,26 @@ pub struct Counters {
 pub struct Scheduler {
     cfg: EngineConfig,
     cache: RadixCache,
-    waiting: VecDeque<Request>,
+    waiting: VecDeque<Queued>,
     running: Vec<Running>,
     private_tokens: usize,
     counters: Counters,
     in_step: bool,
+    /// Simulated time (ms): the sum of the steps' durations, so it stands still while idle.
+    clock_ms: f64,
+    /// Duration of the step planned by `begin_step`.
+    step_ms: f64,
+    stats: RequestStats,
 }
 
 impl Scheduler {
-    /// A scheduler with an empty cache.
+    /// A scheduler with an empty cache (histograms on vLLM's buckets).
     pub fn new(cfg: EngineConfig) -> Self {
+        Self::with_buckets(cfg, Buckets::Vllm)
+    }
+
+    /// A scheduler with an empty cache whose histograms use `buckets`' bounds.
+    pub fn with_buckets(cfg: EngineConfig, buckets: Buckets) -> Self {
         Scheduler {
             cfg,
             cache: RadixCache::new(cfg.page),
@@ -306,20 +331,23 @@ impl Scheduler {
             private_tokens: 0,
             counters: Counters::default(),
             in_step: false,
+            clock_ms: 0.0,
+            step_ms: 0.0,
+            stats: RequestStats::new(buckets),
         }
     }
 
     /// Queues a request. Its `seed` makes its generated text and length deterministic.
     pub fn submit(&mut self, mut req: Request) {
         req.max_tokens = req.max_tokens.max(1);
-        self.waiting.push_back(req);
+        self.waiting.push_back(Queued { req, arrived_ms: self.clock_ms });
         let inflight = (self.waiting.len() + self.running.len()) as u64;
         self.counters.peak_inflight = self.counters.peak_inflight.max(inflight);
     }
 
     /// Cancels a request (client went away); frees its pages.
     pub fn abort(&mut self, id: u64) {
-        self.waiting.retain(|w| w.id != id);
+        self.waiting.retain(|w| w.req.id != id);
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
             let r = self.running.remove(i);
             self.cache.unlock(r.lock);
@@ -343,6 +371,10 @@ impl Scheduler {
     pub fn counters(&self) -> Counters {
         self.counters
     }
+    /// Histograms of the requests finished so far (time on the simulated clock).
+    pub fn stats(&self) -> &RequestStats {
+        &self.stats
+    }
     /// KV tokens in use: locked tree pages plus running requests' own tokens (idle cached
     /// pages count as free, like vLLM's kv_cache_usage_perc and SGLang's token_usage).
     pub fn used_tokens(&self) -> usize {
@@ -359,7 +391,8 @@ impl Scheduler {
     /// Adapters of running and waiting requests (for vllm:lora_requests_info).
     pub fn adapters(&self) -> (Vec<String>, Vec<String>) {
         let mut run: Vec<String> = self.running.iter().filter_map(|r| r.adapter.clone()).collect();
-        let mut wait: Vec<String> = self.waiting.iter().filter_map(|w| w.adapter.clone()).collect();
+        let mut wait: Vec<String> =
+            self.waiting.iter().filter_map(|w| w.req.adapter.clone()).collect();
         run.sort();
         run.dedup();
         wait.sort();
@@ -377,7 +410,7 @@ impl Scheduler {
 
     fn admit(&mut self) {
         while self.running.len() < self.cfg.max_running {
-            let Some(w) = self.waiting.front() else { break };
+            let Some(Queued { req: w, .. }) = self.waiting.front() else { break };
             let n = w.prompt.len();
             let (hit, node) = self.cache.match_prefix(&w.prompt);
             // Like vLLM V1, at least the last prompt token is computed (to get logits), and
@@ -399,7 +432,8 @@ impl Scheduler {
                     break; // wait for running requests to free memory
                 }
             }
-            let Some(w) = self.waiting.pop_front() else { break };
+            let Some(Queued { req: w, arrived_ms }) = self.waiting.pop_front() else { break };
+            self.stats.queue.observe((self.clock_ms - arrived_ms) / 1000.0);
             self.cache.lock(node);
             self.private_tokens += need;
             self.counters.requests += 1;
@@ -424,6 +458,10 @@ impl Scheduler {
                 generated: Vec::new(),
                 emits: false,
                 prefills: false,
+                arrived_ms,
+                admitted_ms: self.clock_ms,
+                first_token_ms: 0.0,
+                last_token_ms: 0.0,
             });
         }
     }
@@ -455,6 +493,8 @@ impl Scheduler {
         }
         self.in_step = true;
         let ms = self.cfg.model.step_ms(prefill, decode, ctx);
+        self.step_ms = ms;
+        self.stats.step_tokens.observe((prefill + decode) as f64);
         let us = (ms * 1000.0).round() as u64;
         self.counters.busy_us += us;
         self.counters.inflight_us += us * (self.running.len() + self.waiting.len()) as u64;
@@ -488,6 +528,8 @@ impl Scheduler {
             return events;
         }
         self.in_step = false;
+        self.clock_ms += self.step_ms;
+        let now = self.clock_ms;
         for r in self.running.iter_mut().filter(|r| r.prefills) {
             r.prefills = false;
             Self::cache_prefilled(&mut self.cache, &mut self.private_tokens, r);
@@ -502,7 +544,16 @@ impl Scheduler {
             r.emits = false;
             let w = word(&mut r.rng);
             r.generated.push(fnv1a32(w.as_bytes()));
-            let text = if r.generated.len() == 1 { w } else { format!(" {w}") };
+            let text = if r.generated.len() == 1 {
+                r.first_token_ms = now;
+                self.stats.ttft.observe((now - r.arrived_ms) / 1000.0);
+                self.stats.prefill.observe((now - r.admitted_ms) / 1000.0);
+                w
+            } else {
+                self.stats.inter_token.observe((now - r.last_token_ms) / 1000.0);
+                format!(" {w}")
+            };
+            r.last_token_ms = now;
             events.push((r.id, Event::Token(text)));
             self.counters.generation_tokens += 1;
             let finish = if Some(r.generated.len()) == r.stop_at {
@@ -528,6 +579,18 @@ impl Scheduler {
                 .saturating_sub(self.cfg.capacity_tokens);
             self.cache.evict(over);
             self.counters.finished += 1;
+            let st = &mut self.stats;
+            st.e2e.observe((now - r.arrived_ms) / 1000.0);
+            st.inference.observe((now - r.admitted_ms) / 1000.0);
+            st.decode.observe((now - r.first_token_ms) / 1000.0);
+            st.prompt_tokens.observe(usage.prompt_tokens as f64);
+            st.generation_tokens.observe(usage.completion_tokens as f64);
+            st.max_tokens.observe(r.max_tokens as f64);
+            st.n.observe(1.0);
+            match finish {
+                Finish::Stop => st.finished_stop += 1,
+                Finish::Length => st.finished_length += 1,
+            }
             events.push((r.id, Event::Done(usage, finish)));
         }
         // swap_remove breaks admission order; prefill priority is oldest-first by id.
@@ -692,6 +755,32 @@ mod tests {
         let t3 = time_to_first_token(&mut s, 3);
         // request 3 waits ~100 decode steps of ~5.8 ms
         assert!(t3 > 500.0, "{t3}");
+    }
+
+    #[test]
+    fn histograms_follow_the_simulated_clock() {
+        let cfg = EngineConfig { max_running: 1, eos_mean_tokens: 0.0, ..EngineConfig::default() };
+        let mut s = Scheduler::new(cfg);
+        s.submit(req(1, vec![1; 50], 10, 1));
+        s.submit(req(2, vec![2; 50], 10, 2));
+        let t1 = time_to_first_token(&mut s, 1);
+        run_to_completion(&mut s);
+        let st = s.stats();
+        assert_eq!(st.ttft.count(), 2);
+        assert_eq!(st.e2e.count(), 2);
+        assert_eq!(st.queue.count(), 2);
+        // 9 gaps between each request's 10 tokens
+        assert_eq!(st.inter_token.count(), 18);
+        assert_eq!(st.finished_length, 2);
+        // Request 2 queued behind request 1's whole run: its wait and its TTFT exceed 1's TTFT.
+        let mut o = String::new();
+        st.ttft.write(&mut o, "t", "T.", "m=\"x\"", 0.0);
+        let sum: f64 = o
+            .lines()
+            .find_map(|l| l.strip_prefix("t_sum{m=\"x\"} "))
+            .and_then(|v| v.parse().ok())
+            .expect("a sum line");
+        assert!(sum * 1000.0 > 3.0 * t1, "TTFTs {sum} s against the first's {t1} ms");
     }
 
     #[test]

@@ -4,8 +4,10 @@
 //! - [`radix`]: RadixAttention-style prefix cache over tokens.
 //! - [`engine`]: continuous-batching scheduler and step latency model.
 //! - [`server`]: HTTP endpoints, SSE streaming, /metrics flavours, fault injection.
+//! - [`stats`]: the per-request histograms a real engine's `/metrics` carries.
 
 pub mod engine;
 pub mod radix;
 pub mod server;
+pub mod stats;
 pub mod tokenizer;

@@ -1,6 +1,7 @@
 //! OpenAI-compatible HTTP front end of a simulated pod, its scheduler driver and /metrics.
 
 use crate::engine::{self, EngineConfig, Event, Finish, Scheduler, Usage};
+use crate::stats::{Buckets, RequestStats};
 use crate::tokenizer::{chat_prompt_tokens, hash_tokens, tokenize, Message, Rng};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -28,6 +29,16 @@ pub enum Flavor {
     VllmV1,
     /// SGLang names (`sglang:num_running_reqs`, `sglang:token_usage`, ...).
     Sglang,
+}
+
+impl Flavor {
+    /// The histogram bucket bounds of this flavour's engine.
+    fn buckets(self) -> Buckets {
+        match self {
+            Flavor::VllmV0 | Flavor::VllmV1 => Buckets::Vllm,
+            Flavor::Sglang => Buckets::Sglang,
+        }
+    }
 }
 
 impl std::str::FromStr for Flavor {
@@ -130,7 +141,7 @@ impl Pod {
         let error_rate = cfg.faults.error_rate;
         Arc::new(Pod {
             state: Mutex::new(Shared {
-                sched: Scheduler::new(cfg.engine),
+                sched: Scheduler::with_buckets(cfg.engine, cfg.flavor.buckets()),
                 senders: HashMap::new(),
                 next_id: 1,
                 error_rng: Rng::new(0x5eed ^ cfg.index as u64),
@@ -236,8 +247,13 @@ impl Pod {
         let hit_rate =
             if c.prompt_tokens > 0 { c.cached_tokens as f64 / c.prompt_tokens as f64 } else { 0.0 };
         let mut o = String::new();
+        // vLLM V1 labels every series with its engine (one here).
+        let labels = match self.cfg.flavor {
+            Flavor::VllmV1 => format!("model_name=\"{m}\",engine=\"0\""),
+            Flavor::VllmV0 | Flavor::Sglang => format!("model_name=\"{m}\""),
+        };
         let g = |o: &mut String, name: &str, kind: &str, v: String| {
-            let _ = writeln!(o, "# TYPE {name} {kind}\n{name}{{model_name=\"{m}\"}} {v}");
+            let _ = writeln!(o, "# TYPE {name} {kind}\n{name}{{{labels}}} {v}");
         };
         match self.cfg.flavor {
             Flavor::VllmV0 | Flavor::VllmV1 => {
@@ -357,6 +373,11 @@ impl Pod {
                 );
             }
         }
+        let created = SystemTime::now()
+            .checked_sub(self.started.elapsed())
+            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.write_histograms(&mut o, &labels, s.stats(), created);
         let _ = writeln!(
             o,
             "# TYPE podsim_prompt_tokens_total counter\npodsim_prompt_tokens_total {}",
@@ -399,6 +420,127 @@ impl Pod {
             c.busy_us as f64 / 1e6
         );
         o
+    }
+
+    /// The per-request histograms and finish counters under this flavour's names and labels
+    /// (V0 names its inter-token histogram `time_per_output_token`; SGLang exports three).
+    fn write_histograms(&self, o: &mut String, labels: &str, st: &RequestStats, created: f64) {
+        // V1 still exports its deprecated `time_per_output_token` beside `inter_token_latency`.
+        let itl_names: &[&str] = match self.cfg.flavor {
+            Flavor::VllmV1 => {
+                &["vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"]
+            }
+            Flavor::VllmV0 => &["vllm:time_per_output_token_seconds"],
+            Flavor::Sglang => {
+                let l = labels;
+                st.ttft.write(
+                    o,
+                    "sglang:time_to_first_token_seconds",
+                    "Histogram of time to first token in seconds.",
+                    &l,
+                    created,
+                );
+                st.inter_token.write(
+                    o,
+                    "sglang:inter_token_latency_seconds",
+                    "Histogram of inter-token latency in seconds.",
+                    &l,
+                    created,
+                );
+                st.e2e.write(
+                    o,
+                    "sglang:e2e_request_latency_seconds",
+                    "Histogram of End-to-end request latency in seconds",
+                    &l,
+                    created,
+                );
+                return;
+            }
+        };
+        let l = labels;
+        let _ = writeln!(
+            o,
+            "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter"
+        );
+        for (reason, n) in
+            [("stop", st.finished_stop), ("length", st.finished_length), ("abort", 0)]
+        {
+            let _ = writeln!(
+                o,
+                "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {:.1}\nvllm:request_success_total_created{{{l},finished_reason=\"{reason}\"}} {created:.9e}",
+                n as f64
+            );
+        }
+        for name in itl_names {
+            st.inter_token.write(
+                o,
+                name,
+                "Histogram of inter-token latency in seconds.",
+                l,
+                created,
+            );
+        }
+        let families = [
+            (
+                &st.ttft,
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+            ),
+            (
+                &st.e2e,
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+            ),
+            (
+                &st.queue,
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+            ),
+            (
+                &st.inference,
+                "vllm:request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.",
+            ),
+            (
+                &st.prefill,
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+            ),
+            (
+                &st.decode,
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+            ),
+            (
+                &st.prompt_tokens,
+                "vllm:request_prompt_tokens",
+                "Number of prefill tokens processed.",
+            ),
+            (
+                &st.generation_tokens,
+                "vllm:request_generation_tokens",
+                "Number of generation tokens processed.",
+            ),
+            (
+                &st.max_tokens,
+                "vllm:request_params_max_tokens",
+                "Histogram of the max_tokens request parameter.",
+            ),
+            (
+                &st.generation_tokens,
+                "vllm:request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.",
+            ),
+            (&st.n, "vllm:request_params_n", "Histogram of the n request parameter."),
+            (
+                &st.step_tokens,
+                "vllm:iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+            ),
+        ];
+        for (h, name, help) in families {
+            h.write(o, name, help, l, created);
+        }
     }
 
     fn json_response(&self, status: StatusCode, v: &Value) -> Response<RespBody> {
@@ -774,25 +916,75 @@ mod tests {
         text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
     }
 
-    #[tokio::test]
-    async fn a_pod_hangs_then_dies_on_its_timeline() {
-        let cfg = PodConfig {
+    async fn exchange(addr: SocketAddr, request: String) -> String {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        s.write_all(request.as_bytes()).await.expect("write");
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.expect("read");
+        String::from_utf8_lossy(&buf).into_owned()
+    }
+
+    fn pod_config(flavor: Flavor, faults: Faults) -> PodConfig {
+        PodConfig {
             index: 0,
             name: "pod-0".into(),
             model: "m".into(),
-            flavor: Flavor::VllmV1,
+            flavor,
             engine: EngineConfig::default(),
-            time_scale: 1.0,
+            time_scale: 0.1,
             api_overhead_ms: 0.0,
             loras: vec![],
             max_lora: 0,
-            faults: Faults {
-                hang_after_s: Some(0.0),
-                hang_for_s: Some(0.3),
-                fail_after_s: Some(0.6),
-                ..Faults::default()
-            },
+            faults,
+        }
+    }
+
+    /// What a gateway's health check stores: a served request shows in the histograms, and the
+    /// body has the size of a real engine's (vLLM's tens of KB).
+    #[tokio::test]
+    async fn metrics_carry_the_served_requests_histograms() {
+        for (flavor, ttft, min_bytes) in [
+            (Flavor::VllmV1, "vllm:time_to_first_token_seconds", 26_000),
+            (Flavor::VllmV0, "vllm:time_to_first_token_seconds", 22_000),
+            (Flavor::Sglang, "sglang:time_to_first_token_seconds", 5_000),
+        ] {
+            let pod = Pod::new(pod_config(flavor, Faults::default()));
+            let addr = serve(pod, "127.0.0.1:0".parse().expect("addr")).await.expect("serve");
+            let body = r#"{"model":"m","messages":[{"role":"user","content":"hello there"}],"max_tokens":5}"#;
+            let reply = exchange(
+                addr,
+                format!(
+                    "POST /v1/chat/completions HTTP/1.0\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                    body.len()
+                ),
+            )
+            .await;
+            assert!(reply.starts_with("HTTP/1.0 200"), "{flavor:?}: {reply}");
+            let metrics = exchange(addr, "GET /metrics HTTP/1.0\r\n\r\n".into()).await;
+            let count = metrics
+                .lines()
+                .find(|l| l.starts_with(&format!("{ttft}_count{{")))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok());
+            assert_eq!(count, Some(1.0), "{flavor:?}: one request's first token");
+            let body = metrics.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+            assert!(body.len() >= min_bytes, "{flavor:?}: {} bytes", body.len());
+            // The plugin reads the idle pod's gauges among the histograms.
+            let read = ai_load_balancer::metrics::prometheus::parse(body.as_bytes(), None);
+            assert_eq!((read.running, read.waiting), (Some(0.0), Some(0.0)), "{flavor:?}");
+            assert_eq!(read.kv_cache_usage, Some(0.0), "{flavor:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_pod_hangs_then_dies_on_its_timeline() {
+        let faults = Faults {
+            hang_after_s: Some(0.0),
+            hang_for_s: Some(0.3),
+            fail_after_s: Some(0.6),
+            ..Faults::default()
         };
+        let cfg = PodConfig { time_scale: 1.0, ..pod_config(Flavor::VllmV1, faults) };
         let addr = serve(Pod::new(cfg), "127.0.0.1:0".parse().expect("addr")).await.expect("serve");
         let t0 = Instant::now();
         assert_eq!(get_status(addr, "/health").await, 200, "answers once the hang is over");
