@@ -66,6 +66,8 @@ pub const DEFAULT_LOAD_PREFILL_BYTES: u32 = 4096;
 pub const DEFAULT_DIVERT_PREFIX_BYTES: u32 = 4096;
 /// Default age (ms) after which scraped metrics count as unknown (ours).
 pub const DEFAULT_METRICS_STALE_MS: u64 = 5000;
+/// Default `hostListCacheMs`.
+pub const DEFAULT_HOST_LIST_CACHE_MS: u64 = 10;
 /// Default scrape interval (ms) when the host list carries no metrics (ours).
 pub const DEFAULT_SCRAPE_INTERVAL_MS: u32 = 1000;
 
@@ -307,6 +309,11 @@ pub struct PodMetricsSource {
     pub scrape_cluster: Option<String>,
     /// `metricsStaleMs` (default 5000): older metrics count as unknown.
     pub metrics_stale_ms: u64,
+    /// `hostListCacheMs` (default 10, at most 1000; 0 = read at every request): a worker reads a
+    /// cluster's host list from the host at most once per this long while it carries the pods'
+    /// stored `/metrics` bodies, which the host serializes into it at every read (up to 64 KiB
+    /// each).
+    pub host_list_cache_ms: u64,
 }
 
 impl Default for PodMetricsSource {
@@ -316,6 +323,7 @@ impl Default for PodMetricsSource {
             scrape_path: "/metrics".to_string(),
             scrape_cluster: None,
             metrics_stale_ms: DEFAULT_METRICS_STALE_MS,
+            host_list_cache_ms: DEFAULT_HOST_LIST_CACHE_MS,
         }
     }
 }
@@ -1203,6 +1211,7 @@ fn parse_metrics_source(f: &Fields<'_>) -> Result<PodMetricsSource, ConfigError>
             None | Some(0) => d.metrics_stale_ms,
             Some(x) => x,
         },
+        host_list_cache_ms: f.uint("hostListCacheMs", 1000)?.unwrap_or(d.host_list_cache_ms),
     })
 }
 

@@ -238,6 +238,7 @@ const KEYS: &[&str] = &[
     "scrapeIntervalMs",
     "scrapePath",
     "metricsStaleMs",
+    "hostListCacheMs",
     "mode",
     "service_list",
     "cluster_header",

@@ -65,6 +65,8 @@ pub struct FakeHost {
     pub response_body: Vec<u8>,
     /// The cluster's hosts; `None` simulates a failing `proxy_get_upstream_hosts`.
     pub hosts: Option<Vec<UpstreamHost>>,
+    /// How many times the plugin read the host list.
+    pub host_list_reads: std::cell::Cell<u32>,
     /// Last override host set.
     pub override_host: Option<String>,
     /// `(cluster, username, password, timeout)` of each redis_init.
@@ -203,6 +205,7 @@ impl Host for FakeHost {
             .map(|(_, v)| v.clone())
     }
     fn upstream_hosts(&self) -> Option<Vec<UpstreamHost>> {
+        self.host_list_reads.set(self.host_list_reads.get() + 1);
         self.hosts.clone()
     }
     fn set_upstream_override_host(&mut self, addr: &str) -> Result<(), HostError> {

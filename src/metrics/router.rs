@@ -74,6 +74,9 @@ pub struct MetricsRouter {
     /// serving several clusters (rules matching by domain or route prefix) does not evict one
     /// cluster's pods for another's on every request.
     parsed: HashMap<String, HashMap<String, (Rc<str>, PodMetrics)>>,
+    /// Host list per cluster and when it was read (ms), for `hostListCacheMs`.
+    host_lists: HashMap<String, (u64, Vec<UpstreamHost>)>,
+    host_list_cache_ms: u64,
 }
 
 /// At most this many clusters keep parsed metrics in one policy instance; beyond, the cache starts
@@ -100,7 +103,45 @@ impl MetricsRouter {
             scraper,
             scrape_interval_ms: source.scrape_interval_ms,
             parsed: HashMap::new(),
+            host_lists: HashMap::new(),
+            host_list_cache_ms: source.host_list_cache_ms,
         }
+    }
+
+    /// `cluster`'s host list (`proxy_get_upstream_hosts`); `None` when the host has none. A list
+    /// that carries metrics bodies is kept for `hostListCacheMs` and read from the host at most
+    /// once per that long. Why: the host serializes every pod's stored metrics body (up to 64 KiB
+    /// each; a real vLLM's is 30-60 KB) into the list at every read, about 50 us per pod and
+    /// request (`bench/HISTORY.md`, "Real engines' /metrics in the scenarios"), while the bodies
+    /// change once per health-check interval. A health change is then seen up to that much later;
+    /// a pod marked down meanwhile is still safe to name, as Envoy routes a non-strict override to
+    /// an unhealthy host by normal balancing. A list without bodies costs the host little and is
+    /// read at every request, as the Go plugin does.
+    pub fn host_list(
+        &mut self,
+        host: &dyn Host,
+        cluster: &str,
+        now_ms: u64,
+    ) -> Option<Vec<UpstreamHost>> {
+        if self.host_list_cache_ms == 0 {
+            return host.upstream_hosts();
+        }
+        if let Some((read_ms, list)) = self.host_lists.get(cluster) {
+            // A clock that went back reads again.
+            if now_ms.checked_sub(*read_ms).is_some_and(|age| age < self.host_list_cache_ms) {
+                return Some(list.clone());
+            }
+        }
+        let list = host.upstream_hosts()?;
+        if !list.iter().any(|h| h.metrics.is_some()) {
+            self.host_lists.remove(cluster);
+            return Some(list);
+        }
+        if self.host_lists.len() >= MAX_PARSED_CLUSTERS && !self.host_lists.contains_key(cluster) {
+            self.host_lists.clear();
+        }
+        self.host_lists.insert(cluster.to_string(), (now_ms, list.clone()));
+        Some(list)
     }
 
     /// Whether the policy ranks by the GIE filter chain (which reads the model for LoRA pods).

@@ -63,7 +63,7 @@ impl EndpointMetrics {
     /// The routed cluster's healthy pods with their metrics; `None` (no host list, no healthy pod,
     /// no metrics source) leaves the request to normal balancing.
     fn pods(&mut self, host: &dyn Host, stream: &Stream, now: u64) -> Option<Vec<PodView>> {
-        let list = host.upstream_hosts()?;
+        let list = self.router.host_list(host, &stream.cluster, now)?;
         self.router.gather(host, &stream.cluster, list, now)
     }
 

@@ -94,6 +94,46 @@ fn routes_to_the_least_loaded_healthy_pod_from_host_metrics() {
 }
 
 #[test]
+fn the_host_list_is_read_at_most_once_per_host_list_cache_ms() {
+    let mut h = two_healthy_pods(vllm(20, 30, 0.9, None), vllm(4, 0, 0.2, None));
+    let mut p = EndpointMetrics::new(config("{}"));
+    assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+    // The least loaded pod is marked down. 5 ms after the read the list kept (10 ms by default)
+    // still names it: a pod marked down meanwhile is safe to name, as Envoy routes a non-strict
+    // override to an unhealthy host by normal balancing.
+    if let Some(hosts) = h.hosts.as_mut() {
+        hosts[1].health = Health::Unhealthy;
+    }
+    h.now += 5_000_000;
+    assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.2:8000".into()));
+    assert_eq!(h.host_list_reads.get(), 1);
+    h.now += 6_000_000;
+    assert_eq!(route(&mut p, &mut h), Decision::Route("10.0.0.1:8000".into()));
+    assert_eq!(h.host_list_reads.get(), 2);
+    // A clock that went back reads the list again.
+    h.now -= 1_000_000_000;
+    route(&mut p, &mut h);
+    assert_eq!(h.host_list_reads.get(), 3);
+    // hostListCacheMs 0: every request reads it.
+    let mut p = EndpointMetrics::new(config(r#"{"hostListCacheMs":0}"#));
+    for _ in 0..3 {
+        route(&mut p, &mut h);
+    }
+    assert_eq!(h.host_list_reads.get(), 6);
+    // A list without metrics bodies is cheap for the host: read at every request, as in Go.
+    let mut bare = host_with(&[("10.0.0.1:8000", true, None), ("10.0.0.2:8000", true, None)]);
+    let mut p = EndpointMetrics::new(config("{}"));
+    for _ in 0..3 {
+        route(&mut p, &mut bare);
+    }
+    assert_eq!(bare.host_list_reads.get(), 3);
+    // Out of range: plugin start fails naming the key.
+    let json = r#"{"lb_policy":"endpoint_metrics","lb_config":{"hostListCacheMs":5000}}"#;
+    let err = PluginConfig::from_json(json.as_bytes()).err().map(|e| e.to_string());
+    assert!(err.as_deref().is_some_and(|e| e.contains("hostListCacheMs")), "{err:?}");
+}
+
+#[test]
 fn each_decision_is_named_after_its_counter() {
     // The decision header's value is the counter's name without `ai_lb_`, as for every policy.
     let mut h = two_healthy_pods(vllm(20, 30, 0.9, None), vllm(4, 0, 0.2, None));
@@ -266,6 +306,7 @@ fn lora_deployments_read_the_model_from_the_body() {
     assert!(matches!(p.on_request_headers(&mut h, &mut bodiless()), Decision::Route(_)));
     // Without LoRA pods the headers suffice.
     let mut h2 = host_with(&[("10.0.0.1:8000", true, Some(vllm(3, 1, 0.3, None)))]);
+    h2.now = h.now + 1_000_000_000; // past hostListCacheMs: the list is read again
     assert!(matches!(p.on_request_headers(&mut h2, &mut s), Decision::Route(_)));
 }
 

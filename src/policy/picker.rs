@@ -662,7 +662,8 @@ impl Picker {
         stream: &mut Stream,
         mut kind: PickKind,
     ) -> Decision {
-        let mut list = host.upstream_hosts();
+        let now_ms = host.now_nanos() / 1_000_000;
+        let mut list = self.metrics.host_list(host, &stream.cluster, now_ms);
         let Some((mut healthy, others)) = healthy_hosts(list.as_deref(), host, self.name) else {
             return Decision::Passthrough;
         };
@@ -675,7 +676,6 @@ impl Picker {
         if let PickKind::Prefix { load: load @ Some(_), .. } = &mut kind {
             // The host list (with the health check's metrics bodies) is read once per request:
             // taken here; a failed send below reads it again.
-            let now_ms = host.now_nanos() / 1_000_000;
             let args = list
                 .take()
                 .and_then(|l| self.metrics.gather(host, &stream.cluster, l, now_ms))
@@ -922,7 +922,7 @@ impl Picker {
         host.increment_counter(why.counter(), 1);
         let now_ms = host.now_nanos() / 1_000_000;
         let pod = list
-            .or_else(|| host.upstream_hosts())
+            .or_else(|| self.metrics.host_list(host, &stream.cluster, now_ms))
             .and_then(|list| self.metrics.gather(host, &stream.cluster, list, now_ms))
             .and_then(|pods| self.metrics.choose(host, stream.id, &pods, "", now_ms));
         // While the breaker is open every request comes here: its opening was logged once.
