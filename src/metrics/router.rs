@@ -111,12 +111,12 @@ impl MetricsRouter {
     /// `cluster`'s host list (`proxy_get_upstream_hosts`); `None` when the host has none. A list
     /// that carries metrics bodies is kept for `hostListCacheMs` and read from the host at most
     /// once per that long. Why: the host serializes every pod's stored metrics body (up to 64 KiB
-    /// each; a real vLLM's is 30-60 KB) into the list at every read, about 50 us per pod and
-    /// request (`bench/HISTORY.md`, "Real engines' /metrics in the scenarios"), while the bodies
-    /// change once per health-check interval. A health change is then seen up to that much later;
-    /// a pod marked down meanwhile is still safe to name, as Envoy routes a non-strict override to
-    /// an unhealthy host by normal balancing. A list without bodies costs the host little and is
-    /// read at every request, as the Go plugin does.
+    /// each; a real vLLM's is 30-60 KB) into the list at every read (about 50 us per pod of 31 KB
+    /// in our gateway host; `bench/HISTORY.md`, "Real engines' /metrics in the scenarios"), while
+    /// the bodies change once per health-check interval. A health change is then seen up to that
+    /// much later; a pod marked down meanwhile is still safe to name, as Envoy routes a non-strict
+    /// override to an unhealthy host by normal balancing. A list without bodies costs the host
+    /// little and is read at every request, as the Go plugin does.
     pub fn host_list(
         &mut self,
         host: &dyn Host,

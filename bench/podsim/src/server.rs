@@ -437,21 +437,21 @@ impl Pod {
                     o,
                     "sglang:time_to_first_token_seconds",
                     "Histogram of time to first token in seconds.",
-                    &l,
+                    l,
                     created,
                 );
                 st.inter_token.write(
                     o,
                     "sglang:inter_token_latency_seconds",
                     "Histogram of inter-token latency in seconds.",
-                    &l,
+                    l,
                     created,
                 );
                 st.e2e.write(
                     o,
                     "sglang:e2e_request_latency_seconds",
                     "Histogram of End-to-end request latency in seconds",
-                    &l,
+                    l,
                     created,
                 );
                 return;
