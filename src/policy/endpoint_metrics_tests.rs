@@ -143,6 +143,7 @@ fn each_decision_is_named_after_its_counter() {
     assert_eq!(s.decision.as_deref(), Some("metrics_routed"));
     assert_eq!(h.counters.get("ai_lb_metrics_routed"), Some(&1));
     let mut none = host_with(&[("10.0.0.1:8000", true, None)]);
+    none.now = h.now + 1_000_000_000; // past hostListCacheMs: the list is read again
     let mut s = bodiless();
     assert_eq!(p.on_request_headers(&mut none, &mut s), Decision::Passthrough);
     assert_eq!(s.decision.as_deref(), Some("fallback_no_metrics"));
