@@ -347,8 +347,13 @@ impl Scheduler {
 
     /// Cancels a request (client went away); frees its pages.
     pub fn abort(&mut self, id: u64) {
+        let queued = self.waiting.len();
         self.waiting.retain(|w| w.req.id != id);
+        if self.waiting.len() < queued {
+            self.stats.aborted += 1;
+        }
         if let Some(i) = self.running.iter().position(|r| r.id == id) {
+            self.stats.aborted += 1;
             let r = self.running.remove(i);
             self.cache.unlock(r.lock);
             self.private_tokens -= r.reserved;

@@ -1,7 +1,7 @@
 //! OpenAI-compatible HTTP front end of a simulated pod, its scheduler driver and /metrics.
 
 use crate::engine::{self, EngineConfig, Event, Finish, Scheduler, Usage};
-use crate::stats::{Buckets, RequestStats};
+use crate::stats::{Buckets, Histogram, RequestStats};
 use crate::tokenizer::{chat_prompt_tokens, hash_tokens, tokenize, Message, Rng};
 use bytes::Bytes;
 use http_body_util::{combinators::BoxBody, BodyExt, Full};
@@ -423,123 +423,55 @@ impl Pod {
     }
 
     /// The per-request histograms and finish counters under this flavour's names and labels
-    /// (V0 names its inter-token histogram `time_per_output_token`; SGLang exports three).
+    /// (V0 names its inter-token histogram `time_per_output_token`, which V1 still exports beside
+    /// `inter_token_latency`; SGLang exports three histograms).
     fn write_histograms(&self, o: &mut String, labels: &str, st: &RequestStats, created: f64) {
-        // V1 still exports its deprecated `time_per_output_token` beside `inter_token_latency`.
-        let itl_names: &[&str] = match self.cfg.flavor {
-            Flavor::VllmV1 => {
-                &["vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"]
-            }
-            Flavor::VllmV0 => &["vllm:time_per_output_token_seconds"],
-            Flavor::Sglang => {
-                let l = labels;
-                st.ttft.write(
-                    o,
-                    "sglang:time_to_first_token_seconds",
-                    "Histogram of time to first token in seconds.",
-                    l,
-                    created,
-                );
-                st.inter_token.write(
-                    o,
-                    "sglang:inter_token_latency_seconds",
-                    "Histogram of inter-token latency in seconds.",
-                    l,
-                    created,
-                );
-                st.e2e.write(
-                    o,
-                    "sglang:e2e_request_latency_seconds",
-                    "Histogram of End-to-end request latency in seconds",
-                    l,
-                    created,
-                );
-                return;
-            }
+        const TTFT: &str = "Histogram of time to first token in seconds.";
+        const ITL: &str = "Histogram of inter-token latency in seconds.";
+        const E2E: &str = "Histogram of end-to-end request latency in seconds.";
+        let mut families: Vec<(&Histogram, &str, &str)> = match self.cfg.flavor {
+            Flavor::Sglang => vec![
+                (&st.ttft, "sglang:time_to_first_token_seconds", TTFT),
+                (&st.inter_token, "sglang:inter_token_latency_seconds", ITL),
+                (&st.e2e, "sglang:e2e_request_latency_seconds", E2E),
+            ],
+            Flavor::VllmV0 | Flavor::VllmV1 => vec![
+                (&st.ttft, "vllm:time_to_first_token_seconds", TTFT),
+                (&st.inter_token, "vllm:time_per_output_token_seconds", ITL),
+                (&st.e2e, "vllm:e2e_request_latency_seconds", E2E),
+                (&st.queue, "vllm:request_queue_time_seconds", "Time spent waiting, seconds."),
+                (&st.inference, "vllm:request_inference_time_seconds", "Time running, seconds."),
+                (&st.prefill, "vllm:request_prefill_time_seconds", "Time in prefill, seconds."),
+                (&st.decode, "vllm:request_decode_time_seconds", "Time in decode, seconds."),
+                (&st.prompt_tokens, "vllm:request_prompt_tokens", "Prefill tokens processed."),
+                (&st.generation_tokens, "vllm:request_generation_tokens", "Tokens generated."),
+                (&st.max_tokens, "vllm:request_params_max_tokens", "The max_tokens parameter."),
+                (&st.generation_tokens, "vllm:request_max_num_generation_tokens", "Most tokens."),
+                (&st.n, "vllm:request_params_n", "The n parameter."),
+                (&st.step_tokens, "vllm:iteration_tokens_total", "Tokens per engine step."),
+            ],
         };
-        let l = labels;
-        let _ = writeln!(
-            o,
-            "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter"
-        );
-        for (reason, n) in
-            [("stop", st.finished_stop), ("length", st.finished_length), ("abort", 0)]
-        {
+        if self.cfg.flavor == Flavor::VllmV1 {
+            families.push((&st.inter_token, "vllm:inter_token_latency_seconds", ITL));
+        }
+        if self.cfg.flavor != Flavor::Sglang {
             let _ = writeln!(
                 o,
-                "vllm:request_success_total{{{l},finished_reason=\"{reason}\"}} {:.1}\nvllm:request_success_total_created{{{l},finished_reason=\"{reason}\"}} {created:.9e}",
-                n as f64
+                "# HELP vllm:request_success_total Count of successfully processed requests.\n# TYPE vllm:request_success_total counter"
             );
+            let finished =
+                [("stop", st.finished_stop), ("length", st.finished_length), ("abort", st.aborted)];
+            for (reason, n) in finished {
+                let l = format!("{labels},finished_reason=\"{reason}\"");
+                let _ = writeln!(
+                    o,
+                    "vllm:request_success_total{{{l}}} {:.1}\nvllm:request_success_total_created{{{l}}} {created:.9e}",
+                    n as f64
+                );
+            }
         }
-        for name in itl_names {
-            st.inter_token.write(
-                o,
-                name,
-                "Histogram of inter-token latency in seconds.",
-                l,
-                created,
-            );
-        }
-        let families = [
-            (
-                &st.ttft,
-                "vllm:time_to_first_token_seconds",
-                "Histogram of time to first token in seconds.",
-            ),
-            (
-                &st.e2e,
-                "vllm:e2e_request_latency_seconds",
-                "Histogram of e2e request latency in seconds.",
-            ),
-            (
-                &st.queue,
-                "vllm:request_queue_time_seconds",
-                "Histogram of time spent in WAITING phase for request.",
-            ),
-            (
-                &st.inference,
-                "vllm:request_inference_time_seconds",
-                "Histogram of time spent in RUNNING phase for request.",
-            ),
-            (
-                &st.prefill,
-                "vllm:request_prefill_time_seconds",
-                "Histogram of time spent in PREFILL phase for request.",
-            ),
-            (
-                &st.decode,
-                "vllm:request_decode_time_seconds",
-                "Histogram of time spent in DECODE phase for request.",
-            ),
-            (
-                &st.prompt_tokens,
-                "vllm:request_prompt_tokens",
-                "Number of prefill tokens processed.",
-            ),
-            (
-                &st.generation_tokens,
-                "vllm:request_generation_tokens",
-                "Number of generation tokens processed.",
-            ),
-            (
-                &st.max_tokens,
-                "vllm:request_params_max_tokens",
-                "Histogram of the max_tokens request parameter.",
-            ),
-            (
-                &st.generation_tokens,
-                "vllm:request_max_num_generation_tokens",
-                "Histogram of maximum number of requested generation tokens.",
-            ),
-            (&st.n, "vllm:request_params_n", "Histogram of the n request parameter."),
-            (
-                &st.step_tokens,
-                "vllm:iteration_tokens_total",
-                "Histogram of number of tokens per engine_step.",
-            ),
-        ];
         for (h, name, help) in families {
-            h.write(o, name, help, l, created);
+            h.write(o, name, help, labels, created);
         }
     }
 

@@ -137,6 +137,8 @@ pub struct RequestStats {
     pub finished_stop: u64,
     /// Finished with `length` (`max_tokens`).
     pub finished_length: u64,
+    /// Ended before finishing (the client went away).
+    pub aborted: u64,
 }
 
 impl RequestStats {
@@ -161,6 +163,7 @@ impl RequestStats {
             step_tokens: Histogram::new(VLLM_STEP_TOKENS),
             finished_stop: 0,
             finished_length: 0,
+            aborted: 0,
         }
     }
 }
