@@ -839,21 +839,18 @@ mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    async fn get_status(addr: SocketAddr, path: &str) -> u16 {
-        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes()).await.expect("write");
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await.expect("read");
-        let text = String::from_utf8_lossy(&buf);
-        text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
-    }
-
+    /// Sends one raw HTTP/1.0 request; the whole response.
     async fn exchange(addr: SocketAddr, request: String) -> String {
         let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
         s.write_all(request.as_bytes()).await.expect("write");
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).await.expect("read");
         String::from_utf8_lossy(&buf).into_owned()
+    }
+
+    async fn get_status(addr: SocketAddr, path: &str) -> u16 {
+        let text = exchange(addr, format!("GET {path} HTTP/1.0\r\n\r\n")).await;
+        text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0)
     }
 
     fn pod_config(flavor: Flavor, faults: Faults) -> PodConfig {
