@@ -187,14 +187,17 @@ pub fn parse(text: &[u8], target_metric: Option<&str>) -> PodMetrics {
     let (mut queries, mut hits, mut target_values) =
         (PerEngine::default(), PerEngine::default(), PerEngine::default());
 
-    for raw_line in text.split(|&b| b == b'\n') {
+    for raw_line in lines(text) {
         let line = trim_start(raw_line);
-        if line.is_empty() || line.first() == Some(&b'#') {
+        // Real bodies also carry `python_*` and `process_*` families: their first byte rules them
+        // out before the name is looked for.
+        let Some(&first) = line.first() else { continue };
+        if first == b'#'
+            || (!might_match(first) && target.is_none_or(|t| t.first() != Some(&first)))
+        {
             continue;
         }
-        let name_end =
-            line.iter().position(|&b| b == b'{' || b == b' ' || b == b'\t').unwrap_or(line.len());
-        let (name, rest) = line.split_at_checked(name_end).unwrap_or((line, &[]));
+        let Some((name, rest)) = split_name(line) else { continue };
         let family =
             FAMILIES.iter().find(|(n, _)| names_equal(n.as_bytes(), name)).map(|(_, f)| *f);
         let is_target = target.is_some_and(|t| names_equal(t, name));
@@ -242,6 +245,36 @@ pub fn parse(text: &[u8], target_metric: Option<&str>) -> PodMetrics {
         None => None,
     };
     out
+}
+
+/// The lines of `text` (without their `\n`). `memchr` finds the ends a word at a time: a body is
+/// tens of KB and is read whenever the health check stored a new one.
+fn lines(text: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = Some(text);
+    std::iter::from_fn(move || {
+        let text = rest?;
+        match memchr::memchr(b'\n', text) {
+            Some(end) => {
+                rest = text.get(end + 1..);
+                text.get(..end)
+            }
+            None => {
+                rest = None;
+                Some(text)
+            }
+        }
+    })
+}
+
+/// Whether a line starting with `first` can hold one of [`FAMILIES`] (all are `vllm` or `sglang`).
+fn might_match(first: u8) -> bool {
+    first == b'v' || first == b's'
+}
+
+/// Splits a sample line into its name and the rest (labels, value).
+fn split_name(line: &[u8]) -> Option<(&[u8], &[u8])> {
+    let end = memchr::memchr3(b'{', b' ', b'\t', line).unwrap_or(line.len());
+    line.split_at_checked(end)
 }
 
 fn trim_start(s: &[u8]) -> &[u8] {

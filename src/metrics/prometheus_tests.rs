@@ -112,6 +112,23 @@ fn target_metric_is_summed_and_accepts_either_separator() {
 }
 
 #[test]
+fn a_target_of_another_family_is_read_among_process_and_python_series() {
+    // What a real server's body also holds (prometheus_client's default collectors), with CRLF
+    // line ends, an indented line and no trailing newline.
+    let body = "python_gc_objects_collected_total{generation=\"0\"} 10.0\r\n\
+                process_cpu_seconds_total 3.5\r\n\
+                  tgi_queue_size{model=\"m\"} 7\r\n\
+                vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 2.0\r\n\
+                tgi_queue_size{model=\"n\"} 1";
+    let m = parse(body.as_bytes(), Some("tgi_queue_size"));
+    assert_eq!(m.target, Some(8.0));
+    assert_eq!(m.waiting, Some(2.0));
+    let m = parse(body.as_bytes(), Some("process:cpu_seconds_total"));
+    assert_eq!(m.target, Some(3.5));
+    assert_eq!(parse(body.as_bytes(), Some("python_gc_objects_collected")).target, None);
+}
+
+#[test]
 fn created_series_and_comments_do_not_count() {
     let body = "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.\n\
                 # TYPE vllm:prefix_cache_hits_total counter\n\
