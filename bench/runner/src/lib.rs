@@ -23,7 +23,7 @@ use procs::{http_get, prom_value, redis_cmd, require, Proc, Redis, RedisUsage};
 use scenario::Scenario;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use stats::PolicyAggregate;
+use stats::{PolicyAggregate, Spread};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
@@ -130,6 +130,12 @@ pub struct PolicyResult {
     pub redis_bytes_out_per_request: f64,
     /// Client time-to-headers minus pod time, real ms.
     pub gateway_added_ms: P50P99,
+    /// Time the gateways spent inside the plugin per routed request (real ms): every callback
+    /// of every stream, tick and Redis or HTTP reply, the host calls the plugin made included
+    /// (the gateways' `gateway_vm_call_seconds_total` over the load). None for competitor
+    /// routers and runs before this field.
+    #[serde(default)]
+    pub plugin_ms_per_request: Option<f64>,
     /// Wall-clock seconds of the load.
     pub wall_s: f64,
     /// Offered load of an open-loop sweep point (sessions per simulated second); None for the
@@ -230,6 +236,20 @@ async fn watch_first_unhealthy(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     None
+}
+
+/// Seconds the gateways behind `admins` have spent inside the plugin so far, summed; None when
+/// there is no gateway (a competitor router) or one of them did not answer.
+async fn plugin_seconds(admins: &[String]) -> Option<f64> {
+    if admins.is_empty() {
+        return None;
+    }
+    let mut total = 0.0;
+    for a in admins {
+        let text = http_get(a, "/stats").await.ok()?;
+        total += prom_value(&text, "gateway_vm_call_seconds_total")?;
+    }
+    Some(total)
 }
 
 /// When, from what and where a report was made.
@@ -477,6 +497,7 @@ pub async fn run_policy(
     }
     redis_cmd(&redis.addr, &["CONFIG", "RESETSTAT"]).await?;
     let cpu0 = RedisUsage::main_thread_cpu_s(&redis.addr).await.unwrap_or(0.0);
+    let vm_before = plugin_seconds(&admins).await;
     let target = loadgen::Target {
         urls,
         gateway_choice: sc.client_gateway,
@@ -500,8 +521,8 @@ pub async fn run_policy(
     let watch_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Only our gateways mark pods (a competitor router has no admin API to watch).
     let mark_watched = sc.health_check && !admins.is_empty();
-    let watcher =
-        mark_watched.then(|| tokio::spawn(watch_first_unhealthy(admins, t0, watch_stop.clone())));
+    let watcher = mark_watched
+        .then(|| tokio::spawn(watch_first_unhealthy(admins.clone(), t0, watch_stop.clone())));
     let freezer = match (sc.redis_freeze, redis.proc.id()) {
         (Some(f), Some(pid)) => Some(tokio::spawn(freeze_redis(pid, f))),
         _ => None,
@@ -555,12 +576,19 @@ pub async fn run_policy(
         requests.push(prom_value(&m, "podsim_requests_total").unwrap_or(0.0));
         inflight.push(prom_value(&m, "podsim_inflight_seconds_total").unwrap_or(0.0));
     }
+    // Late callbacks (the last streams' log phase, their releases' replies) land within a few ms.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let vm_after = plugin_seconds(&admins).await;
     for g in gws {
         g.stop().await;
     }
     pods_proc.stop().await;
     let s = loadgen::summarize(&records, wall, sc.time_scale);
     let routed = records.len().max(1) as f64;
+    let plugin_ms_per_request = match (vm_before, vm_after) {
+        (Some(before), Some(after)) => Some((after - before).max(0.0) * 1e3 / routed),
+        _ => None,
+    };
     let ts = sc.time_scale;
     let sim_s = (wall / ts).max(1e-9);
     Ok(PolicyResult {
@@ -588,6 +616,7 @@ pub async fn run_policy(
         redis_bytes_in_per_request: usage.bytes_in as f64 / routed,
         redis_bytes_out_per_request: usage.bytes_out as f64 / routed,
         gateway_added_ms: s.gateway_added_ms,
+        plugin_ms_per_request,
         wall_s: wall,
         offered_sessions_per_s: sc
             .workload
@@ -770,6 +799,29 @@ pub fn table(rep: &Report) -> String {
             r.oracle_hit_rate.show(1, 100.0),
             r.request_share_max_over_mean.show(2, 1.0),
             r.inflight_max_over_mean.show(2, 1.0),
+            r.gateway_added_p50_ms.show(2, 1.0),
+        ));
+    }
+    t
+}
+
+/// What the plugin costs the gateway per routed request, for the policies run by our gateway in
+/// reports that measured it; empty otherwise.
+pub fn plugin_table(rep: &Report) -> String {
+    let multi = rep.config.gateway_replicas.len() > 1;
+    let rows: Vec<(&PolicyAggregate, Spread)> =
+        rep.policies.iter().filter_map(|r| Some((r, r.plugin_ms_per_request?))).collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut t = String::from(
+        "| policy (gateway per routed request) | time in the plugin, ms (its host calls included) | gw added p50 ms |\n|---|---|---|\n",
+    );
+    for (r, plugin) in rows {
+        t.push_str(&format!(
+            "| {} | {} | {} |\n",
+            label(r, multi),
+            plugin.show(3, 1.0),
             r.gateway_added_p50_ms.show(2, 1.0),
         ));
     }

@@ -220,6 +220,10 @@ async fn run(
         sc.name, sc.description, sc.repetitions, sc.time_scale, sc.pods.profile
     );
     print!("{}", table(&rep));
+    let plugin = bench::plugin_table(&rep);
+    if !plugin.is_empty() {
+        print!("\n{plugin}");
+    }
     let redis = bench::redis_table(&rep);
     if !redis.is_empty() {
         print!("\n{redis}");

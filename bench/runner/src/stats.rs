@@ -96,6 +96,9 @@ pub struct PolicyAggregate {
     pub redis_bytes_out_per_request: Spread,
     /// Gateway added time, median per run, real ms.
     pub gateway_added_p50_ms: Spread,
+    /// Time in the plugin per routed request (real ms), when every run measured it.
+    #[serde(default)]
+    pub plugin_ms_per_request: Option<Spread>,
     /// TTFTs of every repetition (simulated ms), for the chart.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -148,6 +151,11 @@ pub fn aggregate(results: &[PolicyResult]) -> Vec<PolicyAggregate> {
                 redis_bytes_in_per_request: sp(&|r| r.redis_bytes_in_per_request),
                 redis_bytes_out_per_request: sp(&|r| r.redis_bytes_out_per_request),
                 gateway_added_p50_ms: sp(&|r| r.gateway_added_ms.p50),
+                plugin_ms_per_request: runs
+                    .iter()
+                    .map(|r| r.plugin_ms_per_request)
+                    .collect::<Option<Vec<f64>>>()
+                    .and_then(Spread::of),
                 ttfts: runs.iter().flat_map(|r| r.ttfts.iter().copied()).collect(),
             }
         })

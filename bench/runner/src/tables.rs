@@ -5,7 +5,7 @@
 //! scale). `bench tables --write` puts them into README.md between the two marker lines.
 
 use crate::stats::Spread;
-use crate::{failure_table, outage_table, redis_table, table, Report};
+use crate::{failure_table, outage_table, plugin_table, redis_table, table, Report};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -64,7 +64,7 @@ pub fn section(rep: &Report) -> String {
         stamp_line(&rep.stamp, &rep.config.pods.profile, &reps, rep.time_scale),
         table(rep)
     );
-    for extra in [redis_table(rep), outage_table(rep), failure_table(rep)] {
+    for extra in [plugin_table(rep), redis_table(rep), outage_table(rep), failure_table(rep)] {
         if !extra.is_empty() {
             md.push('\n');
             md.push_str(&extra);
@@ -266,6 +266,23 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("commit `abc123`"), "{md}");
+    }
+
+    #[test]
+    fn the_plugins_time_per_request_has_a_table_only_when_every_run_measured_it() {
+        let md = section(&report());
+        assert!(!md.contains("time in the plugin"), "runs before the field: no table: {md}");
+        let mut rep = report();
+        for (i, r) in rep.runs.iter_mut().enumerate() {
+            r.plugin_ms_per_request = Some(0.1 * (i + 1) as f64);
+        }
+        rep.policies = aggregate(&rep.runs);
+        let md = section(&rep);
+        assert!(md.contains("| round_robin | 0.200 (0.100–0.300) |"), "{md}");
+        // One run without it (a gateway that did not answer): no figure for that policy.
+        rep.runs[0].plugin_ms_per_request = None;
+        rep.policies = aggregate(&rep.runs);
+        assert!(!section(&rep).contains("time in the plugin"));
     }
 
     #[test]
