@@ -189,12 +189,7 @@ pub fn parse(text: &[u8], target_metric: Option<&str>) -> PodMetrics {
 
     for raw_line in lines(text) {
         let line = trim_start(raw_line);
-        // Real bodies also carry `python_*` and `process_*` families: their first byte rules them
-        // out before the name is looked for.
-        let Some(&first) = line.first() else { continue };
-        if first == b'#'
-            || (!might_match(first) && target.is_none_or(|t| t.first() != Some(&first)))
-        {
+        if line.is_empty() || line.first() == Some(&b'#') {
             continue;
         }
         let Some((name, rest)) = split_name(line) else { continue };
@@ -264,11 +259,6 @@ fn lines(text: &[u8]) -> impl Iterator<Item = &[u8]> {
             }
         }
     })
-}
-
-/// Whether a line starting with `first` can hold one of [`FAMILIES`] (all are `vllm` or `sglang`).
-fn might_match(first: u8) -> bool {
-    first == b'v' || first == b's'
 }
 
 /// Splits a sample line into its name and the rest (labels, value).
