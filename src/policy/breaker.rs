@@ -1,6 +1,7 @@
-//! A circuit breaker for the shared Redis: after `failures` consecutive failed or slow calls,
-//! requests are decided at once without Redis for `open_ms`; then one probe call is let through,
-//! and its success closes the breaker again (its failure reopens it).
+//! A circuit breaker for the shared Redis: after `failures` consecutive failed or slow calls, or
+//! at once when a slow call finds that Redis answered nothing at all while it waited (a stall),
+//! requests are decided without Redis for `open_ms`; then one probe call is let through, and its
+//! success closes the breaker again (its failure reopens it).
 //!
 //! Why: with a frozen Redis (SIGSTOP, a long fork, a partition that drops packets) every call waits
 //! for the Redis timeout (3 s by default) before normal balancing. The breaker bounds that cost to
@@ -75,6 +76,19 @@ impl Breaker {
             return false;
         }
         self.state = State::Open { until_ns };
+        true
+    }
+
+    /// A call was given up as too slow while Redis answered nothing at all, to any call, since it
+    /// was sent: Redis is stalled, not slow on one call. Every call waiting now waits on the same
+    /// stall, so waiting for `failures - 1` more of them tells nothing new and costs each request
+    /// that arrives meanwhile the same wait. Opens the breaker now (unless it is disabled); returns
+    /// true when it opened.
+    pub fn on_stall(&mut self, now_ns: u64) -> bool {
+        if self.failures == 0 || !self.is_closed() {
+            return false;
+        }
+        self.state = State::Open { until_ns: now_ns.saturating_add(self.open_ns) };
         true
     }
 

@@ -41,3 +41,13 @@ fn zero_failures_disables_it() {
     }
     assert_eq!(b.admit(0), Admission::Call);
 }
+
+#[test]
+fn a_stall_opens_it_at_once_unless_disabled() {
+    let mut b = Breaker::new(3, 1000);
+    assert!(b.on_stall(10 * MS), "no need for two more slow calls");
+    assert_eq!(b.admit(11 * MS), Admission::Refuse);
+    assert!(!b.on_stall(12 * MS), "already open: the open period is not extended");
+    assert_eq!(b.admit(1010 * MS), Admission::Probe);
+    assert!(!Breaker::new(0, 1000).on_stall(0), "breakerFailures 0 disables the breaker");
+}

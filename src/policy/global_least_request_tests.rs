@@ -448,15 +448,17 @@ fn picks_still_waiting_when_the_breaker_opens_are_decided_at_once() {
     host.now += 60 * MS;
     f.on_tick(&mut host);
     assert_eq!(host.resumes, 0, "no pick has waited breakerSlowMs yet");
-    // At 210 ms the first three have waited breakerSlowMs: given up, and the breaker opens. The
-    // two younger picks (110 ms) wait on the same stalled Redis: decided in the same tick, not at
-    // their own 200 ms.
+    // At 210 ms the first pick has waited breakerSlowMs with nothing answered since it was sent:
+    // Redis is stalled, so it is given up and the breaker opens at once (no two more slow
+    // picks). The other four wait on the same stall: decided in the same tick, not at their own
+    // 200 ms.
     host.now += 50 * MS;
     f.on_tick(&mut host);
-    assert_eq!(host.counters.get("ai_lb_fallback_redis_slow"), Some(&3));
+    assert_eq!(host.counters.get("ai_lb_fallback_redis_slow"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    assert!(host.logged("redis answered nothing for 200 ms: breaker open"));
     assert_eq!(host.resumes, 5, "every held request resumed");
-    assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&2), "not counted as slow");
+    assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&4), "not counted as slow");
     // Their late replies change nothing.
     for t in tokens {
         deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
@@ -479,7 +481,8 @@ fn a_breaker_opened_by_one_worker_opens_the_others_at_their_next_tick() {
     let (mut a, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
     let mut b = crate::filter::Filter::new();
     assert!(b.configure(&mut host, cfg(r#","breakerSlowMs":200"#).as_bytes()));
-    // Worker b has a pick waiting on the stalled Redis; worker a's three picks open its breaker.
+    // Worker b has a pick waiting on the stalled Redis; worker a's picks find the stall and open
+    // its breaker.
     b.on_request_headers(&mut host, 101, true);
     let b_calls = host.redis_calls.len();
     for ctx in [7, 9, 11] {
@@ -517,7 +520,7 @@ fn a_breaker_opened_by_one_worker_opens_the_others_at_their_next_tick() {
 #[test]
 fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
-    assert_eq!(f.tick_period_ms(), 100, "slow picks are noticed within half of breakerSlowMs");
+    assert_eq!(f.tick_period_ms(), 50, "slow picks are noticed within a quarter of breakerSlowMs");
     f.on_request_headers(&mut host, 7, false);
     let t = host.last_redis_token().unwrap();
     host.now += 150 * MS;
@@ -530,12 +533,44 @@ fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     assert_eq!(host.effective_streams, vec![7, 7]);
     assert_eq!(host.resumes, 1, "normal balancing");
     assert_eq!(host.override_host, None);
-    assert_eq!(releases(&host), vec![release_of(&host, 0, true)], "the pick is cancelled");
-    // Its late reply changes nothing, and the stream's end sends nothing more.
+    // Redis answered nothing since the pick went out: a stall, so the breaker opened and the
+    // pick's cancel waits for Redis to answer again.
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    assert!(releases(&host).is_empty());
+    // Its late reply changes nothing.
     deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!((host.resumes, host.override_host.clone()), (1, None));
+    // The probe finds Redis answering: the breaker closes and the cancel goes out.
+    host.now += 1000 * MS;
+    f.on_tick(&mut host);
+    let ping = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, ping, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
+    assert_eq!(releases(&host), vec![release_of(&host, 0, true)], "the pick is cancelled");
+    // The stream's end sends nothing more.
     f.on_delete(&mut host, 7);
     assert_eq!(releases(&host).len(), 1);
+}
+
+#[test]
+fn a_slow_pick_while_redis_answers_others_counts_towards_breaker_failures_only() {
+    let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
+    f.on_request_headers(&mut host, 7, true);
+    // A later pick is answered: Redis is alive, only the first pick is slow (a slow shard, a long
+    // script ahead of it), so it alone is given up and the breaker stays closed.
+    host.now += 50 * MS;
+    request_with_reply(
+        &mut f,
+        &mut host,
+        9,
+        RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)),
+    );
+    host.now += 160 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.counters.get("ai_lb_fallback_redis_slow"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), None, "one failure of breakerFailures");
+    let calls = host.redis_calls.len();
+    assert_eq!(f.on_request_headers(&mut host, 11, true), HeaderAction::StopIteration);
+    assert!(host.redis_calls.len() > calls, "the next request still asks Redis");
 }
 
 #[test]

@@ -564,6 +564,9 @@ pub(crate) struct Picker {
     /// Request ids are this counter (unique per owner, short on the wire).
     next_request: u64,
     breaker: Breaker,
+    /// When Redis last answered any call of this picker (host clock, ns; 0 = never): a slow pick
+    /// sent after it waits on a Redis that answers nothing (see [`Breaker::on_stall`]).
+    last_answer_ns: u64,
     /// Route+clusters used, by owners key: their leases are renewed by heartbeats.
     groups: HashMap<String, Group>,
     last_heartbeat_ns: u64,
@@ -587,6 +590,7 @@ impl Picker {
             metrics: MetricsRouter::new(&config.metrics, Ranking::filter_chain()),
             redis: RedisClient::new(config.redis.clone()),
             breaker: Breaker::new(config.state.breaker_failures, config.state.breaker_open_ms),
+            last_answer_ns: 0,
             config,
             script: Script::new(source),
             release: Script::new(redis::RELEASE_LUA),
@@ -632,10 +636,11 @@ impl Picker {
     }
 
     /// Tick period the picker needs: heartbeats every third of the lease, releases no pick carried
-    /// sent within [`CARRY_FLUSH_MS`], and slow picks noticed within half of `breakerSlowMs`.
+    /// sent within [`CARRY_FLUSH_MS`], and slow picks noticed within a quarter of `breakerSlowMs`
+    /// (a request that finds Redis frozen waits `breakerSlowMs` and at most that much more).
     pub fn tick_period_ms(&self) -> u32 {
         let heartbeat_or_flush = (self.config.state.lease_ms / 3).min(CARRY_FLUSH_MS);
-        let slow = self.config.state.breaker_slow_ms / 2;
+        let slow = self.config.state.breaker_slow_ms / 4;
         let mut period = if slow > 0 { heartbeat_or_flush.min(slow) } else { heartbeat_or_flush };
         let scrape = self.metrics.tick_period_ms();
         if scrape > 0 {
@@ -982,11 +987,7 @@ impl Picker {
     /// the gateway's other workers when it opens).
     fn redis_failed(&mut self, host: &mut dyn Host) {
         if self.breaker.on_failure(host.now_nanos()) {
-            if let Some(until) = self.breaker.open_until() {
-                // The other workers follow at their next tick (a failed write only costs them
-                // their own detection).
-                let _ = host.set_shared_data(&self.breaker_key(), until.to_string().as_bytes(), 0);
-            }
+            self.breaker_opened(host);
             host.log(
                 LogLevel::Warn,
                 &format!(
@@ -997,12 +998,42 @@ impl Picker {
                     self.config.state.breaker_open_ms
                 ),
             );
-            host.increment_counter(Counter::BreakerOpened, 1);
         }
+    }
+
+    /// A pick was given up as slow while Redis answered nothing since it was sent: the breaker
+    /// opens at once (shared with the gateway's other workers), not after `breakerFailures` such
+    /// picks, each of which would make its request and every request arriving meanwhile wait
+    /// `breakerSlowMs` on the same stall.
+    fn redis_stalled(&mut self, host: &mut dyn Host) {
+        if !self.breaker.on_stall(host.now_nanos()) {
+            // Disabled (`breakerFailures` 0) or already open.
+            return;
+        }
+        self.breaker_opened(host);
+        host.log(
+            LogLevel::Warn,
+            &format!(
+                "{}: redis answered nothing for {} ms: breaker open, deciding without redis for \
+                 {} ms, then probing",
+                self.name, self.config.state.breaker_slow_ms, self.config.state.breaker_open_ms
+            ),
+        );
+    }
+
+    /// The breaker just opened: tell the gateway's other workers, and count it.
+    fn breaker_opened(&mut self, host: &mut dyn Host) {
+        if let Some(until) = self.breaker.open_until() {
+            // The other workers follow at their next tick (a failed write only costs them
+            // their own detection).
+            let _ = host.set_shared_data(&self.breaker_key(), until.to_string().as_bytes(), 0);
+        }
+        host.increment_counter(Counter::BreakerOpened, 1);
     }
 
     /// Redis answered a call: the breaker closes (if it was open, say so).
     fn redis_answered(&mut self, host: &mut dyn Host) {
+        self.last_answer_ns = host.now_nanos();
         let was_open = !self.breaker.is_closed();
         self.breaker.on_success();
         if was_open {
@@ -1089,7 +1120,11 @@ impl Picker {
         if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
             return None;
         }
-        self.redis_failed(host);
+        if self.last_answer_ns <= sent {
+            self.redis_stalled(host);
+        } else {
+            self.redis_failed(host);
+        }
         self.fallback(host, stream, Fallback::Slow);
         Some(self.without_redis(host, stream, &Fallback::Slow, None))
     }
