@@ -52,7 +52,7 @@ pub struct Paths {
     pub podsim: PathBuf,
     /// target/release/gateway.
     pub gateway: PathBuf,
-    /// The plugin .wasm.
+    /// The plugin .wasm: `$AI_LB_WASM`, else the tree's wasm-release build.
     pub wasm: PathBuf,
     /// bench/results.
     pub results: PathBuf,
@@ -65,7 +65,11 @@ impl Paths {
             root: root.to_path_buf(),
             podsim: root.join("target/release/podsim"),
             gateway: root.join("target/release/gateway"),
-            wasm: root.join("target/wasm32-wasip1/wasm-release/ai_load_balancer.wasm"),
+            // `$AI_LB_WASM` as the tests and `build.sh` take it: another build of the plugin
+            // (an A/B of two versions) without swapping the file in the tree.
+            wasm: std::env::var_os("AI_LB_WASM").map(PathBuf::from).unwrap_or_else(|| {
+                root.join("target/wasm32-wasip1/wasm-release/ai_load_balancer.wasm")
+            }),
             results: root.join("bench/results"),
         }
     }
