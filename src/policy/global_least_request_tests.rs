@@ -518,6 +518,23 @@ fn a_breaker_opened_by_one_worker_opens_the_others_at_their_next_tick() {
 }
 
 #[test]
+fn a_request_follows_another_workers_open_breaker_before_its_own_tick() {
+    let (mut a, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
+    let mut b = crate::filter::Filter::new();
+    assert!(b.configure(&mut host, cfg(r#","breakerSlowMs":200"#).as_bytes()));
+    a.on_request_headers(&mut host, 7, true);
+    host.now += 210 * MS;
+    a.on_tick(&mut host);
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    // b has had no tick since: its next request reads a's breaker and does not call Redis.
+    let calls = host.redis_calls.len();
+    assert_eq!(b.on_request_headers(&mut host, 101, true), HeaderAction::Continue);
+    assert_eq!(host.redis_calls.len(), calls, "no pick sent into the stall");
+    assert_eq!(host.counters.get("ai_lb_fallback_breaker_open"), Some(&1));
+    assert!(host.logged("breaker open in another worker"));
+}
+
+#[test]
 fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
     assert_eq!(f.tick_period_ms(), 50, "slow picks are noticed within a quarter of breakerSlowMs");

@@ -672,6 +672,9 @@ impl Picker {
         let Some((mut healthy, others)) = healthy_hosts(list.as_deref(), host, self.name) else {
             return Decision::Passthrough;
         };
+        // Another worker of this gateway may have found Redis stalled since this one's last tick:
+        // this request must not send its pick into the stall.
+        self.follow_shared_breaker(host);
         // While the breaker is open or its probe is out, requests are decided at once. The probe
         // is the tick's PING, never a request: a request carrying it would wait `breakerSlowMs`
         // on a still frozen Redis, once per `breakerOpenMs` per worker.
@@ -959,9 +962,10 @@ impl Picker {
         format!("ai-lb/breaker/{}", self.redis.call_cluster())
     }
 
-    /// Follows an open breaker of another worker of this gateway on the same Redis (root tick):
-    /// each worker would otherwise find a frozen Redis with its own `breakerFailures` slow picks,
-    /// and every request that arrives while they wait waits with them.
+    /// Follows an open breaker of another worker of this gateway on the same Redis (at each root
+    /// tick, for the picks waiting, and at each pick's start): each worker would otherwise find a
+    /// frozen Redis with its own slow picks, and every request that arrives while they wait waits
+    /// with them.
     fn follow_shared_breaker(&mut self, host: &mut dyn Host) {
         if !self.breaker.is_closed() {
             return;

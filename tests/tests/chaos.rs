@@ -101,9 +101,10 @@ async fn a_frozen_redis_costs_a_few_requests_breaker_slow_ms_and_the_rest_nothin
     );
     // Each worker VM (2) has its breaker. The first pick that waits breakerSlowMs with Redis
     // answering nothing opens it at once (not after breakerFailures such picks), and tells the
-    // other worker, which follows at its next tick (50 ms); the tick, not a request, probes it.
-    // So at most one request per worker pays breakerSlowMs; a request held until the other
-    // worker's tick may take over 100 ms on a loaded machine, but never breakerSlowMs.
+    // other worker, which follows at its next request or tick (50 ms); the tick, not a request,
+    // probes it. So at most one request per worker pays breakerSlowMs; a pick the other worker
+    // sent before it followed waits for its tick, which may take over 100 ms on a loaded
+    // machine, but never breakerSlowMs.
     let paid: Vec<_> = took.iter().filter(|t| **t >= Duration::from_millis(200)).collect();
     assert!(paid.len() <= 2, "{} of {} paid breakerSlowMs: {paid:?}", paid.len(), took.len());
     assert!(slow.len() <= 4, "{} slow of {}: {slow:?}", slow.len(), took.len());
