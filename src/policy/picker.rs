@@ -567,6 +567,10 @@ pub(crate) struct Picker {
     /// When Redis last answered any call of this picker (host clock, ns; 0 = never): a slow pick
     /// sent after it waits on a Redis that answers nothing (see [`Breaker::on_stall`]).
     last_answer_ns: u64,
+    /// The shared-data key through which this gateway's workers tell each other that the breaker
+    /// on this Redis opened (value: until when, host-clock ns, in decimal). Read at every pick's
+    /// start, so made once.
+    breaker_key: String,
     /// Route+clusters used, by owners key: their leases are renewed by heartbeats.
     groups: HashMap<String, Group>,
     last_heartbeat_ns: u64,
@@ -586,9 +590,11 @@ impl Picker {
         source: &'static str,
         name: &'static str,
     ) -> Picker {
+        let redis = RedisClient::new(config.redis.clone());
         Picker {
             metrics: MetricsRouter::new(&config.metrics, Ranking::filter_chain()),
-            redis: RedisClient::new(config.redis.clone()),
+            breaker_key: format!("ai-lb/breaker/{}", redis.call_cluster()),
+            redis,
             breaker: Breaker::new(config.state.breaker_failures, config.state.breaker_open_ms),
             last_answer_ns: 0,
             config,
@@ -956,12 +962,6 @@ impl Picker {
         }
     }
 
-    /// The shared-data key through which this gateway's workers tell each other that the breaker
-    /// on this Redis opened (value: until when, host-clock ns, in decimal).
-    fn breaker_key(&self) -> String {
-        format!("ai-lb/breaker/{}", self.redis.call_cluster())
-    }
-
     /// Follows an open breaker of another worker of this gateway on the same Redis (at each root
     /// tick, for the picks waiting, and at each pick's start): each worker would otherwise find a
     /// frozen Redis with its own slow picks, and every request that arrives while they wait waits
@@ -970,7 +970,7 @@ impl Picker {
         if !self.breaker.is_closed() {
             return;
         }
-        let (value, _) = host.get_shared_data(&self.breaker_key());
+        let (value, _) = host.get_shared_data(&self.breaker_key);
         let until = value
             .and_then(|v| String::from_utf8(v).ok())
             .and_then(|v| v.trim().parse::<u64>().ok());
@@ -1030,7 +1030,7 @@ impl Picker {
         if let Some(until) = self.breaker.open_until() {
             // The other workers follow at their next tick (a failed write only costs them
             // their own detection).
-            let _ = host.set_shared_data(&self.breaker_key(), until.to_string().as_bytes(), 0);
+            let _ = host.set_shared_data(&self.breaker_key, until.to_string().as_bytes(), 0);
         }
         host.increment_counter(Counter::BreakerOpened, 1);
     }
