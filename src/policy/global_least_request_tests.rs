@@ -475,12 +475,20 @@ fn picks_still_waiting_when_the_breaker_opens_are_decided_at_once() {
     assert!((0..5).all(|i| cancels.contains(&release_of(&host, i, true))));
 }
 
+/// Two workers' VMs of one gateway with the same configuration: one host, whose shared data is
+/// the gateway's.
+fn two_workers(
+    extra: &str,
+) -> (crate::filter::Filter, crate::filter::Filter, crate::host::fake::FakeHost) {
+    let (a, mut host) = setup(&cfg(extra));
+    let mut b = crate::filter::Filter::new();
+    assert!(b.configure(&mut host, cfg(extra).as_bytes()));
+    (a, b, host)
+}
+
 #[test]
 fn a_breaker_opened_by_one_worker_opens_the_others_at_their_next_tick() {
-    // Two workers' VMs of one gateway: one host (its shared data is the gateway's).
-    let (mut a, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
-    let mut b = crate::filter::Filter::new();
-    assert!(b.configure(&mut host, cfg(r#","breakerSlowMs":200"#).as_bytes()));
+    let (mut a, mut b, mut host) = two_workers(r#","breakerSlowMs":200"#);
     // Worker b has a pick waiting on the stalled Redis; worker a's picks find the stall and open
     // its breaker.
     b.on_request_headers(&mut host, 101, true);
@@ -519,9 +527,7 @@ fn a_breaker_opened_by_one_worker_opens_the_others_at_their_next_tick() {
 
 #[test]
 fn a_request_follows_another_workers_open_breaker_before_its_own_tick() {
-    let (mut a, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
-    let mut b = crate::filter::Filter::new();
-    assert!(b.configure(&mut host, cfg(r#","breakerSlowMs":200"#).as_bytes()));
+    let (mut a, mut b, mut host) = two_workers(r#","breakerSlowMs":200"#);
     a.on_request_headers(&mut host, 7, true);
     host.now += 210 * MS;
     a.on_tick(&mut host);
