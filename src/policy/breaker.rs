@@ -1,7 +1,7 @@
-//! A circuit breaker for the shared Redis: after `failures` consecutive failed or slow calls, or
-//! at once when a slow call finds that Redis answered nothing at all while it waited (a stall),
+//! A circuit breaker for the shared Redis: after `failures` consecutive failed or slow calls,
 //! requests are decided without Redis for `open_ms`; then one probe call is let through, and its
-//! success closes the breaker again (its failure reopens it).
+//! success closes the breaker again (its failure reopens it). When a slow call finds that Redis
+//! answered nothing at all while it waited (a stall), it opens at once with its probe sent at once.
 //!
 //! Why: with a frozen Redis (SIGSTOP, a long fork, a partition that drops packets) every call waits
 //! for the Redis timeout (3 s by default) before normal balancing. The breaker bounds that cost to
@@ -82,14 +82,18 @@ impl Breaker {
     /// A call was given up as too slow while Redis answered nothing at all, to any call, since it
     /// was sent: Redis is stalled, not slow on one call. Every call waiting now waits on the same
     /// stall, so waiting for `failures - 1` more of them tells nothing new and costs each request
-    /// that arrives meanwhile the same wait. Opens the breaker now (unless it is disabled); returns
-    /// true when it opened.
-    pub fn on_stall(&mut self, now_ns: u64) -> bool {
+    /// that arrives meanwhile the same wait. Opens the breaker now (unless it is disabled), with
+    /// its probe out at once: a call sent now is answered right after the stalled ones, so its
+    /// answer says when the stall ends (a pause shorter than `open_ms`, a cluster failover's or a
+    /// short fork's, would otherwise keep it open for all of `open_ms`). Returns until when the
+    /// other workers should hold theirs open (they have no probe out), or `None` when it did not
+    /// open.
+    pub fn on_stall(&mut self, now_ns: u64) -> Option<u64> {
         if self.failures == 0 || !self.is_closed() {
-            return false;
+            return None;
         }
-        self.state = State::Open { until_ns: now_ns.saturating_add(self.open_ns) };
-        true
+        self.state = State::HalfOpen;
+        Some(now_ns.saturating_add(self.open_ns))
     }
 
     /// Redis answered a call.

@@ -45,9 +45,17 @@ fn zero_failures_disables_it() {
 #[test]
 fn a_stall_opens_it_at_once_unless_disabled() {
     let mut b = Breaker::new(3, 1000);
-    assert!(b.on_stall(10 * MS), "no need for two more slow calls");
+    assert_eq!(b.on_stall(10 * MS), Some(1010 * MS), "no need for two more slow calls");
+    assert_eq!(b.open_until(), None, "half-open: its probe goes out at once");
     assert_eq!(b.admit(11 * MS), Admission::Refuse);
-    assert!(!b.on_stall(12 * MS), "already open: the open period is not extended");
-    assert_eq!(b.admit(1010 * MS), Admission::Probe);
-    assert!(!Breaker::new(0, 1000).on_stall(0), "breakerFailures 0 disables the breaker");
+    assert_eq!(b.on_stall(12 * MS), None, "already open");
+    // The probe answered: closed, however early.
+    b.on_success();
+    assert_eq!(b.admit(13 * MS), Admission::Call);
+    // The probe failed (the Redis timeout): open for open_ms, then another probe.
+    assert!(b.on_stall(20 * MS).is_some());
+    assert!(b.on_failure(3020 * MS));
+    assert_eq!(b.admit(4019 * MS), Admission::Refuse);
+    assert_eq!(b.admit(4020 * MS), Admission::Probe);
+    assert_eq!(Breaker::new(0, 1000).on_stall(0), None, "breakerFailures 0 disables the breaker");
 }

@@ -415,19 +415,21 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
     assert!(host.logged("breaker open after 3 failed or slow calls"));
     f.on_delete(&mut host, 13);
-    // After breakerOpenMs a request still does not wait: the tick carries the probe (a PING), and
-    // while it is out requests are decided at once.
+    // After breakerOpenMs a request still does not wait: the tick carries the probe (a read of the
+    // failed picks' in-flight hash, which on a Redis Cluster goes to their node), and while it is
+    // out requests are decided at once.
     host.now += 1000 * MS;
     assert_eq!(f.on_request_headers(&mut host, 15, true), HeaderAction::Continue);
     assert_eq!(host.redis_calls.len(), calls, "a request never carries the probe");
     f.on_delete(&mut host, 15);
     f.on_tick(&mut host);
-    assert_eq!(command(&host, host.redis_calls.len() - 1), vec!["PING".to_string()]);
+    let probe_command = command(&host, host.redis_calls.len() - 1);
+    assert_eq!(probe_command, vec!["EXISTS".to_string(), inflight_key("r1", CLUSTER)]);
     let probe = host.last_redis_token().unwrap();
     assert_eq!(f.on_request_headers(&mut host, 17, true), HeaderAction::Continue);
     assert_eq!(host.redis_calls.len(), calls + 1, "no call while the probe is out");
     f.on_delete(&mut host, 17);
-    f.on_redis_reply(&mut host, probe, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
+    f.on_redis_reply(&mut host, probe, &RedisReply::Ok(b":1\r\n".to_vec()), false);
     assert!(host.logged("breaker closed"));
     // Closed again: the next request calls Redis.
     assert_eq!(f.on_request_headers(&mut host, 19, true), HeaderAction::StopIteration);
@@ -541,6 +543,37 @@ fn a_request_follows_another_workers_open_breaker_before_its_own_tick() {
 }
 
 #[test]
+fn a_worker_that_redis_answers_again_closes_the_other_workers_breakers() {
+    let (mut a, mut b, mut host) = two_workers(r#","breakerSlowMs":200"#);
+    // b's pick goes out just before Redis pauses (a failover, a fork); a's finds the pause.
+    b.on_request_headers(&mut host, 101, true);
+    let b_pick = host.last_redis_token().unwrap();
+    a.on_request_headers(&mut host, 7, true);
+    host.now += 210 * MS;
+    a.on_tick(&mut host);
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    let calls = host.redis_calls.len();
+    assert_eq!(a.on_request_headers(&mut host, 9, true), HeaderAction::Continue);
+    // b's next request follows a's breaker (its first pick still waits).
+    assert_eq!(b.on_request_headers(&mut host, 103, true), HeaderAction::Continue);
+    assert_eq!(host.redis_calls.len(), calls);
+    // The pause ends long before breakerOpenMs: Redis answers b's pick, which closes b's breaker
+    // and tells a.
+    host.now += 30 * MS;
+    deliver(&mut b, &mut host, b_pick, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
+    assert!(host.logged("redis answers again: breaker closed"));
+    // a's next request asks Redis again, without waiting for its own probe.
+    assert_eq!(a.on_request_headers(&mut host, 11, true), HeaderAction::StopIteration);
+    assert!(host.logged("redis answers another worker of this gateway again: breaker closed"));
+    assert_eq!(host.redis_calls.len(), calls + 1, "a's pick goes to Redis");
+    // A later stall opens the breakers again as before.
+    host.now += 210 * MS;
+    a.on_tick(&mut host);
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&2));
+    assert_eq!(b.on_request_headers(&mut host, 105, true), HeaderAction::Continue);
+}
+
+#[test]
 fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     let (mut f, mut host) = setup(&cfg(r#","breakerSlowMs":200"#));
     assert_eq!(f.tick_period_ms(), 50, "slow picks are noticed within a quarter of breakerSlowMs");
@@ -556,22 +589,28 @@ fn a_pick_slower_than_breaker_slow_ms_is_given_up_at_the_next_tick() {
     assert_eq!(host.effective_streams, vec![7, 7]);
     assert_eq!(host.resumes, 1, "normal balancing");
     assert_eq!(host.override_host, None);
-    // Redis answered nothing since the pick went out: a stall, so the breaker opened and the
-    // pick's cancel waits for Redis to answer again.
+    // Redis answered nothing since the pick went out: a stall, so the breaker opened, its probe
+    // went out at once behind the stalled pick, and the pick's cancel waits for Redis to answer.
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    assert_eq!(command(&host, host.redis_calls.len() - 1)[0], "EXISTS");
+    let probe = host.last_redis_token().unwrap();
     assert!(releases(&host).is_empty());
     // Its late reply changes nothing.
     deliver(&mut f, &mut host, t, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert_eq!((host.resumes, host.override_host.clone()), (1, None));
-    // The probe finds Redis answering: the breaker closes and the cancel goes out.
-    host.now += 1000 * MS;
-    f.on_tick(&mut host);
-    let ping = host.last_redis_token().unwrap();
-    f.on_redis_reply(&mut host, ping, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
+    // The probe is answered right after, long before breakerOpenMs: the breaker closes and the
+    // cancel goes out; no second probe.
+    host.now += 20 * MS;
+    f.on_redis_reply(&mut host, probe, &RedisReply::Ok(b":1\r\n".to_vec()), false);
+    assert!(host.logged("redis answers again: breaker closed"));
     assert_eq!(releases(&host), vec![release_of(&host, 0, true)], "the pick is cancelled");
     // The stream's end sends nothing more.
     f.on_delete(&mut host, 7);
     assert_eq!(releases(&host).len(), 1);
+    host.now += 1000 * MS;
+    f.on_tick(&mut host);
+    let probes = (0..host.redis_calls.len()).filter(|i| command(&host, *i)[0] == "EXISTS").count();
+    assert_eq!(probes, 1);
 }
 
 #[test]
@@ -653,9 +692,9 @@ fn releases_wait_while_the_breaker_is_open_and_go_out_when_it_closes() {
     // The tick probes Redis after breakerOpenMs (no request needed); its answer sends the -1.
     host.now += 1000 * MS;
     f.on_tick(&mut host);
-    let ping = host.last_redis_token().unwrap();
-    assert_eq!(command(&host, host.redis_calls.len() - 1), vec!["PING".to_string()]);
-    f.on_redis_reply(&mut host, ping, &RedisReply::Ok(b"+PONG\r\n".to_vec()), false);
+    let probe = host.last_redis_token().unwrap();
+    assert_eq!(command(&host, host.redis_calls.len() - 1)[0], "EXISTS");
+    f.on_redis_reply(&mut host, probe, &RedisReply::Ok(b":1\r\n".to_vec()), false);
     // The -1 that waited for a pick to carry it goes out as the breaker closes, then the cancel.
     assert_eq!(releases(&host), vec![release_of(&host, 0, false), release_of(&host, 1, true)]);
 }

@@ -48,6 +48,10 @@ use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
 use std::collections::HashMap;
 
+/// The shared breaker key's value once a worker's breaker closed because Redis answered it (an
+/// open breaker's value is the host-clock ns it opens until, never 0).
+const SHARED_BREAKER_CLOSED: u64 = 0;
+
 /// The `Policy` methods the Redis policies hand to their `picker` field: name, start, Redis replies
 /// (`$routed` names how the policy counts an admitted pick, see [`Routed`]), metric scrapes, stream
 /// end (the release), ticks and slow picks. `$stream_done`, when given, is called with the policy,
@@ -567,9 +571,12 @@ pub(crate) struct Picker {
     /// When Redis last answered any call of this picker (host clock, ns; 0 = never): a slow pick
     /// sent after it waits on a Redis that answers nothing (see [`Breaker::on_stall`]).
     last_answer_ns: u64,
+    /// The in-flight hash of the last pick that failed or was too slow: the breaker's probe reads
+    /// it (see [`Picker::send_probe`]).
+    probe_key: Option<String>,
     /// The shared-data key through which this gateway's workers tell each other that the breaker
-    /// on this Redis opened (value: until when, host-clock ns, in decimal). Read at every pick's
-    /// start, so made once.
+    /// on this Redis opened (value: until when, host-clock ns, in decimal) or closed again
+    /// ([`SHARED_BREAKER_CLOSED`]). Read at every pick's start, so made once.
     breaker_key: String,
     /// Route+clusters used, by owners key: their leases are renewed by heartbeats.
     groups: HashMap<String, Group>,
@@ -597,6 +604,7 @@ impl Picker {
             redis,
             breaker: Breaker::new(config.state.breaker_failures, config.state.breaker_open_ms),
             last_answer_ns: 0,
+            probe_key: None,
             config,
             script: Script::new(source),
             release: Script::new(redis::RELEASE_LUA),
@@ -797,6 +805,9 @@ impl Picker {
         }
         let frame = match reply {
             RedisReply::NetworkError => {
+                if let Some(s) = self.picks.get(&stream.id) {
+                    self.probe_key = Some(s.keys.inflight.clone());
+                }
                 self.redis_failed(host);
                 return self.fallback(host, stream, Fallback::NetworkError);
             }
@@ -966,15 +977,31 @@ impl Picker {
     /// tick, for the picks waiting, and at each pick's start): each worker would otherwise find a
     /// frozen Redis with its own slow picks, and every request that arrives while they wait waits
     /// with them.
+    ///
+    /// The other way round too: a worker whose breaker closes because Redis answered it writes
+    /// 0 (closed), and an open breaker reading it closes without waiting for its own probe. Until
+    /// then every worker that followed refuses for the whole `breakerOpenMs`, though a brief pause
+    /// (a cluster failover, a short fork) may be long over; it could not find out itself, as it
+    /// sends Redis nothing while open.
     fn follow_shared_breaker(&mut self, host: &mut dyn Host) {
-        if !self.breaker.is_closed() {
-            return;
-        }
         let (value, _) = host.get_shared_data(&self.breaker_key);
         let until = value
             .and_then(|v| String::from_utf8(v).ok())
             .and_then(|v| v.trim().parse::<u64>().ok());
         let Some(until) = until else { return };
+        if until == SHARED_BREAKER_CLOSED && !self.breaker.is_closed() {
+            // A probe of its own still out is answered in time (or fails, one failure).
+            self.breaker.on_success();
+            host.log(
+                LogLevel::Info,
+                &format!(
+                    "{}: redis answers another worker of this gateway again: breaker closed",
+                    self.name
+                ),
+            );
+            self.flush_all_ended(host);
+            return;
+        }
         if self.breaker.follow(host.now_nanos(), until) {
             host.log(
                 LogLevel::Info,
@@ -991,7 +1018,9 @@ impl Picker {
     /// the gateway's other workers when it opens).
     fn redis_failed(&mut self, host: &mut dyn Host) {
         if self.breaker.on_failure(host.now_nanos()) {
-            self.breaker_opened(host);
+            if let Some(until) = self.breaker.open_until() {
+                self.breaker_opened(host, until);
+            }
             host.log(
                 LogLevel::Warn,
                 &format!(
@@ -1008,31 +1037,48 @@ impl Picker {
     /// A pick was given up as slow while Redis answered nothing since it was sent: the breaker
     /// opens at once (shared with the gateway's other workers), not after `breakerFailures` such
     /// picks, each of which would make its request and every request arriving meanwhile wait
-    /// `breakerSlowMs` on the same stall.
+    /// `breakerSlowMs` on the same stall. Its probe goes out at once, queued behind the stalled
+    /// calls: the breaker closes as soon as Redis answers again (see [`Breaker::on_stall`]).
     fn redis_stalled(&mut self, host: &mut dyn Host) {
-        if !self.breaker.on_stall(host.now_nanos()) {
+        let Some(follow_until) = self.breaker.on_stall(host.now_nanos()) else {
             // Disabled (`breakerFailures` 0) or already open.
             return;
-        }
-        self.breaker_opened(host);
+        };
+        self.breaker_opened(host, follow_until);
         host.log(
             LogLevel::Warn,
             &format!(
-                "{}: redis answered nothing for {} ms: breaker open, deciding without redis for \
-                 {} ms, then probing",
-                self.name, self.config.state.breaker_slow_ms, self.config.state.breaker_open_ms
+                "{}: redis answered nothing for {} ms: breaker open, deciding without redis until \
+                 it answers again",
+                self.name, self.config.state.breaker_slow_ms
             ),
         );
+        self.send_probe(host);
     }
 
-    /// The breaker just opened: tell the gateway's other workers, and count it.
-    fn breaker_opened(&mut self, host: &mut dyn Host) {
-        if let Some(until) = self.breaker.open_until() {
-            // The other workers follow at their next tick (a failed write only costs them
-            // their own detection).
-            let _ = host.set_shared_data(&self.breaker_key, until.to_string().as_bytes(), 0);
-        }
+    /// The breaker just opened: tell the gateway's other workers until when to hold theirs open,
+    /// and count it.
+    fn breaker_opened(&mut self, host: &mut dyn Host, until_ns: u64) {
+        // The other workers follow at their next tick or request (a failed write only costs them
+        // their own detection).
+        let _ = host.set_shared_data(&self.breaker_key, until_ns.to_string().as_bytes(), 0);
         host.increment_counter(Counter::BreakerOpened, 1);
+    }
+
+    /// The breaker's probe: a read of the in-flight hash whose pick failed last, so that on a
+    /// Redis Cluster it goes to the node that failed (a `PING` goes to any master), or a `PING`
+    /// before any pick failed.
+    fn send_probe(&mut self, host: &mut dyn Host) {
+        let query = match &self.probe_key {
+            Some(key) => redis::encode_command(&["EXISTS", key.as_str()]),
+            None => redis::encode_command(&["PING"]),
+        };
+        match self.redis.call(host, &query) {
+            Ok(t) => {
+                self.root_calls.insert(t, RootCall::Probe);
+            }
+            Err(_) => self.redis_failed(host),
+        }
     }
 
     /// Redis answered a call: the breaker closes (if it was open, say so).
@@ -1045,11 +1091,12 @@ impl Picker {
                 LogLevel::Info,
                 &format!("{}: redis answers again: breaker closed", self.name),
             );
+            // The other workers that followed this breaker, or opened their own on the same
+            // stall, close too (at their next tick or request).
+            let closed = SHARED_BREAKER_CLOSED.to_string();
+            let _ = host.set_shared_data(&self.breaker_key, closed.as_bytes(), 0);
             // The releases of requests that ended while it was open go out now.
-            let waiting: Vec<String> = self.groups.keys().cloned().collect();
-            for owners_key in waiting {
-                self.flush_ended(host, &owners_key);
-            }
+            self.flush_all_ended(host);
         }
     }
 
@@ -1123,6 +1170,9 @@ impl Picker {
         let now = host.now_nanos();
         if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
             return None;
+        }
+        if let Some(s) = self.picks.get(&stream.id) {
+            self.probe_key = Some(s.keys.inflight.clone());
         }
         if self.last_answer_ns <= sent {
             self.redis_stalled(host);
@@ -1264,14 +1314,7 @@ impl Picker {
         self.follow_shared_breaker(host);
         if !self.breaker.is_closed() {
             if self.breaker.admit(now) == Admission::Probe {
-                match self.redis.call(host, &redis::encode_command(&["PING"])) {
-                    Ok(t) => {
-                        self.root_calls.insert(t, RootCall::Probe);
-                    }
-                    Err(_) => {
-                        self.redis_failed(host);
-                    }
-                }
+                self.send_probe(host);
             }
             return;
         }

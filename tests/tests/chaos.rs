@@ -137,6 +137,52 @@ async fn a_frozen_redis_costs_a_few_requests_breaker_slow_ms_and_the_rest_nothin
     wait_counters_zero(&redis, Duration::from_secs(10)).await.unwrap();
 }
 
+/// A pause shorter than `breakerOpenMs` (a cluster failover's, a fork's): the breaker it opens
+/// sends its probe at once, queued behind the stalled calls, and closes when Redis answers it; the
+/// other worker, which followed, closes with it. Redis is used again right after SIGCONT, not
+/// `breakerOpenMs` (here 5 s) after the pause began.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_redis_pause_keeps_the_breaker_open_only_as_long_as_it_lasts() {
+    let mut redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pause", 2).await.unwrap();
+    let cfg = redis_policy_config(
+        "route-pause",
+        &pods,
+        &redis,
+        "global_least_request",
+        json!({"breakerSlowMs": 200, "breakerOpenMs": 5000}),
+    );
+    let gw = Gateway::start(&cfg).await.unwrap();
+    assert_eq!(chat_once(&gw, "warm up").await.unwrap().status, 200);
+    redis.freeze().await.unwrap();
+    let paused = Instant::now();
+    while paused.elapsed() < Duration::from_millis(600) {
+        let r = gw.send(chat("during the pause"), Duration::from_secs(10)).await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let stats = gw.stats().await.unwrap();
+    assert!(stat(&stats, "ai_lb_breaker_opened") >= 1, "the pause opened the breaker: {stats}");
+    let routed = stat(&stats, "ai_lb_least_request_routed");
+    redis.unfreeze().await.unwrap();
+    let thawed = Instant::now();
+    // Requests one after another: the first routed by Redis shows a breaker closed. (Not the
+    // counts in Redis: the pick that found the pause runs when Redis goes on, +1 until its cancel.)
+    let mut back = None;
+    while thawed.elapsed() < Duration::from_secs(4) {
+        assert_eq!(chat_once(&gw, "after the pause").await.unwrap().status, 200);
+        if stat(&gw.stats().await.unwrap(), "ai_lb_least_request_routed") > routed {
+            back = Some(thawed.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let back = back.expect("no request routed by Redis within 4 s of SIGCONT");
+    eprintln!("back on Redis {back:?} after SIGCONT");
+    // breakerOpenMs after the pause began would be 4.4 s after SIGCONT.
+    assert!(back < Duration::from_millis(2500), "back on Redis only {back:?} after SIGCONT");
+    wait_counters_zero(&redis, Duration::from_secs(10)).await.unwrap();
+}
+
 /// With Redis frozen, a Redis policy does not fall back to round robin: once its breaker is open
 /// it routes by the pods' metrics (here stored by the gateway's health check), so the one pod with
 /// room gets the requests. The decision header and the gateway's stats say how each was routed.
