@@ -188,14 +188,18 @@ async fn routed(admin: &str) -> i64 {
 }
 
 /// Runs the chaos scenario `reps` times; prints a table (a row per run and, over all runs
-/// together, the gateway's added time), writes `bench/results/chaos.json` and returns the reports.
-pub async fn run(paths: &Paths, reps: usize) -> Result<Vec<ChaosReport>> {
+/// together, the gateway's added time), writes `bench/results/chaos[-<tag>].json` and returns the
+/// reports.
+pub async fn run(paths: &Paths, reps: usize, tag: Option<&str>) -> Result<Vec<ChaosReport>> {
     let mut reports = Vec::new();
     for rep in 0..reps.max(1) {
         println!("chaos: run {} of {}", rep + 1, reps.max(1));
         reports.push(run_once(paths).await?);
     }
-    let out = paths.results.join("chaos.json");
+    let out = paths.results.join(match tag {
+        Some(t) => format!("chaos-{t}.json"),
+        None => "chaos.json".to_string(),
+    });
     std::fs::create_dir_all(&paths.results)?;
     let results = ChaosResults {
         stamp: crate::Stamp::now(&paths.root),
@@ -209,7 +213,7 @@ pub async fn run(paths: &Paths, reps: usize) -> Result<Vec<ChaosReport>> {
     Ok(results.runs)
 }
 
-/// `bench/results/chaos.json`.
+/// `bench/results/chaos[-<tag>].json`.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ChaosResults {
     /// Date, commit and machine (blank in a file written before the report carried them).

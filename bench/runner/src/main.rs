@@ -150,7 +150,7 @@ async fn run(
     if name == "chaos" {
         // Faults, not a policy comparison: its own module. Three runs by default, as the
         // scenarios: the pooled p99s then rest on 600-1500 requests instead of one run's few hundred.
-        return bench::chaos::run(&paths, reps.unwrap_or(3)).await.map(|_| ());
+        return bench::chaos::run(&paths, reps.unwrap_or(3), tag.as_deref()).await.map(|_| ());
     }
     if let Some(shape) = bench::overhead::Shape::named(&name) {
         // Its own measurement (sequential keep-alive requests per row), not a workload scenario.
