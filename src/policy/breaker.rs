@@ -60,6 +60,11 @@ impl Breaker {
         matches!(self.state, State::Closed { .. })
     }
 
+    /// True while its probe is out.
+    pub fn is_probing(&self) -> bool {
+        matches!(self.state, State::HalfOpen)
+    }
+
     /// When an open breaker lets its probe through (`None` while closed or half-open).
     pub fn open_until(&self) -> Option<u64> {
         match self.state {

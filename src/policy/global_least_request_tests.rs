@@ -543,34 +543,46 @@ fn a_request_follows_another_workers_open_breaker_before_its_own_tick() {
 }
 
 #[test]
-fn a_worker_that_redis_answers_again_closes_the_other_workers_breakers() {
+fn a_worker_whose_probe_redis_answers_closes_the_other_workers_breakers() {
     let (mut a, mut b, mut host) = two_workers(r#","breakerSlowMs":200"#);
-    // b's pick goes out just before Redis pauses (a failover, a fork); a's finds the pause.
+    // b's pick goes out just before Redis pauses (a failover, a fork); a's finds the pause, and
+    // a's breaker sends its probe at once.
     b.on_request_headers(&mut host, 101, true);
     let b_pick = host.last_redis_token().unwrap();
     a.on_request_headers(&mut host, 7, true);
     host.now += 210 * MS;
     a.on_tick(&mut host);
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&1));
+    let a_probe = host.last_redis_token().unwrap();
     let calls = host.redis_calls.len();
     assert_eq!(a.on_request_headers(&mut host, 9, true), HeaderAction::Continue);
     // b's next request follows a's breaker (its first pick still waits).
     assert_eq!(b.on_request_headers(&mut host, 103, true), HeaderAction::Continue);
     assert_eq!(host.redis_calls.len(), calls);
-    // The pause ends long before breakerOpenMs: Redis answers b's pick, which closes b's breaker
-    // and tells a.
+    // The pause ends long before breakerOpenMs. The late answer of b's pick, sent before the
+    // breaker opened, closes b's breaker only: it would say as much of a Redis slow enough to open
+    // it, where every worker would send its picks into the slowness again.
     host.now += 30 * MS;
     deliver(&mut b, &mut host, b_pick, RedisReply::Ok(pick_reply("10.0.0.1:8000", 1, true, None)));
     assert!(host.logged("redis answers again: breaker closed"));
-    // a's next request asks Redis again, without waiting for its own probe.
-    assert_eq!(a.on_request_headers(&mut host, 11, true), HeaderAction::StopIteration);
+    assert_eq!(a.on_request_headers(&mut host, 11, true), HeaderAction::Continue);
+    assert_eq!(host.redis_calls.len(), calls, "a still waits for its probe");
+    // a's probe, queued behind the stalled pick, is answered: a closes and tells b, which had
+    // followed again at its next request.
+    assert_eq!(b.on_request_headers(&mut host, 105, true), HeaderAction::Continue);
+    a.on_redis_reply(&mut host, a_probe, &RedisReply::Ok(b":1\r\n".to_vec()), false);
+    assert_eq!(b.on_request_headers(&mut host, 107, true), HeaderAction::StopIteration);
     assert!(host.logged("redis answers another worker of this gateway again: breaker closed"));
-    assert_eq!(host.redis_calls.len(), calls + 1, "a's pick goes to Redis");
+    // a's cancel of its stalled pick went out as it closed, then b's pick.
+    let sent: Vec<_> = (calls..host.redis_calls.len()).map(|i| command(&host, i)).collect();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert!(sent[1].contains(&"10.0.0.2:8000".to_string()), "b's pick goes to Redis: {sent:?}");
     // A later stall opens the breakers again as before.
+    assert_eq!(a.on_request_headers(&mut host, 13, true), HeaderAction::StopIteration);
     host.now += 210 * MS;
     a.on_tick(&mut host);
     assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&2));
-    assert_eq!(b.on_request_headers(&mut host, 105, true), HeaderAction::Continue);
+    assert_eq!(b.on_request_headers(&mut host, 109, true), HeaderAction::Continue);
 }
 
 #[test]

@@ -978,11 +978,11 @@ impl Picker {
     /// frozen Redis with its own slow picks, and every request that arrives while they wait waits
     /// with them.
     ///
-    /// The other way round too: a worker whose breaker closes because Redis answered it writes
-    /// 0 (closed), and an open breaker reading it closes without waiting for its own probe. Until
-    /// then every worker that followed refuses for the whole `breakerOpenMs`, though a brief pause
-    /// (a cluster failover, a short fork) may be long over; it could not find out itself, as it
-    /// sends Redis nothing while open.
+    /// The other way round too: a worker whose breaker closes because Redis answered while its
+    /// probe was out writes 0 (closed), and an open breaker reading it closes without waiting for
+    /// its own probe. Until then every worker that followed refuses for the whole `breakerOpenMs`,
+    /// though a brief pause (a cluster failover, a short fork) may be long over; it could not find
+    /// out itself, as it sends Redis nothing while open.
     fn follow_shared_breaker(&mut self, host: &mut dyn Host) {
         let (value, _) = host.get_shared_data(&self.breaker_key);
         let until = value
@@ -1085,16 +1085,23 @@ impl Picker {
     fn redis_answered(&mut self, host: &mut dyn Host) {
         self.last_answer_ns = host.now_nanos();
         let was_open = !self.breaker.is_closed();
+        let probing = self.breaker.is_probing();
         self.breaker.on_success();
         if was_open {
             host.log(
                 LogLevel::Info,
                 &format!("{}: redis answers again: breaker closed", self.name),
             );
-            // The other workers that followed this breaker, or opened their own on the same
-            // stall, close too (at their next tick or request).
-            let closed = SHARED_BREAKER_CLOSED.to_string();
-            let _ = host.set_shared_data(&self.breaker_key, closed.as_bytes(), 0);
+            if probing {
+                // An answer while the probe is out (the probe's, or one sent before it and
+                // answered with it): the other workers that followed this breaker, or opened
+                // their own on the same stall, close too, at their next tick or request. Not the
+                // late answer of a call sent before an open breaker's probe: from a Redis slow
+                // enough to open it (not stalled), that says nothing of the calls sent now, and
+                // every worker would then send its picks into the same slowness again.
+                let closed = SHARED_BREAKER_CLOSED.to_string();
+                let _ = host.set_shared_data(&self.breaker_key, closed.as_bytes(), 0);
+            }
             // The releases of requests that ended while it was open go out now.
             self.flush_all_ended(host);
         }
