@@ -31,6 +31,8 @@ pub struct Breaker {
     failures: u32,
     open_ns: u64,
     state: State,
+    /// When it last closed after being open (ns; 0 = never opened).
+    closed_at_ns: u64,
 }
 
 impl Breaker {
@@ -40,6 +42,7 @@ impl Breaker {
             failures,
             open_ns: u64::from(open_ms) * 1_000_000,
             state: State::Closed { consecutive_failures: 0 },
+            closed_at_ns: 0,
         }
     }
 
@@ -60,7 +63,7 @@ impl Breaker {
         matches!(self.state, State::Closed { .. })
     }
 
-    /// True while its probe is out.
+    /// True while its probe is out (half-open).
     pub fn is_probing(&self) -> bool {
         matches!(self.state, State::HalfOpen)
     }
@@ -88,21 +91,30 @@ impl Breaker {
     /// was sent: Redis is stalled, not slow on one call. Every call waiting now waits on the same
     /// stall, so waiting for `failures - 1` more of them tells nothing new and costs each request
     /// that arrives meanwhile the same wait. Opens the breaker now (unless it is disabled), with
-    /// its probe out at once: a call sent now is answered right after the stalled ones, so its
-    /// answer says when the stall ends (a pause shorter than `open_ms`, a cluster failover's or a
-    /// short fork's, would otherwise keep it open for all of `open_ms`). Returns until when the
-    /// other workers should hold theirs open (they have no probe out), or `None` when it did not
-    /// open.
+    /// its probe out at once (see [`Breaker::is_probing`]): a call sent now is answered right
+    /// after the stalled ones, so its answer says when the stall ends (a pause shorter than
+    /// `open_ms`, a cluster failover's or a short fork's, would otherwise keep it open for all of
+    /// `open_ms`). Not within `open_ms` of its last close: a Redis that is slow at every call,
+    /// not stalled, looks the same to a pick that waits alone, and probing it at once would let a
+    /// slow pick through every few hundred ms instead of once per `open_ms`. Returns until when
+    /// the other workers should hold theirs open (they have no probe out), or `None` when it did
+    /// not open.
     pub fn on_stall(&mut self, now_ns: u64) -> Option<u64> {
         if self.failures == 0 || !self.is_closed() {
             return None;
         }
-        self.state = State::HalfOpen;
-        Some(now_ns.saturating_add(self.open_ns))
+        let until_ns = now_ns.saturating_add(self.open_ns);
+        let reopened =
+            self.closed_at_ns > 0 && now_ns.saturating_sub(self.closed_at_ns) < self.open_ns;
+        self.state = if reopened { State::Open { until_ns } } else { State::HalfOpen };
+        Some(until_ns)
     }
 
-    /// Redis answered a call.
-    pub fn on_success(&mut self) {
+    /// Redis answered a call at `now_ns`.
+    pub fn on_success(&mut self, now_ns: u64) {
+        if !self.is_closed() {
+            self.closed_at_ns = now_ns.max(1);
+        }
         self.state = State::Closed { consecutive_failures: 0 };
     }
 

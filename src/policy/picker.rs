@@ -991,7 +991,7 @@ impl Picker {
         let Some(until) = until else { return };
         if until == SHARED_BREAKER_CLOSED && !self.breaker.is_closed() {
             // A probe of its own still out is answered in time (or fails, one failure).
-            self.breaker.on_success();
+            self.breaker.on_success(host.now_nanos());
             host.log(
                 LogLevel::Info,
                 &format!(
@@ -1045,15 +1045,24 @@ impl Picker {
             return;
         };
         self.breaker_opened(host, follow_until);
+        let until = if self.breaker.is_probing() {
+            "until it answers again".to_string()
+        } else {
+            format!(
+                "for {} ms, then probing (it stalled again soon after closing)",
+                self.config.state.breaker_open_ms
+            )
+        };
         host.log(
             LogLevel::Warn,
             &format!(
-                "{}: redis answered nothing for {} ms: breaker open, deciding without redis until \
-                 it answers again",
+                "{}: redis answered nothing for {} ms: breaker open, deciding without redis {until}",
                 self.name, self.config.state.breaker_slow_ms
             ),
         );
-        self.send_probe(host);
+        if self.breaker.is_probing() {
+            self.send_probe(host);
+        }
     }
 
     /// The breaker just opened: tell the gateway's other workers until when to hold theirs open,
@@ -1086,7 +1095,7 @@ impl Picker {
         self.last_answer_ns = host.now_nanos();
         let was_open = !self.breaker.is_closed();
         let probing = self.breaker.is_probing();
-        self.breaker.on_success();
+        self.breaker.on_success(self.last_answer_ns);
         if was_open {
             host.log(
                 LogLevel::Info,
