@@ -278,8 +278,8 @@ async fn prefix_hits_and_a_failover_under_load() {
     eprintln!("failover: {} requests, {fallbacks} decided without Redis", seen.len());
     assert_eq!(rc.slot_owner(plugin_slot(route)).await.unwrap(), new_master);
 
-    // The old master's pause during the failover may have opened the breaker (then a worker that
-    // Redis answers again closes it for all of them, or each worker's probe does after
+    // The old master's pause during the failover may have opened the breaker (its probe, sent at
+    // once, closes it for every worker as soon as Redis answers; a stall soon after a close waits
     // breakerOpenMs, 1 s by default). Then the conversation still finds its prefix, now on the new
     // master; counts converge to 0.
     if stat(&gw.stats().await.unwrap(), "ai_lb_breaker_opened") > 0 {
