@@ -429,6 +429,17 @@ fn a_stalled_redis_opens_the_breaker_then_one_probe_closes_it() {
     assert_eq!(f.on_request_headers(&mut host, 17, true), HeaderAction::Continue);
     assert_eq!(host.redis_calls.len(), calls + 1, "no call while the probe is out");
     f.on_delete(&mut host, 17);
+    // A failed probe opens it for breakerOpenMs again, and says so.
+    f.on_redis_reply(&mut host, probe, &RedisReply::NetworkError, false);
+    assert!(host.logged("breaker open after its probe failed"));
+    assert_eq!(host.counters.get("ai_lb_breaker_opened"), Some(&2));
+    host.now += 999 * MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.redis_calls.len(), calls + 1, "no probe before breakerOpenMs");
+    host.now += MS;
+    f.on_tick(&mut host);
+    assert_eq!(host.redis_calls.len(), calls + 2);
+    let probe = host.last_redis_token().unwrap();
     f.on_redis_reply(&mut host, probe, &RedisReply::Ok(b":1\r\n".to_vec()), false);
     assert!(host.logged("breaker closed"));
     // Closed again: the next request calls Redis.

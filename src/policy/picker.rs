@@ -1017,18 +1017,24 @@ impl Picker {
     /// A Redis call failed or was too slow: one step towards opening the breaker (shared with
     /// the gateway's other workers when it opens).
     fn redis_failed(&mut self, host: &mut dyn Host) {
+        let probing = self.breaker.is_probing();
         if self.breaker.on_failure(host.now_nanos()) {
             if let Some(until) = self.breaker.open_until() {
                 self.breaker_opened(host, until);
             }
+            let why = if probing {
+                // The probe failed, usually with every call on the connection when the Redis
+                // timeout closed it.
+                "its probe failed".to_string()
+            } else {
+                format!("{} failed or slow calls", self.config.state.breaker_failures)
+            };
             host.log(
                 LogLevel::Warn,
                 &format!(
-                    "{}: redis breaker open after {} failed or slow calls: deciding without redis \
-                     for {} ms, then probing",
-                    self.name,
-                    self.config.state.breaker_failures,
-                    self.config.state.breaker_open_ms
+                    "{}: redis breaker open after {why}: deciding without redis for {} ms, then \
+                     probing",
+                    self.name, self.config.state.breaker_open_ms
                 ),
             );
         }
