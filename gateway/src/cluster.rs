@@ -310,8 +310,13 @@ impl Clusters {
 /// Largest body kept as metrics (Higress caps at 64 KiB).
 const MAX_METRICS: usize = 64 * 1024;
 
-/// One probe of one endpoint: Ok(body) on 2xx.
-async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<bytes::Bytes, String> {
+/// One probe of one endpoint: Ok(the body's first `MAX_METRICS` bytes) when the status is one
+/// `hc` expects. A longer body is not read further.
+async fn probe(
+    addr: SocketAddr,
+    hc: &HealthCheckConfig,
+    timeout: Duration,
+) -> Result<bytes::Bytes, String> {
     use http_body_util::BodyExt;
     let fut = async {
         let stream = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
@@ -321,19 +326,26 @@ async fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<bytes:
                 .await
                 .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
-        let req = hyper::Request::get(path)
+        let req = hyper::Request::get(hc.path.as_str())
             .header("host", addr.to_string())
             .header("user-agent", "Envoy/HC")
             .body(http_body_util::Empty::new())
             .map_err(|e| e.to_string())?;
         let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
         let status = resp.status();
-        let body = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
-        if status.is_success() {
-            Ok(body)
-        } else {
-            Err(format!("status {status}"))
+        if !hc.expects(status.as_u16()) {
+            return Err(format!("status {status}"));
         }
+        let mut body = resp.into_body();
+        let mut kept = bytes::BytesMut::new();
+        while kept.len() < MAX_METRICS {
+            let Some(frame) = body.frame().await else { break };
+            if let Ok(data) = frame.map_err(|e| e.to_string())?.into_data() {
+                let room = MAX_METRICS - kept.len();
+                kept.extend_from_slice(&data[..data.len().min(room)]);
+            }
+        }
+        Ok(kept.freeze())
     };
     match tokio::time::timeout(timeout, fut).await {
         Ok(r) => r,
@@ -352,10 +364,10 @@ pub async fn check_endpoints(cluster: &Cluster, eps: Vec<Arc<Endpoint>>) {
     let Some(hc) = &cluster.health_check else { return };
     let mut tasks = Vec::new();
     for e in eps {
-        let path = hc.path.clone();
+        let hc = hc.clone();
         let timeout = Duration::from_millis(hc.timeout_ms.max(1));
         tasks.push(tokio::spawn(async move {
-            let r = probe(e.addr, &path, timeout).await;
+            let r = probe(e.addr, &hc, timeout).await;
             (e, r)
         }));
     }
@@ -374,9 +386,8 @@ pub async fn check_endpoints(cluster: &Cluster, eps: Vec<Arc<Endpoint>>) {
                 counts.0 += 1;
                 counts.1 = 0;
                 if hc.store_metrics {
-                    let keep = &body[..body.len().min(MAX_METRICS)];
                     if let Ok(mut m) = e.metrics.lock() {
-                        *m = String::from_utf8_lossy(keep).into_owned();
+                        *m = String::from_utf8_lossy(&body).into_owned();
                     }
                 }
                 if (first || counts.0 >= hc.healthy_threshold) && e.health() == Health::Unhealthy {

@@ -378,9 +378,24 @@ pub struct HealthCheckConfig {
     /// Consecutive successes before Healthy.
     #[serde(default = "one")]
     pub healthy_threshold: u32,
-    /// Keep the 2xx body (<= 64 KiB) as the endpoint's `metrics`.
+    /// Keep the healthy answer's body (<= 64 KiB) as the endpoint's `metrics`.
     #[serde(default)]
     pub store_metrics: bool,
+    /// Statuses that count as healthy, as Envoy's `expected_statuses`: half-open ranges
+    /// `[start, end)`. Default: 200 only, as Envoy's.
+    #[serde(default = "default_expected_statuses")]
+    pub expected_statuses: Vec<[u16; 2]>,
+}
+
+impl HealthCheckConfig {
+    /// Whether an answer with `status` is a healthy one.
+    pub fn expects(&self, status: u16) -> bool {
+        self.expected_statuses.iter().any(|[start, end]| (*start..*end).contains(&status))
+    }
+}
+
+fn default_expected_statuses() -> Vec<[u16; 2]> {
+    vec![[200, 201]]
 }
 
 fn default_hc_path() -> String {

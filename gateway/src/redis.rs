@@ -390,7 +390,7 @@ async fn run_node(
                 r = sock.read_buf(&mut rbuf) => match r {
                     Ok(0) | Err(_) => break true,
                     Ok(_) => {
-                        loop {
+                        let decode_failed = loop {
                             match redis_protocol::resp2::decode::decode_range(&rbuf) {
                                 Ok(Some((_, n))) => {
                                     let raw = rbuf.split_to(n).freeze();
@@ -400,13 +400,19 @@ async fn run_node(
                                         None => tracing::warn!(cluster = %cfg.cluster, "unexpected redis reply"),
                                     }
                                 }
-                                Ok(None) => break,
+                                Ok(None) => break false,
                                 Err(e) => {
-                                    tracing::warn!(cluster = %cfg.cluster, "bad redis reply: {e:?}");
-                                    rbuf.clear();
-                                    break;
+                                    // Envoy's client (`ClientImpl::onData`) closes a connection
+                                    // whose reply it cannot decode: the calls pending on it fail,
+                                    // where skipping the bytes would pair every later reply with
+                                    // the wrong call.
+                                    tracing::warn!(cluster = %cfg.cluster, "bad redis reply, closing the connection: {e:?}");
+                                    break true;
                                 }
                             }
+                        };
+                        if decode_failed {
+                            break true;
                         }
                     }
                 },

@@ -1561,6 +1561,45 @@ async fn health_of(gw: &Gateway, addr: &str) -> Option<String> {
         })
 }
 
+/// Envoy's HTTP health checker counts only the statuses in `expected_statuses` as healthy, by
+/// default 200 alone: a pod whose health path answers 204 or 299 is Unhealthy unless the config
+/// lists it. Higress's stored metrics keep the first 64 KiB of a healthy answer's body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_expected_statuses_are_healthy() {
+    let up = Upstream::start().await;
+    let cluster = |name: &str, path: &str, extra: &str| {
+        format!(
+            "  - name: {name}\n    endpoints: [\"{}\"]\n    health_check: {{path: {path}, interval_ms: 60000, timeout_ms: 1000, store_metrics: true{extra}}}\n",
+            up.addr
+        )
+    };
+    let cfg = format!(
+        "listeners: [{{name: main, address: 127.0.0.1:0}}]\nadmin: {{address: 127.0.0.1:0}}\nroutes:\n  - {{name: r, match: {{prefix: /}}, cluster: ok}}\nclusters:\n{}{}{}{}{}",
+        cluster("ok", "/status/200", ""),
+        cluster("no-content", "/status/204", ""),
+        cluster("redirect", "/status/299", ""),
+        cluster("listed", "/status/204", ", expected_statuses: [[200, 300]]"),
+        cluster("large", "/bytes/200000", ""),
+    );
+    let gw = Gateway::start(&cfg, None, 1);
+    let doc: serde_json::Value =
+        serde_json::from_slice(&get(&gw.admin_url("/clusters"), &[]).await.body).unwrap();
+    let endpoint = |name: &str| {
+        doc.as_array()
+            .and_then(|cs| cs.iter().find(|c| c["name"] == name))
+            .and_then(|c| c["endpoints"].get(0).cloned())
+            .unwrap_or_default()
+    };
+    let health = |name: &str| endpoint(name)["health_status"].as_str().unwrap_or("").to_string();
+    assert_eq!(health("ok"), "Healthy");
+    assert_eq!(health("no-content"), "Unhealthy", "204 is not in the default expected statuses");
+    assert_eq!(health("redirect"), "Unhealthy");
+    assert_eq!(health("listed"), "Healthy", "204 is in [200, 300)");
+    assert_eq!(health("large"), "Healthy");
+    let metrics = endpoint("large")["metrics"].as_str().unwrap_or("").len();
+    assert_eq!(metrics, 64 * 1024, "the first 64 KiB of the body are kept");
+}
+
 /// Envoy (`updateDynamicHostList`): an endpoint added at run time to a health-checked cluster
 /// starts FAILED_ACTIVE_HC (Unhealthy) and its first check runs at once; that first check decides
 /// alone (one success is enough whatever `healthy_threshold` says). The host used to start such
@@ -1920,6 +1959,10 @@ async fn slow_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<
                                 tokio::time::sleep(Duration::from_millis(400)).await;
                                 b"+SLOW\r\n"
                             }
+                            Some("GARBLE") => {
+                                tokio::time::sleep(Duration::from_millis(200)).await;
+                                b"?not RESP\r\n"
+                            }
                             Some("PING") => b"+PONG\r\n",
                             _ => b"+OK\r\n",
                         };
@@ -1932,6 +1975,41 @@ async fn slow_redis() -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<
         }
     });
     (addr, conns)
+}
+
+/// Envoy's Redis client closes a connection whose reply it cannot decode (`ClientImpl::onData`
+/// catches the protocol error and closes it): every call pending on it fails with NetworkError at
+/// once, and the next call opens a new connection. Skipping the bad bytes instead would hand the
+/// next reply to the wrong call, or leave the calls to the op timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_reply_that_is_not_resp_fails_the_calls_on_its_connection() {
+    let up = Upstream::start().await;
+    let (addr, conns) = slow_redis().await;
+    let gw = Gateway::start(&redis_config(&up, &addr.to_string()), Some(&redis_plugin()), 1);
+    let url = gw.url("/r");
+    let started = Instant::now();
+    let garble = resp(&["GARBLE"]);
+    let garbled = request("POST", &url, &[("x-cluster", CLUSTER)], &garble);
+    // Sent while the first waits for its (bad) reply: pipelined on the same connection.
+    let behind = async {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        request("POST", &url, &[("x-cluster", CLUSTER)], &resp(&["PING"])).await
+    };
+    let (garbled, behind) = tokio::join!(garbled, behind);
+    let took = started.elapsed();
+    assert_eq!(garbled.status, 503, "the call answered with bytes that are not RESP: NetworkError");
+    assert_eq!(
+        behind.status, 503,
+        "the call pipelined behind it fails too, never given another call's reply"
+    );
+    assert!(took < Duration::from_millis(900), "at once, not at the 1000 ms op timeout: {took:?}");
+    let r = request("POST", &url, &[("x-cluster", CLUSTER)], &resp(&["PING"])).await;
+    assert_eq!((r.status, r.text().as_str()), (200, "+PONG\r\n"), "the next call succeeds");
+    let c = conns.lock().unwrap().clone();
+    let last = |i: usize| c.get(i).and_then(|cmds| cmds.last()).cloned();
+    assert_eq!(c.len(), 2, "a new connection after the bad reply: {c:?}");
+    assert_eq!(last(0).as_deref(), Some("PING"), "{c:?}");
+    assert_eq!(last(1).as_deref(), Some("PING"), "{c:?}");
 }
 
 /// A second `proxy_redis_init` (a plugin that inits again after a failed init, Higress #1517, or

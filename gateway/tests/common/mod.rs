@@ -381,6 +381,15 @@ impl Upstream {
                                     "/metrics" => hyper::Response::new(GwBody::full(Bytes::from(
                                         format!("vllm:num_requests_running {}\n", addr.port()),
                                     ))),
+                                    p if p.starts_with("/status/") => {
+                                        let code = p["/status/".len()..].parse().unwrap_or(500);
+                                        let mut r = hyper::Response::new(GwBody::full(
+                                            Bytes::from(format!("status {code}")),
+                                        ));
+                                        *r.status_mut() = hyper::StatusCode::from_u16(code)
+                                            .unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+                                        r
+                                    }
                                     p if p.starts_with("/bytes/") => {
                                         let n = p["/bytes/".len()..].parse().unwrap_or(0usize);
                                         hyper::Response::new(GwBody::full(Bytes::from(
