@@ -79,15 +79,15 @@ def build():
             "title": "AI Load Balancer (Rust)",
             "x-title-i18n": {"zh-CN": "AI 负载均衡（Rust 版）"},
             "description": (
-                "LLM-aware load balancing for inference pods (vLLM, SGLang): global least request and "
-                "prompt-prefix (KV cache) affinity through Redis, engine-metrics based choice, and "
-                "cluster-level choice by load or latency. Same configuration as the Go ai-load-balancer; "
+                "LLM-aware load balancing for inference pods (vLLM, SGLang): global least request, "
+                "prompt-prefix (KV cache) affinity and sticky sessions through Redis, engine-metrics based choice, and "
+                "cluster-level choice by load, latency or a hash key. Same configuration as the Go ai-load-balancer; "
                 "when disabled, the service's own load balancing applies."
             ),
             "x-description-i18n": {
                 "zh-CN": (
-                    "面向大模型推理 pod（vLLM、SGLang）的负载均衡：基于 Redis 的全局最小请求数和 prompt 前缀"
-                    "（KV Cache）亲和、基于推理引擎指标的选择，以及按负载或延迟在多个服务间选择。配置与 Go 版 "
+                    "面向大模型推理 pod（vLLM、SGLang）的负载均衡：基于 Redis 的全局最小请求数、prompt 前缀"
+                    "（KV Cache）亲和与会话保持、基于推理引擎指标的选择，以及按负载、延迟或哈希键在多个服务间选择。配置与 Go 版 "
                     "ai-load-balancer 相同；关闭插件后回退到服务自身的负载均衡。"
                 )
             },

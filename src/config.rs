@@ -356,6 +356,47 @@ pub struct ClusterMetricsConfig {
     pub queue_size: usize,
 }
 
+/// Where `cluster_hash` reads a request's hash key (`lb_config.key.source`; without `key`, the
+/// header `hash_header`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum HashKeySource {
+    /// A request header (`key.name`, else `hash_header`, else `x-mse-consumer`).
+    Header(String),
+    /// A cookie of the `cookie` request header (`key.name`).
+    Cookie(String),
+    /// A GJSON path into the JSON request body (`key.jsonPath` or `key.json_path`, a leading `$.`
+    /// dropped).
+    Body(String),
+    /// A host property (`key.propertyPath` or `key.property_path`, else `["metadata", key.name]`).
+    Metadata(Vec<String>),
+}
+
+/// `cluster_hash` settings (`lb_config`, with `lb_type: cluster`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusterHashConfig {
+    /// Where the hash key comes from.
+    pub key: HashKeySource,
+    /// `cluster_header` (default `x-higress-target-cluster`): request header written with the choice.
+    pub cluster_header: String,
+    /// `clusters` by `weight` (which sum to 100): each cluster name `weight` times, in config order;
+    /// a key's FNV-1a hash modulo 100 picks one.
+    pub slots: Vec<String>,
+}
+
+/// `endpoint_hash` settings (`lb_config`): sticky sessions kept in Redis.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EndpointHashConfig {
+    /// Redis connection.
+    pub redis: RedisConfig,
+    /// `hash_header` (default `x-mse-consumer`): the request header whose value is the session key.
+    pub hash_header: String,
+    /// `stickyTimeout` (minutes, default 60) in seconds: how long a binding lives after its last
+    /// use.
+    pub sticky_ttl_s: u64,
+    /// The Redis breaker (ours; `leaseMs` is not used: nothing is counted).
+    pub state: SharedStateConfig,
+}
+
 /// The policy chosen by `lb_policy` with its settings.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PolicyConfig {
@@ -367,6 +408,10 @@ pub enum PolicyConfig {
     EndpointMetrics(EndpointMetricsConfig),
     /// `cluster_metrics`.
     ClusterMetrics(ClusterMetricsConfig),
+    /// `cluster_hash`.
+    ClusterHash(ClusterHashConfig),
+    /// `endpoint_hash`.
+    EndpointHash(EndpointHashConfig),
 }
 
 /// One complete load-balancer config (the top level, or one `_rules_` entry).
@@ -746,7 +791,9 @@ impl Fields<'_> {
     }
     /// Whether `key` is one the Go plugin reads with gjson `.Int()` (ours are read strictly).
     fn is_go_int_key(key: &str) -> bool {
-        const GO_INT_KEYS: [&str; 7] = [
+        const GO_INT_KEYS: [&str; 9] = [
+            "weight",
+            "stickyTimeout",
             "servicePort",
             "timeout",
             "database",
@@ -922,6 +969,8 @@ fn parse_lb(
     };
     let f = Fields { obj: lb_obj, prefix: format!("{prefix}lb_config."), warnings };
     let policy_name = top.string("lb_policy")?;
+    // The body limit without `maxBodyBytes`: ours, unless the policy's Go config sets one.
+    let mut body_limit_default = DEFAULT_MAX_BODY_BYTES;
     let policy = match (lb_type, policy_name.as_deref()) {
         (LbType::Endpoint, Some("global_least_request")) => PolicyConfig::GlobalLeastRequest(parse_glr(&f)?),
         (LbType::Endpoint, Some("prefix_cache")) => PolicyConfig::PrefixCache(PrefixCacheConfig {
@@ -953,27 +1002,35 @@ fn parse_lb(
             split_system_prompt: f.boolean("splitSystemPrompt")?.unwrap_or(false),
             load_aware: parse_load_aware(&f)?,
         }),
+        (LbType::Endpoint, Some("endpoint_hash")) => {
+            PolicyConfig::EndpointHash(parse_endpoint_hash(&f)?)
+        }
         (LbType::Endpoint, Some("endpoint_metrics" | "metrics_based")) => {
             PolicyConfig::EndpointMetrics(parse_endpoint_metrics(&f)?)
         }
         (LbType::Cluster, Some("cluster_metrics")) => PolicyConfig::ClusterMetrics(parse_cluster_metrics(&f)?),
+        (LbType::Cluster, Some("cluster_hash")) => {
+            let (config, key_max_body) = parse_cluster_hash(&f)?;
+            if matches!(config.key, HashKeySource::Body(_)) {
+                body_limit_default = key_max_body;
+            }
+            PolicyConfig::ClusterHash(config)
+        }
         (LbType::Endpoint, other) => {
             return Err(err(
                 &top.path("lb_policy"),
                 format!(
-                    "{} for lb_type endpoint; accepted: global_least_request, prefix_cache, endpoint_metrics (alias metrics_based)",
+                    "{} for lb_type endpoint; accepted: global_least_request, prefix_cache, endpoint_metrics (alias metrics_based), endpoint_hash",
                     describe(other)
                 ),
             ))
         }
         (LbType::Cluster, other) => {
-            return Err(err(&top.path("lb_policy"), format!("{} for lb_type cluster; accepted: cluster_metrics", describe(other))))
+            return Err(err(&top.path("lb_policy"), format!("{} for lb_type cluster; accepted: cluster_metrics, cluster_hash", describe(other))))
         }
     };
-    let max_body_bytes = f
-        .uint("maxBodyBytes", u32::MAX as u64)?
-        .map(|x| x as usize)
-        .unwrap_or(DEFAULT_MAX_BODY_BYTES);
+    let max_body_bytes =
+        f.uint("maxBodyBytes", u32::MAX as u64)?.map(|x| x as usize).unwrap_or(body_limit_default);
     let decision_header = match f.string("decisionHeader")?.map(|h| h.trim().to_ascii_lowercase()) {
         None => None,
         Some(h) if h.is_empty() => None,
@@ -1262,6 +1319,173 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
             Some(x) => x.min(1_000_000) as usize,
         },
     })
+}
+
+/// `endpoint_hash`'s default `stickyTimeout`, in minutes (the Go plugin's).
+pub const DEFAULT_STICKY_TIMEOUT_MIN: u64 = 60;
+
+/// `endpoint_hash`, as the Go plugin reads it, plus our breaker keys.
+fn parse_endpoint_hash(f: &Fields<'_>) -> Result<EndpointHashConfig, ConfigError> {
+    let minutes = match f.int("stickyTimeout")? {
+        None | Some(0) => DEFAULT_STICKY_TIMEOUT_MIN,
+        Some(m) if m < 0 => {
+            // Go passes it on: every binding's write fails and every hit's EXPIRE deletes it.
+            f.warn(
+                "stickyTimeout",
+                format!("{m} is negative: {DEFAULT_STICKY_TIMEOUT_MIN} minutes (the Go plugin would keep no binding)"),
+            );
+            DEFAULT_STICKY_TIMEOUT_MIN
+        }
+        Some(m) => m.unsigned_abs().min(u64::from(u32::MAX)),
+    };
+    Ok(EndpointHashConfig {
+        redis: parse_redis(f)?,
+        hash_header: f
+            .string("hash_header")?
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| DEFAULT_HASH_HEADER.into()),
+        sticky_ttl_s: minutes.saturating_mul(60),
+        state: parse_state(f)?,
+    })
+}
+
+/// `cluster_hash`'s default `hash_header`, and its key source's default header.
+pub const DEFAULT_HASH_HEADER: &str = "x-mse-consumer";
+/// `cluster_hash`'s default `key.max_body_bytes` (the Go plugin's: 100 MiB).
+pub const DEFAULT_HASH_KEY_MAX_BODY_BYTES: usize = 100 * 1024 * 1024;
+
+/// `cluster_hash`, as the Go plugin reads it, and `key.max_body_bytes`: the body limit while a
+/// body key is read (the Go plugin raises the stream's buffer limit to it).
+fn parse_cluster_hash(f: &Fields<'_>) -> Result<(ClusterHashConfig, usize), ConfigError> {
+    let hash_header = f
+        .string("hash_header")?
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| DEFAULT_HASH_HEADER.into());
+    let (key, max_body) = match f.present("key") {
+        None => (HashKeySource::Header(hash_header), DEFAULT_HASH_KEY_MAX_BODY_BYTES),
+        Some(Value::Object(m)) => {
+            let k = Fields { obj: m, prefix: f.path("key."), warnings: f.warnings };
+            parse_hash_key(&k, &hash_header)?
+        }
+        // gjson finds no keys in anything else: the header source, as in Go.
+        Some(v) => {
+            f.warn("key", format!("{} has no keys: read as {{}}, as Go reads it", type_name(v)));
+            (HashKeySource::Header(hash_header), DEFAULT_HASH_KEY_MAX_BODY_BYTES)
+        }
+    };
+    let list = match f.present("clusters") {
+        Some(Value::Array(list)) if !list.is_empty() => list,
+        _ => {
+            return Err(err(
+                &f.path("clusters"),
+                "required: a non-empty array of {cluster, weight}",
+            ))
+        }
+    };
+    let empty = Map::new();
+    let mut slots = Vec::with_capacity(100);
+    let mut total: i64 = 0;
+    for (i, entry) in list.iter().enumerate() {
+        let c = Fields {
+            obj: entry.as_object().unwrap_or(&empty),
+            prefix: f.path(&format!("clusters[{i}].")),
+            warnings: f.warnings,
+        };
+        let cluster = c.string("cluster")?.unwrap_or_default();
+        if cluster.is_empty() {
+            return Err(err(&c.path("cluster"), "required: a non-empty cluster name"));
+        }
+        let weight = c.int("weight")?.unwrap_or(0);
+        if weight <= 0 {
+            return Err(err(&c.path("weight"), format!("{weight} for {cluster:?}: must be > 0")));
+        }
+        total = total.saturating_add(weight);
+        if total > 100 {
+            break;
+        }
+        slots.extend(std::iter::repeat_n(cluster, weight as usize));
+    }
+    if total != 100 {
+        return Err(err(&f.path("clusters"), format!("the weights must sum to 100, got {total}")));
+    }
+    let cluster_header = f
+        .string("cluster_header")?
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| DEFAULT_CLUSTER_HEADER.into());
+    Ok((ClusterHashConfig { key, cluster_header, slots }, max_body))
+}
+
+/// `cluster_hash`'s `key` object: the source and the body limit.
+fn parse_hash_key(
+    k: &Fields<'_>,
+    hash_header: &str,
+) -> Result<(HashKeySource, usize), ConfigError> {
+    let max_body = match k.uint("max_body_bytes", u64::from(u32::MAX))? {
+        None | Some(0) => DEFAULT_HASH_KEY_MAX_BODY_BYTES,
+        Some(n) => n as usize,
+    };
+    let name = k.string("name")?.unwrap_or_default();
+    let source = match k.string("source")?.as_deref() {
+        None | Some("") | Some("header") => {
+            HashKeySource::Header(if name.is_empty() { hash_header.to_string() } else { name })
+        }
+        Some("cookie") if name.is_empty() => {
+            return Err(err(&k.path("name"), "required when key.source is cookie"))
+        }
+        Some("cookie") => HashKeySource::Cookie(name),
+        Some("body") => {
+            let normalise = |p: Option<String>| {
+                let p = p.unwrap_or_default();
+                let p = p.trim();
+                let p = p.strip_prefix("$.").unwrap_or(p);
+                if p == "$" {
+                    String::new()
+                } else {
+                    p.to_string()
+                }
+            };
+            let mut path = normalise(k.string("jsonPath")?);
+            if path.is_empty() {
+                path = normalise(k.string("json_path")?);
+            }
+            if path.is_empty() {
+                return Err(err(&k.path("jsonPath"), "required when key.source is body"));
+            }
+            HashKeySource::Body(path)
+        }
+        Some("metadata") => {
+            let parts = |key: &str| -> Result<Vec<String>, ConfigError> {
+                Ok(match k.present(key) {
+                    Some(v) => string_list(v, &k.path(key))?
+                        .into_iter()
+                        .filter(|p| !p.is_empty())
+                        .collect(),
+                    None => Vec::new(),
+                })
+            };
+            let mut path = parts("propertyPath")?;
+            if path.is_empty() {
+                path = parts("property_path")?;
+            }
+            if path.is_empty() {
+                if name.is_empty() {
+                    return Err(err(
+                        &k.path("propertyPath"),
+                        "key.name or key.propertyPath is required when key.source is metadata",
+                    ));
+                }
+                path = vec!["metadata".to_string(), name];
+            }
+            HashKeySource::Metadata(path)
+        }
+        Some(other) => {
+            return Err(err(
+                &k.path("source"),
+                format!("unknown value {other:?}; accepted: header, cookie, body, metadata"),
+            ))
+        }
+    };
+    Ok((source, max_body))
 }
 
 #[cfg(test)]

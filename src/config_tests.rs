@@ -721,3 +721,155 @@ fn go_integer_keys_with_a_unit_read_as_zero_with_a_warning() {
     // Our own keys stay strict.
     expect_err(&glr(r#","leaseMs":"10s""#), "lb_config.leaseMs", "integer");
 }
+
+fn cluster_hash(lb_config: &str) -> String {
+    format!(r#"{{"lb_type":"cluster","lb_policy":"cluster_hash","lb_config":{lb_config}}}"#)
+}
+
+#[test]
+fn cluster_hash_reads_the_go_config() {
+    let c = parse(&cluster_hash(
+        r#"{"clusters":[{"cluster":"a","weight":25},{"cluster":"b","weight":"75"}]}"#,
+    ))
+    .unwrap();
+    let d = c.default.unwrap();
+    let PolicyConfig::ClusterHash(h) = &d.policy else { panic!("{:?}", d.policy) };
+    assert_eq!(h.key, HashKeySource::Header("x-mse-consumer".into()));
+    assert_eq!(h.cluster_header, "x-higress-target-cluster");
+    assert_eq!(h.slots.len(), 100);
+    assert_eq!(h.slots.iter().filter(|s| *s == "a").count(), 25);
+    assert!(h.slots[..25].iter().all(|s| s == "a") && h.slots[25..].iter().all(|s| s == "b"));
+    // A header key reads no body: the body limit is ours.
+    assert_eq!(d.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+
+    let c = parse(&cluster_hash(
+        r#"{"hash_header":"x-user","cluster_header":"x-target","clusters":[{"cluster":"a","weight":100}]}"#,
+    ))
+    .unwrap();
+    let PolicyConfig::ClusterHash(h) = c.default.unwrap().policy else { panic!() };
+    assert_eq!(h.key, HashKeySource::Header("x-user".into()));
+    assert_eq!(h.cluster_header, "x-target");
+
+    let key = |k: &str| {
+        let json = cluster_hash(&format!(
+            r#"{{"hash_header":"x-user","key":{k},"clusters":[{{"cluster":"a","weight":100}}]}}"#
+        ));
+        let d = parse(&json).unwrap().default.unwrap();
+        let PolicyConfig::ClusterHash(h) = d.policy else { panic!() };
+        (h.key, d.max_body_bytes)
+    };
+    let go_body_limit = 100 * 1024 * 1024;
+    assert_eq!(key("{}"), (HashKeySource::Header("x-user".into()), DEFAULT_MAX_BODY_BYTES));
+    assert_eq!(key(r#"{"name":"x-tenant"}"#).0, HashKeySource::Header("x-tenant".into()));
+    assert_eq!(key(r#"{"source":"cookie","name":"sid"}"#).0, HashKeySource::Cookie("sid".into()));
+    assert_eq!(
+        key(r#"{"source":"body","jsonPath":" $.user.id "}"#),
+        (HashKeySource::Body("user.id".into()), go_body_limit)
+    );
+    assert_eq!(
+        key(r#"{"source":"body","jsonPath":"$","json_path":"user","max_body_bytes":65536}"#),
+        (HashKeySource::Body("user".into()), 65536)
+    );
+    assert_eq!(
+        key(r#"{"source":"metadata","name":"tenant"}"#).0,
+        HashKeySource::Metadata(vec!["metadata".into(), "tenant".into()])
+    );
+    assert_eq!(
+        key(r#"{"source":"metadata","property_path":["a","","b"],"name":"x"}"#).0,
+        HashKeySource::Metadata(vec!["a".into(), "b".into()])
+    );
+    // Ours, when given, wins over key.max_body_bytes.
+    let json = cluster_hash(
+        r#"{"maxBodyBytes":1024,"key":{"source":"body","jsonPath":"user"},"clusters":[{"cluster":"a","weight":100}]}"#,
+    );
+    assert_eq!(parse(&json).unwrap().default.unwrap().max_body_bytes, 1024);
+}
+
+#[test]
+fn cluster_hash_errors_name_the_field() {
+    let one = r#""clusters":[{"cluster":"a","weight":100}]"#;
+    expect_err(&cluster_hash("{}"), "lb_config.clusters", "non-empty array");
+    expect_err(&cluster_hash(r#"{"clusters":[]}"#), "lb_config.clusters", "non-empty array");
+    expect_err(
+        &cluster_hash(r#"{"clusters":[{"cluster":"a","weight":60},{"cluster":"b","weight":30}]}"#),
+        "lb_config.clusters",
+        "sum to 100, got 90",
+    );
+    expect_err(
+        &cluster_hash(r#"{"clusters":[{"cluster":"a","weight":60},{"cluster":"b","weight":60}]}"#),
+        "lb_config.clusters",
+        "sum to 100",
+    );
+    expect_err(
+        &cluster_hash(r#"{"clusters":[{"cluster":"a","weight":100},{"cluster":"b","weight":0}]}"#),
+        "lb_config.clusters[1].weight",
+        "must be > 0",
+    );
+    expect_err(
+        &cluster_hash(r#"{"clusters":[{"weight":100}]}"#),
+        "lb_config.clusters[0].cluster",
+        "non-empty cluster name",
+    );
+    expect_err(
+        &cluster_hash(&format!(r#"{{"key":{{"source":"cookie"}},{one}}}"#)),
+        "lb_config.key.name",
+        "cookie",
+    );
+    expect_err(
+        &cluster_hash(&format!(r#"{{"key":{{"source":"body"}},{one}}}"#)),
+        "lb_config.key.jsonPath",
+        "body",
+    );
+    expect_err(
+        &cluster_hash(&format!(r#"{{"key":{{"source":"metadata"}},{one}}}"#)),
+        "lb_config.key.propertyPath",
+        "metadata",
+    );
+    expect_err(
+        &cluster_hash(&format!(r#"{{"key":{{"source":"query"}},{one}}}"#)),
+        "lb_config.key.source",
+        "header, cookie, body, metadata",
+    );
+    expect_err(
+        &cluster_hash(&format!(
+            r#"{{"key":{{"source":"body","jsonPath":"u","max_body_bytes":5000000000}},{one}}}"#
+        )),
+        "lb_config.key.max_body_bytes",
+        "between 0 and",
+    );
+    // Only under lb_type cluster, as in Go.
+    expect_err(
+        &format!(r#"{{"lb_policy":"cluster_hash","lb_config":{{{one}}}}}"#),
+        "lb_policy",
+        "lb_type endpoint",
+    );
+}
+
+#[test]
+fn endpoint_hash_reads_the_go_config() {
+    let json = |extra: &str| {
+        format!(
+            r#"{{"lb_policy":"endpoint_hash","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379{extra}}}}}"#
+        )
+    };
+    let c = parse(&json("")).unwrap();
+    let PolicyConfig::EndpointHash(h) = c.default.unwrap().policy else { panic!("endpoint_hash") };
+    assert_eq!(h.hash_header, "x-mse-consumer");
+    assert_eq!(h.sticky_ttl_s, 3600, "60 minutes");
+    assert_eq!(h.redis.timeout_ms, DEFAULT_REDIS_TIMEOUT_MS);
+    assert_eq!(h.state, SharedStateConfig::default());
+    let c = parse(&json(
+        r#","hash_header":"x-user","stickyTimeout":"15","password":"p","breakerSlowMs":50"#,
+    ))
+    .unwrap();
+    let PolicyConfig::EndpointHash(h) = c.default.unwrap().policy else { panic!() };
+    assert_eq!((h.hash_header.as_str(), h.sticky_ttl_s), ("x-user", 900));
+    assert_eq!(h.redis.password, "p");
+    assert_eq!(h.state.breaker_slow_ms, 50);
+    // A negative timeout: Go would keep no binding; ours warns and takes the default.
+    let c = parse(&json(r#","stickyTimeout":-5"#)).unwrap();
+    assert!(c.warnings.iter().any(|w| w.contains("lb_config.stickyTimeout")), "{:?}", c.warnings);
+    let PolicyConfig::EndpointHash(h) = c.default.unwrap().policy else { panic!() };
+    assert_eq!(h.sticky_ttl_s, 3600);
+    expect_err(r#"{"lb_policy":"endpoint_hash","lb_config":{}}"#, "lb_config.serviceFQDN", "");
+}

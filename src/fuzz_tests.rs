@@ -85,6 +85,28 @@ fn body_target(body: &[u8]) {
     }
 }
 
+/// A request with `body` through `cluster_hash` keyed by a body field (GJSON paths of several
+/// shapes): routed, answered 403, or passed through, once.
+fn cluster_hash_body_target(body: &[u8]) {
+    for path in ["model", "messages.0.content", "messages.#", "m*.1.role", "prompt|@reverse"] {
+        let cfg = format!(
+            r#"{{"lb_type":"cluster","lb_policy":"cluster_hash","lb_config":{{"key":{{"source":"body","jsonPath":"{path}"}},"clusters":[{{"cluster":"a","weight":50}},{{"cluster":"b","weight":50}}]}}}}"#
+        );
+        let (mut f, mut host) = filter(&cfg);
+        host.request_headers.push((":method".into(), "POST".into()));
+        assert_eq!(f.on_request_headers(&mut host, 7, false), HeaderAction::StopIteration);
+        host.request_body = body.to_vec();
+        let action = f.on_request_body(&mut host, 7, body.len(), true);
+        let answered = host.local_responses.len();
+        assert!(
+            (action == DataAction::Continue) != (answered == 1),
+            "{path}: continued ({action:?}) or answered ({answered}), exactly one"
+        );
+        f.on_delete(&mut host, 7);
+        assert_eq!(f.live_streams(), 0);
+    }
+}
+
 /// `reply` as the answer to a `global_least_request` pick.
 fn reply_target(reply: &[u8]) {
     let _ = crate::redis::decode_reply(reply).map(|f| crate::policy::picker::parse_pick(&f));
@@ -108,6 +130,26 @@ fn reply_target(reply: &[u8]) {
     }
     host.now += 60_000_000_000;
     f.on_tick(&mut host);
+}
+
+/// `reply` as the answer to an `endpoint_hash` lookup, and to the write that follows it.
+fn sticky_reply_target(reply: &[u8]) {
+    let (mut f, mut host) = filter(&format!(
+        r#"{{"lb_policy":"endpoint_hash","lb_config":{{{REDIS_CFG},"hash_header":"x-session"}}}}"#
+    ));
+    host.request_headers.push(("x-session".into(), "alice".into()));
+    host.properties.insert("upstream.address".into(), b"10.0.0.2:8000".to_vec());
+    assert_eq!(f.on_request_headers(&mut host, 7, true), HeaderAction::StopIteration);
+    let Some(t) = host.last_redis_token() else { panic!("no lookup sent") };
+    deliver(&mut f, &mut host, t, RedisReply::Ok(reply.to_vec()));
+    assert_eq!(host.resumes, 1, "resumed exactly once");
+    f.on_response_headers(&mut host, 7);
+    f.on_delete(&mut host, 7);
+    let tokens: Vec<u32> = host.redis_calls.iter().map(|c| c.token).skip(1).collect();
+    for t in tokens {
+        f.on_redis_reply(&mut host, t, &RedisReply::Ok(reply.to_vec()), false);
+    }
+    assert_eq!(f.live_streams(), 0);
 }
 
 /// `json` as the plugin configuration.
@@ -196,6 +238,11 @@ fn json_leaf() -> impl Strategy<Value = Value> {
 
 /// Keys the plugin's parsers look for, so generated objects reach past the first lookup.
 const KEYS: &[&str] = &[
+    "clusters",
+    "key",
+    "source",
+    "jsonPath",
+    "hash_header",
     "messages",
     "role",
     "content",
@@ -280,6 +327,7 @@ fn config_json() -> impl Strategy<Value = Vec<u8>> {
         "endpoint_metrics",
         "metrics_based",
         "cluster_metrics",
+        "cluster_hash",
         "nope",
     ]);
     (policy, prop::option::of(json_leaf()), lb_config, prop::option::of(json_value())).prop_map(
@@ -380,21 +428,25 @@ proptest! {
     #[test]
     fn fuzz_request_body_bytes(body in prop::collection::vec(any::<u8>(), 0..512)) {
         body_target(&body);
+        cluster_hash_body_target(&body);
     }
 
     #[test]
     fn fuzz_request_body_json(body in chat_body()) {
         body_target(&body);
+        cluster_hash_body_target(&body);
     }
 
     #[test]
     fn fuzz_redis_reply_bytes(reply in prop::collection::vec(any::<u8>(), 0..128)) {
         reply_target(&reply);
+        sticky_reply_target(&reply);
     }
 
     #[test]
     fn fuzz_redis_reply_resp(reply in resp_frame(3)) {
         reply_target(&reply);
+        sticky_reply_target(&reply);
     }
 
     #[test]
@@ -478,11 +530,13 @@ fn replay(dir: &str, target: fn(&[u8])) {
 #[test]
 fn fuzz_corpus_replay_bodies() {
     replay("src/fuzz_corpus/body", body_target);
+    replay("src/fuzz_corpus/body", cluster_hash_body_target);
 }
 
 #[test]
 fn fuzz_corpus_replay_redis_replies() {
     replay("src/fuzz_corpus/redis", reply_target);
+    replay("src/fuzz_corpus/redis", sticky_reply_target);
 }
 
 #[test]

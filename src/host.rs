@@ -266,6 +266,15 @@ counters! {
     PrefixMiss => "ai_lb_prefix_miss",
     /// `prefix_cache`: sum of the matched prefix blocks over all hits.
     PrefixMatchedBlocks => "ai_lb_prefix_matched_blocks",
+    /// `cluster_hash`: routed to the service of the request's hash key.
+    HashRouted => "ai_lb_hash_routed",
+    /// `cluster_hash`: no hash key; answered 403.
+    HashKeyMissing => "ai_lb_hash_key_missing",
+    /// `endpoint_hash`: routed to the healthy pod the session key is bound to.
+    StickyHit => "ai_lb_sticky_hit",
+    /// `endpoint_hash`: the session key had no binding, or its pod is no longer healthy; the
+    /// gateway's balancing chose, and its choice is bound.
+    StickyMiss => "ai_lb_sticky_miss",
     /// A Redis policy answered 429 (`maxRequestCount`).
     Rejected => "ai_lb_rejected",
     /// `endpoint_metrics`: routed by the pods' metrics.

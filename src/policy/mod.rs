@@ -32,7 +32,9 @@ use crate::host::{Host, HttpReply, RedisReply};
 
 pub mod breaker;
 mod cache_check;
+pub mod cluster_hash;
 pub mod cluster_metrics;
+pub mod endpoint_hash;
 pub mod endpoint_metrics;
 pub mod global_least_request;
 pub mod latency;
@@ -200,7 +202,15 @@ pub fn build(config: &LbConfig) -> Box<dyn Policy> {
         PolicyConfig::ClusterMetrics(c) => {
             Box::new(cluster_metrics::ClusterMetrics::new(c.clone()))
         }
+        PolicyConfig::ClusterHash(c) => Box::new(cluster_hash::ClusterHash::new(c.clone())),
+        PolicyConfig::EndpointHash(c) => Box::new(endpoint_hash::EndpointHash::new(c.clone())),
     }
+}
+
+/// 32-bit FNV-1a, the Go plugin's hash of a session or routing key (`hash/fnv.New32a`), so that
+/// `cluster_hash` and `endpoint_hash` map a key as the Go plugin does.
+pub fn fnv1a32(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5_u32, |h, &b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193))
 }
 
 /// Healthy and other host addresses of `list` (the cluster's host list, fetched once by the caller),

@@ -18,12 +18,19 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use ai_load_balancer::config::{
-    ClusterMode, LbConfig, LbType, MetricPolicy, PluginConfig, PolicyConfig, DEFAULT_CLUSTER_HEADER,
+    ClusterMode, HashKeySource, LbConfig, LbType, MetricPolicy, PluginConfig, PolicyConfig,
+    DEFAULT_CLUSTER_HEADER, DEFAULT_HASH_HEADER,
 };
 use serde_json::{json, Map, Value};
 
-const POLICIES: [&str; 4] =
-    ["global_least_request", "prefix_cache", "endpoint_metrics", "cluster_metrics"];
+const POLICIES: [&str; 6] = [
+    "global_least_request",
+    "prefix_cache",
+    "endpoint_metrics",
+    "cluster_metrics",
+    "cluster_hash",
+    "endpoint_hash",
+];
 
 /// Layers of the Higress plugin image, in push order (plugin.tar.gz must be last).
 const LAYERS: [(&str, &str); 4] = [
@@ -120,6 +127,8 @@ fn policy_name(p: &PolicyConfig) -> &'static str {
         PolicyConfig::PrefixCache(_) => "prefix_cache",
         PolicyConfig::EndpointMetrics(_) => "endpoint_metrics",
         PolicyConfig::ClusterMetrics(_) => "cluster_metrics",
+        PolicyConfig::ClusterHash(_) => "cluster_hash",
+        PolicyConfig::EndpointHash(_) => "endpoint_hash",
     }
 }
 
@@ -137,6 +146,7 @@ fn assert_matches_source(what: &str, src: &Value, parsed: &LbConfig) {
     let redis = match &parsed.policy {
         PolicyConfig::GlobalLeastRequest(g) => Some(&g.redis),
         PolicyConfig::PrefixCache(p) => Some(&p.least_request.redis),
+        PolicyConfig::EndpointHash(e) => Some(&e.redis),
         _ => None,
     };
     if let Some(r) = redis {
@@ -266,6 +276,17 @@ fn schema_defaults_are_the_parser_defaults() {
     assert_eq!(m.cluster_header, DEFAULT_CLUSTER_HEADER);
     assert_eq!(json!(m.rate_limit), json!(d("rate_limit").as_f64()));
     assert_eq!(json!(m.queue_size), d("queue_size"));
+
+    let c = one(json!({"lb_policy": "endpoint_hash", "lb_config": redis}));
+    let PolicyConfig::EndpointHash(e) = c.policy else { panic!("endpoint_hash") };
+    assert_eq!(json!(e.hash_header), d("hash_header"));
+    assert_eq!(json!(e.sticky_ttl_s / 60), d("stickyTimeout"));
+    let c = one(json!({"lb_type": "cluster", "lb_policy": "cluster_hash",
+        "lb_config": {"clusters": [{"cluster": "a", "weight": 100}]}}));
+    let PolicyConfig::ClusterHash(h) = c.policy else { panic!("cluster_hash") };
+    assert_eq!(h.key, HashKeySource::Header(DEFAULT_HASH_HEADER.into()));
+    assert_eq!(json!(DEFAULT_HASH_HEADER), d("hash_header"));
+    assert_eq!(json!(h.cluster_header), d("cluster_header"));
 }
 
 /// Values the Go plugin tolerates (plugin-config/go-tolerated/): the plugin starts with Go's meaning
