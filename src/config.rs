@@ -1456,6 +1456,11 @@ fn parse_hash_key(
         Some("metadata") => {
             let parts = |key: &str| -> Result<Vec<String>, ConfigError> {
                 Ok(match k.present(key) {
+                    // gjson's `.Array()` reads a string as a list of that one string.
+                    Some(Value::String(one)) => {
+                        k.warn(key, format!("a string, not a list: read as [{one:?}], as in Go"));
+                        vec![one.clone()].into_iter().filter(|p| !p.is_empty()).collect()
+                    }
                     Some(v) => string_list(v, &k.path(key))?
                         .into_iter()
                         .filter(|p| !p.is_empty())

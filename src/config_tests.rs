@@ -778,6 +778,11 @@ fn cluster_hash_reads_the_go_config() {
         key(r#"{"source":"metadata","property_path":["a","","b"],"name":"x"}"#).0,
         HashKeySource::Metadata(vec!["a".into(), "b".into()])
     );
+    // gjson's `.Array()` reads a string as a list of one, with a warning here.
+    assert_eq!(
+        key(r#"{"source":"metadata","propertyPath":"tenant"}"#).0,
+        HashKeySource::Metadata(vec!["tenant".into()])
+    );
     // Ours, when given, wins over key.max_body_bytes.
     let json = cluster_hash(
         r#"{"maxBodyBytes":1024,"key":{"source":"body","jsonPath":"user"},"clusters":[{"cluster":"a","weight":100}]}"#,
@@ -810,33 +815,19 @@ fn cluster_hash_errors_name_the_field() {
         "lb_config.clusters[0].cluster",
         "non-empty cluster name",
     );
-    expect_err(
-        &cluster_hash(&format!(r#"{{"key":{{"source":"cookie"}},{one}}}"#)),
-        "lb_config.key.name",
-        "cookie",
-    );
-    expect_err(
-        &cluster_hash(&format!(r#"{{"key":{{"source":"body"}},{one}}}"#)),
-        "lb_config.key.jsonPath",
-        "body",
-    );
-    expect_err(
-        &cluster_hash(&format!(r#"{{"key":{{"source":"metadata"}},{one}}}"#)),
-        "lb_config.key.propertyPath",
-        "metadata",
-    );
-    expect_err(
-        &cluster_hash(&format!(r#"{{"key":{{"source":"query"}},{one}}}"#)),
-        "lb_config.key.source",
-        "header, cookie, body, metadata",
-    );
-    expect_err(
-        &cluster_hash(&format!(
-            r#"{{"key":{{"source":"body","jsonPath":"u","max_body_bytes":5000000000}},{one}}}"#
-        )),
-        "lb_config.key.max_body_bytes",
-        "between 0 and",
-    );
+    for (key, field, needle) in [
+        (r#"{"source":"cookie"}"#, "lb_config.key.name", "cookie"),
+        (r#"{"source":"body"}"#, "lb_config.key.jsonPath", "body"),
+        (r#"{"source":"metadata"}"#, "lb_config.key.propertyPath", "metadata"),
+        (r#"{"source":"query"}"#, "lb_config.key.source", "header, cookie, body, metadata"),
+        (
+            r#"{"source":"body","jsonPath":"u","max_body_bytes":5000000000}"#,
+            "lb_config.key.max_body_bytes",
+            "between 0 and",
+        ),
+    ] {
+        expect_err(&cluster_hash(&format!(r#"{{"key":{key},{one}}}"#)), field, needle);
+    }
     // Only under lb_type cluster, as in Go.
     expect_err(
         &format!(r#"{{"lb_policy":"cluster_hash","lb_config":{{{one}}}}}"#),
