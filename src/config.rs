@@ -337,8 +337,43 @@ pub enum ClusterMode {
     LeastTotalLatency,
     /// `LeastFirstTokenLatency`: lowest mean time to first token.
     LeastFirstTokenLatency,
+    /// `AdaptiveScore`: the lowest score of a power-of-choices sample, the score weighing the
+    /// latencies' moving averages, the requests in flight, the error rate and a cooldown after a
+    /// failure ([`AdaptiveScoreConfig`]).
+    AdaptiveScore,
     /// No `mode` given: random service (Go behaviour), still subject to `rate_limit`.
     Random,
+}
+
+/// `cluster_metrics` `mode: AdaptiveScore` settings (the Go plugin's keys and defaults).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdaptiveScoreConfig {
+    /// `ewma_beta` (0.5, in 0–1): the weight of the old average in each latency's moving average.
+    pub ewma_beta: f64,
+    /// `p2c_choices` (2; 0 or less = 2): services sampled per request.
+    pub p2c_choices: usize,
+    /// `ttft_weight` (0.7): weight of the time to first token in the score.
+    pub ttft_weight: f64,
+    /// `total_latency_weight` (0.3): weight of the total latency in the score.
+    pub total_latency_weight: f64,
+    /// `error_penalty` (3): the score grows by this times the service's error rate.
+    pub error_penalty: f64,
+    /// `failure_cooldown_ms` (30000; 0 = 30000): a failed request keeps its service out of the
+    /// choice this long while another is available.
+    pub failure_cooldown_ms: u64,
+}
+
+impl Default for AdaptiveScoreConfig {
+    fn default() -> Self {
+        AdaptiveScoreConfig {
+            ewma_beta: 0.5,
+            p2c_choices: 2,
+            ttft_weight: 0.7,
+            total_latency_weight: 0.3,
+            error_penalty: 3.0,
+            failure_cooldown_ms: 30_000,
+        }
+    }
 }
 
 /// `cluster_metrics` settings (`lb_config`, with `lb_type: cluster`).
@@ -354,6 +389,8 @@ pub struct ClusterMetricsConfig {
     pub rate_limit: f64,
     /// `queue_size` (default 100): latency samples kept per service.
     pub queue_size: usize,
+    /// `mode: AdaptiveScore` settings (parsed, and checked, in every mode, as in Go).
+    pub adaptive: AdaptiveScoreConfig,
 }
 
 /// Where `cluster_hash` reads a request's hash key (`lb_config.key.source`; without `key`, the
@@ -791,7 +828,11 @@ impl Fields<'_> {
     }
     /// Whether `key` is one the Go plugin reads with gjson `.Int()` (ours are read strictly).
     fn is_go_int_key(key: &str) -> bool {
-        const GO_INT_KEYS: [&str; 9] = [
+        const GO_INT_KEYS: [&str; 13] = [
+            "p2c_choices",
+            "failure_cooldown_ms",
+            "global_inflight_timeout",
+            "global_inflight_key_ttl",
             "weight",
             "stickyTimeout",
             "servicePort",
@@ -1278,11 +1319,12 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
         Some("LeastBusy") => ClusterMode::LeastBusy,
         Some("LeastTotalLatency") => ClusterMode::LeastTotalLatency,
         Some("LeastFirstTokenLatency") => ClusterMode::LeastFirstTokenLatency,
+        Some("AdaptiveScore") => ClusterMode::AdaptiveScore,
         Some(other) => {
             // Go picks a random candidate for any other value.
             f.warn(
                 "mode",
-                format!("unknown value {other:?} (accepted: LeastBusy, LeastTotalLatency, LeastFirstTokenLatency); picking at random, as Go does"),
+                format!("unknown value {other:?} (accepted: LeastBusy, LeastTotalLatency, LeastFirstTokenLatency, AdaptiveScore); picking at random, as Go does"),
             );
             ClusterMode::Random
         }
@@ -1318,6 +1360,65 @@ fn parse_cluster_metrics(f: &Fields<'_>) -> Result<ClusterMetricsConfig, ConfigE
             }
             Some(x) => x.min(1_000_000) as usize,
         },
+        adaptive: parse_adaptive_score(f)?,
+    })
+}
+
+/// `mode: AdaptiveScore`'s keys, checked as the Go plugin checks them (in every mode). Its
+/// `global_inflight_*` keys share the in-flight counts through Redis in Go; here they are read and
+/// checked, and the counts stay per worker, with a warning.
+fn parse_adaptive_score(f: &Fields<'_>) -> Result<AdaptiveScoreConfig, ConfigError> {
+    let d = AdaptiveScoreConfig::default();
+    let ewma_beta = f.float("ewma_beta")?.unwrap_or(d.ewma_beta);
+    if ewma_beta > 1.0 {
+        return Err(err(&f.path("ewma_beta"), format!("{ewma_beta}: must be in [0, 1]")));
+    }
+    let ttft_weight = f.float("ttft_weight")?.unwrap_or(d.ttft_weight);
+    let total_latency_weight = f.float("total_latency_weight")?.unwrap_or(d.total_latency_weight);
+    if ttft_weight == 0.0 && total_latency_weight == 0.0 {
+        return Err(err(
+            &f.path("ttft_weight"),
+            "ttft_weight and total_latency_weight cannot both be 0",
+        ));
+    }
+    let non_negative_ms = |key: &str, default: u64| -> Result<u64, ConfigError> {
+        match f.int(key)? {
+            None | Some(0) => Ok(default),
+            Some(n) if n < 0 => Err(err(&f.path(key), format!("{n}: must be >= 0"))),
+            Some(n) => Ok(n.unsigned_abs()),
+        }
+    };
+    let failure_cooldown_ms = non_negative_ms("failure_cooldown_ms", d.failure_cooldown_ms)?;
+    non_negative_ms("global_inflight_timeout", 3000)?;
+    non_negative_ms("global_inflight_key_ttl", 1800)?;
+    if f.go_boolean("global_inflight_enabled") == Some(true) {
+        if f.string("serviceFQDN")?.unwrap_or_default().is_empty()
+            || f.int("servicePort")?.unwrap_or(0) == 0
+        {
+            return Err(err(
+                &f.path("serviceFQDN"),
+                "required with global_inflight_enabled: the Redis service FQDN and servicePort",
+            ));
+        }
+        f.warn(
+            "global_inflight_enabled",
+            "not supported: AdaptiveScore counts the requests in flight per worker, as Go does \
+             without it",
+        );
+    }
+    if let Some(p) = f.string("metrics_missing_policy")?.filter(|p| p != "least_busy") {
+        f.warn("metrics_missing_policy", format!("{p:?} read as least_busy, as in Go"));
+    }
+    Ok(AdaptiveScoreConfig {
+        ewma_beta,
+        p2c_choices: match f.int("p2c_choices")? {
+            Some(n) if n > 0 => n.min(1_000) as usize,
+            _ => d.p2c_choices,
+        },
+        ttft_weight,
+        total_latency_weight,
+        error_penalty: f.float("error_penalty")?.unwrap_or(d.error_penalty),
+        failure_cooldown_ms,
     })
 }
 

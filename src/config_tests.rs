@@ -864,3 +864,40 @@ fn endpoint_hash_reads_the_go_config() {
     assert_eq!(h.sticky_ttl_s, 3600);
     expect_err(r#"{"lb_policy":"endpoint_hash","lb_config":{}}"#, "lb_config.serviceFQDN", "");
 }
+
+#[test]
+fn cluster_metrics_adaptive_score_reads_the_go_keys() {
+    let cfg = |extra: &str| {
+        format!(
+            r#"{{"lb_type":"cluster","lb_policy":"cluster_metrics","lb_config":{{"mode":"AdaptiveScore","service_list":["a","b"]{extra}}}}}"#
+        )
+    };
+    let c = parse(&cfg("")).unwrap();
+    let PolicyConfig::ClusterMetrics(m) = c.default.unwrap().policy else { panic!() };
+    assert_eq!(m.mode, ClusterMode::AdaptiveScore);
+    assert_eq!(m.adaptive, AdaptiveScoreConfig::default());
+    let c = parse(&cfg(
+        r#","ewma_beta":0.8,"p2c_choices":"3","ttft_weight":0,"error_penalty":1,"failure_cooldown_ms":0"#,
+    ))
+    .unwrap();
+    let PolicyConfig::ClusterMetrics(m) = c.default.unwrap().policy else { panic!() };
+    let a = &m.adaptive;
+    assert_eq!((a.ewma_beta, a.p2c_choices, a.ttft_weight), (0.8, 3, 0.0));
+    assert_eq!((a.error_penalty, a.failure_cooldown_ms), (1.0, 30_000));
+    for (extra, field, needle) in [
+        (r#","ewma_beta":1.2"#, "lb_config.ewma_beta", "[0, 1]"),
+        (r#","ttft_weight":0,"total_latency_weight":0"#, "lb_config.ttft_weight", "both be 0"),
+        (r#","error_penalty":-1"#, "lb_config.error_penalty", "non-negative"),
+        (r#","failure_cooldown_ms":-1"#, "lb_config.failure_cooldown_ms", ">= 0"),
+        (r#","global_inflight_timeout":-1"#, "lb_config.global_inflight_timeout", ">= 0"),
+        (r#","global_inflight_enabled":true"#, "lb_config.serviceFQDN", "global_inflight_enabled"),
+    ] {
+        expect_err(&cfg(extra), field, needle);
+    }
+    // Go shares the in-flight counts through Redis with it; here they stay per worker.
+    let c = parse(&cfg(
+        r#","global_inflight_enabled":true,"serviceFQDN":"redis.static","servicePort":6379"#,
+    ))
+    .unwrap();
+    assert!(c.warnings.iter().any(|w| w.contains("global_inflight_enabled")), "{:?}", c.warnings);
+}

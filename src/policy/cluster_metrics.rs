@@ -15,7 +15,18 @@
 //!   loses traffic quickly; a request that ends without any body also gets such a first-token sample
 //!   (Go records none, which makes a service that resets connections look fast).
 //!
-//! Choice: among services whose share of this worker's last `queue_size` choices is below
+//! `mode: AdaptiveScore` (the Go plugin's newer mode, same keys and score): each latency also has a
+//! moving average (`ewma_beta`), each service counts its successes and failures, and a failure
+//! keeps the service out of the choice for `failure_cooldown_ms` while another is available. The
+//! candidates are the services under `rate_limit` (all when none is), of those the ones not cooling
+//! down (all when every one is), and of those a random sample of `p2c_choices`; the lowest score
+//! wins: (in flight + 1, plus the failures in a row + 1 while cooling down) × (`ttft_weight` ·
+//! √(TTFT + 1) + `total_latency_weight` · √(total + 1)) × (1 + `error_penalty` × error rate), or
+//! the in-flight term alone before any latency sample (least busy). The Go plugin's
+//! `global_inflight_enabled` (in-flight counts shared through Redis) is not supported: the counts
+//! stay per worker, with a warning at start.
+//!
+//! Choice in the other modes: among services whose share of this worker's last `queue_size` choices is below
 //! `rate_limit` (every service when `rate_limit` ≥ 1), the one with the lowest value for `mode`
 //! (random among ties; a service without samples has latency 0 and is tried first, which is how new
 //! or recovered services get measured). If every service is over the limit, the one with the
@@ -40,6 +51,16 @@ struct ServiceStats {
     in_flight: u64,
     ttft_ms: VecDeque<f64>,
     total_ms: VecDeque<f64>,
+    /// `AdaptiveScore`: the moving averages of the same samples (`None` before the first).
+    ewma_ttft_ms: Option<f64>,
+    ewma_total_ms: Option<f64>,
+    /// `AdaptiveScore`: requests that ended with status 200, and the others.
+    successes: u64,
+    errors: u64,
+    /// `AdaptiveScore`: failures since the last success, and until when the last one keeps the
+    /// service out of the choice (ms).
+    consecutive_errors: u64,
+    cooldown_until_ms: u64,
 }
 
 fn mean(q: &VecDeque<f64>) -> f64 {
@@ -82,18 +103,87 @@ impl ClusterMetrics {
         ClusterMetrics { config, stats, recent, picks: HashMap::new() }
     }
 
-    fn value(&self, service: &str) -> f64 {
+    fn value(&self, service: &str, now: u64) -> f64 {
         let Some(s) = self.stats.get(service) else { return 0.0 };
         match self.config.mode {
             ClusterMode::LeastBusy => s.in_flight as f64,
             ClusterMode::LeastTotalLatency => mean(&s.total_ms),
             ClusterMode::LeastFirstTokenLatency => mean(&s.ttft_ms),
+            ClusterMode::AdaptiveScore => self.adaptive_score(s, now),
             ClusterMode::Random => 0.0,
         }
     }
 
+    /// `AdaptiveScore`'s score (lower is better), the Go plugin's: the requests in flight plus one
+    /// (plus the failures in a row and one more while a failure's cooldown runs); without any
+    /// latency sample that alone (least busy); else times the weighted square roots of the
+    /// latencies' moving averages and `1 + error_penalty × error rate`.
+    fn adaptive_score(&self, s: &ServiceStats, now: u64) -> f64 {
+        let a = &self.config.adaptive;
+        let mut load = s.in_flight as f64 + 1.0;
+        if s.cooldown_until_ms > now {
+            load += s.consecutive_errors as f64 + 1.0;
+        }
+        let (ttft, total) = match (s.ewma_ttft_ms, s.ewma_total_ms) {
+            (None, None) => return load,
+            (Some(t), None) => (t, t),
+            (None, Some(r)) => (r, r),
+            (Some(t), Some(r)) => (t, r),
+        };
+        let latency =
+            a.ttft_weight * (ttft + 1.0).sqrt() + a.total_latency_weight * (total + 1.0).sqrt();
+        let ended = s.successes + s.errors;
+        let error_rate = if ended > 0 { s.errors as f64 / ended as f64 } else { 0.0 };
+        latency * load * (1.0 + a.error_penalty * error_rate)
+    }
+
+    /// `AdaptiveScore`'s candidates: the services under `rate_limit` (all when none is), then of
+    /// those the ones not cooling down after a failure (all when every one is), then a random
+    /// sample of `p2c_choices` of them.
+    fn adaptive_candidates(&self, now: u64, shares: &[f64], mut rand: u64) -> Vec<usize> {
+        let list = &self.config.service_list;
+        let all: Vec<usize> = (0..list.len()).collect();
+        // `rate_limit: 1` (the default) limits nothing, as in the other modes.
+        let limited = self.config.rate_limit < 1.0;
+        let under: Vec<usize> = all
+            .iter()
+            .copied()
+            .filter(|&i| !limited || shares.get(i).is_some_and(|&x| x < self.config.rate_limit))
+            .collect();
+        let pool = if under.is_empty() { all } else { under };
+        let cool = |i: &usize| {
+            list.get(*i)
+                .and_then(|svc| self.stats.get(svc))
+                .is_some_and(|s| s.cooldown_until_ms <= now)
+        };
+        let available: Vec<usize> = pool.iter().copied().filter(cool).collect();
+        let mut pool = if available.is_empty() { pool } else { available };
+        let k = self.config.adaptive.p2c_choices;
+        // A partial Fisher-Yates shuffle: the first `k` are a uniform sample without repeats.
+        for j in 0..k.min(pool.len().saturating_sub(1)) {
+            let span = (pool.len() - j) as u64;
+            pool.swap(j, j + (rand % span) as usize);
+            rand = rand.rotate_left(17).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+        pool.truncate(k.max(1));
+        pool
+    }
+
     /// Chooses a service (see the module docs).
     fn choose(&mut self, now: u64, rand: u64) -> Option<String> {
+        if self.config.mode == ClusterMode::AdaptiveScore {
+            let shares: Vec<f64> =
+                self.config.service_list.iter().map(|s| self.recent.share(now, s)).collect();
+            let sample = self.adaptive_candidates(now, &shares, rand);
+            // The first of the (random) sample wins ties, as in Go.
+            let best = sample.iter().copied().min_by(|&a, &b| {
+                let score = |i: usize| {
+                    self.config.service_list.get(i).map_or(f64::INFINITY, |s| self.value(s, now))
+                };
+                score(a).total_cmp(&score(b))
+            })?;
+            return self.config.service_list.get(best).cloned();
+        }
         let list = &self.config.service_list;
         let limited = self.config.rate_limit < 1.0;
         let shares: Vec<f64> = list.iter().map(|s| self.recent.share(now, s)).collect();
@@ -109,7 +199,7 @@ impl ClusterMetrics {
             return list.get(best).cloned();
         }
         let values: Vec<f64> =
-            eligible.iter().map(|&i| list.get(i).map_or(0.0, |s| self.value(s))).collect();
+            eligible.iter().map(|&i| list.get(i).map_or(0.0, |s| self.value(s, now))).collect();
         let min = values.iter().copied().fold(f64::INFINITY, f64::min);
         let ties: Vec<usize> =
             eligible.iter().zip(&values).filter(|(_, &v)| v <= min).map(|(&i, _)| i).collect();
@@ -129,12 +219,33 @@ impl ClusterMetrics {
 
     fn record(&mut self, service: &str, ttft: bool, sample: f64) {
         let cap = self.config.queue_size.max(1);
+        let beta = self.config.adaptive.ewma_beta;
         if let Some(s) = self.stats.get_mut(service) {
-            let q = if ttft { &mut s.ttft_ms } else { &mut s.total_ms };
+            let (q, ewma) = if ttft {
+                (&mut s.ttft_ms, &mut s.ewma_ttft_ms)
+            } else {
+                (&mut s.total_ms, &mut s.ewma_total_ms)
+            };
             q.push_back(sample);
             while q.len() > cap {
                 q.pop_front();
             }
+            *ewma = Some(ewma.map_or(sample, |old| beta * old + (1.0 - beta) * sample));
+        }
+    }
+
+    /// A request of `service` ended at `now`: `AdaptiveScore`'s success and failure counts, and a
+    /// failure's cooldown.
+    fn record_outcome(&mut self, service: &str, ok: bool, now: u64) {
+        let cooldown = self.config.adaptive.failure_cooldown_ms;
+        let Some(s) = self.stats.get_mut(service) else { return };
+        if ok {
+            s.successes = s.successes.saturating_add(1);
+            s.consecutive_errors = 0;
+        } else {
+            s.errors = s.errors.saturating_add(1);
+            s.consecutive_errors = s.consecutive_errors.saturating_add(1);
+            s.cooldown_until_ms = now.saturating_add(cooldown);
         }
     }
 }
@@ -205,6 +316,7 @@ impl Policy for ClusterMetrics {
         }
         let sample = if ok { duration } else { self.punished(duration, false) };
         self.record(&p.service, false, sample);
+        self.record_outcome(&p.service, ok, now);
     }
 }
 

@@ -165,3 +165,67 @@ fn in_flight_is_released_once_per_stream() {
     let other = if svc == A { B } else { A };
     assert_eq!(p.stats.get(other).map(|st| st.in_flight), Some(1));
 }
+
+#[test]
+fn adaptive_score_prefers_the_faster_service_until_its_queue_outweighs_it() {
+    let mut p = policy(r#","mode":"AdaptiveScore""#);
+    let mut h = FakeHost::new();
+    // Both get measured: A slow (TTFT 300, total 900 ms), B fast (20 and 100 ms).
+    for _ in 0..6 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        let (ttft, total) = if svc == A { (300, 900) } else { (20, 100) };
+        complete(&mut p, &mut h, &mut s, "200", ttft, total);
+    }
+    let b = p.stats.get(B).and_then(|s| s.ewma_ttft_ms);
+    assert_eq!(b, Some(20.0), "a moving average of equal samples is the sample");
+    for _ in 0..5 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        assert_eq!(svc, B);
+        complete(&mut p, &mut h, &mut s, "200", 20, 100);
+    }
+    // B's score (0.7·√21 + 0.3·√101 ≈ 6.2 per request in flight) passes A's idle one (≈ 21.1)
+    // once B holds 3 and A none.
+    let held: Vec<String> = (0..3).map(|_| start(&mut p, &mut h).1).collect();
+    assert_eq!(held, [B, B, B]);
+    assert_eq!(start(&mut p, &mut h).1, A);
+}
+
+#[test]
+fn adaptive_score_keeps_a_failed_service_out_while_it_cools_down() {
+    let mut p = policy(r#","mode":"AdaptiveScore","failure_cooldown_ms":60000"#);
+    let mut h = FakeHost::new();
+    for _ in 0..6 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        let total = if svc == A { 100 } else { 900 };
+        complete(&mut p, &mut h, &mut s, "200", 20, total);
+    }
+    // A, the fast one, fails once: B takes every request during A's cooldown.
+    let mut s = loop {
+        let (s, svc) = start(&mut p, &mut h);
+        if svc == A {
+            break s;
+        }
+    };
+    complete(&mut p, &mut h, &mut s, "503", 5, 5);
+    for _ in 0..10 {
+        let (mut s, svc) = start(&mut p, &mut h);
+        assert_eq!(svc, B, "A cools down for 60 s after its failure");
+        complete(&mut p, &mut h, &mut s, "200", 20, 900);
+    }
+    // Even with B busy, while A cools down.
+    let held: Vec<String> = (0..2).map(|_| start(&mut p, &mut h).1).collect();
+    assert_eq!(held, [B, B]);
+    // After the cooldown A is a candidate again: its failure made its averages and error rate
+    // worse (score ≈ 20), but B with two in flight scores ≈ 37.
+    h.now += 61_000_000_000;
+    assert_eq!(start(&mut p, &mut h).1, A);
+}
+
+#[test]
+fn adaptive_score_without_samples_is_least_busy() {
+    let mut p = policy(r#","mode":"AdaptiveScore","p2c_choices":2"#);
+    let mut h = FakeHost::new();
+    let (_a, first) = start(&mut p, &mut h);
+    let (_b, second) = start(&mut p, &mut h);
+    assert_ne!(first, second, "the idle one is chosen");
+}

@@ -12,12 +12,18 @@ const SVC_B: &str = "outbound|8000||svc-b.static";
 const HEADER: &str = "x-envoy-target-cluster";
 
 async fn two_clusters(route: &str, mode: &str) -> (Pod, Pod, Gateway) {
+    two_clusters_on_workers(route, mode, 2).await
+}
+
+/// Statistics are per worker: a test of one request's effect runs on one worker.
+async fn two_clusters_on_workers(route: &str, mode: &str, workers: usize) -> (Pod, Pod, Gateway) {
     let a = Pod::start(&format!("{route}-a")).await.unwrap();
     let b = Pod::start(&format!("{route}-b")).await.unwrap();
     let cfg = GatewayConfig::new()
         .route_json(json!({"name": route, "match": {"prefix": "/"}, "cluster_header": HEADER, "timeout_ms": 60000}))
         .cluster(SVC_A, &[a.host()])
         .cluster(SVC_B, &[b.host()])
+        .workers(workers)
         .plugin(json!({
             "lb_type": "cluster",
             "lb_policy": "cluster_metrics",
@@ -106,4 +112,22 @@ async fn least_first_token_latency_prefers_the_quick_starter() {
         tally(&sent)
     );
     let _ = a;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_score_sends_most_requests_to_the_faster_cluster() {
+    let (a, b, gw) = two_clusters_on_workers("cm-adaptive", "AdaptiveScore", 1).await;
+    a.set_delay(Duration::from_millis(300));
+    let sent = sequential(&gw, 20, false).await;
+    // The slow cluster is measured once (a service without samples scores as least busy), then
+    // the fast one wins until its queue would outweigh it (never, one request at a time).
+    assert_eq!(count(&sent, &a), 1, "{:?}", tally(&sent));
+    // The fast cluster fails once: it cools down for failure_cooldown_ms (30 s by default), and
+    // the slow one takes the requests meanwhile.
+    b.set_fail(Some(503));
+    let r = gw.send(request(100, false), REQUEST_TIMEOUT).await.unwrap();
+    assert_eq!(r.status, 503, "the fast cluster, chosen, failed");
+    b.set_fail(None);
+    let sent = sequential(&gw, 8, false).await;
+    assert_eq!(count(&sent, &a), 8, "the failed cluster cools down: {:?}", tally(&sent));
 }

@@ -208,6 +208,9 @@ fn notable_options_have_examples() {
         "mode: LeastBusy",
         "mode: LeastTotalLatency",
         "mode: LeastFirstTokenLatency",
+        "mode: AdaptiveScore",
+        "source: body",
+        "stickyTimeout:",
         "_match_route_:",
         "_match_domain_:",
         "_match_service_:",
@@ -276,6 +279,13 @@ fn schema_defaults_are_the_parser_defaults() {
     assert_eq!(m.cluster_header, DEFAULT_CLUSTER_HEADER);
     assert_eq!(json!(m.rate_limit), json!(d("rate_limit").as_f64()));
     assert_eq!(json!(m.queue_size), d("queue_size"));
+    let a = &m.adaptive;
+    assert_eq!(json!(a.ewma_beta), json!(d("ewma_beta").as_f64()));
+    assert_eq!(json!(a.p2c_choices), d("p2c_choices"));
+    assert_eq!(json!(a.ttft_weight), json!(d("ttft_weight").as_f64()));
+    assert_eq!(json!(a.total_latency_weight), json!(d("total_latency_weight").as_f64()));
+    assert_eq!(json!(a.error_penalty), json!(d("error_penalty").as_f64()));
+    assert_eq!(json!(a.failure_cooldown_ms), d("failure_cooldown_ms"));
 
     let c = one(json!({"lb_policy": "endpoint_hash", "lb_config": redis}));
     let PolicyConfig::EndpointHash(e) = c.policy else { panic!("endpoint_hash") };
