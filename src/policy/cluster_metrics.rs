@@ -26,11 +26,12 @@
 //! `global_inflight_enabled` (in-flight counts shared through Redis) is not supported: the counts
 //! stay per worker, with a warning at start.
 //!
-//! Choice in the other modes: among services whose share of this worker's last `queue_size` choices is below
-//! `rate_limit` (every service when `rate_limit` ≥ 1), the one with the lowest value for `mode`
-//! (random among ties; a service without samples has latency 0 and is tried first, which is how new
-//! or recovered services get measured). If every service is over the limit, the one with the
-//! smallest share. Without `mode`: random among the services under the limit.
+//! Choice in the other modes: among services whose share of this worker's last `queue_size`
+//! choices is below `rate_limit` (every service when `rate_limit` ≥ 1), the one with the lowest
+//! value for `mode` (random among ties; a service without samples has latency 0 and is tried
+//! first, which is how new or recovered services get measured). If every service is over the
+//! limit, the one with the smallest share. Without `mode`: random among the services under the
+//! limit.
 //!
 //! Differences from Go: the share is over the recent `queue_size` choices instead of all requests
 //! since the VM started (which made the limit ever harder to move), and `rate_limit: 1` (the default)
@@ -132,7 +133,7 @@ impl ClusterMetrics {
         };
         let latency =
             a.ttft_weight * (ttft + 1.0).sqrt() + a.total_latency_weight * (total + 1.0).sqrt();
-        let ended = s.successes + s.errors;
+        let ended = s.successes.saturating_add(s.errors);
         let error_rate = if ended > 0 { s.errors as f64 / ended as f64 } else { 0.0 };
         latency * load * (1.0 + a.error_penalty * error_rate)
     }
