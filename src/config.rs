@@ -828,7 +828,9 @@ impl Fields<'_> {
     }
     /// Whether `key` is one the Go plugin reads with gjson `.Int()` (ours are read strictly).
     fn is_go_int_key(key: &str) -> bool {
-        const GO_INT_KEYS: [&str; 13] = [
+        const GO_INT_KEYS: [&str; 15] = [
+            "window_size",
+            "window_seconds",
             "p2c_choices",
             "failure_cooldown_ms",
             "global_inflight_timeout",
@@ -1278,13 +1280,25 @@ fn parse_endpoint_metrics(f: &Fields<'_>) -> Result<EndpointMetricsConfig, Confi
         metric_policy,
         target_metric,
         rate_limit: parse_rate_limit(f)?,
-        window_size: match f.uint("window_size", 1_000_000)? {
-            None | Some(0) => DEFAULT_WINDOW_SIZE,
-            Some(x) => x as usize,
+        // The Go plugin's newer keys too (`.Int()`, 0 or less = the default).
+        window_size: match f.int("window_size")? {
+            Some(n) if n > 0 => n.min(1_000_000) as usize,
+            Some(n) if n < 0 => {
+                f.warn("window_size", format!("{n} is negative: {DEFAULT_WINDOW_SIZE}, as in Go"));
+                DEFAULT_WINDOW_SIZE
+            }
+            _ => DEFAULT_WINDOW_SIZE,
         },
-        window_seconds: match f.uint("window_seconds", 86_400)? {
-            None | Some(0) => DEFAULT_WINDOW_SECONDS,
-            Some(x) => x,
+        window_seconds: match f.int("window_seconds")? {
+            Some(n) if n > 0 => n.unsigned_abs().min(86_400),
+            Some(n) if n < 0 => {
+                f.warn(
+                    "window_seconds",
+                    format!("{n} is negative: {DEFAULT_WINDOW_SECONDS}, as in Go"),
+                );
+                DEFAULT_WINDOW_SECONDS
+            }
+            _ => DEFAULT_WINDOW_SECONDS,
         },
         source: parse_metrics_source(f)?,
     })

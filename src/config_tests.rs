@@ -901,3 +901,19 @@ fn cluster_metrics_adaptive_score_reads_the_go_keys() {
     .unwrap();
     assert!(c.warnings.iter().any(|w| w.contains("global_inflight_enabled")), "{:?}", c.warnings);
 }
+
+#[test]
+fn endpoint_metrics_window_keys_are_read_as_the_go_plugin_reads_them() {
+    let cfg = |extra: &str| {
+        format!(r#"{{"lb_policy":"endpoint_metrics","lb_config":{{"rate_limit":0.5{extra}}}}}"#)
+    };
+    let window = |extra: &str| {
+        let c = parse(&cfg(extra)).unwrap();
+        let PolicyConfig::EndpointMetrics(e) = c.default.unwrap().policy else { panic!() };
+        (e.window_size, e.window_seconds, c.warnings.len())
+    };
+    assert_eq!(window(r#","window_size":20,"window_seconds":"30""#), (20, 30, 0));
+    assert_eq!(window(r#","window_size":0,"window_seconds":0"#), (100, 60, 0));
+    // Negative: the default, as in Go, with a warning each.
+    assert_eq!(window(r#","window_size":-1,"window_seconds":-5"#), (100, 60, 2));
+}
