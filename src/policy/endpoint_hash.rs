@@ -242,6 +242,8 @@ impl Policy for EndpointHash {
         let token = match self.redis.call(host, &encode_command(&["GET", key.as_str()])) {
             Ok(token) => token,
             Err(_) => {
+                // A failed call, for the breaker (a probe that could not be sent reopens it).
+                self.on_call_outcome(host, false);
                 host.increment_counter(Counter::FallbackRedisError, 1);
                 stream.decision = Some(Counter::FallbackRedisError.label().into());
                 return Decision::Passthrough;
@@ -285,7 +287,9 @@ impl Policy for EndpointHash {
         self.record(host, stream.id);
         if let Some(s) = self.streams.remove(&stream.id) {
             if let Some(lookup) = s.lookup {
-                self.lookups.remove(&lookup.token);
+                // Its reply (or the host's timeout) still tells the breaker whether Redis
+                // answers: a breaker whose probe this was would otherwise stay half-open.
+                self.lookups.insert(lookup.token, 0);
             }
         }
     }

@@ -147,3 +147,28 @@ fn a_stalled_redis_is_given_up_at_breaker_slow_ms_and_skipped_while_the_breaker_
         f.on_delete(&mut host, ctx);
     }
 }
+
+#[test]
+fn a_probe_whose_client_left_still_closes_the_breaker_when_redis_answers() {
+    let (mut f, mut host) = setup(CONFIG);
+    start(&mut f, &mut host, 7, Some("alice"));
+    let stalled = host.last_redis_token().unwrap();
+    host.now += 210_000_000;
+    f.on_tick(&mut host);
+    // The stalled lookup fails at the host's timeout: the breaker opens for breakerOpenMs.
+    deliver(&mut f, &mut host, stalled, RedisReply::NetworkError);
+    f.on_delete(&mut host, 7);
+    assert_eq!(start(&mut f, &mut host, 8, Some("bob")), HeaderAction::Continue, "open");
+    f.on_delete(&mut host, 8);
+    // After breakerOpenMs one lookup is the probe; its client goes away before Redis answers.
+    host.now += 1_100_000_000;
+    assert_eq!(start(&mut f, &mut host, 9, Some("bob")), HeaderAction::StopIteration);
+    let probe = host.last_redis_token().unwrap();
+    f.on_delete(&mut host, 9);
+    deliver(&mut f, &mut host, probe, nil());
+    // Redis answered the probe: closed, the next request looks up again.
+    let calls = host.redis_calls.len();
+    assert_eq!(start(&mut f, &mut host, 10, Some("carol")), HeaderAction::StopIteration);
+    assert_eq!(host.redis_calls.len(), calls + 1);
+    f.on_delete(&mut host, 10);
+}
