@@ -129,7 +129,8 @@ impl Policy for ClusterHash {
                     LogLevel::Info,
                     "cluster_hash: the request body is not JSON; passed on without a cluster",
                 );
-                stream.decision = Some("cluster_hash; bad_body".into());
+                host.increment_counter(Counter::FallbackBadBody, 1);
+                stream.decision = Some(Counter::FallbackBadBody.label().into());
                 Decision::Passthrough
             }
         }

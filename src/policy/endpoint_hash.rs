@@ -40,7 +40,6 @@ struct Sticky {
 
 /// A lookup (`GET`) in flight.
 struct Lookup {
-    token: u32,
     sent_ns: u64,
     /// The pods it may pin the request to.
     healthy: Vec<String>,
@@ -53,10 +52,10 @@ pub struct EndpointHash {
     breaker: Breaker,
     /// Live streams that have a key, by stream id.
     streams: HashMap<u32, Sticky>,
-    /// Lookups in flight: token -> stream id.
-    lookups: HashMap<u32, u32>,
-    /// Writes (`EXPIRE`, `SETEX`) in flight: their replies tell the breaker whether Redis answers.
-    writes: HashSet<u32>,
+    /// This policy's Redis calls in flight (lookups, also those given up or whose stream ended,
+    /// and writes): each reply, or the host's timeout, tells the breaker whether Redis answers
+    /// (a breaker whose probe's stream went away would otherwise stay half-open).
+    calls: HashSet<u32>,
     /// When Redis last answered any call (ns): a lookup given up with no answer since it was sent
     /// found a stall.
     last_answer_ns: u64,
@@ -100,8 +99,7 @@ impl EndpointHash {
             redis,
             breaker,
             streams: HashMap::new(),
-            lookups: HashMap::new(),
-            writes: HashSet::new(),
+            calls: HashSet::new(),
             last_answer_ns: 0,
         }
     }
@@ -112,7 +110,7 @@ impl EndpointHash {
             return;
         }
         if let Ok(token) = self.redis.call(host, &encode_command(args)) {
-            self.writes.insert(token);
+            self.calls.insert(token);
         }
     }
 
@@ -249,8 +247,8 @@ impl Policy for EndpointHash {
                 return Decision::Passthrough;
             }
         };
-        self.lookups.insert(token, stream.id);
-        let lookup = Lookup { token, sent_ns: now, healthy };
+        self.calls.insert(token);
+        let lookup = Lookup { sent_ns: now, healthy };
         self.streams.insert(stream.id, Sticky { key, lookup: Some(lookup), record: false });
         Decision::Pending(token)
     }
@@ -262,15 +260,14 @@ impl Policy for EndpointHash {
         token: u32,
         reply: &RedisReply,
     ) -> Decision {
-        if self.writes.remove(&token) {
-            let ok = matches!(reply, RedisReply::Ok(_));
-            self.on_call_outcome(host, ok);
+        if !self.calls.remove(&token) {
             return Decision::Passthrough;
         }
-        let Some(id) = self.lookups.remove(&token) else { return Decision::Passthrough };
-        match stream.filter(|s| s.id == id) {
+        // The dispatcher passes the stream only to the reply it waits for: its lookup's.
+        match stream {
             Some(stream) => self.on_lookup(host, stream, reply),
-            // The stream is gone: the answer still says whether Redis answers.
+            // A write, or a lookup given up or whose stream ended: it still says whether Redis
+            // answers.
             None => {
                 self.on_call_outcome(host, matches!(reply, RedisReply::Ok(_)));
                 Decision::Passthrough
@@ -285,13 +282,7 @@ impl Policy for EndpointHash {
     fn on_stream_done(&mut self, host: &mut dyn Host, stream: &mut Stream) {
         // No response headers (the upstream failed): bind at the end, as the Go plugin does.
         self.record(host, stream.id);
-        if let Some(s) = self.streams.remove(&stream.id) {
-            if let Some(lookup) = s.lookup {
-                // Its reply (or the host's timeout) still tells the breaker whether Redis
-                // answers: a breaker whose probe this was would otherwise stay half-open.
-                self.lookups.insert(lookup.token, 0);
-            }
-        }
+        self.streams.remove(&stream.id);
     }
 
     fn tick_period_ms(&self) -> u32 {
@@ -310,10 +301,9 @@ impl Policy for EndpointHash {
         if slow_ns == 0 || now.saturating_sub(lookup.sent_ns) < slow_ns {
             return None;
         }
-        let (token, sent_ns) = (lookup.token, lookup.sent_ns);
+        let sent_ns = lookup.sent_ns;
+        // Its late reply comes without a stream, still counted in `calls`.
         s.lookup = None;
-        // Its late reply comes without a stream (id 0) and still tells the breaker Redis answers.
-        self.lookups.insert(token, 0);
         // A stall opens a closed breaker at once; a slow probe reopens it for `breakerOpenMs`.
         let stalled = self.last_answer_ns < sent_ns && self.breaker.is_closed();
         let opened = if stalled {
