@@ -53,7 +53,27 @@ fn body_key(body: &[u8], path: &str) -> Option<String> {
     if !gjson::valid(json) {
         return None;
     }
-    Some(gjson::get(json, path).str().to_string())
+    let value = gjson::get(json, path);
+    Some(match value.kind() {
+        gjson::Kind::Number => go_number_text(value.json(), value.f64()),
+        _ => value.str().to_string(),
+    })
+}
+
+/// A number as Go's gjson `Result.String()` writes it, so a numeric key hashes as in Go: an
+/// integer as written, any other number in the shortest form that reads back the same, without
+/// an exponent (`strconv.FormatFloat(n, 'f', -1, 64)`: `1.50` is "1.5", `1e3` "1000"). Rust's
+/// `Display` for `f64` is that form; only the infinities (`1e400`) are written differently.
+fn go_number_text(raw: &str, n: f64) -> String {
+    let digits = raw.strip_prefix('-').unwrap_or(raw);
+    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+        return raw.to_string();
+    }
+    match n {
+        f64::INFINITY => "+Inf".into(),
+        f64::NEG_INFINITY => "-Inf".into(),
+        _ => n.to_string(),
+    }
 }
 
 impl ClusterHash {

@@ -138,6 +138,31 @@ fn a_body_key_waits_for_the_body_and_reads_its_gjson_path() {
     assert_eq!(d, Decision::Passthrough, "not UTF-8");
 }
 
+/// Go's gjson writes a number that is not an integer in its shortest form, so "1.50" and 1.5
+/// are one key there; they must be here too (else a session would reach another service than
+/// it does through a Go gateway).
+#[test]
+fn a_numeric_body_key_is_written_as_go_writes_it() {
+    for (raw, go) in [
+        ("42", "42"),
+        ("-7", "-7"),
+        ("1.50", "1.5"),
+        ("-2.50", "-2.5"),
+        ("1e3", "1000"),
+        ("1E2", "100"),
+        ("12.0", "12"),
+        ("0.1", "0.1"),
+        ("2.5e-3", "0.0025"),
+        ("1e21", "1000000000000000000000"),
+        ("123456789.123456789", "123456789.12345679"),
+        ("1e400", "+Inf"),
+        ("-1e400", "-Inf"),
+    ] {
+        let body = format!(r#"{{"user":{{"id":{raw}}}}}"#);
+        assert_eq!(body_key(body.as_bytes(), "user.id").as_deref(), Some(go), "{raw}");
+    }
+}
+
 #[test]
 fn a_body_key_on_a_request_without_a_body_is_answered_403() {
     let mut p = policy(r#","key":{"source":"body","json_path":"user"}"#);
