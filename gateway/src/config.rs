@@ -15,6 +15,11 @@ pub struct Config {
     /// Routes, first match wins.
     #[serde(default)]
     pub routes: Vec<RouteConfig>,
+    /// Envoy's route configuration `response_headers_to_add` (for all routes): headers every
+    /// response of a routed stream gets, `%UPSTREAM_HOST%` standing for the chosen endpoint.
+    /// Default none, as in Higress. See `response_headers.rs`.
+    #[serde(default)]
+    pub response_headers_to_add: Vec<crate::response_headers::HeaderValueOption>,
     /// Upstream clusters (HTTP pods, Redis, ...).
     #[serde(default)]
     pub clusters: Vec<ClusterConfig>,
@@ -95,6 +100,21 @@ pub struct ListenerConfig {
     /// request gets 426 Upgrade Required before any filter runs.
     #[serde(default = "default_accept_http_10")]
     pub accept_http_10: bool,
+    /// Envoy's HCM `use_remote_address`: the client is the connection's peer, appended to
+    /// `x-forwarded-for` (a client on loopback as the machine's first non-loopback IPv4
+    /// address, as Envoy does), and the request is an edge request (`x-envoy-external-address`,
+    /// a new `x-request-id`). Default true: istio builds Higress's gateway listeners so.
+    #[serde(default = "default_use_remote_address")]
+    pub use_remote_address: bool,
+    /// Envoy's HCM `xff_num_trusted_hops`: proxies in front of the gateway trusted to have
+    /// appended to `x-forwarded-for`. Default 0 (istio sets it from
+    /// `gatewayTopology.numTrustedProxies`, default 0).
+    #[serde(default)]
+    pub xff_num_trusted_hops: u32,
+    /// Envoy's HCM `preserve_external_request_id`: keep an edge request's `x-request-id`.
+    /// Default false, as in Higress: Envoy replaces it.
+    #[serde(default)]
+    pub preserve_external_request_id: bool,
     /// HTTP/2 over cleartext with prior knowledge, which the listener serves next to HTTP/1
     /// (Envoy's HCM `codec_type: AUTO`, as Higress configures its listeners): Envoy's
     /// `http2_protocol_options` with Higress's `downstream.http2` defaults.
@@ -164,6 +184,10 @@ fn default_accept_http_10() -> bool {
 /// Higress's helm default `downstream.idleTimeout` (180 s).
 pub const HIGRESS_DOWNSTREAM_IDLE_TIMEOUT_MS: u64 = 180_000;
 
+fn default_use_remote_address() -> bool {
+    true
+}
+
 fn default_idle_timeout() -> u64 {
     HIGRESS_DOWNSTREAM_IDLE_TIMEOUT_MS
 }
@@ -188,6 +212,15 @@ impl ListenerConfig {
             stream_idle: ms(self.stream_idle_timeout_ms),
             headers: ms(self.request_headers_timeout_ms).or(ms(self.stream_idle_timeout_ms)),
             http2_drain: std::time::Duration::from_millis(self.http2_drain_timeout_ms),
+        }
+    }
+
+    /// What this listener does to `x-forwarded-*` and friends.
+    pub fn forwarding(&self) -> crate::forwarded::ForwardingConfig {
+        crate::forwarded::ForwardingConfig {
+            use_remote_address: self.use_remote_address,
+            xff_num_trusted_hops: self.xff_num_trusted_hops,
+            preserve_external_request_id: self.preserve_external_request_id,
         }
     }
 }

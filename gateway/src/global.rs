@@ -58,6 +58,8 @@ pub struct Global {
     pub clusters: Clusters,
     /// Routes.
     pub routes: Vec<RouteConfig>,
+    /// What every routed response gets added (Envoy's route `response_headers_to_add`).
+    pub response_headers_to_add: crate::response_headers::ResponseHeadersToAdd,
     /// Stats and plugin metrics.
     pub stats: Stats,
     /// Shared data (per vm_id, all workers).

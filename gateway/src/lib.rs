@@ -7,9 +7,11 @@ pub mod admin;
 pub mod body;
 pub mod cluster;
 pub mod config;
+pub mod forwarded;
 pub mod global;
 pub mod proxy;
 pub mod redis;
+pub mod response_headers;
 pub mod stats;
 pub mod worker;
 
@@ -95,6 +97,9 @@ fn global_state(cfg: &config::Config, args: &Args) -> anyhow::Result<Arc<global:
     Ok(Arc::new(global::Global {
         clusters: cluster::Clusters::new(&cfg.clusters)?,
         routes: cfg.routes.clone(),
+        response_headers_to_add: response_headers::ResponseHeadersToAdd::new(
+            &cfg.response_headers_to_add,
+        )?,
         stats: stats::Stats::default(),
         shared_data: Default::default(),
         queues: Default::default(),
@@ -130,6 +135,7 @@ fn warm_clusters(rt: &tokio::runtime::Runtime, g: &Arc<global::Global>) {
 /// Binds every configured listener (non-blocking, for the workers' runtimes).
 fn bind_listeners(cfg: &config::Config) -> anyhow::Result<Vec<Listener>> {
     let mut listeners = Vec::new();
+    let node_address = forwarded::node_address();
     for l in &cfg.listeners {
         let sock = std::net::TcpListener::bind(&l.address)
             .map_err(|e| anyhow::anyhow!("listener {}: bind {}: {e}", l.name, l.address))?;
@@ -142,6 +148,8 @@ fn bind_listeners(cfg: &config::Config) -> anyhow::Result<Vec<Listener>> {
                 timers: l.timers(),
                 accept_http_10: l.accept_http_10,
                 http2: l.http2,
+                forwarding: l.forwarding(),
+                node_address,
             },
         ));
     }

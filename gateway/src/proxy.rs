@@ -29,8 +29,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 
-/// Header set on every proxied response: the chosen upstream.
-pub const UPSTREAM_HOST_HEADER: &str = "x-gateway-upstream-host";
+/// The route timeout, as Envoy's router sends it upstream.
+const EXPECTED_TIMEOUT_HEADER: &str = "x-envoy-expected-rq-timeout-ms";
 
 const HOP_BY_HOP: &[&str] = &[
     "connection",
@@ -96,6 +96,9 @@ pub struct ListenerOpts {
     pub accept_http_10: bool,
     /// HTTP/2 settings; `initial_stream_window_size` is also every HTTP/2 stream's buffer limit.
     pub http2: Http2Config,
+    pub forwarding: crate::forwarded::ForwardingConfig,
+    /// What a client on loopback is appended to `x-forwarded-for` as.
+    pub node_address: std::net::IpAddr,
 }
 
 /// Envoy's HTTP connection manager with `codec_type: AUTO` (as Higress configures its
@@ -700,6 +703,8 @@ struct Upstream {
     body_tx: Option<mpsc::Sender<Result<Bytes, BodyError>>>,
     fut: Option<Pin<Box<dyn Future<Output = UpResult>>>>,
     result: Option<UpResult>,
+    /// When the request started upstream (for `x-envoy-upstream-service-time`).
+    started: tokio::time::Instant,
 }
 
 impl Drop for Upstream {
@@ -866,6 +871,10 @@ struct Iteration {
     /// Request trailers came (HTTP/2) while the filter did not take callbacks (StopAll): they
     /// go to the plugin after the replayed body.
     trailers_pending: bool,
+    /// The filter manager has a local reply (413) prepared: the data callback still runs, but
+    /// its answer releases nothing, so the router never sees the request (Envoy sends the
+    /// prepared reply before iterating on).
+    reply_prepared: bool,
 }
 
 /// How a direction's iteration ended.
@@ -1036,8 +1045,8 @@ impl Drive {
         let mut headers: HeaderMap = vec![
             (":authority".into(), authority.clone().into_bytes()),
             (":path".into(), path.clone().into_bytes()),
-            (":method".into(), method.clone().into_bytes()),
-            (":scheme".into(), scheme.clone().into_bytes()),
+            (":method".into(), method.into_bytes()),
+            (":scheme".into(), scheme.into_bytes()),
         ];
         // Envoy's codecs add each received header to the map as a plugin's add does: a
         // repeated inline header becomes one entry (`a,b`; conformance test
@@ -1053,21 +1062,13 @@ impl Drive {
         // nor the upstream sees it (conformance test `expect_100_continue`). Here hyper sends
         // the 100 over HTTP/1 when the body is first read; over HTTP/2 it sends none.
         headers.retain(|(k, v)| !(k == "expect" && v.eq_ignore_ascii_case(b"100-continue")));
-        // Envoy generates x-request-id when missing.
-        let id = match header_value(&headers, "x-request-id") {
-            Some(id) => id,
-            None => {
-                let id = format!("{:032x}", rand::random::<u128>());
-                headers.push(("x-request-id".into(), id.clone().into_bytes()));
-                id
-            }
-        };
+        let source = crate::forwarded::mutate_request_headers(
+            &mut headers,
+            &opts.forwarding,
+            conn.peer,
+            opts.node_address,
+        );
         let info = RequestInfo {
-            path: path.clone(),
-            method,
-            host: authority.clone(),
-            scheme,
-            id,
             // Envoy's protocol names (`Http::Utility::getProtocolString`).
             protocol: match req.version() {
                 hyper::Version::HTTP_10 => "HTTP/1.0",
@@ -1076,7 +1077,7 @@ impl Drive {
             }
             .into(),
             time: std::time::SystemTime::now(),
-            source: conn.peer,
+            source,
             destination: conn.local,
             connection_id: conn.id,
         };
@@ -1244,7 +1245,9 @@ impl Drive {
             Flow::Upstream(r) => {
                 let Err(e) = *r else { return self.finish() };
                 let lr = match e {
-                    UpError::Connect => local(503, "upstream_reset_before_response_started{connection_failure}", "upstream connect error or disconnect/reset before headers. reset reason: connection failure"),
+                    // Envoy 1.40's reset reason for a refused connection (conformance test
+                    // `forwarded_headers_and_route_response_headers`).
+                    UpError::Connect => local(503, "upstream_reset_before_response_started{remote_connection_failure}", "upstream connect error or disconnect/reset before headers. reset reason: remote connection failure"),
                     UpError::Terminated => local(503, "upstream_reset_before_response_started{connection_termination}", "upstream connect error or disconnect/reset before headers. reset reason: connection termination"),
                     UpError::Timeout => route_timeout(),
                     UpError::Other => local(502, "upstream_reset_before_response_started{protocol_error}", "upstream connect error or disconnect/reset before headers. reset reason: protocol error"),
@@ -1295,10 +1298,31 @@ impl Drive {
         for (k, v) in parts.headers.iter() {
             add_to(2, &mut h, k.as_str().to_string(), v.as_bytes().to_vec());
         }
+        // Envoy's router adds how long the upstream took to its response headers (Higress
+        // keeps Envoy's headers: `disableXEnvoyHeaders` is off by default).
+        if let Some(u) = &self.upstream {
+            h.retain(|(k, _)| k != "x-envoy-upstream-service-time");
+            let ms = u.started.elapsed().as_millis().to_string();
+            h.push(("x-envoy-upstream-service-time".into(), ms.into_bytes()));
+        }
         s.resp_headers = h;
         s.response_code = Some(parts.status.as_u16());
         s.resp_hdr_access = true;
+        drop(s);
+        self.add_route_response_headers();
         body
+    }
+
+    /// The route's `response_headers_to_add`, as Envoy adds them to every response of a routed
+    /// stream (the router's `finalizeResponseHeaders`, also in the filter manager's local
+    /// replies) before the filters' response callbacks.
+    fn add_route_response_headers(&self) {
+        let mut s = self.lock();
+        if s.route.is_none() {
+            return;
+        }
+        let StreamState { resp_headers, upstream_host, .. } = &mut *s;
+        self.w.g.response_headers_to_add.apply(resp_headers, upstream_host.as_deref());
     }
 
     // ------------------------------------------------------------ filter iteration
@@ -1321,6 +1345,7 @@ impl Drive {
             data_stopped: false,
             wedged: false,
             trailers_pending: false,
+            reply_prepared: false,
         };
         let n = self.lock().headers(dir).len();
         let action = match self.header_action(dir.headers_callback(), n, headers_eos) {
@@ -1512,6 +1537,7 @@ impl Drive {
                             if dir == Dir::Response && crossed {
                                 return Flow::Local(payload_too_large(dir));
                             }
+                            it.reply_prepared = crossed;
                             if !(it.wedged || it.held && it.stop_all) {
                                 if let Err(f) = self.on_data(dir, &mut it, eos) {
                                     return f;
@@ -1580,7 +1606,7 @@ impl Drive {
         }
         match action {
             Ok(cont) => {
-                if cont && it.held {
+                if cont && it.held && !it.reply_prepared {
                     it.held = false;
                     self.release_headers(dir, false)?;
                 }
@@ -1841,13 +1867,22 @@ impl Drive {
                 }
                 continue;
             }
-            if k.starts_with(':') || k == "host" || HOP_BY_HOP.contains(&k.as_str()) {
+            if k.starts_with(':')
+                || k == "host"
+                || HOP_BY_HOP.contains(&k.as_str())
+                || k == EXPECTED_TIMEOUT_HEADER
+            {
                 continue;
             }
             b = b.header(k.as_str(), v.as_slice());
         }
         if let Some(a) = authority {
             b = b.header("host", a);
+        }
+        // Envoy's router tells the upstream the route timeout (not when it is off, Higress's
+        // default).
+        if !route_timeout.is_zero() {
+            b = b.header(EXPECTED_TIMEOUT_HEADER, route_timeout.as_millis().to_string());
         }
         // Framing as Envoy's HTTP/1 codec: the request's `content-length` is kept (also when the
         // filter buffered the body, or the client goes away mid-body); a body without one is
@@ -1896,7 +1931,12 @@ impl Drive {
                 }
             })
         };
-        self.upstream = Some(Upstream { body_tx, fut: Some(Box::pin(fut)), result: None });
+        self.upstream = Some(Upstream {
+            body_tx,
+            fut: Some(Box::pin(fut)),
+            result: None,
+            started: tokio::time::Instant::now(),
+        });
         Ok(())
     }
 
@@ -1939,11 +1979,6 @@ impl Drive {
                 hyper::header::HeaderValue::from_bytes(v),
             ) {
                 resp.headers_mut().append(n, v);
-            }
-        }
-        if let Some(ep) = &self.endpoint {
-            if let Ok(v) = hyper::header::HeaderValue::from_str(&ep.address) {
-                resp.headers_mut().insert(UPSTREAM_HOST_HEADER, v);
             }
         }
         self.close_if_request_unfinished(&mut resp);
@@ -2001,6 +2036,7 @@ impl Drive {
             s.resp_hdr_access = true;
             s.local_reply = None;
         }
+        self.add_route_response_headers();
         let body_len = lr.body.len();
         let n = self.lock().resp_headers.len();
         if via_filter

@@ -262,6 +262,13 @@ impl Worker {
                 funcs.insert(e.name().to_string(), f);
             }
         }
+        // Envoy (cpp-host `getFunctions`) fails a module it could hand no data to.
+        if !funcs.contains_key("malloc") && !funcs.contains_key("proxy_on_memory_allocate") {
+            anyhow::bail!(
+                "plugin {plugin_name}: the module exports neither malloc nor \
+                 proxy_on_memory_allocate (Envoy refuses it too)"
+            );
+        }
         let memory = instance.get_memory(&mut store, "memory");
         let mut vm = Vm { store, funcs, memory, root_id, abi: p.abi };
         // Reactor start: `_initialize`, or `_start` (a proc_exit(0) from it is fine).

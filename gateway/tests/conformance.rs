@@ -777,8 +777,20 @@ async fn abi_marker_unknown_is_refused() {
     assert_eq!(marker("0_3_0", "abi_marker_unknown_is_refused").await.start, "refused");
 }
 
-/// A request header written by the plugin and a `cluster_header` route: does the write re-pick
-/// the cluster? Envoy answers (README, "Route re-selection").
+/// A module that exports neither `malloc` nor `proxy_on_memory_allocate` (no way to hand it
+/// data) is refused at start.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_module_without_an_allocator_is_refused() {
+    let mut sc = Plugin::new().scenario("a_module_without_an_allocator_is_refused");
+    sc.edit = Some(|text| {
+        assert!(text.contains(r#"(export "proxy_on_memory_allocate")"#));
+        text.replace(r#"(export "proxy_on_memory_allocate")"#, "")
+    });
+    let t = differential(sc.steps(vec![Step::get("/m")])).await;
+    assert_eq!(t.start, "refused");
+}
+
+/// The client goes away while the plugin holds its request: what each callback sees.
 #[tokio::test(flavor = "multi_thread")]
 async fn client_disconnect_while_paused() {
     let p = pause_plugin();
@@ -824,11 +836,15 @@ async fn cluster_header_rewritten_by_the_plugin() {
 #[tokio::test(flavor = "multi_thread")]
 async fn path_rewritten_by_the_plugin_rematches_the_route() {
     let mut p = Plugin::new();
-    let (ev, pk, pv) = (p.ev("req_hdrs"), p.s(":path"), p.s("/to-callout"));
+    let (ev, pk, pv) = (p.ev("req_hdrs"), p.s(":path"), p.s("/to-callout?q=1"));
+    // The CEL request attributes follow the rewrite (Envoy reads the header map as it is).
+    let (ev_p, path, url_path, query) =
+        (p.ev("props"), p.s("request\0path"), p.s("request\0url_path"), p.s("request\0query"));
     let p = p.on(
         "proxy_on_request_headers",
         format!(
-            "{ev} (call $ev_num (call $proxy_replace_header_map_value (i32.const 0) {pk} {pv})) (call $ev_end) (i32.const 0)"
+            "{ev} (call $ev_num (call $proxy_replace_header_map_value (i32.const 0) {pk} {pv})) (call $ev_end)
+    {ev_p} (call $prop {path}) (call $prop {url_path}) (call $prop {query}) (call $ev_end) (i32.const 0)"
         ),
     );
     let mut sc = p.scenario("path_rewritten_by_the_plugin_rematches_the_route");
@@ -881,6 +897,72 @@ async fn properties_of_the_stream() {
             .steps(vec![Step::get("/props/x?y=1").header("x-probe", "probe-value")]),
     )
     .await;
+}
+
+/// What Higress's listeners (`use_remote_address: true`) do to a request's headers before the
+/// plugin sees them, from a client that sends its own `x-forwarded-*`, `x-request-id` and
+/// router-steering `x-envoy-*` headers; and the route's `response_headers_to_add` with
+/// `%UPSTREAM_HOST%`, which the plugin sees in its response callback: on an upstream's
+/// response, on the router's 503 for a refused connection (the endpoint named), and on the
+/// plugin's own local reply (no endpoint yet: left out).
+#[tokio::test(flavor = "multi_thread")]
+async fn forwarded_headers_and_route_response_headers() {
+    let mut p = Plugin::new();
+    let mut reads = String::new();
+    for h in [
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-envoy-external-address",
+        "x-envoy-internal",
+        "x-envoy-retry-on",
+        "x-envoy-decorator-operation",
+        "x-envoy-expected-rq-timeout-ms",
+    ] {
+        let (ev, k) = (p.ev(&format!("req {h}")), p.s(h));
+        reads.push_str(&format!("{ev} (call $hget (i32.const 0) {k}) (call $ev_end)\n    "));
+    }
+    let (ev_r, up) = (p.ev("resp x-gateway-upstream-host"), p.s("x-gateway-upstream-host"));
+    let (ev_l, details, text) = (p.ev("local"), p.s("denied"), p.s("no"));
+    let path = p.s(":path");
+    let p = p
+        .on(
+            "proxy_on_request_headers",
+            format!(
+                "{reads}
+    ;; /deny (5 bytes, 'd' second): a local reply of the plugin's own.
+    (if (i32.eqz (call $proxy_get_header_map_value (i32.const 0) {path} (i32.const 256) (i32.const 260)))
+      (then (if (i32.eq (i32.load (i32.const 260)) (i32.const 5))
+        (then (if (i32.eq (i32.load8_u (i32.add (i32.load (i32.const 256)) (i32.const 1))) (i32.const 100))
+          (then {ev_l} (call $ev_num (call $proxy_send_local_response (i32.const 403) {details} {text} (i32.const 0) (i32.const 0) (i32.const -1))) (call $ev_end)))))))
+    (i32.const 0)"
+            ),
+        )
+        .on("proxy_on_response_headers", format!("{ev_r} (call $hget (i32.const 2) {up}) (call $ev_end) (i32.const 0)"));
+    let mut sc = p.scenario("forwarded_headers_and_route_response_headers");
+    sc.clusters.push(Cluster::Refusing("refusing"));
+    sc.routes = vec![
+        Route { name: "to-refusing", prefix: "/refused", target: Target::Cluster("refusing") },
+        Route { name: "default", prefix: "/", target: Target::Cluster("pods") },
+    ];
+    let client = |path: &str| {
+        Step::get(path)
+            .header("x-forwarded-for", "198.51.100.7, 203.0.113.9")
+            .header("x-forwarded-proto", "https")
+            .header("x-request-id", "from-the-client")
+            .header("x-envoy-retry-on", "5xx")
+            .header("x-envoy-internal", "true")
+            .header("x-envoy-decorator-operation", "op")
+            .header("x-envoy-expected-rq-timeout-ms", "1")
+    };
+    let t = differential(sc.steps(vec![client("/ok"), client("/refused"), client("/deny")])).await;
+    // What the upstream got, beyond equality with Envoy: the client's chain with an address
+    // appended, and a request id of Envoy's making.
+    let got = t.upstream.join("\n");
+    assert!(got.contains("x-forwarded-for: 198.51.100.7, 203.0.113.9,"), "{got}");
+    assert!(got.contains("x-request-id: <uuid>"), "{got}");
+    assert!(!got.contains("x-envoy-retry-on"), "{got}");
+    assert!(t.client.iter().any(|l| l == "  x-gateway-upstream-host: UP0"), "{:?}", t.client);
+    assert!(t.client.iter().any(|l| l == "  x-gateway-upstream-host: DEAD"), "{:?}", t.client);
 }
 
 /// Published plugins: the proxy-wasm Rust SDK's examples (crate `proxy-wasm` 0.2.0, built here
@@ -955,8 +1037,9 @@ async fn upstream_reset_mid_response() {
     differential(p.scenario("upstream_reset_mid_response").steps(steps)).await;
 }
 
-/// HTTP calls that fail: a timeout (the upstream answers after 10 s, the call allows 300 ms) and
-/// a cluster whose endpoint refuses connections. The stream continues when both have answered.
+/// HTTP calls that fail: a timeout (the upstream answers after 10 s, the call allows 300 ms), a
+/// cluster whose endpoint refuses connections, and a negative timeout (refused at once). The
+/// stream continues when the first two have answered.
 #[tokio::test(flavor = "multi_thread")]
 async fn dispatch_http_call_timeout_and_refused() {
     let mut p = Plugin::new();
@@ -978,6 +1061,8 @@ async fn dispatch_http_call_timeout_and_refused() {
                 "(global.set $stream (local.get $ctx))
     {ev_h} (call $ev_num (call $proxy_http_call {cl} {hang} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 300) (i32.const 264)))
     (call $ev_num (call $proxy_http_call {dead} {refused} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 5000) (i32.const 268)))
+    ;; A negative timeout: BadArgument, no call.
+    (call $ev_num (call $proxy_http_call {cl} {hang} (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0) (i32.const -1) (i32.const 272)))
     (call $ev_end) (i32.const 1)"
             ),
         )

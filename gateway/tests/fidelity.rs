@@ -273,6 +273,58 @@ async fn override_host_is_honoured_and_non_strict() {
     }
 }
 
+/// Higress's defaults, without the test fixtures' route entry: no response names the upstream
+/// (Envoy adds no such header of its own), and the upstream gets the forwarding headers Higress's
+/// listeners add. With `xff_num_trusted_hops: 1` the client is the last `x-forwarded-for` entry.
+#[tokio::test(flavor = "multi_thread")]
+async fn higress_defaults_name_no_upstream_and_forward_the_client() {
+    let u = Upstream::start().await;
+    let cfg = one_cluster_config(&format!("\"{}\"", u.addr), false, "");
+    let gw = Gateway::start(&format!("response_headers_to_add: []\n{cfg}"), None, 1);
+    let r =
+        get(&gw.url("/p"), &[("x-forwarded-for", "203.0.113.9"), ("x-request-id", "mine")]).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-gateway-upstream-host"), None);
+    let got = &u.requests()[0].headers;
+    let h = |k: &str| got.get(k).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let xff = h("x-forwarded-for").unwrap_or_default();
+    assert!(xff.starts_with("203.0.113.9,") && xff.len() > 12, "{xff}");
+    assert_eq!(h("x-forwarded-proto").as_deref(), Some("http"));
+    assert_eq!(h("x-envoy-external-address").as_deref(), Some("127.0.0.1"));
+    let id = h("x-request-id").unwrap_or_default();
+    assert!(id != "mine" && id.len() == 36, "{id}");
+    // The route's timeout (5000 ms in this config) goes upstream.
+    assert_eq!(h("x-envoy-expected-rq-timeout-ms").as_deref(), Some("5000"));
+
+    let trusting = cfg.replace(
+        "listeners: [{name: main, address: 127.0.0.1:0}]",
+        "listeners: [{name: main, address: 127.0.0.1:0, xff_num_trusted_hops: 1}]",
+    );
+    assert_ne!(trusting, cfg);
+    let gw = Gateway::start(&trusting, None, 1);
+    let r = get(&gw.url("/p"), &[("x-forwarded-for", "198.51.100.7, 203.0.113.9")]).await;
+    assert_eq!(r.status, 200);
+    let got = &u.requests()[1].headers;
+    assert_eq!(
+        got.get("x-envoy-external-address").and_then(|v| v.to_str().ok()),
+        Some("203.0.113.9"),
+        "the client named by the trusted proxy"
+    );
+}
+
+/// A value Envoy's formatter would need but this host does not know fails the start, naming the
+/// entry.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unknown_response_header_command_fails_the_start() {
+    let u = Upstream::start().await;
+    let cfg = one_cluster_config(&format!("\"{}\"", u.addr), false, "");
+    let bad = format!(
+        "response_headers_to_add: [{{header: {{key: x-t, value: \"%START_TIME%\"}}}}]\n{cfg}"
+    );
+    let err = Gateway::try_start(&bad, None, 1).err().unwrap_or_default();
+    assert!(err.contains("response_headers_to_add[0].header.value"), "{err}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn plain_proxy_round_robin_and_admin_endpoints() {
     let (u1, u2) = (Upstream::start().await, Upstream::start().await);

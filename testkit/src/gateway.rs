@@ -162,6 +162,11 @@ impl GatewayConfig {
             "listeners": self.listeners,
             "routes": self.routes,
             "clusters": self.clusters,
+            // Every response names the endpoint the router chose ([`crate::http::UPSTREAM_HEADER`]),
+            // as this route configuration entry does in Envoy or Higress too.
+            "response_headers_to_add": [
+                {"header": {"key": crate::http::UPSTREAM_HEADER, "value": "%UPSTREAM_HOST%"}}
+            ],
         });
         if self.admin {
             doc["admin"] = json!({"address": "127.0.0.1:0"});

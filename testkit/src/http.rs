@@ -19,7 +19,8 @@ use tokio::sync::mpsc;
 /// Default per-request timeout used by the convenience helpers.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Header the gateway adds to every proxied response: the upstream `ip:port` that served it.
+/// Header the test gateways add to every routed response (route `response_headers_to_add` with
+/// `%UPSTREAM_HOST%`, see `GatewayConfig::to_json`): the upstream `ip:port` the router chose.
 pub const UPSTREAM_HEADER: &str = "x-gateway-upstream-host";
 
 /// A request to send.

@@ -51,6 +51,11 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                 (Ok(h), Ok(b), Ok(t)) => (h, b, t),
                 (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => return e,
             };
+            // Envoy's `Context::httpCall` takes the timeout as a signed int and refuses a
+            // negative one.
+            if timeout < 0 {
+                return status::BAD_ARGUMENT;
+            }
             let Some(headers) = unmarshal_pairs(&hdrs) else { return status::BAD_ARGUMENT };
             let get = |k: &str| {
                 headers
@@ -82,10 +87,11 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             let events = st.events.clone();
             let gen = st.gen;
             // 0 = no timeout.
-            let timeout = if timeout == 0 {
+            let timeout_ms = timeout.unsigned_abs();
+            let timeout = if timeout_ms == 0 {
                 Duration::from_secs(24 * 3600)
             } else {
-                Duration::from_millis(timeout as u32 as u64)
+                Duration::from_millis(timeout_ms as u64)
             };
             tokio::task::spawn_local(async move {
                 // Whether the response headers arrived: until then Envoy's router answers a
@@ -96,12 +102,19 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
                         .method(method.as_str())
                         .uri(format!("http://{}{}", endpoint.addr, path));
                     for (k, v) in &headers {
-                        if k.starts_with(':') || k == "host" {
+                        if k.starts_with(':') || k == "host" || ASYNC_CLIENT_SETS.contains(&k.as_str())
+                        {
                             continue;
                         }
                         b = b.header(k.as_str(), v.as_slice());
                     }
                     b = b.header("host", authority.as_str());
+                    // Envoy's async client marks its requests internal, and its router sends
+                    // the call's timeout on as for any route.
+                    b = b.header("x-envoy-internal", "true");
+                    if timeout_ms > 0 {
+                        b = b.header("x-envoy-expected-rq-timeout-ms", timeout_ms.to_string());
+                    }
                     let req = b
                         .body(crate::body::GwBody::full(Bytes::from(body)))
                         .map_err(|_| CallError::Failed("bad request"))?;
@@ -164,6 +177,9 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
     )?;
     Ok(())
 }
+
+/// Headers of a call that Envoy's async client sets itself (the plugin's values are replaced).
+const ASYNC_CLIENT_SETS: &[&str] = &["x-envoy-internal", "x-envoy-expected-rq-timeout-ms"];
 
 /// Envoy's local reply body when the upstream refuses the connection (verified against Envoy
 /// 1.40 by the conformance scenario `dispatch_http_call_timeout_and_refused`).

@@ -119,16 +119,6 @@ pub struct LocalReply {
 /// Request attributes for `request.*`, `source.*`, `destination.*` properties.
 #[derive(Debug, Clone)]
 pub struct RequestInfo {
-    /// Path including query.
-    pub path: String,
-    /// Method.
-    pub method: String,
-    /// `:authority`.
-    pub host: String,
-    /// Scheme.
-    pub scheme: String,
-    /// `x-request-id`.
-    pub id: String,
     /// Protocol, e.g. `HTTP/1.1`.
     pub protocol: String,
     /// Request start.
@@ -384,9 +374,11 @@ pub fn copy_out(
 ) -> HResult<()> {
     let mut ptr = 0u32;
     if !bytes.is_empty() {
+        // cpp-host's order (`WasmBase::getFunctions`): `malloc` first. A module with both (a
+        // TinyGo plugin) gets its buffers from the same allocator as in Envoy.
         let alloc = caller
-            .get_export("proxy_on_memory_allocate")
-            .or_else(|| caller.get_export("malloc"))
+            .get_export("malloc")
+            .or_else(|| caller.get_export("proxy_on_memory_allocate"))
             .and_then(|e| e.into_func())
             .ok_or(status::INVALID_MEMORY_ACCESS)?;
         let mut out = [Val::I32(0)];

@@ -36,15 +36,25 @@ fn stream_property(s: &StreamState, segs: &[&str]) -> Option<Vec<u8>> {
             s.cluster_name.clone().into_bytes()
         }
         ["connection_id"] => int(i.connection_id),
-        ["request", "path"] => i.path.clone().into_bytes(),
-        ["request", "url_path"] => i.path.split('?').next().unwrap_or("").as_bytes().to_vec(),
-        ["request", "query"] => {
-            i.path.split_once('?').map(|x| x.1).unwrap_or("").as_bytes().to_vec()
+        // Envoy's CEL request attributes read the request's header map as it is now, so a
+        // plugin's rewrite of `:path` shows in `request.path`.
+        ["request", "path"] => header(s, ":path")?,
+        ["request", "url_path"] => {
+            let path = header(s, ":path")?;
+            let end = path.iter().position(|&b| b == b'?' || b == b'#').unwrap_or(path.len());
+            path[..end].to_vec()
         }
-        ["request", "host"] => i.host.clone().into_bytes(),
-        ["request", "method"] => i.method.clone().into_bytes(),
-        ["request", "scheme"] => i.scheme.clone().into_bytes(),
-        ["request", "id"] => i.id.clone().into_bytes(),
+        ["request", "query"] => {
+            let path = header(s, ":path")?;
+            match path.iter().position(|&b| b == b'?') {
+                Some(q) => path[q + 1..].to_vec(),
+                None => Vec::new(),
+            }
+        }
+        ["request", "host"] => header(s, ":authority")?,
+        ["request", "method"] => header(s, ":method")?,
+        ["request", "scheme"] => header(s, ":scheme")?,
+        ["request", "id"] => header(s, "x-request-id")?,
         ["request", "protocol"] => i.protocol.clone().into_bytes(),
         ["request", "time"] => int(i
             .time

@@ -59,6 +59,10 @@ impl Drop for TempDir {
     }
 }
 
+/// The route configuration entry that names the chosen endpoint in every response.
+pub const UPSTREAM_HOST_TO_ADD: &str =
+    "response_headers_to_add: [{header: {key: x-gateway-upstream-host, value: \"%UPSTREAM_HOST%\"}}]\n";
+
 pub fn rand_u64() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -74,7 +78,13 @@ impl Gateway {
 
     pub fn try_start(yaml: &str, wat: Option<&str>, workers: usize) -> Result<Gateway, String> {
         let dir = TempDir::new();
-        let mut yaml = yaml.to_string();
+        // The tests read the chosen endpoint from every response, as a route configuration
+        // with this entry gives it in Envoy too.
+        let mut yaml = if yaml.contains("response_headers_to_add") {
+            yaml.to_string()
+        } else {
+            format!("{UPSTREAM_HOST_TO_ADD}{yaml}")
+        };
         if let Some(w) = wat {
             let p = dir.0.join("plugin.wat");
             std::fs::write(&p, w).unwrap();

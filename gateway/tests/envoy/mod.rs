@@ -6,7 +6,7 @@
 //! The plugin reports its transcript through `proxy_log` ("EV ..." lines at info level), which both
 //! hosts write to stderr in call order; Envoy runs with `--component-log-level wasm:info`.
 
-use crate::common::{self, Gateway, Upstream, PRELUDE};
+use crate::common::{self, Gateway, Upstream, PRELUDE, UPSTREAM_HOST_TO_ADD};
 use bytes::Bytes;
 use gateway::body::{BodyError, GwBody};
 use http_body_util::BodyExt;
@@ -95,16 +95,7 @@ pub fn published_example(name: &str) -> Vec<u8> {
 pub static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Headers each proxy adds on its own (not through the plugin); dropped before comparing.
-const PROXY_OWN_HEADERS: &[&str] = &[
-    "date",
-    "server",
-    "x-envoy-upstream-service-time",
-    "x-envoy-expected-rq-timeout-ms",
-    "x-forwarded-proto",
-    "x-request-id",
-    "x-envoy-internal",
-    "x-gateway-upstream-host",
-];
+const PROXY_OWN_HEADERS: &[&str] = &["date", "server"];
 
 /// Where a route sends a request.
 #[derive(Clone)]
@@ -526,7 +517,7 @@ impl Envoy {
 fn render_gateway(sc: &Scenario, ups: &[Upstream], dead: SocketAddr, wasm: &Path) -> String {
     let mut y = format!(
         // SIGTERM ends a bare Envoy at once, in its own way (no drain: that is pilot-agent's).
-        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}, accept_http_10: {}{}}}]\nadmin: {{address: 127.0.0.1:0}}\ndrain_timeout_ms: 0\nexit_after_drain: envoy\nroutes:\n",
+        "listeners: [{{name: main, address: 127.0.0.1:0, per_connection_buffer_limit_bytes: {}, accept_http_10: {}{}}}]\nadmin: {{address: 127.0.0.1:0}}\ndrain_timeout_ms: 0\nexit_after_drain: envoy\n{UPSTREAM_HOST_TO_ADD}routes:\n",
         sc.buffer_limit,
         sc.accept_http_10,
         [("idle_timeout_ms", sc.idle_timeout_ms), ("http2_drain_timeout_ms", sc.drain_timeout_ms)]
@@ -636,11 +627,14 @@ static_resources:
         typed_config:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: main
+          # As istio builds Higress's gateway listeners.
+          use_remote_address: true
           codec_type: AUTO
           http_protocol_options: {{accept_http_10: {http10}}}{timeouts}
           http2_protocol_options: {{max_concurrent_streams: 100, initial_stream_window_size: 65535, initial_connection_window_size: 1048576}}
           route_config:
             name: local
+            response_headers_to_add: [{{header: {{key: x-gateway-upstream-host, value: "%UPSTREAM_HOST%"}}}}]
             virtual_hosts:
             - name: all
               domains: ["*"]
@@ -698,11 +692,34 @@ impl Names {
     }
 }
 
+/// A header value as the transcript shows it: a proxy's random request id and its timing by
+/// their form only.
+fn shown_value(name: &str, value: &str, names: &Names) -> String {
+    let uuid_shaped = value.len() == 36
+        && value.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_hexdigit(),
+        });
+    if name == "x-request-id" && uuid_shaped {
+        return "<uuid>".into();
+    }
+    if name == "x-envoy-upstream-service-time" && value.bytes().all(|b| b.is_ascii_digit()) {
+        return "<ms>".into();
+    }
+    names.apply(value)
+}
+
 fn header_lines(h: &hyper::HeaderMap, names: &Names) -> Vec<String> {
     let mut v: Vec<String> = h
         .iter()
         .filter(|(k, _)| !PROXY_OWN_HEADERS.contains(&k.as_str()))
-        .map(|(k, v)| format!("  {}: {}", k, names.apply(&String::from_utf8_lossy(v.as_bytes()))))
+        .map(|(k, v)| {
+            format!(
+                "  {}: {}",
+                k,
+                shown_value(k.as_str(), &String::from_utf8_lossy(v.as_bytes()), names)
+            )
+        })
         .collect();
     v.sort();
     v
@@ -1138,7 +1155,7 @@ fn raw_answer(got: &[u8], names: &Names) -> Vec<String> {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
         .filter(|(k, _)| !PROXY_OWN_HEADERS.contains(&k.as_str()))
-        .map(|(k, v)| format!("  {k}: {}", names.apply(&v)))
+        .map(|(k, v)| format!("  {k}: {}", shown_value(&k, &v, names)))
         .collect();
     headers.sort();
     out.extend(headers);
