@@ -105,6 +105,61 @@ async fn five_turn_conversations_stick_to_their_pod_and_new_ones_spread() {
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
 
+/// Scale-out: a pod added to the cluster while the others are busy takes the new conversations
+/// at once (a miss goes to the least loaded pod, and the new pod has nothing in flight), and the
+/// conversations already running keep their pods and caches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pod_added_at_run_time_takes_the_new_conversations_and_the_old_ones_stay() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("add", 3).await.unwrap();
+    let (old_pods, new_pod) = (&pods[..2], &pods[2]);
+    let gw = Arc::new(Gateway::start(&prefix_config("route-add", old_pods, &redis)).await.unwrap());
+    for p in &pods {
+        p.set_hold(true);
+    }
+    let start = |i: usize| {
+        let gw = gw.clone();
+        tokio::spawn(async move {
+            let mut conv =
+                Conversation::new(&format!("scale-out #{i} ({})", paths::unique_name("c")));
+            let host = conv.turn(&gw, &question(1)).await;
+            (conv, host)
+        })
+    };
+    let in_flight = |n: usize| {
+        let pods = &pods;
+        async move {
+            eventually(Duration::from_secs(10), &format!("{n} first turns in flight"), || async {
+                Ok(pods.iter().map(Pod::in_flight).sum::<usize>() == n)
+            })
+            .await
+        }
+    };
+    let mut first_turns: Vec<_> = (0..4).map(start).collect();
+    in_flight(4).await.unwrap();
+    let spread: Vec<usize> = pods.iter().map(Pod::in_flight).collect();
+    assert_eq!(spread, vec![2, 2, 0], "before the scale-out");
+
+    gw.set_endpoints(LLM_CLUSTER, &hosts(&pods)).await.unwrap();
+    first_turns.extend((4..6).map(start));
+    in_flight(6).await.unwrap();
+    let spread: Vec<usize> = pods.iter().map(Pod::in_flight).collect();
+    assert_eq!(spread, vec![2, 2, 2], "the added pod did not take the new conversations");
+
+    for p in &pods {
+        p.set_hold(false);
+        p.release();
+    }
+    for (i, t) in first_turns.into_iter().enumerate() {
+        let (mut conv, home) = t.await.unwrap();
+        let home = home.unwrap();
+        assert_eq!(i >= 4, home == new_pod.host(), "conversation {i} started on {home}");
+        let again = conv.turn(&gw, &question(2)).await.unwrap();
+        assert_eq!(again, home, "turn 2 of conversation {i} left its pod");
+    }
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
+
 async fn conversation_on_one_pod(gw: &Gateway, topic: &str) -> (Conversation, String) {
     let mut conv = Conversation::new(topic);
     let home = conv.turn(gw, &question(1)).await.unwrap();
