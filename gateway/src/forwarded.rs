@@ -3,9 +3,11 @@
 //! `x-forwarded-proto`, `x-envoy-external-address`, the internal-only `x-envoy-*` headers, and
 //! `x-request-id`. The settings are a Higress gateway's: istio builds gateway listeners with
 //! `use_remote_address: true`, `xff_num_trusted_hops` from `gatewayTopology.numTrustedProxies`
-//! (default 0) and `preserve_external_request_id` false. Envoy 1.40 treats no address as internal
-//! by default (its `internal_address_config` is empty), so with `use_remote_address` every request
-//! is an edge request. Checked against Envoy 1.40 by the conformance tests.
+//! (default 0) and `preserve_external_request_id` false (istio's gateway defaults, istio/istio
+//! PR 13157; Higress users see the appended address, higress-group/higress issue 771). Envoy
+//! 1.40 treats no address as internal by default (its `internal_address_config` is empty), so
+//! with `use_remote_address` every request is an edge request. Checked against Envoy 1.40 by
+//! the conformance tests.
 
 use crate::global::HeaderMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
