@@ -87,15 +87,77 @@ fn xff_address(h: &HeaderMap, n: u32) -> Option<SocketAddr> {
     entry.trim().parse::<IpAddr>().ok().map(|ip| SocketAddr::new(ip, 0))
 }
 
-/// Envoy's request header mutations for a request from `peer`, in its order. Returns the client
-/// address the request is logged and seen under (`source.address`).
+/// Connection tokens that name no header to remove (Envoy's `sanitizeConnectionHeader`).
+const CONNECTION_OPTIONS: &[&str] = &["close", "keep-alive", "upgrade", "http2-settings"];
+
+/// Headers the connection manager removes before the filters (`mutateRequestHeaders`, "clean
+/// proxy headers"; no upgrades here).
+const PROXY_HEADERS: &[&str] = &[
+    "connection",
+    "upgrade",
+    "x-envoy-internal",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+];
+
+/// Why Envoy's HTTP/1 codec answers a request's `Connection` header with 400 before any filter
+/// (`Utility::sanitizeConnectionHeader`), if it does: ten or more tokens, or a token naming an
+/// `x-forwarded-*` header or a pseudo-header, whose removal would hide where the request came
+/// from. `tokens`: the header's comma-separated tokens, all of its lines.
+pub fn connection_header_refused<'a>(tokens: impl Iterator<Item = &'a str>) -> bool {
+    let tokens: Vec<&str> = tokens.map(str::trim).collect();
+    tokens.len() >= 10
+        || tokens.iter().any(|t| {
+            t.starts_with(':')
+                || ["x-forwarded-for", "x-forwarded-host", "x-forwarded-proto"]
+                    .iter()
+                    .any(|x| t.eq_ignore_ascii_case(x))
+        })
+}
+
+/// Removes the headers an HTTP/1 request's `Connection` header nominates, as Envoy's codec does
+/// before the filters: any header named there, except `te`, which stays (as `trailers`) when it
+/// asks for trailers.
+fn remove_nominated(h: &mut HeaderMap) {
+    let nominated: Vec<String> = h
+        .iter()
+        .filter(|(k, _)| k == "connection")
+        .flat_map(|(_, v)| {
+            String::from_utf8_lossy(v)
+                .split(',')
+                .map(|t| t.trim().to_ascii_lowercase())
+                .collect::<Vec<_>>()
+        })
+        .filter(|t| !t.is_empty() && t != "connection" && !CONNECTION_OPTIONS.contains(&t.as_str()))
+        .collect();
+    for name in nominated {
+        if name == "te" {
+            let trailers = get(h, "te").is_some_and(|v| {
+                String::from_utf8_lossy(v)
+                    .split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
+            });
+            if trailers {
+                set(h, "te", b"trailers".to_vec());
+                continue;
+            }
+        }
+        h.retain(|(k, _)| *k != name);
+    }
+}
+
+/// Envoy's request header mutations for a request from `peer`, in its order: the HTTP/1 codec's
+/// `Connection` handling, then the connection manager's. Returns the client address the
+/// request is logged and seen under (`source.address`).
 pub fn mutate_request_headers(
     h: &mut HeaderMap,
     cfg: &ForwardingConfig,
     peer: SocketAddr,
     node: IpAddr,
 ) -> SocketAddr {
-    h.retain(|(k, _)| k != "x-envoy-internal");
+    remove_nominated(h);
+    h.retain(|(k, _)| !PROXY_HEADERS.contains(&k.as_str()));
     let final_remote = if cfg.use_remote_address {
         let trusted = match cfg.xff_num_trusted_hops {
             0 => None,
@@ -172,6 +234,41 @@ mod tests {
         for gone in ["x-envoy-retry-on", "x-envoy-internal", "x-envoy-decorator-operation"] {
             assert_eq!(value(&h, gone), None, "{gone}");
         }
+    }
+
+    #[test]
+    fn headers_the_connection_header_nominates_are_removed() {
+        let mut h = headers(&[
+            ("connection", "keep-alive, X-Foo, cache-control"),
+            ("connection", "te"),
+            ("x-foo", "1"),
+            ("cache-control", "no-cache"),
+            ("te", "gzip, trailers"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-connection", "keep-alive"),
+            ("x-kept", "1"),
+        ]);
+        let peer: SocketAddr = "10.0.0.1:1".parse().unwrap();
+        mutate_request_headers(&mut h, &ForwardingConfig::default(), peer, NODE);
+        for gone in ["connection", "x-foo", "cache-control", "keep-alive", "proxy-connection"] {
+            assert_eq!(value(&h, gone), None, "{gone}");
+        }
+        assert_eq!(value(&h, "te").as_deref(), Some("trailers"));
+        assert_eq!(value(&h, "x-kept").as_deref(), Some("1"));
+        let mut h = headers(&[("connection", "te"), ("te", "gzip")]);
+        mutate_request_headers(&mut h, &ForwardingConfig::default(), peer, NODE);
+        assert_eq!(value(&h, "te"), None);
+    }
+
+    #[test]
+    fn a_connection_header_that_could_hide_the_client_is_refused() {
+        let refused = |v: &str| connection_header_refused(v.split(','));
+        assert!(refused("x-forwarded-for"));
+        assert!(refused("close, X-Forwarded-Proto"));
+        assert!(refused(":path"));
+        assert!(refused("a1,a2,a3,a4,a5,a6,a7,a8,a9,a10"));
+        assert!(!refused("a1,a2,a3,a4,a5,a6,a7,a8,a9"));
+        assert!(!refused("keep-alive, x-foo"));
     }
 
     #[test]

@@ -338,6 +338,13 @@ fn has_token(h: &hyper::HeaderMap, name: &str, token: &str) -> bool {
 /// `http_1_0_and_a_missing_host_as_higress_configures_envoy`,
 /// `http_1_0_refused_with_the_envoy_default`).
 fn refusal_before_filters(req: &Request<Incoming>, accept_http_10: bool) -> Option<LocalReply> {
+    // Envoy's HTTP/1 codec, when the request's headers are complete (`onHeadersCompleteBase`).
+    let connection = req.headers().get_all("connection");
+    if crate::forwarded::connection_header_refused(
+        connection.iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')),
+    ) {
+        return Some(local(400, "http1.connection_header_rejected", "Bad Request"));
+    }
     if req.version() == hyper::Version::HTTP_10 && !accept_http_10 {
         return Some(local(426, "low_version", "Upgrade Required"));
     }

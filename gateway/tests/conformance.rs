@@ -1710,6 +1710,39 @@ async fn http_1_0_refused_with_the_envoy_default() {
     assert!(t.client.iter().any(|l| l.contains(" 426 ")), "{:?}", t.client);
 }
 
+/// A request's `Connection` header as Envoy's HTTP/1 codec takes it: the headers it nominates
+/// are gone before the plugin sees the request (a `te` asking for trailers stays, as
+/// `trailers`), the connection manager removes the hop-by-hop ones, and a `Connection` header
+/// naming an `x-forwarded-*` header, a pseudo-header or ten headers gets 400.
+#[tokio::test(flavor = "multi_thread")]
+async fn headers_nominated_by_connection() {
+    let mut p = Plugin::new();
+    let mut reads = String::new();
+    for h in ["connection", "x-foo", "cache-control", "te", "keep-alive", "proxy-connection"] {
+        let (ev, k) = (p.ev(&format!("req {h}")), p.s(h));
+        reads.push_str(&format!("{ev} (call $hget (i32.const 0) {k}) (call $ev_end)\n    "));
+    }
+    let (ev_l, st) = (p.ev("log"), p.s(":status"));
+    let p = p
+        .on("proxy_on_request_headers", format!("{reads}(i32.const 0)"))
+        .on("proxy_on_log", format!("{ev_l} (call $hget (i32.const 2) {st}) (call $ev_end)"));
+    let raw = |bytes: &str| Step::Raw { bytes: bytes.into(), hold_ms: 400 };
+    let t = differential(p.scenario("headers_nominated_by_connection").steps(vec![
+        raw("GET /nominated HTTP/1.1\r\nhost: conformance.test\r\nconnection: keep-alive, X-Foo, cache-control\r\nx-foo: 1\r\ncache-control: no-cache\r\nkeep-alive: timeout=5\r\nproxy-connection: keep-alive\r\n\r\n"),
+        raw("GET /te HTTP/1.1\r\nhost: conformance.test\r\nconnection: te, close\r\nte: gzip, trailers\r\n\r\n"),
+        raw("GET /te-gone HTTP/1.1\r\nhost: conformance.test\r\nconnection: te, close\r\nte: gzip\r\n\r\n"),
+        raw("GET /xff HTTP/1.1\r\nhost: conformance.test\r\nconnection: x-forwarded-for\r\nx-forwarded-for: 198.51.100.7\r\n\r\n"),
+        raw("GET /pseudo HTTP/1.1\r\nhost: conformance.test\r\nconnection: :path\r\n\r\n"),
+        raw("GET /ten HTTP/1.1\r\nhost: conformance.test\r\nconnection: a1,a2,a3,a4,a5,a6,a7,a8,a9,a10\r\n\r\n"),
+        raw("GET /nine HTTP/1.1\r\nhost: conformance.test\r\nconnection: a1,a2,a3,a4,a5,a6,a7,a8,close\r\na1: x\r\n\r\n"),
+    ]))
+    .await;
+    let statuses: Vec<&String> = t.client.iter().filter(|l| l.starts_with("status line")).collect();
+    assert_eq!(statuses.len(), 7, "{:?}", t.client);
+    let bad = statuses.iter().filter(|l| l.contains(" 400 ")).count();
+    assert_eq!(bad, 3, "{statuses:?}");
+}
+
 /// `on_log` reads the response's `:status`, the request's `:path` and whether the request
 /// headers are there and empty.
 fn logging_status_and_path() -> Plugin {
