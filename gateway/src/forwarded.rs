@@ -9,7 +9,7 @@
 //! with `use_remote_address` every request is an edge request. Checked against Envoy 1.40 by
 //! the conformance tests.
 
-use crate::global::HeaderMap;
+use crate::global::{header_bytes as get, HeaderMap};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 /// A listener's forwarding settings (see the listener config fields of the same names).
@@ -66,10 +66,6 @@ pub fn node_address() -> IpAddr {
             ifs.into_iter().map(|i| i.ip()).find(|ip| ip.is_ipv4() && !ip.is_loopback())
         })
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
-}
-
-fn get<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a [u8]> {
-    h.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
 }
 
 fn set(h: &mut HeaderMap, name: &str, value: Vec<u8>) {

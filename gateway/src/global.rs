@@ -41,6 +41,11 @@ pub mod status {
 /// A header map: (lower-case name, value), pseudo-headers included.
 pub type HeaderMap = Vec<(String, Vec<u8>)>;
 
+/// The first value of header `name` (lower case) in `h`.
+pub fn header_bytes<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a [u8]> {
+    h.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
+}
+
 /// Response of an HTTP callout, readable during `proxy_on_http_call_response`.
 #[derive(Debug, Default, Clone)]
 pub struct CallResponse {

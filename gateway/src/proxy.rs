@@ -1015,7 +1015,7 @@ pub fn match_route(
 }
 
 fn header_value(h: &HeaderMap, name: &str) -> Option<String> {
-    h.iter().find(|(k, _)| k == name).map(|(_, v)| String::from_utf8_lossy(v).into_owned())
+    crate::global::header_bytes(h, name).map(|v| String::from_utf8_lossy(v).into_owned())
 }
 
 impl Drive {

@@ -83,8 +83,7 @@ fn stream_property(s: &StreamState, segs: &[&str]) -> Option<Vec<u8>> {
 }
 
 fn header(s: &StreamState, name: &str) -> Option<Vec<u8>> {
-    let name = name.to_ascii_lowercase();
-    s.req_headers.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
+    crate::global::header_bytes(&s.req_headers, &name.to_ascii_lowercase()).map(<[u8]>::to_vec)
 }
 
 fn get_property(st: &HostState, path: &[u8]) -> Option<Vec<u8>> {
