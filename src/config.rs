@@ -200,13 +200,35 @@ pub struct PrefixCacheConfig {
     pub redis_key_ttl_s: u64,
     /// `hitLoadFactor` (ours, default 0 = off): see [`DEFAULT_HIT_LOAD_FACTOR`].
     pub hit_load_factor: f64,
-    /// `splitSystemPrompt` (ours, default false): also cut a block after the leading
-    /// system/developer messages (and `tools`), so conversations that share only a system prompt
-    /// share the first key. Pair it with `hitLoadFactor`: one app's requests all share that key.
-    pub split_system_prompt: bool,
+    /// Where blocks end besides user messages. `splitSystemPrompt` (ours, default false): also
+    /// after the leading system/developer messages (and `tools`), so conversations that share only
+    /// a system prompt share the first key; pair it with `hitLoadFactor`, since one app's requests
+    /// all share that key. `splitToolResults` (ours, default true): also after each run of tool
+    /// results, so an agent's rounds are blocks (see [`BlockCuts`]).
+    pub block_cuts: BlockCuts,
     /// `loadAware` (ours, default false): weigh prefix affinity against the pods' GPU metrics
     /// (queue, KV-cache use) and the global in-flight counts; `None` when off (Go's routing).
     pub load_aware: Option<LoadAwareConfig>,
+}
+
+/// Where a prompt's blocks end, besides after each user message and after the last message (the
+/// Go plugin's cuts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCuts {
+    /// `splitSystemPrompt`: after the leading system/developer messages (and `tools`).
+    pub after_system_prompt: bool,
+    /// `splitToolResults`: after each run of `tool`/`function` messages. An agent's session has
+    /// one user message and then a tool round per request: cut only at user messages, its whole
+    /// history after the first message is one block that changes every request, so a pod holding
+    /// 30 rounds of it is found by its first block alone and credited with that block's bytes.
+    /// Cut here, each round is a block of the chain: the match says how much the pod holds.
+    pub after_tool_results: bool,
+}
+
+impl Default for BlockCuts {
+    fn default() -> Self {
+        BlockCuts { after_system_prompt: false, after_tool_results: true }
+    }
 }
 
 /// `prefix_cache` with `loadAware: true`: when every healthy pod has fresh metrics, a hit is not
@@ -1042,7 +1064,10 @@ fn parse_lb(
                 Some(n) => n.unsigned_abs().min(u64::from(u32::MAX)),
             },
             hit_load_factor: f.float("hitLoadFactor")?.unwrap_or(DEFAULT_HIT_LOAD_FACTOR),
-            split_system_prompt: f.boolean("splitSystemPrompt")?.unwrap_or(false),
+            block_cuts: BlockCuts {
+                after_system_prompt: f.boolean("splitSystemPrompt")?.unwrap_or(false),
+                after_tool_results: f.boolean("splitToolResults")?.unwrap_or(true),
+            },
             load_aware: parse_load_aware(&f)?,
         }),
         (LbType::Endpoint, Some("endpoint_hash")) => {

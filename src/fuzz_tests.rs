@@ -61,12 +61,12 @@ fn finish(f: &mut Filter, host: &mut FakeHost, ctx: u32) {
 fn body_target(body: &[u8]) {
     use crate::policy::prefix_cache::{blocks_from_body, chain, prompt_from_body, Prompt};
     // What the plugin routes by is the chain of the readable blocks, hashed without building them.
-    for split_system in [false, true] {
-        let text = blocks_from_body(body, split_system).map(|blocks| Prompt {
+    for cuts in crate::testutil::every_block_cuts() {
+        let text = blocks_from_body(body, cuts).map(|blocks| Prompt {
             keys: chain(&blocks),
             block_bytes: blocks.iter().map(String::len).collect(),
         });
-        assert_eq!(prompt_from_body(body, split_system), text);
+        assert_eq!(prompt_from_body(body, cuts), text);
     }
     let (mut f, mut host) =
         filter(&format!(r#"{{"lb_policy":"prefix_cache","lb_config":{{{REDIS_CFG}}}}}"#));

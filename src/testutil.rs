@@ -1,9 +1,23 @@
 //! Helpers shared by the unit tests (compiled only for tests).
 
+use crate::config::BlockCuts;
 use crate::filter::Filter;
 use crate::host::fake::FakeHost;
 use crate::host::RedisReply;
 use crate::redis::{decode_reply, Frame};
+
+/// Every combination of `prefix_cache`'s block cuts.
+pub fn every_block_cuts() -> Vec<BlockCuts> {
+    let both = [false, true];
+    both.iter()
+        .flat_map(|&after_system_prompt| {
+            both.iter().map(move |&after_tool_results| BlockCuts {
+                after_system_prompt,
+                after_tool_results,
+            })
+        })
+        .collect()
+}
 
 /// A configured filter and a fake host with hosts .1, .2 healthy and .3 unhealthy.
 pub fn setup(config: &str) -> (Filter, FakeHost) {

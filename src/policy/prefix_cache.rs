@@ -19,7 +19,7 @@ use super::latency::PodSpeed;
 use super::picker::{LoadAware, PickKind, PickResult, Picker, Routed};
 use super::prefill::PrefillBacklog;
 use super::{Decision, Policy, Stream};
-use crate::config::PrefixCacheConfig;
+use crate::config::{BlockCuts, PrefixCacheConfig};
 use crate::host::{Counter, Host, LogLevel};
 use crate::redis;
 use serde_json::Value;
@@ -32,7 +32,7 @@ pub const MAX_BLOCKS: usize = 256;
 
 /// Splits a request body into prefix blocks, as text. `None` when the body is not a JSON object
 /// (the request then passes through). An object without `messages`/`prompt` gives no blocks.
-/// `split_system`: also cut after the leading system/developer messages (`splitSystemPrompt`).
+/// `cuts`: where blocks end besides user messages and the last message.
 /// The plugin itself routes by [`prompt_from_body`], which hashes the same text as it is read and
 /// keeps none of it; this is the readable form of the same split, for tests and tools.
 ///
@@ -45,9 +45,9 @@ pub const MAX_BLOCKS: usize = 256;
 /// without its other half, as a JavaScript client that cut a string in the middle of an emoji
 /// sends) is read again with each of those as U+FFFD, as the Go plugin's JSON reader does: the
 /// conversation keeps its affinity.
-pub fn blocks_from_body(body: &[u8], split_system: bool) -> Option<Vec<String>> {
+pub fn blocks_from_body(body: &[u8], cuts: BlockCuts) -> Option<Vec<String>> {
     let mut text = BlockText::default();
-    split_body(body, split_system, &mut text)?;
+    split_body(body, cuts, &mut text)?;
     Some(text.blocks)
 }
 
@@ -64,21 +64,21 @@ pub struct Prompt {
 /// The prompt of a request body: the blocks of [`blocks_from_body`], each hashed while the body
 /// is read. No block's text is built and no string is copied out of the body (each is unescaped
 /// piece by piece into the hash): a long chat costs no second copy of its conversation.
-pub fn prompt_from_body(body: &[u8], split_system: bool) -> Option<Prompt> {
+pub fn prompt_from_body(body: &[u8], cuts: BlockCuts) -> Option<Prompt> {
     let mut hashes = BlockHashes::default();
-    split_body(body, split_system, &mut hashes)?;
+    split_body(body, cuts, &mut hashes)?;
     Some(hashes.into_prompt())
 }
 
 /// Parses `body` (again with bad text replaced, see [`blocks_from_body`]) and feeds its blocks to
 /// `sink`; `None` when it is not a JSON object.
-fn split_body(body: &[u8], split_system: bool, sink: &mut dyn BlockSink) -> Option<()> {
+fn split_body(body: &[u8], cuts: BlockCuts, sink: &mut dyn BlockSink) -> Option<()> {
     match serde_json::from_slice::<ChatBody<'_>>(body) {
-        Ok(req) => blocks_of(&req, split_system, sink),
+        Ok(req) => blocks_of(&req, cuts, sink),
         Err(_) => {
             let repaired = replace_bad_text(body)?;
             let req: ChatBody<'_> = serde_json::from_slice(&repaired).ok()?;
-            blocks_of(&req, split_system, sink)
+            blocks_of(&req, cuts, sink)
         }
     }
     Some(())
@@ -220,7 +220,7 @@ fn replace_bad_text(body: &[u8]) -> Option<Vec<u8>> {
 }
 
 /// Feeds the blocks of a parsed body to `sink` (see [`blocks_from_body`]).
-fn blocks_of(req: &ChatBody<'_>, split_system: bool, sink: &mut dyn BlockSink) {
+fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) {
     if let Some(tools) = &req.tools {
         sink.push(b"tools:");
         push_json(sink, tools);
@@ -231,12 +231,13 @@ fn blocks_of(req: &ChatBody<'_>, split_system: bool, sink: &mut dyn BlockSink) {
         if let Some(system) = &req.system {
             sink.push(b"system:");
             push_content(sink, system);
-            if split_system && !messages.is_empty() {
+            if cuts.after_system_prompt && !messages.is_empty() {
                 sink.cut();
             }
         }
         let last = messages.len().saturating_sub(1);
         let is_system = |m: &Message<'_>| matches!(&*m.role(), "system" | "developer");
+        let is_tool_result = |m: &Message<'_>| matches!(&*m.role(), "tool" | "function");
         for (i, m) in messages.iter().enumerate() {
             let role = m.role();
             let role = &*role;
@@ -251,11 +252,16 @@ fn blocks_of(req: &ChatBody<'_>, split_system: bool, sink: &mut dyn BlockSink) {
                 }
             }
             // End of the leading system run: the next message is the first non-system one.
-            let system_cut = split_system
+            let system_cut = cuts.after_system_prompt
                 && sink.cut_count() == 0
                 && messages.iter().take(i + 1).all(is_system)
                 && messages.get(i + 1).is_some_and(|n| !is_system(n));
-            if role == "user" || i == last || system_cut {
+            // End of a run of tool results (parallel calls answer in several messages): what an
+            // agent appends at each step, as a chat appends a user message.
+            let tool_results_cut = cuts.after_tool_results
+                && is_tool_result(m)
+                && !messages.get(i + 1).is_some_and(is_tool_result);
+            if role == "user" || i == last || system_cut || tool_results_cut {
                 sink.cut();
             }
         }
@@ -788,7 +794,7 @@ impl Policy for PrefixCache {
             // headers ended it: a least-request pick.
             return self.pick(host, stream, &[], &[]);
         }
-        let Some(prompt) = prompt_from_body(body, self.config.split_system_prompt) else {
+        let Some(prompt) = prompt_from_body(body, self.config.block_cuts) else {
             host.log(
                 LogLevel::Info,
                 "prefix_cache: request body is not a JSON object; using normal balancing",

@@ -15,6 +15,11 @@ const CHAT: &str = r#"{"model":"m","messages":[
   {"role":"assistant","content":"Hello!"},
   {"role":"user","content":"What is 2+2?"}]}"#;
 
+/// The cuts with `splitSystemPrompt` as given and the others at their defaults.
+fn cuts(after_system_prompt: bool) -> BlockCuts {
+    BlockCuts { after_system_prompt, ..BlockCuts::default() }
+}
+
 fn cfg(extra: &str) -> String {
     format!(
         r#"{{"lb_policy":"prefix_cache","lb_config":{{"serviceFQDN":"redis.static","servicePort":6379,"redisKeyTTL":600{extra}}}}}"#
@@ -38,12 +43,12 @@ fn sha1_matches_published_vectors_in_upper_case_hex() {
 
 #[test]
 fn blocks_cut_after_each_user_message_and_the_last_message() {
-    let b = blocks_from_body(CHAT.as_bytes(), false).unwrap();
+    let b = blocks_from_body(CHAT.as_bytes(), cuts(false)).unwrap();
     assert_eq!(b, vec!["system:You are helpful.user:Hi", "assistant:Hello!user:What is 2+2?"]);
     let ends_with_assistant =
         r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}]}"#;
     assert_eq!(
-        blocks_from_body(ends_with_assistant.as_bytes(), false).unwrap(),
+        blocks_from_body(ends_with_assistant.as_bytes(), cuts(false)).unwrap(),
         vec!["user:a", "assistant:b"]
     );
 }
@@ -59,26 +64,32 @@ fn broken_text_in_a_message_is_read_as_replacement_characters() {
             r#"{{"messages":[{{"role":"system","content":"s"}},{{"role":"user","content":"{text}"}}]}}"#
         )
     };
-    let expected = blocks_from_body(with(r"cut \ufffd here").as_bytes(), false).unwrap();
-    assert_eq!(blocks_from_body(with(r"cut \ud83d here").as_bytes(), false).unwrap(), expected);
-    assert_eq!(blocks_from_body(with(r"cut \ude00 here").as_bytes(), false).unwrap(), expected);
+    let expected = blocks_from_body(with(r"cut \ufffd here").as_bytes(), cuts(false)).unwrap();
+    assert_eq!(
+        blocks_from_body(with(r"cut \ud83d here").as_bytes(), cuts(false)).unwrap(),
+        expected
+    );
+    assert_eq!(
+        blocks_from_body(with(r"cut \ude00 here").as_bytes(), cuts(false)).unwrap(),
+        expected
+    );
     let mut raw = with("cut X here").into_bytes();
     let at = raw.iter().position(|&b| b == b'X').unwrap();
     raw[at] = 0xff;
-    assert_eq!(blocks_from_body(&raw, false).unwrap(), expected);
+    assert_eq!(blocks_from_body(&raw, cuts(false)).unwrap(), expected);
     // A whole pair, and an escaped backslash followed by `ud83d`, are text as they are.
-    let pair = blocks_from_body(with(r"\ud83d\ude00").as_bytes(), false).unwrap();
+    let pair = blocks_from_body(with(r"\ud83d\ude00").as_bytes(), cuts(false)).unwrap();
     assert!(pair.last().unwrap().ends_with("user:\u{1f600}"), "{pair:?}");
-    let literal = blocks_from_body(with(r"\\ud83d \ud83d").as_bytes(), false).unwrap();
+    let literal = blocks_from_body(with(r"\\ud83d \ud83d").as_bytes(), cuts(false)).unwrap();
     assert!(literal.last().unwrap().ends_with("user:\\ud83d \u{fffd}"), "{literal:?}");
     // Still not JSON: normal balancing.
-    assert_eq!(blocks_from_body(b"{\"messages\": [\xff", false), None);
+    assert_eq!(blocks_from_body(b"{\"messages\": [\xff", cuts(false)), None);
 }
 
 #[test]
 fn chain_is_xor_of_block_sha1s() {
     // Expected values computed outside the code under test (Python hashlib).
-    let blocks = blocks_from_body(CHAT.as_bytes(), false).unwrap();
+    let blocks = blocks_from_body(CHAT.as_bytes(), cuts(false)).unwrap();
     let c = chain(&blocks);
     assert_eq!(
         c,
@@ -100,8 +111,8 @@ fn chain_is_xor_of_block_sha1s() {
 fn a_growing_conversation_extends_the_same_chain() {
     let short = r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"Q1"}]}"#;
     let long = r#"{"messages":[{"role":"system","content":"S"},{"role":"user","content":"Q1"},{"role":"assistant","content":"A1"},{"role":"user","content":"Q2"}]}"#;
-    let a = chain(&blocks_from_body(short.as_bytes(), false).unwrap());
-    let b = chain(&blocks_from_body(long.as_bytes(), false).unwrap());
+    let a = chain(&blocks_from_body(short.as_bytes(), cuts(false)).unwrap());
+    let b = chain(&blocks_from_body(long.as_bytes(), cuts(false)).unwrap());
     assert_eq!(a.len(), 1);
     assert_eq!(b.len(), 2);
     assert_eq!(a[0], b[0]);
@@ -116,8 +127,8 @@ fn never_produces_the_all_zero_key() {
 
 /// What [`prompt_from_body`] routes by: the chain of the text blocks and their lengths, with no
 /// block's text built.
-fn prompt_of_text(body: &[u8], split_system: bool) -> Option<Prompt> {
-    blocks_from_body(body, split_system).map(|blocks| Prompt {
+fn prompt_of_text(body: &[u8], cuts: BlockCuts) -> Option<Prompt> {
+    blocks_from_body(body, cuts).map(|blocks| Prompt {
         keys: chain(&blocks),
         block_bytes: blocks.iter().map(String::len).collect(),
     })
@@ -138,13 +149,13 @@ fn the_hashed_prompt_is_the_chain_of_the_text_blocks() {
         b"{\"messages\":[{\"role\":\"user\",\"content\":\"caf\xe9 \\ud83d\"}]}",
     ];
     for body in bodies {
-        for split in [false, true] {
-            let text = prompt_of_text(body, split);
-            assert_eq!(prompt_from_body(body, split), text, "{}", String::from_utf8_lossy(body));
+        for cuts in every_block_cuts() {
+            let text = prompt_of_text(body, cuts);
+            assert_eq!(prompt_from_body(body, cuts), text, "{}", String::from_utf8_lossy(body));
         }
     }
-    assert_eq!(prompt_from_body(b"not json", false), None);
-    assert!(!prompt_of_text(tools.as_bytes(), true).unwrap().keys.is_empty());
+    assert_eq!(prompt_from_body(b"not json", cuts(false)), None);
+    assert!(!prompt_of_text(tools.as_bytes(), cuts(true)).unwrap().keys.is_empty());
 }
 
 fn unescaped(raw: &str) -> String {
@@ -166,7 +177,7 @@ fn escapes_are_undone_as_json_reads_them_and_half_surrogates_are_replacement_cha
     assert_eq!(unescaped(r#"end\uD83D"#), "end\u{FFFD}");
     // A message whose role is escaped is still a user message.
     let body = br#"{"messages":[{"role":"us\u0065r","content":"x\ny"},{"role":"assistant","content":"z"}]}"#;
-    assert_eq!(blocks_from_body(body, false).unwrap(), vec!["user:x\ny", "assistant:z"]);
+    assert_eq!(blocks_from_body(body, cuts(false)).unwrap(), vec!["user:x\ny", "assistant:z"]);
 }
 
 // proptest is a native-only dev-dependency (these tests also run compiled to wasm32-wasip1).
@@ -184,7 +195,7 @@ proptest::proptest! {
         };
         proptest::prop_assert_eq!(unescaped(&raw), s.clone());
         let body = format!(r#"{{"messages":[{{"role":"user","content":"{raw}"}}]}}"#);
-        proptest::prop_assert_eq!(blocks_from_body(body.as_bytes(), false), Some(vec![format!("user:{s}")]));
+        proptest::prop_assert_eq!(blocks_from_body(body.as_bytes(), cuts(false)), Some(vec![format!("user:{s}")]));
     }
 }
 
@@ -194,11 +205,11 @@ fn past_max_blocks_the_prompt_keeps_measuring_blocks_it_no_longer_hashes() {
         .map(|i| format!(r#"{{"role":"user","content":"turn {i}"}}"#))
         .collect();
     let body = format!(r#"{{"messages":[{}]}}"#, turns.join(","));
-    let prompt = prompt_from_body(body.as_bytes(), false).unwrap();
+    let prompt = prompt_from_body(body.as_bytes(), cuts(false)).unwrap();
     assert_eq!(prompt.keys.len(), MAX_BLOCKS);
     assert_eq!(prompt.block_bytes.len(), MAX_BLOCKS + 10, "every block counts for its prefill");
     assert_eq!(prompt.block_bytes.last(), Some(&"user:turn 265".len()));
-    assert_eq!(Some(prompt), prompt_of_text(body.as_bytes(), false));
+    assert_eq!(Some(prompt), prompt_of_text(body.as_bytes(), cuts(false)));
 }
 
 #[test]
@@ -208,34 +219,37 @@ fn content_parts_images_tool_calls_tools_and_prompt() {
             r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"what is this?"}},{{"type":"image_url","image_url":{{"url":"{url}"}}}}]}}]}}"#
         )
     };
-    let a = blocks_from_body(img("http://x/cat.png").as_bytes(), false).unwrap();
-    let b = blocks_from_body(img("http://x/dog.png").as_bytes(), false).unwrap();
+    let a = blocks_from_body(img("http://x/cat.png").as_bytes(), cuts(false)).unwrap();
+    let b = blocks_from_body(img("http://x/dog.png").as_bytes(), cuts(false)).unwrap();
     assert_ne!(a, b, "different images make different blocks");
     assert!(a[0].starts_with("user:what is this?"));
 
     let tool = r#"{"messages":[{"role":"user","content":"weather?"},
       {"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"get_weather","arguments":"{}"}}]},
       {"role":"tool","tool_call_id":"c1","content":"sunny"}]}"#;
-    let t = blocks_from_body(tool.as_bytes(), false).unwrap();
+    let t = blocks_from_body(tool.as_bytes(), cuts(false)).unwrap();
     assert_eq!(t.len(), 2);
     assert!(t[1].contains("get_weather"), "tool_calls are part of the prefix: {}", t[1]);
     assert!(t[1].contains("tool:sunny"));
 
     let with_tools = r#"{"tools":[{"type":"function","function":{"name":"f"}}],"messages":[{"role":"user","content":"x"}]}"#;
-    let w = blocks_from_body(with_tools.as_bytes(), false).unwrap();
+    let w = blocks_from_body(with_tools.as_bytes(), cuts(false)).unwrap();
     assert!(w[0].starts_with("tools:") && w[0].contains("\"f\"") && w[0].ends_with("user:x"));
 
-    assert_eq!(blocks_from_body(br#"{"prompt":"Once upon"}"#, false).unwrap(), vec!["Once upon"]);
-    assert_eq!(blocks_from_body(br#"{"prompt":["a","b"]}"#, false).unwrap(), vec!["ab"]);
-    assert_eq!(blocks_from_body(br#"{"prompt":[1,2,3]}"#, false).unwrap(), vec!["1,2,3"]);
+    assert_eq!(
+        blocks_from_body(br#"{"prompt":"Once upon"}"#, cuts(false)).unwrap(),
+        vec!["Once upon"]
+    );
+    assert_eq!(blocks_from_body(br#"{"prompt":["a","b"]}"#, cuts(false)).unwrap(), vec!["ab"]);
+    assert_eq!(blocks_from_body(br#"{"prompt":[1,2,3]}"#, cuts(false)).unwrap(), vec!["1,2,3"]);
     assert_ne!(
-        blocks_from_body(br#"{"prompt":[1,23]}"#, false),
-        blocks_from_body(br#"{"prompt":[12,3]}"#, false),
+        blocks_from_body(br#"{"prompt":[1,23]}"#, cuts(false)),
+        blocks_from_body(br#"{"prompt":[12,3]}"#, cuts(false)),
         "different token-id prompts must not share a block"
     );
-    assert_eq!(blocks_from_body(br#"{"input":"x"}"#, false).unwrap(), Vec::<String>::new());
-    assert_eq!(blocks_from_body(b"not json", false), None);
-    assert_eq!(blocks_from_body(b"[1,2]", false), None);
+    assert_eq!(blocks_from_body(br#"{"input":"x"}"#, cuts(false)).unwrap(), Vec::<String>::new());
+    assert_eq!(blocks_from_body(b"not json", cuts(false)), None);
+    assert_eq!(blocks_from_body(b"[1,2]", cuts(false)), None);
 }
 
 #[test]
@@ -247,25 +261,25 @@ fn an_anthropic_system_prompt_opens_the_first_block() {
             r#"{{"model":"m","system":{system},"messages":[{{"role":"user","content":"hi"}},{{"role":"assistant","content":"yo"}},{{"role":"user","content":"more"}}],"max_tokens":5}}"#
         )
     };
-    let pirate = blocks_from_body(body(r#""You are a pirate""#).as_bytes(), false).unwrap();
-    let lawyer = blocks_from_body(body(r#""You are a lawyer""#).as_bytes(), false).unwrap();
+    let pirate = blocks_from_body(body(r#""You are a pirate""#).as_bytes(), cuts(false)).unwrap();
+    let lawyer = blocks_from_body(body(r#""You are a lawyer""#).as_bytes(), cuts(false)).unwrap();
     assert_eq!(pirate, vec!["system:You are a pirateuser:hi", "assistant:youser:more"]);
     assert_ne!(chain(&pirate)[0], chain(&lawyer)[0]);
     let as_blocks = blocks_from_body(
         body(r#"[{"type":"text","text":"You are a pirate","cache_control":{"type":"ephemeral"}}]"#)
             .as_bytes(),
-        false,
+        cuts(false),
     )
     .unwrap();
     assert_eq!(as_blocks, pirate, "text blocks read as the same text");
     // splitSystemPrompt: the system prompt is a block of its own, shared by every conversation
     // that starts with it.
-    let split = blocks_from_body(body(r#""You are a pirate""#).as_bytes(), true).unwrap();
+    let split = blocks_from_body(body(r#""You are a pirate""#).as_bytes(), cuts(true)).unwrap();
     assert_eq!(split, vec!["system:You are a pirate", "user:hi", "assistant:youser:more"]);
     // An OpenAI body has no top-level system: unchanged.
     let openai = r#"{"messages":[{"role":"system","content":"You are a pirate"},{"role":"user","content":"hi"}]}"#;
     assert_eq!(
-        blocks_from_body(openai.as_bytes(), false).unwrap(),
+        blocks_from_body(openai.as_bytes(), cuts(false)).unwrap(),
         vec!["system:You are a pirateuser:hi"]
     );
 }
@@ -285,7 +299,7 @@ fn body_request_waits_for_the_whole_body_then_sends_one_script_call() {
     let cmd = command(&host, 0);
     assert_eq!(cmd[1], crate::redis::sha1_hex_lower(PREFIX_CACHE_LUA.as_str().as_bytes()));
     let (keys, args) = keys_args(&cmd);
-    let expected_chain = chain(&blocks_from_body(CHAT.as_bytes(), false).unwrap());
+    let expected_chain = chain(&blocks_from_body(CHAT.as_bytes(), cuts(false)).unwrap());
     assert_eq!(keys, vec![inflight_key("r1", CLUSTER)]);
     assert_eq!(args[4], "600", "redisKeyTTL");
     assert_eq!(args[5], host.unix_seconds().to_string(), "the gateway's clock");
@@ -416,17 +430,20 @@ fn body_ending_with_trailers_is_still_routed() {
 fn split_system_prompt_gives_shared_system_prompts_a_shared_first_key() {
     let a = r#"{"messages":[{"role":"system","content":"S"},{"role":"developer","content":"D"},{"role":"user","content":"Q1"}]}"#;
     let b = r#"{"messages":[{"role":"system","content":"S"},{"role":"developer","content":"D"},{"role":"user","content":"Q2"}]}"#;
-    let ba = blocks_from_body(a.as_bytes(), true).unwrap();
+    let ba = blocks_from_body(a.as_bytes(), cuts(true)).unwrap();
     assert_eq!(ba, vec!["system:Sdeveloper:D", "user:Q1"]);
-    let (ka, kb) = (chain(&ba), chain(&blocks_from_body(b.as_bytes(), true).unwrap()));
+    let (ka, kb) = (chain(&ba), chain(&blocks_from_body(b.as_bytes(), cuts(true)).unwrap()));
     assert_eq!(ka[0], kb[0]);
     assert_ne!(ka[1], kb[1]);
     // Off (Higress behaviour): the system prompt shares a block with the first question.
-    assert_eq!(blocks_from_body(a.as_bytes(), false).unwrap(), vec!["system:Sdeveloper:Duser:Q1"]);
+    assert_eq!(
+        blocks_from_body(a.as_bytes(), cuts(false)).unwrap(),
+        vec!["system:Sdeveloper:Duser:Q1"]
+    );
     // Only the leading run is cut; a system message later in the conversation is not.
     let c = r#"{"messages":[{"role":"user","content":"Q"},{"role":"system","content":"S"},{"role":"assistant","content":"A"}]}"#;
     assert_eq!(
-        blocks_from_body(c.as_bytes(), true).unwrap(),
+        blocks_from_body(c.as_bytes(), cuts(true)).unwrap(),
         vec!["user:Q", "system:Sassistant:A"]
     );
     // Config key.
@@ -436,6 +453,69 @@ fn split_system_prompt_gives_shared_system_prompts_a_shared_first_key() {
     f.on_request_body(&mut host, 7, a.len(), true);
     let (_, args) = keys_args(&command(&host, 0));
     assert_eq!(args[CHAIN_LEN_AT], "2", "two prefix keys");
+}
+
+/// An agent's request: the user's task, then `rounds` tool rounds (an assistant message calling
+/// tools and their results; round 2 calls two tools at once).
+fn agent_body(rounds: usize) -> String {
+    let mut messages = vec![r#"{"role":"user","content":"fix the build"}"#.to_string()];
+    for r in 1..=rounds {
+        let calls = if r == 2 { 2 } else { 1 };
+        let tool_calls: Vec<String> = (0..calls)
+            .map(|c| format!(r#"{{"id":"c{r}{c}","type":"function","function":{{"name":"sh","arguments":"{{}}"}}}}"#))
+            .collect();
+        messages.push(format!(
+            r#"{{"role":"assistant","content":null,"tool_calls":[{}]}}"#,
+            tool_calls.join(",")
+        ));
+        for c in 0..calls {
+            messages.push(format!(
+                r#"{{"role":"tool","tool_call_id":"c{r}{c}","content":"out {r}.{c}"}}"#
+            ));
+        }
+    }
+    format!(
+        r#"{{"tools":[{{"type":"function","function":{{"name":"sh"}}}}],"messages":[{}]}}"#,
+        messages.join(",")
+    )
+}
+
+#[test]
+fn an_agents_tool_rounds_are_blocks_of_the_chain() {
+    let blocks = |rounds: usize, cuts: BlockCuts| {
+        blocks_from_body(agent_body(rounds).as_bytes(), cuts).unwrap()
+    };
+    let three = blocks(3, BlockCuts::default());
+    assert_eq!(three.len(), 4, "the task, then one block per round: {three:?}");
+    assert!(three[0].starts_with("tools:") && three[0].ends_with("user:fix the build"));
+    // The two results of round 2's parallel calls end one block.
+    assert!(three[2].contains("tool:out 2.0tool:out 2.1"), "{}", three[2]);
+    assert!(three[1].starts_with("assistant:") && three[1].ends_with("tool:out 1.0"));
+    assert!(three[3].starts_with("assistant:") && three[3].ends_with("tool:out 3.0"));
+    // Each request's chain starts with the previous request's: the pod that served round 3 is
+    // found by all four keys at round 4, and credited with all they hold.
+    let four = chain(&blocks(4, BlockCuts::default()));
+    assert_eq!(four[..4], chain(&three)[..]);
+    assert_eq!(four.len(), 5);
+
+    // splitToolResults off (the Go plugin's cuts): everything after the task is one block that
+    // changes every round, so a later round matches the first block alone.
+    let go = BlockCuts { after_tool_results: false, ..BlockCuts::default() };
+    let (go3, go4) = (blocks(3, go), blocks(4, go));
+    assert_eq!(go3.len(), 2);
+    assert_eq!(go3[0], three[0]);
+    assert_ne!(chain(&go4)[1], chain(&go3)[1]);
+
+    // Config key: four keys sent with the default, two without the cut.
+    for (extra, keys) in [("", "4"), (r#","splitToolResults":false"#, "2")] {
+        let (mut f, mut host) = setup(&cfg(extra));
+        f.on_request_headers(&mut host, 7, false);
+        let body = agent_body(3);
+        host.request_body = body.as_bytes().to_vec();
+        f.on_request_body(&mut host, 7, body.len(), true);
+        let (_, args) = keys_args(&command(&host, 0));
+        assert_eq!(args[CHAIN_LEN_AT], keys, "{extra}");
+    }
 }
 
 #[test]
@@ -510,7 +590,7 @@ fn without_redis_sequential_requests_that_ended_do_not_make_a_pod_look_loaded() 
 
 #[test]
 fn odd_message_shapes_read_as_a_parsed_object_would() {
-    let blocks = |b: &str| blocks_from_body(b.as_bytes(), false);
+    let blocks = |b: &str| blocks_from_body(b.as_bytes(), cuts(false));
     // A message that is not an object has an empty role and no content; a non-string role is "".
     assert_eq!(
         blocks(r#"{"messages":["x",{"role":5,"content":"a"},{"role":"user","content":"q"}]}"#),
