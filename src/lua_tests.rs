@@ -403,6 +403,64 @@ fn prefix_hit_routes_to_the_holder_refreshes_and_extends_the_chain() {
     assert!(r.ttl("pfx:k2") > 500, "k2's TTL back to 600");
 }
 
+/// Keys Redis looked up to read them (`keyspace_hits` + `keyspace_misses`; writes do not count).
+fn key_reads(r: &mut Redis) -> u64 {
+    let Frame::BulkString(info) = r.cmd(&["INFO", "stats"]) else { return 0 };
+    let info = String::from_utf8_lossy(&info).into_owned();
+    ["keyspace_hits:", "keyspace_misses:"]
+        .iter()
+        .filter_map(|name| info.lines().find_map(|l| l.strip_prefix(name)))
+        .filter_map(|v| v.trim().parse::<u64>().ok())
+        .sum()
+}
+
+#[test]
+fn a_long_conversations_next_request_reads_its_last_two_keys_only() {
+    let mut r = Redis::start();
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
+    let now = r.now_s();
+    // The 29 blocks of a conversation's last request, on `a`: k1 written 300 s ago (past an
+    // eighth of 1800 s), the rest just now.
+    r.cmd(&["SET", "pfx:k1", &format!("a@{}", now - 300), "EX", "1500"]);
+    for i in 2..=29 {
+        r.cmd(&["SET", &format!("pfx:k{i}"), &format!("a@{now}"), "EX", "1800"]);
+    }
+    let names: Vec<String> = (1..=30).map(|i| format!("k{i}")).collect();
+    let chain: Vec<&str> = names.iter().map(String::as_str).collect();
+    let reads = key_reads(&mut r);
+    let f = r.run(&s, &pc(&chain, 0, 1800, 0.0, &["b", "a"]));
+    assert_eq!(pick(&f), ("a".to_string(), 1, 1, 29), "all 29 blocks matched");
+    // k29 and k30, the in-flight counts and the owner's registration: not 30 prefix keys.
+    let read = key_reads(&mut r) - reads;
+    assert!(read <= 5, "{read} keys read");
+    assert_eq!(r.holders("pfx:k30").as_deref(), Some("a"), "the new block written");
+    assert!(r.ttl("pfx:k1") <= 1500, "a key before the match is left as it is");
+
+    // The match due for its refresh (k29 written 300 s ago): the whole chain is read, and every
+    // matched key past an eighth of its TTL written again.
+    r.cmd(&["SET", "pfx:k29", &format!("a@{}", now - 300), "EX", "1500"]);
+    r.cmd(&["DEL", "pfx:k30"]);
+    let reads = key_reads(&mut r);
+    let f = r.run(&s, &pc(&chain, 0, 1800, 0.0, &["b", "a"]));
+    assert_eq!(pick(&f).3, 29);
+    assert!(key_reads(&mut r) - reads >= 30);
+    assert!(r.ttl("pfx:k1") > 1500 && r.ttl("pfx:k29") > 1500, "k1 and k29 refreshed");
+
+    // A key is evidence by itself: k29 fresh with every key before it gone still matches 29.
+    for i in (1..=28).chain([30]) {
+        r.cmd(&["DEL", &format!("pfx:k{i}")]);
+    }
+    r.cmd(&["SET", "pfx:k29", &format!("a@{now}"), "EX", "1800"]);
+    let f = r.run(&s, &pc(&chain, 0, 1800, 0.0, &["a", "b"]));
+    assert_eq!(pick(&f).3, 29);
+
+    // Its holder unhealthy (not among the candidates): the whole chain decides, as before.
+    let f = r.run(&s, &pc(&chain, 0, 1800, 0.0, &["b"]));
+    assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
+    assert_eq!(r.holders("pfx:k29").as_deref(), Some("b"), "re-homed in place");
+    assert_eq!(r.holders("pfx:k1").as_deref(), Some("b"));
+}
+
 #[test]
 fn prefix_keys_are_stamped_with_the_gateways_clock_not_redis() {
     // Gateways share the stamps through Redis, so the pick takes the time it is given: here a

@@ -47,7 +47,7 @@ if la then
 end
 
 -- A key's healthy holders (`v`: its holders part), or nil. The one function the script defines:
--- the match and a diverted hit's new holder both need it.
+-- the match (the probe and the whole chain) and a diverted hit's new holder all need it.
 local function live(v)
   if idx[v] then return {v} end
   if not string.find(v, ',', 1, true) then return nil end
@@ -57,33 +57,72 @@ local function live(v)
   return hs
 end
 
--- Longest present prefix of the chain, then the longest part of it with a healthy holder. Keys past
--- that point name gone/unhealthy hosts: they are re-homed below (same key, new host), so the chain
--- stays aligned. Each value is split into its holders (`vals`) and the time it was written
--- (`written`, 0 when absent).
+-- The match. A request's chain is usually the previous request's plus one block (a chat's next
+-- turn, an agent's next tool round), so its second-to-last key is there, naming a healthy holder,
+-- written within the last eighth of the TTL: the probe reads the last two keys only, and the
+-- longest of them that qualifies is the match. A pick's Redis time then stays flat as a
+-- conversation grows, where reading every key cost about 4 us per block (bench `redis-cost
+-- --blocks 30`). A key's presence is evidence by itself (its value hashes every block before it),
+-- so the probe's match needs no key before it. Otherwise (a new conversation, a holder gone, a key
+-- due for its refresh) the rest of the chain is read too: the longest present prefix of the chain,
+-- then the longest part of it with a healthy holder. Keys past that point name gone/unhealthy
+-- hosts: they are re-homed below (same key, new host), so the chain stays aligned. Keys
+-- `first_read`..`nk` were read: each value split into its holders (`vals`) and the time it was
+-- written (`written`, 0 when absent).
+local fresh = ttl / 8
 local chain, matched, held, vals, written = {}, 0, nil, {}, {}
+local first_read = nk + 1
 if nk > 0 and n > 0 then
-  for i = 1, nk do chain[i] = base .. 'pfx:' .. ARGV[8 + i] end
-  vals = redis.call('MGET', unpack(chain))
-  local present = 0
-  for i = 1, nk do
-    local v = vals[i]
-    if not v then break end
-    present = i
-    local at = string.find(v, '@', 1, true)
-    if at then
-      vals[i], written[i] = string.sub(v, 1, at - 1), tonumber(string.sub(v, at + 1)) or 0
-    else
-      written[i] = 0
+  local lo, hi = nk > 1 and nk - 1 or 1, nk
+  while lo <= hi do
+    local names = {}
+    for i = lo, hi do
+      chain[i] = base .. 'pfx:' .. ARGV[8 + i]
+      names[#names + 1] = chain[i]
     end
-  end
-  for i = present, 1, -1 do
-    local hs = live(vals[i])
-    if hs then
-      matched, held = i, {}
-      for _, h in ipairs(hs) do held[h] = true end
+    local got = redis.call('MGET', unpack(names))
+    for i = lo, hi do
+      local v = got[i - lo + 1]
+      if v then
+        local at = string.find(v, '@', 1, true)
+        if at then
+          vals[i], written[i] = string.sub(v, 1, at - 1), tonumber(string.sub(v, at + 1)) or 0
+        else
+          vals[i], written[i] = v, 0
+        end
+      end
+    end
+    first_read = lo
+    if lo == 1 then
+      -- The whole chain is read.
+      local present = 0
+      for i = 1, nk do
+        if not vals[i] then break end
+        present = i
+      end
+      for i = present, 1, -1 do
+        local hs = live(vals[i])
+        if hs then
+          matched, held = i, {}
+          for _, h in ipairs(hs) do held[h] = true end
+          break
+        end
+      end
       break
     end
+    -- The probe: the longest of its keys with a healthy holder, if that key is fresh.
+    for i = hi, lo, -1 do
+      local hs = vals[i] and live(vals[i])
+      if hs then
+        if now - written[i] < fresh then
+          matched, held = i, {}
+          for _, h in ipairs(hs) do held[h] = true end
+        end
+        break
+      end
+    end
+    if matched > 0 then break end
+    lo, hi = 1, lo - 1
   end
 end
 --@settle
@@ -145,17 +184,19 @@ elseif chosen then
 end
 --@commit
 if admitted then
-  -- Matched keys still name a healthy host that holds that prefix: refresh them. The rest of the
-  -- chain (new blocks, and keys that named a gone/unhealthy host) now belongs to the chosen host.
-  -- loadAware, a diverted hit: the chosen host becomes one more holder of the matched keys, while a
-  -- key has fewer than `maxHolders` (holders are only added, never swapped for others while the key
-  -- lives, so a key cannot flip between pods; a full key keeps its holders until it expires).
+  -- Matched keys read above still name a healthy host that holds that prefix: refresh them. The
+  -- rest of the chain (new blocks, and keys that named a gone/unhealthy host) now belongs to the
+  -- chosen host. loadAware, a diverted hit: the chosen host becomes one more holder of the matched
+  -- keys read, while a key has fewer than `maxHolders` (holders are only added, never swapped for
+  -- others while the key lives, so a key cannot flip between pods; a full key keeps its holders
+  -- until it expires). Keys before a probe's match are left alone: the requests that matched them
+  -- last refreshed them, and once every conversation has moved past them they expire.
   local added = 0
   local grow = la and diverted == 1
   local stamp = '@' .. now
-  local fresh = ttl / 8
-  for i = 1, nk do
-    if i > matched then
+  for i = first_read, nk do
+    if i > matched or not vals[i] then
+      -- New, re-homed, or missing before the probe's match: the chosen host's now.
       redis.call('SET', chain[i], chosen .. stamp, 'EX', ttl)
     else
       -- The key's holders once a diverted hit adds the chosen host (nil: unchanged).

@@ -329,18 +329,28 @@ async fn redis_holds_the_conversation_keys_with_ttl() {
     assert_eq!(inflight.len(), 1, "in-flight hash {base}:inflight missing");
 
     // A hit refreshes the TTL of a matched key written more than an eighth of its TTL ago (here
-    // made so: the same pod, written an hour ago, 20 s left).
-    let first = &expected.iter().find(|k| k.ends_with(&chain[0])).unwrap().clone();
+    // made so: the key turn 4 matches, turn 3's whole prompt, and the first one; the same pod,
+    // written an hour ago, 20 s left): its match due for a refresh, the pick reads the whole chain
+    // and writes both again.
     let long_ago = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() - 3600)
         .unwrap_or(0);
     let old_value = format!("{home}@{long_ago}");
-    c.cmd(&["SET", first, &old_value, "EX", "20"]).await.unwrap();
-    assert!(c.ttl(first).await.unwrap() <= 20);
+    let aged: Vec<String> = [&chain[0], &chain[2]]
+        .iter()
+        .filter_map(|k| expected.iter().find(|key| key.ends_with(k.as_str())).cloned())
+        .collect();
+    assert_eq!(aged.len(), 2);
+    for key in &aged {
+        c.cmd(&["SET", key, &old_value, "EX", "20"]).await.unwrap();
+        assert!(c.ttl(key).await.unwrap() <= 20);
+    }
     assert_eq!(conv.turn(&gw, &question(4)).await.unwrap(), home);
-    let ttl = c.ttl(first).await.unwrap();
-    assert!(ttl > 20 && ttl <= TTL_S, "matched key's TTL not refreshed: {ttl}");
+    for key in &aged {
+        let ttl = c.ttl(key).await.unwrap();
+        assert!(ttl > 20 && ttl <= TTL_S, "matched key {key}'s TTL not refreshed: {ttl}");
+    }
     // And turn 4 added its own block to the chain.
     assert_eq!(c.keys("*:pfx:*").await.unwrap().len(), 4);
 }
@@ -430,6 +440,55 @@ async fn completions_prompts_and_tool_lists_are_part_of_the_prefix() {
         .await
         .unwrap();
     assert_eq!(again.upstream().unwrap(), first_pod);
+}
+
+/// An agent's session: a task, then a tool round per request (the reply calls a tool, the next
+/// request carries its result). With the default `splitToolResults` every round is a block, so
+/// round k finds all k blocks before it on its pod; with the Go plugin's cuts (off) it finds the
+/// task's block alone, however long the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agents_tool_rounds_stay_on_its_pod_and_each_finds_every_round_before() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("agent", 2).await.unwrap();
+    let tools = json!([{"type": "function", "function": {"name": "run_command", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}}]);
+    for (split, matched_blocks) in [(true, 1 + 2 + 3), (false, 1 + 1 + 1)] {
+        let route = format!("route-agent-{split}");
+        let cfg = redis_policy_config(
+            &route,
+            &pods,
+            &redis,
+            "prefix_cache",
+            json!({"redisKeyTTL": TTL_S, "timeout": 1000, "splitToolResults": split}),
+        );
+        let gw = Gateway::start(&cfg).await.unwrap();
+        let mut messages = vec![
+            json!({"role": "user", "content": format!("The build of {} fails on the CI; find out why and fix it.", paths::unique_name("repo"))}),
+        ];
+        let mut served = Vec::new();
+        for round in 0..4 {
+            let body =
+                json!({"model": MODEL, "messages": messages, "tools": tools, "max_tokens": 32});
+            let r = gw
+                .send(HttpRequest::post_json("/v1/chat/completions", &body), REQUEST_TIMEOUT)
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            served.push(r.upstream().unwrap());
+            let id = format!("call_{round}");
+            messages.push(json!({"role": "assistant", "content": answer_text(&r).unwrap(),
+                "tool_calls": [{"id": id, "type": "function", "function": {"name": "run_command", "arguments": "{\"command\":\"make test\"}"}}]}));
+            messages.push(json!({"role": "tool", "tool_call_id": id, "content": format!("exit status {round}: 3 tests failed in module {round}")}));
+        }
+        assert_eq!(tally(&served).len(), 1, "the session moved: {:?}", named(&pods, &served));
+        let stats = gw.stats().await.unwrap();
+        assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 1, "{stats}");
+        assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 3, "{stats}");
+        assert_eq!(
+            stat(&stats, "ai_lb_prefix_matched_blocks"),
+            matched_blocks,
+            "split {split}: {stats}"
+        );
+    }
 }
 
 /// Higress's default downstream buffer limit is 32 KiB and Envoy answers 413 to a held body over
@@ -611,7 +670,9 @@ async fn load_aware_diverts_a_hit_from_a_pod_with_a_deep_queue_and_shares_the_pr
     conv.messages.push(json!({"role": "assistant", "content": answer_text(&resp).unwrap()}));
     let shared = shared_keys(&redis).await;
     let both = format!("{},{}", a.host(), c.host());
-    assert_eq!(shared.len(), 2, "the two matched keys name A and C: {shared:?}");
+    // The match (turn 2's whole prompt, the key the pick read) names A and C; the key before it,
+    // which the pick did not read, still names A alone.
+    assert_eq!(shared.len(), 1, "the matched key names A and C: {shared:?}");
     assert!(shared.iter().all(|(_, v)| *v == both), "{shared:?}");
 
     // The conversation now lives on C: the next turn is a plain hit there.
