@@ -1,7 +1,7 @@
 //! Sends the sessions: bounded concurrency, full history each turn, streamed replies,
 //! client-side timings, and the oracle hit rate.
 
-use crate::workload::SessionPlan;
+use crate::workload::{SessionPlan, TOOL_NAME};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
@@ -255,18 +255,36 @@ async fn run_session(
     let sticky_value = target.sticky.as_ref().and_then(|st| st.value(s.id));
     let sticky =
         target.sticky.as_ref().zip(sticky_value.as_deref()).map(|(st, v)| (st.header.as_str(), v));
+    // The conversation twice: as the pods tokenize it (for the oracle) and as the request sends
+    // it (with the tool calls and their ids, which the pods' template does not render).
     let mut history: Vec<Message> = Vec::new();
+    let mut messages: Vec<Value> = Vec::new();
     if let Some(sys) = &s.system {
         history.push(Message { role: "system".into(), content: sys.clone() });
+        messages.push(json!({"role": "system", "content": sys}));
     }
+    let tools_text = s.tools.as_ref().map(Value::to_string);
     let mut out = Vec::new();
     for (t, turn) in s.turns.iter().enumerate() {
         if turn.think_ms > 0.0 {
             tokio::time::sleep(scaled(turn.think_ms, target.time_scale)).await;
         }
         let url = &target.urls[target.gateway_choice.index(s.id, t, target.urls.len())];
-        history.push(Message { role: "user".into(), content: turn.user.clone() });
-        let prompt = chat_prompt_tokens(&history, None);
+        if s.tool_rounds && t > 0 {
+            // The previous reply called the tool; this turn sends its result.
+            let id = format!("call_{}_{t}", s.id);
+            if let Some(reply) = messages.last_mut().and_then(Value::as_object_mut) {
+                let call = json!([{"id": id, "type": "function",
+                    "function": {"name": TOOL_NAME, "arguments": "{\"command\":\"make\"}"}}]);
+                reply.insert("tool_calls".into(), call);
+            }
+            history.push(Message { role: "tool".into(), content: turn.user.clone() });
+            messages.push(json!({"role": "tool", "tool_call_id": id, "content": turn.user}));
+        } else {
+            history.push(Message { role: "user".into(), content: turn.user.clone() });
+            messages.push(json!({"role": "user", "content": turn.user}));
+        }
+        let prompt = chat_prompt_tokens(&history, tools_text.as_deref());
         let oracle_hit = oracle
             .lock()
             .map(|mut o| {
@@ -275,12 +293,13 @@ async fn run_session(
                 best
             })
             .unwrap_or(0);
-        let messages: Vec<Value> =
-            history.iter().map(|m| json!({"role": m.role, "content": m.content})).collect();
-        let body = json!({
+        let mut body = json!({
             "model": target.model, "messages": messages, "max_tokens": turn.max_tokens,
             "stream": true, "stream_options": {"include_usage": true},
         });
+        if let (Some(tools), Some(obj)) = (&s.tools, body.as_object_mut()) {
+            obj.insert("tools".into(), tools.clone());
+        }
         let t0 = Instant::now();
         let res = tokio::time::timeout(target.timeout, send(&client, url, sticky, body, t0))
             .await
@@ -328,6 +347,7 @@ async fn run_session(
                 String::new()
             }
         };
+        messages.push(json!({"role": "assistant", "content": reply_text}));
         history.push(Message { role: "assistant".into(), content: reply_text });
         out.push(rec);
         progress.fetch_add(1, Ordering::Relaxed);
@@ -391,7 +411,15 @@ mod tests {
 
     #[test]
     fn oracle_counts_same_session_and_group_only() {
-        let mk = |id, group| SessionPlan { id, group, system: None, turns: vec![], start_ms: None };
+        let mk = |id, group| SessionPlan {
+            id,
+            group,
+            system: None,
+            turns: vec![],
+            tool_rounds: false,
+            tools: None,
+            start_ms: None,
+        };
         let mut o = Oracle::default();
         let a = mk(0, Some(1));
         o.add(&a, (0..100).collect());

@@ -14,6 +14,10 @@
 
 use podsim::tokenizer::{words, Rng};
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// The name of the one tool an agent session's replies call.
+pub const TOOL_NAME: &str = "run_command";
 
 fn default_concurrency() -> usize {
     10
@@ -71,6 +75,15 @@ pub enum Workload {
         /// Tokens of a per-session document sent in the first turn (0 = none).
         #[serde(default)]
         session_prefix_tokens: usize,
+        /// Agent sessions: each later turn is a tool round. The previous reply calls a tool and
+        /// the turn's new input is its result (a `tool` message), not a user message; the think
+        /// time is then the tool's run time.
+        #[serde(default)]
+        tool_rounds: bool,
+        /// Tokens of a `tools` list sent with every request (the same for every session; 0 =
+        /// none).
+        #[serde(default)]
+        tools_tokens: usize,
         /// Text seed.
         #[serde(default = "default_seed")]
         seed: u64,
@@ -102,7 +115,7 @@ pub enum Workload {
 /// One turn to send.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TurnPlan {
-    /// New user message.
+    /// The turn's new input: a user message, or in a tool round the tool's result.
     pub user: String,
     /// max_tokens.
     pub max_tokens: usize,
@@ -122,6 +135,10 @@ pub struct SessionPlan {
     pub system: Option<String>,
     /// Turns in order.
     pub turns: Vec<TurnPlan>,
+    /// Whether turns after the first are tool rounds (`tool_rounds`).
+    pub tool_rounds: bool,
+    /// The `tools` list every request carries, if any.
+    pub tools: Option<Value>,
     /// Open loop: when the session starts, simulated ms after the run begins.
     pub start_ms: Option<f64>,
 }
@@ -232,10 +249,21 @@ impl Workload {
                 think_time_ms_mean,
                 arrival_rate_per_s,
                 session_prefix_tokens,
+                tool_rounds,
+                tools_tokens,
                 seed,
                 ..
             } => {
                 let mut rng = Rng::new(*seed);
+                // From a stream of its own, as popularity and think times below.
+                let tools = (*tools_tokens > 0).then(|| {
+                    let description = words(&mut Rng::new(seed ^ 0x7001), *tools_tokens);
+                    json!([{"type": "function", "function": {
+                        "name": TOOL_NAME,
+                        "description": description,
+                        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+                    }}])
+                });
                 let systems: Vec<String> = if *system_prompt_tokens > 0 {
                     (0..(*system_prompts).max(1))
                         .map(|_| words(&mut rng, *system_prompt_tokens))
@@ -279,6 +307,8 @@ impl Workload {
                             group,
                             system: group.and_then(|g| systems.get(g).cloned()),
                             turns,
+                            tool_rounds: *tool_rounds,
+                            tools: tools.clone(),
                             start_ms: starts.get(id).copied().flatten(),
                         }
                     })
@@ -309,6 +339,8 @@ impl Workload {
                                 max_tokens: *output_tokens,
                                 think_ms: 0.0,
                             }],
+                            tool_rounds: false,
+                            tools: None,
                             start_ms: None,
                         });
                     }
@@ -348,6 +380,22 @@ mod tests {
         assert_eq!(tokenize(&a[3].turns[2].user).len(), 200);
         assert_eq!(a[3].turns[2].max_tokens, 800);
         assert_ne!(a[0].turns[0].user, a[1].turns[0].user);
+    }
+
+    #[test]
+    fn agent_sessions_carry_one_tools_list_and_leave_the_text_alone() {
+        let base = "{kind: multi_turn, sessions: 20, turns_mean: 8, input_tokens_mean: 40, output_tokens_mean: 30, seed: 4";
+        let chat = yaml(&format!("{base}}}")).plan();
+        let agent = yaml(&format!("{base}, tool_rounds: true, tools_tokens: 300}}")).plan();
+        assert!(chat.iter().all(|s| !s.tool_rounds && s.tools.is_none()));
+        assert!(agent.iter().all(|s| s.tool_rounds));
+        let tools = agent[0].tools.clone().expect("a tools list");
+        assert!(agent.iter().all(|s| s.tools.as_ref() == Some(&tools)), "one list for all");
+        let description = tools[0]["function"]["description"].as_str().unwrap_or("");
+        assert_eq!(tokenize(description).len(), 300);
+        assert_eq!(tools[0]["function"]["name"], TOOL_NAME);
+        let turns = |p: &[SessionPlan]| p.iter().map(|s| s.turns.clone()).collect::<Vec<_>>();
+        assert_eq!(turns(&chat), turns(&agent), "same inputs, sent as tool results");
     }
 
     #[test]

@@ -110,6 +110,8 @@ pub fn command_args(
         session_prefix_tokens,
         think_time_ms_mean,
         arrival_rate_per_s,
+        tool_rounds,
+        tools_tokens,
         seed,
         ..
     } = &sc.workload
@@ -118,6 +120,9 @@ pub fn command_args(
     };
     if *system_prompt_tokens > 0 || *session_prefix_tokens > 0 {
         bail!("scenario {}: AIPerf has no shared system prompt or session document", sc.name);
+    }
+    if *tool_rounds || *tools_tokens > 0 {
+        bail!("scenario {}: AIPerf's synthetic conversations have no tool rounds", sc.name);
     }
     if *think_time_ms_mean > 0.0 || arrival_rate_per_s.is_some() {
         bail!(

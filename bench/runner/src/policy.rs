@@ -148,6 +148,9 @@ pub const POLICIES: &[Policy] = &[
             go_keys_only: true,
         }),
     },
+    // prefix_cache with the Go plugin's block cuts for agents' tool rounds (our default before
+    // 2026-11-30: only user messages end a block).
+    plugin_with("prefix_cache_user_cuts", "prefix_cache", r#"{"splitToolResults":false}"#),
     // Ours: prefix_cache weighing affinity against the pods' GPU metrics (stored by the health check).
     plugin_with("prefix_cache_load_aware", "prefix_cache", r#"{"loadAware":true}"#),
     // loadAware without the observed-latency signal (on by default, weight 16).
@@ -188,6 +191,12 @@ pub const POLICIES: &[Policy] = &[
         "prefix_cache_load_aware_no_divert_cost",
         "prefix_cache",
         r#"{"loadAware":true,"divertPrefixBytes":0}"#,
+    ),
+    // loadAware with the Go plugin's block cuts for agents' tool rounds (before 2026-11-30).
+    plugin_with(
+        "prefix_cache_load_aware_user_cuts",
+        "prefix_cache",
+        r#"{"loadAware":true,"splitToolResults":false}"#,
     ),
     plugin("endpoint_metrics", "endpoint_metrics"),
     external("sglang_round_robin", Router::Sglang, "round_robin"),
