@@ -126,6 +126,12 @@ enum Cmd {
         /// Above 1, the report goes to `redis-cost[-pods<N>]-clients<N>.json`.
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4))]
         clients: u8,
+        /// Prefix blocks per `prefix_cache` request (a chat's turns, an agent's tool rounds: a
+        /// conversation's blocks so far plus a new one). Other than the default, the report goes to
+        /// `redis-cost[...]-blocks<N>.json`.
+        #[arg(long, default_value_t = bench::redis_cost::DEFAULT_BLOCKS as u16,
+              value_parser = clap::value_parser!(u16).range(1..=256))]
+        blocks: u16,
         /// Appended to the report's file name (`redis-cost[...]-<tag>.json`), as `run --tag` does.
         #[arg(long)]
         tag: Option<String>,
@@ -454,22 +460,22 @@ async fn redis_cost(
     paths: Paths,
     requests: u64,
     reps: usize,
-    pods: usize,
-    clients: usize,
+    traffic: bench::redis_cost::Traffic,
     tag: Option<String>,
 ) -> Result<()> {
-    let rows = bench::redis_cost::measure(requests, reps, pods, clients).await?;
+    let rows = bench::redis_cost::measure(requests, reps, traffic).await?;
     let table = bench::redis_cost::table(&rows, reps);
     std::fs::create_dir_all(&paths.results)?;
-    let stem = bench::redis_cost::file_stem(pods, clients, tag.as_deref());
+    let stem = bench::redis_cost::file_stem(traffic, tag.as_deref());
     let out = paths.results.join(format!("{stem}.json"));
     let json = bench::redis_cost::RedisCostReport {
         stamp: Stamp::now(&paths.root),
         unix_time: None,
         requests_per_rep: requests,
         reps,
-        pods,
-        clients,
+        pods: traffic.pods,
+        clients: traffic.clients,
+        blocks: traffic.blocks,
         tag,
         cases: rows,
     };
@@ -606,8 +612,13 @@ async fn main() {
             }
             Cmd::Tables { write } => tables(paths, write),
             Cmd::Demo => demo(paths).await,
-            Cmd::RedisCost { requests, reps, pods, clients, tag } => {
-                redis_cost(paths, requests, reps, pods, usize::from(clients), tag).await
+            Cmd::RedisCost { requests, reps, pods, clients, blocks, tag } => {
+                let traffic = bench::redis_cost::Traffic {
+                    pods,
+                    clients: usize::from(clients),
+                    blocks: usize::from(blocks),
+                };
+                redis_cost(paths, requests, reps, traffic, tag).await
             }
             Cmd::RouterOverhead { requests, reps, targets } => {
                 router_overhead(paths, requests, reps, targets).await

@@ -8,9 +8,9 @@
 //! `release.lua` call per VM. Not counted: each plugin VM's heartbeat, one small script per route
 //! every third of `leaseMs` whatever the traffic, and the root tick's release call for what no pick
 //! carried (at most one per VM and route every 100 ms, none while picks come faster). The
-//! workload: 8 pods (`--pods`), 4 plugin VMs (owners), 5-block chats (prefix_cache) that are sent again with
-//! one more block (hits), 16 requests in flight at a time (each request ends 16 picks after its
-//! pick).
+//! workload: 8 pods (`--pods`), 4 plugin VMs (owners), 5-block chats (prefix_cache; `--blocks`,
+//! e.g. an agent's session 30 tool rounds in) that are sent again with one more block (hits), 16
+//! requests in flight at a time (each request ends 16 picks after its pick).
 //!
 //! Beside them, the Go plugin's way (`go_like/*.lua`: scripts of ours that make the same Redis calls
 //! with the same keys and arguments as its scripts): the pick is `EVAL` with the script's source
@@ -55,8 +55,9 @@ use crate::procs::{redis_info, Redis};
 
 /// Pods in the cluster unless `--pods` says otherwise.
 pub const DEFAULT_PODS: usize = 8;
+/// Prefix blocks per request unless `--blocks` says otherwise.
+pub const DEFAULT_BLOCKS: usize = 5;
 const OWNERS: usize = 4;
-const BLOCKS: usize = 5;
 const IN_FLIGHT: usize = 16;
 const ROUTE: &str = "llm-route";
 const CLUSTER: &str = "outbound|8000||llm.static";
@@ -100,7 +101,24 @@ pub struct Summary {
     pub cpu_vs_baseline: f64,
 }
 
-/// `bench/results/<file_stem(pods, clients, tag)>.json`.
+/// What the measured requests look like.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Traffic {
+    /// Pods in the cluster: every pick reads each one's count, the Go way sends each one.
+    pub pods: usize,
+    /// Connections sending at once (1 to the 4 VMs), the VMs shared out among them.
+    pub clients: usize,
+    /// Prefix blocks per `prefix_cache` request: a conversation's blocks so far plus a new one.
+    pub blocks: usize,
+}
+
+impl Default for Traffic {
+    fn default() -> Self {
+        Traffic { pods: DEFAULT_PODS, clients: 1, blocks: DEFAULT_BLOCKS }
+    }
+}
+
+/// `bench/results/<file_stem(traffic, tag)>.json`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RedisCostReport {
     /// Date, commit and machine (blank in a file written before the report carried them).
@@ -120,6 +138,9 @@ pub struct RedisCostReport {
     /// ran with one).
     #[serde(default = "one_client")]
     pub clients: usize,
+    /// Prefix blocks per request (files from before `--blocks` ran with the default).
+    #[serde(default = "default_blocks")]
+    pub blocks: usize,
     /// `--tag` (another machine's run, say), appended to the file name so that it does not
     /// replace the default run's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -136,16 +157,23 @@ fn one_client() -> usize {
     1
 }
 
+fn default_blocks() -> usize {
+    DEFAULT_BLOCKS
+}
+
 /// The results file's name without `.json`: `redis-cost`, then `-pods<N>` for another number of
-/// pods, `-clients<N>` for more than one client and `-<tag>` for a tag (so the default run's file
-/// is not overwritten).
-pub fn file_stem(pods: usize, clients: usize, tag: Option<&str>) -> String {
+/// pods, `-clients<N>` for more than one client, `-blocks<N>` for another number of blocks and
+/// `-<tag>` for a tag (so the default run's file is not overwritten).
+pub fn file_stem(traffic: Traffic, tag: Option<&str>) -> String {
     let mut stem = "redis-cost".to_string();
-    if pods != DEFAULT_PODS {
-        stem.push_str(&format!("-pods{pods}"));
+    if traffic.pods != DEFAULT_PODS {
+        stem.push_str(&format!("-pods{}", traffic.pods));
     }
-    if clients > 1 {
-        stem.push_str(&format!("-clients{clients}"));
+    if traffic.clients > 1 {
+        stem.push_str(&format!("-clients{}", traffic.clients));
+    }
+    if traffic.blocks != DEFAULT_BLOCKS {
+        stem.push_str(&format!("-blocks{}", traffic.blocks));
     }
     if let Some(tag) = tag {
         stem.push('-');
@@ -155,17 +183,28 @@ pub fn file_stem(pods: usize, clients: usize, tag: Option<&str>) -> String {
 }
 
 impl RedisCostReport {
+    /// The traffic the report measured.
+    pub fn traffic(&self) -> Traffic {
+        Traffic { pods: self.pods, clients: self.clients, blocks: self.blocks }
+    }
+
     /// Markdown for the README: what was run, the stamp line and the table.
     pub fn section(&self) -> String {
         format!(
-            "`{}` (`bench redis-cost --requests {} --reps {} --pods {}{}{}`): what one routed request (pick + release) costs the shared Redis with the plugin's scripts, beside a trivial `EVALSHA` floor and the Go plugin's way; {} pods, {OWNERS} plugin VMs, {IN_FLIGHT} requests in flight, {BLOCKS}-block chats, {}\n\n{} · {} repetitions per case, interleaved, a fresh Redis each · {} routed requests per case and repetition\n\n{}",
-            file_stem(self.pods, self.clients, self.tag.as_deref()),
+            "`{}` (`bench redis-cost --requests {} --reps {} --pods {}{}{}{}`): what one routed request (pick + release) costs the shared Redis with the plugin's scripts, beside a trivial `EVALSHA` floor and the Go plugin's way; {} pods, {OWNERS} plugin VMs, {IN_FLIGHT} requests in flight, {}-block chats, {}\n\n{} · {} repetitions per case, interleaved, a fresh Redis each · {} routed requests per case and repetition\n\n{}",
+            file_stem(self.traffic(), self.tag.as_deref()),
             self.requests_per_rep,
             self.reps,
             self.pods,
             if self.clients > 1 { format!(" --clients {}", self.clients) } else { String::new() },
+            if self.blocks != DEFAULT_BLOCKS {
+                format!(" --blocks {}", self.blocks)
+            } else {
+                String::new()
+            },
             self.tag.as_ref().map(|t| format!(" --tag {t}")).unwrap_or_default(),
             self.pods,
+            self.blocks,
             if self.clients > 1 {
                 format!("{} connections sending at once (Redis kept busy)", self.clients)
             } else {
@@ -205,6 +244,7 @@ impl RedisCostReport {
             reps: 3,
             pods: 64,
             clients: 1,
+            blocks: DEFAULT_BLOCKS,
             tag: None,
             cases: vec![
                 summary(
@@ -430,9 +470,9 @@ enum Pending {
     PlainRelease { hash_key: String, host: String },
 }
 
-/// Runs one case for `n` routed requests against a fresh Redis, sent by `clients` connections at
-/// once (the VMs shared out among them).
-async fn run_case(case: Case, n: u64, pods: usize, clients: usize) -> Result<Cost> {
+/// Runs one case for `n` routed requests against a fresh Redis, sent by `traffic.clients`
+/// connections at once (the VMs shared out among them).
+async fn run_case(case: Case, n: u64, traffic: Traffic) -> Result<Cost> {
     let redis = Redis::start().await?;
     let addr = redis.addr.clone();
     let pick = Script::new(match case {
@@ -450,7 +490,7 @@ async fn run_case(case: Case, n: u64, pods: usize, clients: usize) -> Result<Cos
     }
     conn.call(&encode_command(&["CONFIG", "RESETSTAT"]))?;
     let before = snapshot(&addr).await?;
-    let clients = clients.clamp(1, OWNERS);
+    let clients = traffic.clients.clamp(1, OWNERS);
     let scripts = Scripts { pick: &pick, release: &release, baseline: &baseline };
     let top_level_hincrby = std::thread::scope(|scope| {
         let runs: Vec<_> = (0..clients)
@@ -463,7 +503,7 @@ async fn run_case(case: Case, n: u64, pods: usize, clients: usize) -> Result<Cos
                 };
                 let addr = &addr;
                 let scripts = &scripts;
-                scope.spawn(move || drive(addr, case, pods, scripts, client))
+                scope.spawn(move || drive(addr, case, traffic, scripts, client))
             })
             .collect();
         runs.into_iter().try_fold(0u64, |sum, run| match run.join() {
@@ -503,7 +543,14 @@ struct Client {
 
 /// Sends one client's requests, one at a time on its own connection. Returns the top-level (not
 /// scripted) commands it sent.
-fn drive(addr: &str, case: Case, pods: usize, scripts: &Scripts, client: Client) -> Result<u64> {
+fn drive(
+    addr: &str,
+    case: Case,
+    traffic: Traffic,
+    scripts: &Scripts,
+    client: Client,
+) -> Result<u64> {
+    let Traffic { pods, blocks, .. } = traffic;
     let mut conn = Conn::open(addr)?;
     let go_source = match case {
         Case::GoPrefixCache => GO_PREFIX_CACHE_LUA,
@@ -516,7 +563,7 @@ fn drive(addr: &str, case: Case, pods: usize, scripts: &Scripts, client: Client)
     // Per VM: ids of its requests that ended, carried by its next pick.
     let mut ended: Vec<Vec<(String, String)>> = vec![Vec::new(); OWNERS];
     let mut top_level_hincrby = 0u64;
-    // 5-block chats: a conversation's next turn resends its blocks plus one (prefix hits).
+    // `blocks`-block chats: a conversation's next turn resends its blocks plus one (prefix hits).
     let mut chats: Vec<Vec<String>> = Vec::new();
     for i in 0..client.requests {
         if case == Case::Baseline {
@@ -524,13 +571,13 @@ fn drive(addr: &str, case: Case, pods: usize, scripts: &Scripts, client: Client)
             conn.script(scripts.baseline, &[], &[])?;
             continue;
         }
-        // 64 conversations; each request is its conversation's 4 blocks so far plus a new one.
+        // 64 conversations; each request is its conversation's blocks so far plus a new one.
         let conv = (rng.next() % 64) as usize;
         if chats.len() <= conv {
             chats.resize(conv + 1, Vec::new());
         }
         let mut chat = chats.get(conv).cloned().unwrap_or_default();
-        while chat.len() < BLOCKS {
+        while chat.len() < blocks {
             chat.push(format!("{:040X}", u128::from(rng.next()) << 64 | u128::from(rng.next())));
         }
         let owner =
@@ -598,7 +645,7 @@ fn drive(addr: &str, case: Case, pods: usize, scripts: &Scripts, client: Client)
                 Pending::Ours { owner, request_id: call.request_id, pod }
             }
         };
-        chat.truncate(BLOCKS - 1);
+        chat.truncate(blocks.saturating_sub(1));
         if let Some(slot) = chats.get_mut(conv) {
             *slot = chat;
         }
@@ -656,10 +703,9 @@ fn range(v: &[f64]) -> (f64, f64) {
     (v.iter().copied().fold(f64::INFINITY, f64::min), v.iter().copied().fold(0.0, f64::max))
 }
 
-/// Runs every case `reps` times (interleaved) with `n` requests each over `pods` pods, sent by
-/// `clients` connections at once; returns one
+/// Runs every case `reps` times (interleaved) with `n` requests each of `traffic`; returns one
 /// summary per case.
-pub async fn measure(n: u64, reps: usize, pods: usize, clients: usize) -> Result<Vec<Summary>> {
+pub async fn measure(n: u64, reps: usize, traffic: Traffic) -> Result<Vec<Summary>> {
     let cases = [
         Case::Baseline,
         Case::LeastRequestMinimum,
@@ -673,7 +719,9 @@ pub async fn measure(n: u64, reps: usize, pods: usize, clients: usize) -> Result
     let mut runs: Vec<Vec<Cost>> = vec![Vec::new(); cases.len()];
     for _ in 0..reps.max(1) {
         for (i, c) in cases.iter().enumerate() {
-            let cost = run_case(*c, n, pods.max(1), clients).await?;
+            let traffic =
+                Traffic { pods: traffic.pods.max(1), blocks: traffic.blocks.max(1), ..traffic };
+            let cost = run_case(*c, n, traffic).await?;
             if let Some(r) = runs.get_mut(i) {
                 r.push(cost);
             }
@@ -765,12 +813,19 @@ mod tests {
             "{md}"
         );
 
-        // A file written before the stamp and `--pods`: its date, and the 8 pods it ran with.
+        // Longer chains name their flag and their length.
+        let long = RedisCostReport { blocks: 30, ..RedisCostReport::example() }.section();
+        assert!(long.starts_with("`redis-cost-pods64-blocks30` (`bench redis-cost --requests 10000 --reps 3 --pods 64 --blocks 30`)"), "{long}");
+        assert!(long.contains(" 30-block chats, "), "{long}");
+
+        // A file written before the stamp, `--pods` and `--blocks`: its date, and the 8 pods and
+        // 5 blocks it ran with.
         let mut old = serde_json::to_value(RedisCostReport::example()).expect("value");
         let o = old.as_object_mut().expect("object");
         o.remove("stamp");
         o.remove("pods");
         o.remove("clients");
+        o.remove("blocks");
         o.insert("unix_time".into(), 1_795_506_556u64.into());
         let md = serde_json::from_value::<RedisCostReport>(old).expect("old file").section();
         assert!(
@@ -781,10 +836,16 @@ mod tests {
             "{md}"
         );
         assert!(md.contains("| EVALSHA return 1 (floor) | 2.5 (2.4–2.7) | 1.0 |"), "{md}");
-        assert_eq!(file_stem(DEFAULT_PODS, 1, None), "redis-cost");
-        assert_eq!(file_stem(DEFAULT_PODS, 4, None), "redis-cost-clients4");
-        assert_eq!(file_stem(64, 4, None), "redis-cost-pods64-clients4");
-        assert_eq!(file_stem(DEFAULT_PODS, 1, Some("amd")), "redis-cost-amd");
+        assert!(md.contains(" 5-block chats, "), "{md}");
+        let t = Traffic::default();
+        assert_eq!(file_stem(t, None), "redis-cost");
+        assert_eq!(file_stem(Traffic { clients: 4, ..t }, None), "redis-cost-clients4");
+        assert_eq!(
+            file_stem(Traffic { pods: 64, clients: 4, ..t }, None),
+            "redis-cost-pods64-clients4"
+        );
+        assert_eq!(file_stem(Traffic { blocks: 30, ..t }, None), "redis-cost-blocks30");
+        assert_eq!(file_stem(t, Some("amd")), "redis-cost-amd");
     }
 
     #[test]
