@@ -238,6 +238,7 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) {
         let last = messages.len().saturating_sub(1);
         let is_system = |m: &Message<'_>| matches!(&*m.role(), "system" | "developer");
         let is_tool_result = |m: &Message<'_>| matches!(&*m.role(), "tool" | "function");
+        let mut leading_system = true;
         for (i, m) in messages.iter().enumerate() {
             let role = m.role();
             let role = &*role;
@@ -252,14 +253,15 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) {
                 }
             }
             // End of the leading system run: the next message is the first non-system one.
+            leading_system &= matches!(role, "system" | "developer");
             let system_cut = cuts.after_system_prompt
+                && leading_system
                 && sink.cut_count() == 0
-                && messages.iter().take(i + 1).all(is_system)
                 && messages.get(i + 1).is_some_and(|n| !is_system(n));
             // End of a run of tool results (parallel calls answer in several messages): what an
             // agent appends at each step, as a chat appends a user message.
             let tool_results_cut = cuts.after_tool_results
-                && is_tool_result(m)
+                && matches!(role, "tool" | "function")
                 && !messages.get(i + 1).is_some_and(is_tool_result);
             if role == "user" || i == last || system_cut || tool_results_cut {
                 sink.cut();
