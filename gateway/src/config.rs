@@ -115,6 +115,16 @@ pub struct ListenerConfig {
     /// Default false, as in Higress: Envoy replaces it.
     #[serde(default)]
     pub preserve_external_request_id: bool,
+    /// Envoy's HCM `max_request_headers_kb`: a request whose header is larger is refused before
+    /// any filter sees it. HTTP/1 counts the head from the request line to the blank line (431,
+    /// connection closed); HTTP/2 the names and values, pseudo-headers included (stream reset).
+    /// Default 60 (Envoy's; Higress does not change it), at most 8192.
+    #[serde(default = "default_max_request_headers_kb")]
+    pub max_request_headers_kb: u32,
+    /// Envoy's HCM `common_http_protocol_options.max_headers_count`: likewise for the number
+    /// of headers (HTTP/2: pseudo-headers included). Default 100 (Envoy's).
+    #[serde(default = "default_max_headers_count")]
+    pub max_headers_count: u32,
     /// HTTP/2 over cleartext with prior knowledge, which the listener serves next to HTTP/1
     /// (Envoy's HCM `codec_type: AUTO`, as Higress configures its listeners): Envoy's
     /// `http2_protocol_options` with Higress's `downstream.http2` defaults.
@@ -177,6 +187,13 @@ impl Http2Config {
     }
 }
 
+fn default_max_request_headers_kb() -> u32 {
+    60
+}
+fn default_max_headers_count() -> u32 {
+    100
+}
+
 fn default_accept_http_10() -> bool {
     true
 }
@@ -215,6 +232,14 @@ impl ListenerConfig {
         }
     }
 
+    /// This listener's request header limits.
+    pub fn header_limits(&self) -> HeaderLimits {
+        HeaderLimits {
+            bytes: self.max_request_headers_kb as usize * 1024,
+            count: self.max_headers_count as usize,
+        }
+    }
+
     /// What this listener does to `x-forwarded-*` and friends.
     pub fn forwarding(&self) -> crate::forwarded::ForwardingConfig {
         crate::forwarded::ForwardingConfig {
@@ -223,6 +248,14 @@ impl ListenerConfig {
             preserve_external_request_id: self.preserve_external_request_id,
         }
     }
+}
+
+/// How large a request header may be (`max_request_headers_kb` in bytes) and how many headers
+/// it may hold (`max_headers_count`).
+#[derive(Debug, Clone, Copy)]
+pub struct HeaderLimits {
+    pub bytes: usize,
+    pub count: usize,
 }
 
 /// A listener's timers (`None`: off).
@@ -514,6 +547,16 @@ impl Config {
         let cfg: Config = serde_yaml::from_str(text)?;
         for l in &cfg.listeners {
             l.http2.check(&l.name)?;
+            if !(1..=8192).contains(&l.max_request_headers_kb) {
+                anyhow::bail!(
+                    "listener {}: max_request_headers_kb {} is not in 1..=8192",
+                    l.name,
+                    l.max_request_headers_kb
+                );
+            }
+            if l.max_headers_count == 0 {
+                anyhow::bail!("listener {}: max_headers_count must be at least 1", l.name);
+            }
         }
         for r in &cfg.routes {
             if r.cluster.is_none() && r.cluster_header.is_none() {
@@ -564,5 +607,21 @@ mod tests {
         assert!(err.contains("http2.initial_stream_window_size 1000"), "{err}");
         assert!(listener(", http2: {max_concurrent_streams: 0}").is_err());
         assert!(listener(", http2: {max_streams: 5}").is_err(), "unknown keys are refused");
+    }
+
+    /// Envoy's request header limits by default (60 KiB, 100 headers), within Envoy's ranges.
+    #[test]
+    fn request_header_limits_default_to_envoy_and_are_range_checked() {
+        let limits = listener("").unwrap().listeners[0].header_limits();
+        assert_eq!((limits.bytes, limits.count), (61_440, 100));
+        let cfg = listener(", max_request_headers_kb: 96, max_headers_count: 200").unwrap();
+        let limits = cfg.listeners[0].header_limits();
+        assert_eq!((limits.bytes, limits.count), (98_304, 200));
+        let err = listener(", max_request_headers_kb: 8193").unwrap_err().to_string();
+        assert!(err.contains("max_request_headers_kb 8193"), "{err}");
+        let err = listener(", max_request_headers_kb: 0").unwrap_err().to_string();
+        assert!(err.contains("max_request_headers_kb 0"), "{err}");
+        let err = listener(", max_headers_count: 0").unwrap_err().to_string();
+        assert!(err.contains("max_headers_count"), "{err}");
     }
 }

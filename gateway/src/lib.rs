@@ -147,6 +147,7 @@ fn bind_listeners(cfg: &config::Config) -> anyhow::Result<Vec<Listener>> {
                 buffer_limit: l.per_connection_buffer_limit_bytes as usize,
                 timers: l.timers(),
                 accept_http_10: l.accept_http_10,
+                header_limits: l.header_limits(),
                 http2: l.http2,
                 forwarding: l.forwarding(),
                 node_address,

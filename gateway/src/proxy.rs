@@ -13,7 +13,7 @@ use crate::abi::headers::add_to;
 use crate::abi::{HeaderAction, HeaderMap, LocalReply, RequestInfo, StreamState};
 use crate::body::{BodyError, GwBody, ReaderCaughtUp};
 use crate::cluster::Endpoint;
-use crate::config::{FailurePolicy, Http2Config, ListenerTimers};
+use crate::config::{FailurePolicy, HeaderLimits, Http2Config, ListenerTimers};
 use crate::global::{Global, Shutdown};
 use crate::worker::Worker;
 use bytes::Bytes;
@@ -94,6 +94,7 @@ pub struct ListenerOpts {
     pub buffer_limit: usize,
     pub timers: ListenerTimers,
     pub accept_http_10: bool,
+    pub header_limits: HeaderLimits,
     /// HTTP/2 settings; `initial_stream_window_size` is also every HTTP/2 stream's buffer limit.
     pub http2: Http2Config,
     pub forwarding: crate::forwarded::ForwardingConfig,
@@ -171,9 +172,15 @@ pub async fn serve_connection(
                 streams.changed.notify_one();
                 return std::future::pending().await;
             }
+            if h2 && header_overflow(&req, opts.header_limits, true) {
+                // Envoy's HTTP/2 codec resets the stream as it decodes the header block: no
+                // response, no plugin callback (conformance test `request_header_limits`).
+                drop(in_flight);
+                return Err(HeaderOverflow);
+            }
             let http10 = req.version() == hyper::Version::HTTP_10;
             let keep_alive = http10 && has_token(req.headers(), "connection", "keep-alive");
-            let refusal = refusal_before_filters(&req, opts.accept_http_10);
+            let refusal = refusal_before_filters(&req, &opts);
             // (HTTP/2 has no `connection` header: the stream ends, the connection stays.)
             let close = !h2 && (refusal.is_some() || (http10 && !keep_alive));
             let low_version = refusal.as_ref().is_some_and(|r| r.status == 426);
@@ -209,7 +216,7 @@ pub async fn serve_connection(
             if low_version {
                 refused.set(true);
             }
-            Ok::<_, std::convert::Infallible>(resp)
+            Ok::<_, HeaderOverflow>(resp)
         }
     });
     let io = hyper_util::rt::TokioIo::new(DownstreamIo {
@@ -228,6 +235,9 @@ pub async fn serve_connection(
             .max_concurrent_streams(h.max_concurrent_streams)
             .initial_stream_window_size(h.initial_stream_window_size)
             .initial_connection_window_size(h.initial_connection_window_size)
+            // Room for every header list within the limits as HPACK counts it (32 bytes more a
+            // field): the service applies the limits as Envoy counts them.
+            .max_header_list_size(header_list_room(opts.header_limits))
             .serve_connection(io, svc);
         drive_connection(conn, |c| c.graceful_shutdown(), &streams, opts.timers, true, stop).await;
     } else {
@@ -236,6 +246,10 @@ pub async fn serve_connection(
             .keep_alive(true)
             .timer(hyper_util::rt::TokioTimer::new())
             .header_read_timeout(opts.timers.headers)
+            // Hyper answers a head over these with a 431 of its own (no body): room past the
+            // limits, which the service applies with Envoy's reply.
+            .max_headers(opts.header_limits.count.saturating_mul(2))
+            .max_buf_size(opts.header_limits.bytes.saturating_mul(2).max(HYPER_MAX_BUF_SIZE))
             .serve_connection(io, svc);
         drive_connection(conn, |c| c.graceful_shutdown(), &streams, opts.timers, false, stop).await;
     }
@@ -330,14 +344,19 @@ fn has_token(h: &hyper::HeaderMap, name: &str, token: &str) -> bool {
 }
 
 /// The requests Envoy's HTTP connection manager answers itself once the stream's filter chain
-/// exists but before its first filter callback (`ActiveStream::decodeHeaders`): an HTTP/1.0
-/// request when the listener does not accept HTTP/1.0 (426, with the status text as the body),
-/// then a request without a host (400, no body; without `default_host_for_http_10` this includes
-/// an accepted HTTP/1.0 request without `host`). The plugin's context is created and gets only
-/// `on_log`, `on_done` and `on_delete` (conformance tests
+/// exists but before its first filter callback (`ActiveStream::decodeHeaders`): a header over
+/// the listener's limits (431, with the status text as the body), an HTTP/1.0 request when the
+/// listener does not accept HTTP/1.0 (426, likewise), then a request without a host (400, no
+/// body; without `default_host_for_http_10` this includes an accepted HTTP/1.0 request without
+/// `host`). The plugin's context is created and gets only `on_log`, `on_done` and `on_delete`
+/// (conformance tests `request_header_limits`,
 /// `http_1_0_and_a_missing_host_as_higress_configures_envoy`,
 /// `http_1_0_refused_with_the_envoy_default`).
-fn refusal_before_filters(req: &Request<Incoming>, accept_http_10: bool) -> Option<LocalReply> {
+fn refusal_before_filters(req: &Request<Incoming>, opts: &ListenerOpts) -> Option<LocalReply> {
+    // Envoy's HTTP/1 codec, while it parses the header (HTTP/2 ones never get here).
+    if header_overflow(req, opts.header_limits, false) {
+        return Some(local(431, "http1.headers_too_large", "Request Header Fields Too Large"));
+    }
     // Envoy's HTTP/1 codec, when the request's headers are complete (`onHeadersCompleteBase`).
     let connection = req.headers().get_all("connection");
     if crate::forwarded::connection_header_refused(
@@ -345,7 +364,7 @@ fn refusal_before_filters(req: &Request<Incoming>, accept_http_10: bool) -> Opti
     ) {
         return Some(local(400, "http1.connection_header_rejected", "Bad Request"));
     }
-    if req.version() == hyper::Version::HTTP_10 && !accept_http_10 {
+    if req.version() == hyper::Version::HTTP_10 && !opts.accept_http_10 {
         return Some(local(426, "low_version", "Upgrade Required"));
     }
     if !req.headers().contains_key("host") && req.uri().authority().is_none() {
@@ -353,6 +372,60 @@ fn refusal_before_filters(req: &Request<Incoming>, accept_http_10: bool) -> Opti
     }
     None
 }
+
+/// Whether the request's header is over the listener's limits as Envoy's codec counts it.
+/// HTTP/1: the head's bytes, from the request line to the blank line (Envoy 1.40's parser limits
+/// the whole head; hyper keeps no raw head, so a header line is counted as `name: value` with
+/// one space, as clients write it), and the headers. HTTP/2: the bytes of the names and values,
+/// pseudo-headers included, and the fields.
+fn header_overflow(req: &Request<Incoming>, limits: HeaderLimits, h2: bool) -> bool {
+    let uri = req.uri();
+    let h = req.headers();
+    let fields: usize = h.iter().map(|(k, v)| k.as_str().len() + v.len()).sum();
+    let path = uri.path_and_query().map_or(0, |p| p.as_str().len());
+    let method = req.method().as_str().len();
+    let (bytes, count) = if h2 {
+        let pseudo = [
+            Some(":method".len() + method),
+            Some(":scheme".len() + uri.scheme_str().map_or(0, str::len)),
+            uri.authority().map(|a| ":authority".len() + a.as_str().len()),
+            Some(":path".len() + path),
+        ];
+        (fields + pseudo.iter().flatten().sum::<usize>(), h.len() + pseudo.iter().flatten().count())
+    } else {
+        // `GET <target> HTTP/1.1\r\n`, each `name: value\r\n`, then `\r\n`. An absolute-form
+        // target carries its scheme and authority.
+        let target = uri.scheme_str().map_or(0, |s| s.len() + "://".len())
+            + uri.authority().map_or(0, |a| a.as_str().len())
+            + path;
+        let line = method + 1 + target + " HTTP/1.1\r\n".len();
+        (line + fields + h.len() * ": \r\n".len() + "\r\n".len(), h.len())
+    };
+    bytes > limits.bytes || count > limits.count
+}
+
+/// Hyper's default read buffer limit for HTTP/1 (8 KiB plus 100 lines of 4 KiB).
+const HYPER_MAX_BUF_SIZE: usize = 8192 + 4096 * 100;
+
+/// SETTINGS_MAX_HEADER_LIST_SIZE for header lists within `limits` (RFC 9113 counts 32 bytes
+/// more per field than Envoy does).
+fn header_list_room(limits: HeaderLimits) -> u32 {
+    let room = limits.bytes.saturating_add(limits.count.saturating_mul(32));
+    u32::try_from(room).unwrap_or(u32::MAX)
+}
+
+/// What the service answers for an HTTP/2 request whose header is over the listener's limits:
+/// hyper resets the stream with INTERNAL_ERROR, as Envoy's HTTP/2 codec does.
+#[derive(Debug)]
+struct HeaderOverflow;
+
+impl std::fmt::Display for HeaderOverflow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("request header over the listener's limits")
+    }
+}
+
+impl std::error::Error for HeaderOverflow {}
 
 /// Envoy's default `delayed_close_timeout`: how long it waits for the client to close first
 /// after it flushed its last bytes on a connection it closes.
@@ -1226,8 +1299,8 @@ impl Drive {
         } else if let Some(lr) = self.refusal.take() {
             // Answered before the filter's first callback: no response callbacks either.
             via_filter = false;
-            if lr.status == 426 {
-                // Envoy's HTTP/1 codec refuses it while parsing, before the request headers
+            if matches!(lr.status, 426 | 431) {
+                // Envoy's HTTP/1 codec refuses these while parsing, before the request headers
                 // reach the connection manager: `on_log` sees an empty request header map.
                 self.lock().req_headers.clear();
             }
