@@ -2,7 +2,8 @@
 //!
 //! Blocks: the text `role + ":" + content` of each message, concatenated, cut after each user
 //! message and after the last message; the `tools` list (what a chat template renders first),
-//! then a top-level `system` prompt (Anthropic's Messages API), open the first block. Each block
+//! then a top-level `system` prompt (Anthropic's Messages API), open the first block. OpenAI's
+//! Responses API (`instructions`, `input` items) is cut the same way. Each block
 //! is hashed with SHA-1; the chain is `key_i = key_{i-1} XOR sha1_i` (Higress's key semantics),
 //! named by upper-case hex. The chain is computed here, not in Lua, and sent in one
 //! `prefix_cache.lua` call that finds the longest chain present in Redis, routes to its host if
@@ -38,7 +39,8 @@ pub const MAX_BLOCKS: usize = 256;
 ///
 /// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `system`
 /// (Anthropic's top-level system prompt), `messages` (each message's `role`, `content` and
-/// `tool_calls`) and `prompt` are read, other keys are skipped, and strings are kept as the body
+/// `tool_calls`), `prompt`, and the Responses API's `instructions` and `input` (each item's
+/// `role` and `content`, or `type`, `name`, `arguments` and `output`) are read, other keys are skipped, and strings are kept as the body
 /// writes them until their text is needed.
 ///
 /// A body that fails to parse only for its text (bytes that are not UTF-8, or a `\uD83D` escape
@@ -228,44 +230,24 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) {
     if let Some(Messages::List(messages)) = &req.messages {
         // A top-level system prompt (Anthropic) is rendered first, as a system message is: two
         // conversations that differ only in it share no cached prefix.
-        if let Some(system) = &req.system {
-            sink.push(b"system:");
-            push_content(sink, system);
-            if cuts.after_system_prompt && !messages.is_empty() {
-                sink.cut();
+        blocks_of_conversation(req.system.as_ref(), messages, cuts, sink);
+    } else if let Some(input) = &req.input {
+        // The Responses API: `instructions` stand where a system message would, and a string
+        // input is one user message.
+        match input {
+            Input::Items(items) => {
+                blocks_of_conversation(req.instructions.as_ref(), items, cuts, sink)
             }
-        }
-        let last = messages.len().saturating_sub(1);
-        let is_system = |m: &Message<'_>| matches!(&*m.role(), "system" | "developer");
-        let is_tool_result = |m: &Message<'_>| matches!(&*m.role(), "tool" | "function");
-        let mut leading_system = true;
-        for (i, m) in messages.iter().enumerate() {
-            let role = m.role();
-            let role = &*role;
-            sink.push(role.as_bytes());
-            sink.push(b":");
-            if let Message::Object { content, tool_calls, .. } = m {
-                if let Some(content) = content {
-                    push_content(sink, content);
-                }
-                if let Some(tc) = tool_calls {
-                    push_json(sink, tc);
-                }
+            Input::Text(text) => {
+                let user = Message::Object {
+                    role: Some(Json::Str(JsonStr("user"))),
+                    content: Some(Json::Str(*text)),
+                    tool_calls: None,
+                    item: None,
+                };
+                blocks_of_conversation(req.instructions.as_ref(), &[user], cuts, sink)
             }
-            // End of the leading system run: the next message is the first non-system one.
-            leading_system &= matches!(role, "system" | "developer");
-            let system_cut = cuts.after_system_prompt
-                && leading_system
-                && sink.cut_count() == 0
-                && messages.get(i + 1).is_some_and(|n| !is_system(n));
-            // End of a run of tool results (parallel calls answer in several messages): what an
-            // agent appends at each step, as a chat appends a user message.
-            let tool_results_cut = cuts.after_tool_results
-                && matches!(role, "tool" | "function")
-                && !messages.get(i + 1).is_some_and(is_tool_result);
-            if role == "user" || i == last || system_cut || tool_results_cut {
-                sink.cut();
-            }
+            Input::Other => {}
         }
     } else if let Some(prompt) = &req.prompt {
         // /v1/completions: one prompt is one block (a string, or an array of strings / token ids).
@@ -294,6 +276,67 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) {
     }
 }
 
+/// Feeds the blocks of a conversation: its system prompt (when given apart from the messages),
+/// then each message or Responses item, cut as [`blocks_of`] says.
+fn blocks_of_conversation(
+    system: Option<&Json<'_>>,
+    messages: &[Message<'_>],
+    cuts: BlockCuts,
+    sink: &mut dyn BlockSink,
+) {
+    if let Some(system) = system {
+        sink.push(b"system:");
+        push_content(sink, system);
+        if cuts.after_system_prompt && !messages.is_empty() {
+            sink.cut();
+        }
+    }
+    let last = messages.len().saturating_sub(1);
+    let is_system = |m: &Message<'_>| matches!(&*m.role(), "system" | "developer");
+    let is_tool_result = |m: &Message<'_>| is_tool_result_role(&m.role());
+    let mut leading_system = true;
+    for (i, m) in messages.iter().enumerate() {
+        let role = m.role();
+        let role = &*role;
+        sink.push(role.as_bytes());
+        sink.push(b":");
+        if let Message::Object { content, tool_calls, item, .. } = m {
+            if let Some(content) = content {
+                push_content(sink, content);
+            }
+            if let Some(tc) = tool_calls {
+                push_json(sink, tc);
+            }
+            // A Responses item other than a message: its call or its call's output.
+            if let Some(item) = item {
+                for field in [&item.name, &item.arguments, &item.output].into_iter().flatten() {
+                    push_content(sink, field);
+                }
+            }
+        }
+        // End of the leading system run: the next message is the first non-system one.
+        leading_system &= matches!(role, "system" | "developer");
+        let system_cut = cuts.after_system_prompt
+            && leading_system
+            && sink.cut_count() == 0
+            && messages.get(i + 1).is_some_and(|n| !is_system(n));
+        // End of a run of tool results (parallel calls answer in several messages): what an
+        // agent appends at each step, as a chat appends a user message.
+        let tool_results_cut = cuts.after_tool_results
+            && is_tool_result_role(role)
+            && !messages.get(i + 1).is_some_and(is_tool_result);
+        if role == "user" || i == last || system_cut || tool_results_cut {
+            sink.cut();
+        }
+    }
+}
+
+/// A tool's answer: a chat `tool` (or legacy `function`) message, or a Responses
+/// `function_call_output` (or another `*_call_output` item).
+fn is_tool_result_role(role: &str) -> bool {
+    matches!(role, "tool" | "function") || role.ends_with("_call_output")
+}
+
 /// Appends `value` as compact JSON (as `Value::to_string` gives it), without building the string.
 fn push_json(sink: &mut dyn BlockSink, value: &Value) {
     // Writing into a sink cannot fail; a serializer error could only shorten the block.
@@ -312,7 +355,7 @@ fn push_content(sink: &mut dyn BlockSink, content: &Json<'_>) {
         Value::Array(parts) => {
             for p in parts {
                 match p.get("type").and_then(Value::as_str) {
-                    Some("text") => {
+                    Some("text" | "input_text" | "output_text") => {
                         sink.push(p.get("text").and_then(Value::as_str).unwrap_or("").as_bytes())
                     }
                     Some("image_url") => {
@@ -344,6 +387,16 @@ struct ChatBody<'a> {
     system: Option<Json<'a>>,
     messages: Option<Messages<'a>>,
     prompt: Option<Json<'a>>,
+    /// OpenAI's Responses API (`/v1/responses`): the system prompt, and the conversation.
+    instructions: Option<Json<'a>>,
+    input: Option<Input<'a>>,
+}
+
+/// A Responses API `input`: a string (one user message), a list of items, or any other value.
+enum Input<'a> {
+    Text(JsonStr<'a>),
+    Items(Vec<Message<'a>>),
+    Other,
 }
 
 /// `messages`: a list, or any other value (then the body is read as a completions body).
@@ -352,16 +405,39 @@ enum Messages<'a> {
     NotAList,
 }
 
-/// One message: an object (its other keys skipped), or any other value (an empty role).
+/// One message (or Responses item): an object (its other keys skipped), or any other value (an
+/// empty role).
 enum Message<'a> {
-    Object { role: Option<Json<'a>>, content: Option<Json<'a>>, tool_calls: Option<Value> },
+    Object {
+        role: Option<Json<'a>>,
+        content: Option<Json<'a>>,
+        tool_calls: Option<Value>,
+        /// For an object without a `role` only (boxed: chat messages carry none).
+        item: Option<Box<ItemFields<'a>>>,
+    },
     NotAnObject,
 }
 
+/// What a Responses item other than a message holds instead of `role` and `content`: its `type`
+/// (`function_call`, `function_call_output`, ...), and the call's `name` and `arguments` or its
+/// `output`. Kept only for an object without a `role` (a chat message's `name` is not hashed).
+#[derive(Default)]
+struct ItemFields<'a> {
+    kind: Option<Json<'a>>,
+    name: Option<Json<'a>>,
+    arguments: Option<Json<'a>>,
+    output: Option<Json<'a>>,
+}
+
 impl Message<'_> {
+    /// The role; a Responses item without one goes by its `type`.
     fn role(&self) -> Cow<'_, str> {
         match self {
             Message::Object { role: Some(Json::Str(r)), .. } => r.text(),
+            Message::Object { role: None, item: Some(item), .. } => match &item.kind {
+                Some(Json::Str(t)) => t.text(),
+                _ => Cow::Borrowed(""),
+            },
             _ => Cow::Borrowed(""),
         }
     }
@@ -459,7 +535,7 @@ fn hex_unit(s: &str) -> Option<u16> {
 
 mod body_de {
     //! Deserializers for [`super::ChatBody`]: visitors that keep only what the blocks need.
-    use super::{ChatBody, Json, JsonStr, Message, Messages};
+    use super::{ChatBody, Input, ItemFields, Json, JsonStr, Message, Messages};
     use serde::de::{Deserialize, Deserializer, Error, IgnoredAny, MapAccess, SeqAccess, Visitor};
     use serde_json::value::RawValue;
     use std::fmt;
@@ -471,6 +547,8 @@ mod body_de {
         System,
         Messages,
         Prompt,
+        Instructions,
+        Input,
         #[serde(other)]
         Other,
     }
@@ -481,6 +559,10 @@ mod body_de {
         Role,
         Content,
         ToolCalls,
+        Type,
+        Name,
+        Arguments,
+        Output,
         #[serde(other)]
         Other,
     }
@@ -518,8 +600,14 @@ mod body_de {
                     f.write_str("a JSON object")
                 }
                 fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                    let mut body =
-                        ChatBody { tools: None, system: None, messages: None, prompt: None };
+                    let mut body = ChatBody {
+                        tools: None,
+                        system: None,
+                        messages: None,
+                        prompt: None,
+                        instructions: None,
+                        input: None,
+                    };
                     // A repeated key: the last one counts (as in a parsed JSON object).
                     while let Some(key) = map.next_key::<BodyField>()? {
                         match key {
@@ -527,6 +615,8 @@ mod body_de {
                             BodyField::System => body.system = map.next_value()?,
                             BodyField::Messages => body.messages = map.next_value()?,
                             BodyField::Prompt => body.prompt = map.next_value()?,
+                            BodyField::Instructions => body.instructions = map.next_value()?,
+                            BodyField::Input => body.input = map.next_value()?,
                             BodyField::Other => {
                                 map.next_value::<IgnoredAny>()?;
                             }
@@ -579,20 +669,41 @@ mod body_de {
                 }
                 fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
                     let (mut role, mut content, mut tool_calls) = (None, None, None);
+                    let mut item = ItemFields::default();
                     while let Some(key) = map.next_key::<MessageField>()? {
                         match key {
                             MessageField::Role => role = map.next_value()?,
                             MessageField::Content => content = map.next_value()?,
                             MessageField::ToolCalls => tool_calls = map.next_value()?,
+                            MessageField::Type => item.kind = map.next_value()?,
+                            MessageField::Name => item.name = map.next_value()?,
+                            MessageField::Arguments => item.arguments = map.next_value()?,
+                            MessageField::Output => item.output = map.next_value()?,
                             MessageField::Other => {
                                 map.next_value::<IgnoredAny>()?;
                             }
                         }
                     }
-                    Ok(Message::Object { role, content, tool_calls })
+                    // A message's `type` ("message") and `name` are not part of it.
+                    let item = role.is_none().then(|| Box::new(item));
+                    Ok(Message::Object { role, content, tool_calls, item })
                 }
             }
             d.deserialize_any(V)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Input<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            // As the body has it (checked, nothing copied); a list is then read item by item.
+            let raw = <&'de RawValue>::deserialize(d)?.get();
+            if let Some(contents) = raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+                return Ok(Input::Text(JsonStr(contents)));
+            }
+            match serde_json::from_str::<Messages<'de>>(raw).map_err(D::Error::custom)? {
+                Messages::List(items) => Ok(Input::Items(items)),
+                Messages::NotAList => Ok(Input::Other),
+            }
         }
     }
 

@@ -247,7 +247,7 @@ fn content_parts_images_tool_calls_tools_and_prompt() {
         blocks_from_body(br#"{"prompt":[12,3]}"#, cuts(false)),
         "different token-id prompts must not share a block"
     );
-    assert_eq!(blocks_from_body(br#"{"input":"x"}"#, cuts(false)).unwrap(), Vec::<String>::new());
+    assert_eq!(blocks_from_body(br#"{"text":"x"}"#, cuts(false)).unwrap(), Vec::<String>::new());
     assert_eq!(blocks_from_body(b"not json", cuts(false)), None);
     assert_eq!(blocks_from_body(b"[1,2]", cuts(false)), None);
 }
@@ -986,4 +986,52 @@ fn load_aware_with_scraped_metrics_uses_them_while_fresh_and_not_once_stale() {
     let p = picks(&host);
     assert_eq!(load_args_of(&host, p[2]), None);
     assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), Some(&2));
+}
+
+/// A Codex-style agent turn through OpenAI's Responses API: `instructions`, then `input` items
+/// (messages, the model's function calls and their outputs), `rounds` tool rounds.
+fn responses_body(rounds: usize) -> String {
+    let mut items = vec![serde_json::json!({"role":"user","content":[
+        {"type":"input_text","text":"fix the build"}]})];
+    for r in 1..=rounds {
+        items.push(serde_json::json!({"type":"reasoning","id":format!("rs_{r}"),"summary":[]}));
+        items.push(serde_json::json!({"type":"function_call","call_id":format!("call_{r}"),
+            "name":"run_command","arguments":format!("{{\"cmd\":\"step {r}\"}}")}));
+        items.push(serde_json::json!({"type":"function_call_output",
+            "call_id":format!("call_{r}"),"output":format!("out {r}")}));
+    }
+    serde_json::json!({"model":"m","instructions":"You are a coding agent.",
+        "tools":[{"type":"function","name":"run_command"}],"input":items,"stream":true})
+    .to_string()
+}
+
+#[test]
+fn a_responses_api_conversation_is_cut_as_a_chat_is() {
+    let blocks = |body: &str| blocks_from_body(body.as_bytes(), BlockCuts::default()).unwrap();
+    let three = blocks(&responses_body(3));
+    assert_eq!(three.len(), 4, "the task, then one block per round: {three:?}");
+    assert!(three[0].starts_with("tools:"), "{}", three[0]);
+    assert!(three[0].contains("system:You are a coding agent.user:fix the build"), "{}", three[0]);
+    assert_eq!(
+        three[2],
+        "reasoning:function_call:run_command{\"cmd\":\"step 2\"}function_call_output:out 2"
+    );
+    // Each turn's chain starts with the previous turn's.
+    let four = chain(&blocks(&responses_body(4)));
+    assert_eq!(four[..4], chain(&three)[..]);
+
+    // The same conversation through chat completions (a system message, a user message) and
+    // through the Responses API (instructions, a string input) renders the same blocks: vLLM
+    // applies one chat template to both, so both find the same cached prefix.
+    let chat =
+        r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}"#;
+    let responses = r#"{"instructions":"Be brief.","input":"Hi"}"#;
+    assert_eq!(blocks(chat), blocks(responses));
+    assert_eq!(blocks(responses), vec!["system:Be brief.user:Hi".to_string()]);
+
+    // An input that is neither a string nor a list: no blocks (normal balancing).
+    assert_eq!(blocks(r#"{"input":{"role":"user"}}"#), Vec::<String>::new());
+    // A chat message's `name` is not hashed: chat keys are as before.
+    let named = r#"{"messages":[{"role":"user","name":"ann","content":"Hi"}]}"#;
+    assert_eq!(blocks(named), vec!["user:Hi".to_string()]);
 }

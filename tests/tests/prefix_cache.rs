@@ -491,6 +491,51 @@ async fn an_agents_tool_rounds_stay_on_its_pod_and_each_finds_every_round_before
     }
 }
 
+/// The same agent through OpenAI's Responses API (`/v1/responses`, as Codex sends it):
+/// `instructions`, then `input` items, each turn resending the whole list with the model's
+/// message, its function call and the call's output appended. The session stays on its pod and each
+/// turn finds every round before, as over chat completions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_api_agent_stays_on_its_pod_and_each_turn_finds_every_round_before() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("responses", 2).await.unwrap();
+    let cfg = redis_policy_config(
+        "route-responses",
+        &pods,
+        &redis,
+        "prefix_cache",
+        json!({"redisKeyTTL": TTL_S, "timeout": 1000}),
+    );
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let tools = json!([{"type": "function", "name": "run_command", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]);
+    let mut input = vec![json!({"role": "user", "content": [{"type": "input_text",
+        "text": format!("The build of {} fails on the CI; find out why and fix it.", paths::unique_name("repo"))}]})];
+    let mut served = Vec::new();
+    for round in 0..4 {
+        let body = json!({"model": MODEL, "instructions": "You are a coding agent.",
+            "input": input, "tools": tools, "max_output_tokens": 32});
+        let r =
+            gw.send(HttpRequest::post_json("/v1/responses", &body), REQUEST_TIMEOUT).await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        served.push(r.upstream().unwrap());
+        // (The test pods echo the request; the model's turn is written here.)
+        input.push(
+            json!({"type": "message", "role": "assistant", "content": [{"type": "output_text",
+            "text": format!("Round {round}: running the tests."), "annotations": []}]}),
+        );
+        let id = format!("call_{round}");
+        input.push(json!({"type": "function_call", "call_id": id, "name": "run_command",
+            "arguments": "{\"command\":\"make test\"}"}));
+        input.push(json!({"type": "function_call_output", "call_id": id,
+            "output": format!("exit status {round}: 3 tests failed in module {round}")}));
+    }
+    assert_eq!(tally(&served).len(), 1, "the session moved: {:?}", named(&pods, &served));
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 1, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 3, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_matched_blocks"), 1 + 2 + 3, "{stats}");
+}
+
 /// Higress's default downstream buffer limit is 32 KiB and Envoy answers 413 to a held body over
 /// it. The gateway here runs with that default (no listener override), so these chats pass only
 /// because the plugin raises the stream's limit to `maxBodyBytes` while it reads the body.
