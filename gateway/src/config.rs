@@ -118,7 +118,7 @@ pub struct ListenerConfig {
     /// Envoy's HCM `max_request_headers_kb`: a request whose header is larger is refused before
     /// any filter sees it. HTTP/1 counts the head from the request line to the blank line (431,
     /// connection closed); HTTP/2 the names and values, pseudo-headers included (stream reset).
-    /// Default 60 (Envoy's; Higress does not change it), at most 8192.
+    /// Default 60 (Envoy's, and Higress's helm `maxRequestHeadersKb`), at most 8192.
     #[serde(default = "default_max_request_headers_kb")]
     pub max_request_headers_kb: u32,
     /// Envoy's HCM `common_http_protocol_options.max_headers_count`: likewise for the number

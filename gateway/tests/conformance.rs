@@ -2540,8 +2540,8 @@ async fn a_graceful_drain_keeps_accepting_and_closes_each_connection_after_its_r
     );
 }
 
-/// Envoy's request header limits (HCM `max_request_headers_kb` 60, `max_headers_count` 100;
-/// Higress changes neither). HTTP/1: a head (request line to blank line) over 61440 bytes or
+/// Envoy's request header limits (HCM `max_request_headers_kb` 60, as Higress sets it too, and
+/// `max_headers_count` 100). HTTP/1: a head (request line to blank line) over 61440 bytes or
 /// over 100 headers gets 431 with the status text, and the connection closes. HTTP/2: names and
 /// values (pseudo-headers included) over 61440 bytes, or over 100 of them, reset the stream
 /// (INTERNAL_ERROR). A request within both limits, however close, passes.

@@ -40,8 +40,8 @@ pub const MAX_BLOCKS: usize = 256;
 /// The body (up to `maxBodyBytes`) is not parsed into a JSON tree: only `tools`, `system`
 /// (Anthropic's top-level system prompt), `messages` (each message's `role`, `content` and
 /// `tool_calls`), `prompt`, and the Responses API's `instructions` and `input` (each item's
-/// `role` and `content`, or `type`, `name`, `arguments` and `output`) are read, other keys are skipped, and strings are kept as the body
-/// writes them until their text is needed.
+/// `role` and `content`, or `type`, `name`, `arguments` and `output`) are read, other keys are
+/// skipped, and strings are kept as the body writes them until their text is needed.
 ///
 /// A body that fails to parse only for its text (bytes that are not UTF-8, or a `\uD83D` escape
 /// without its other half, as a JavaScript client that cut a string in the middle of an emoji
