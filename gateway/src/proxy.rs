@@ -172,7 +172,9 @@ pub async fn serve_connection(
                 streams.changed.notify_one();
                 return std::future::pending().await;
             }
-            if h2 && header_overflow(&req, opts.header_limits, true) {
+            // Counted as this connection's codec counts it, once.
+            let overflow = header_overflow(&req, opts.header_limits, h2);
+            if h2 && overflow {
                 // Envoy's HTTP/2 codec resets the stream as it decodes the header block: no
                 // response, no plugin callback (conformance test `request_header_limits`).
                 drop(in_flight);
@@ -180,7 +182,7 @@ pub async fn serve_connection(
             }
             let http10 = req.version() == hyper::Version::HTTP_10;
             let keep_alive = http10 && has_token(req.headers(), "connection", "keep-alive");
-            let refusal = refusal_before_filters(&req, &opts);
+            let refusal = refusal_before_filters(&req, &opts, overflow);
             // (HTTP/2 has no `connection` header: the stream ends, the connection stays.)
             let close = !h2 && (refusal.is_some() || (http10 && !keep_alive));
             let low_version = refusal.as_ref().is_some_and(|r| r.status == 426);
@@ -352,9 +354,14 @@ fn has_token(h: &hyper::HeaderMap, name: &str, token: &str) -> bool {
 /// (conformance tests `request_header_limits`,
 /// `http_1_0_and_a_missing_host_as_higress_configures_envoy`,
 /// `http_1_0_refused_with_the_envoy_default`).
-fn refusal_before_filters(req: &Request<Incoming>, opts: &ListenerOpts) -> Option<LocalReply> {
-    // Envoy's HTTP/1 codec, while it parses the header (HTTP/2 ones never get here).
-    if header_overflow(req, opts.header_limits, false) {
+fn refusal_before_filters(
+    req: &Request<Incoming>,
+    opts: &ListenerOpts,
+    header_overflow: bool,
+) -> Option<LocalReply> {
+    // Envoy's HTTP/1 codec, while it parses the header (an HTTP/2 stream over the limits was
+    // reset before this).
+    if header_overflow {
         return Some(local(431, "http1.headers_too_large", "Request Header Fields Too Large"));
     }
     // Envoy's HTTP/1 codec, when the request's headers are complete (`onHeadersCompleteBase`).
