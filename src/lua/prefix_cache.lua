@@ -70,7 +70,7 @@ end
 -- `first_read`..`nk` were read: each value split into its holders (`vals`) and the time it was
 -- written (`written`, 0 when absent).
 local fresh = ttl / 8
-local chain, matched, held, vals, written = {}, 0, nil, {}, {}
+local chain, matched, holders, vals, written = {}, 0, nil, {}, {}
 local first_read = nk + 1
 if nk > 0 and n > 0 then
   local lo, hi = nk > 1 and nk - 1 or 1, nk
@@ -103,8 +103,7 @@ if nk > 0 and n > 0 then
       for i = present, 1, -1 do
         local hs = live(vals[i])
         if hs then
-          matched, held = i, {}
-          for _, h in ipairs(hs) do held[h] = true end
+          matched, holders = i, hs
           break
         end
       end
@@ -115,8 +114,7 @@ if nk > 0 and n > 0 then
       local hs = vals[i] and live(vals[i])
       if hs then
         if now - written[i] < fresh then
-          matched, held = i, {}
-          for _, h in ipairs(hs) do held[h] = true end
+          matched, holders = i, hs
         end
         break
       end
@@ -124,6 +122,12 @@ if nk > 0 and n > 0 then
     if matched > 0 then break end
     lo, hi = 1, lo - 1
   end
+end
+-- The match's healthy holders, as a set.
+local held = nil
+if holders then
+  held = {}
+  for _, h in ipairs(holders) do held[h] = true end
 end
 --@settle
 -- Each host's load: in flight (once the carried releases are applied; a count below 0 counts as
