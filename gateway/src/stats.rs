@@ -24,6 +24,32 @@ pub enum MetricError {
     BadArgument,
 }
 
+/// The callbacks a plugin VM exports that the host calls, as `vm_callbacks` counts them.
+pub const VM_CALLBACKS: [&str; 16] = [
+    "proxy_on_vm_start",
+    "proxy_on_configure",
+    "proxy_on_context_create",
+    "proxy_on_request_headers",
+    "proxy_on_request_body",
+    "proxy_on_request_trailers",
+    "proxy_on_response_headers",
+    "proxy_on_response_body",
+    "proxy_on_log",
+    "proxy_on_done",
+    "proxy_on_delete",
+    "proxy_on_tick",
+    "proxy_on_queue_ready",
+    "proxy_on_http_call_response",
+    "proxy_on_redis_call_response",
+    "proxy_on_memory_allocate",
+];
+
+#[derive(Debug, Default)]
+struct CallbackStat {
+    calls: AtomicU64,
+    nanos: AtomicU64,
+}
+
 #[derive(Debug)]
 struct Metric {
     name: String,
@@ -47,6 +73,9 @@ pub struct Stats {
     /// Wall time spent inside those calls (hostcalls included), in nanoseconds: the plugin's
     /// own CPU on the worker thread, which blocks while it runs.
     pub vm_call_nanos_total: AtomicU64,
+    /// Calls and wall time per callback, in the order of [`VM_CALLBACKS`]: where the plugin's
+    /// time goes (per-chunk body callbacks, ticks, Redis replies).
+    vm_callbacks: [CallbackStat; VM_CALLBACKS.len()],
     /// Largest linear memory of any plugin VM, in bytes. A wasm memory never shrinks, so this is
     /// the peak any one VM needed.
     pub vm_memory_bytes_max: AtomicU64,
@@ -54,6 +83,18 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// One call into a plugin VM: `callback` took `nanos` of wall time.
+    pub fn vm_call(&self, callback: &str, nanos: u64) {
+        self.vm_calls_total.fetch_add(1, Ordering::Relaxed);
+        self.vm_call_nanos_total.fetch_add(nanos, Ordering::Relaxed);
+        if let Some(at) = VM_CALLBACKS.iter().position(|c| *c == callback) {
+            if let Some(c) = self.vm_callbacks.get(at) {
+                c.calls.fetch_add(1, Ordering::Relaxed);
+                c.nanos.fetch_add(nanos, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Define (or find) a metric; returns its id.
     pub fn define(&self, kind: MetricKind, name: &str) -> u32 {
         let Ok(mut m) = self.metrics.lock() else { return 0 };
@@ -122,6 +163,22 @@ impl Stats {
         ];
         for (name, kind, value) in host_metrics {
             out.push_str(&format!("# TYPE {name} {kind}\n{name} {value}\n"));
+        }
+        let called =
+            || VM_CALLBACKS.iter().zip(&self.vm_callbacks).filter(|(_, c)| load(&c.calls) > 0);
+        out.push_str("# TYPE gateway_vm_callback_calls_total counter\n");
+        for (name, c) in called() {
+            let calls = load(&c.calls);
+            out.push_str(&format!(
+                "gateway_vm_callback_calls_total{{callback=\"{name}\"}} {calls}\n"
+            ));
+        }
+        out.push_str("# TYPE gateway_vm_callback_seconds_total counter\n");
+        for (name, c) in called() {
+            let seconds = load(&c.nanos) as f64 / 1e9;
+            out.push_str(&format!(
+                "gateway_vm_callback_seconds_total{{callback=\"{name}\"}} {seconds:.9}\n"
+            ));
         }
         out.push_str("# TYPE gateway_upstream_requests_total counter\n");
         for (c, h, t, _) in upstreams {

@@ -358,9 +358,7 @@ impl Worker {
             let Some(vm) = vm.as_mut() else { return Ok((None, false)) };
             vm.call(ctx, name, args)
         };
-        let stats = &self.g.stats;
-        stats.vm_calls_total.fetch_add(1, Ordering::Relaxed);
-        stats.vm_call_nanos_total.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        self.g.stats.vm_call(name, started.elapsed().as_nanos() as u64);
         match r {
             Ok(x) => Ok(x),
             Err(e) => {

@@ -102,6 +102,25 @@ async fn five_turn_conversations_stick_to_their_pod_and_new_ones_spread() {
     assert_eq!(stat(&stats, "ai_lb_predicted_miss_engine_miss"), 6, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_predicted_hit_engine_hit"), 24, "{stats}");
     assert!(stat(&stats, "ai_lb_engine_cached_tokens") > 0, "{stats}");
+    // The host shows where the plugin's time went, callback by callback: each of the 30
+    // requests had its headers, its reply's body chunks and its pick's Redis reply, and the
+    // callbacks' times add up to the total.
+    let per_callback = |metric: &str, callback: &str| {
+        let sum = testkit::gateway::prom_sum(&stats, metric, &[("callback", callback)]);
+        sum.unwrap_or(0.0)
+    };
+    for callback in
+        ["proxy_on_request_headers", "proxy_on_response_body", "proxy_on_redis_call_response"]
+    {
+        let calls = per_callback("gateway_vm_callback_calls_total", callback);
+        assert!(calls >= 30.0, "{callback}: {calls} calls\n{stats}");
+        assert!(per_callback("gateway_vm_callback_seconds_total", callback) > 0.0, "{stats}");
+    }
+    let total =
+        testkit::gateway::prom_sum(&stats, "gateway_vm_call_seconds_total", &[]).unwrap_or(0.0);
+    let summed =
+        testkit::gateway::prom_sum(&stats, "gateway_vm_callback_seconds_total", &[]).unwrap_or(0.0);
+    assert!(total > 0.0 && (summed - total).abs() < 1e-3, "{summed} against {total}");
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
 
