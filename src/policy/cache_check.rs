@@ -1,6 +1,8 @@
 //! Was the router's guess right? After a `prefix_cache` decision, the engine's reply says how many
 //! prompt tokens it found cached (`usage.prompt_tokens_details.cached_tokens`, in a JSON reply and
-//! in the last chunk of a stream with `stream_options.include_usage`). Comparing that with the
+//! in the last chunk of a stream with `stream_options.include_usage`; the Responses API names them
+//! `input_tokens` and `input_tokens_details.cached_tokens`, in its reply and in the stream's
+//! `response.completed` event). Comparing that with the
 //! prediction (a prefix hit or a miss) tells an operator how often the routing paid off.
 //!
 //! The usage object is at the end of the body, so only the last [`TAIL`] bytes of the response are
@@ -52,7 +54,9 @@ impl CacheCheck {
 /// `cached_tokens` figure (engines that do not report it).
 pub fn usage_tokens(tail: &[u8]) -> Option<(i64, i64)> {
     let cached = last_number(tail, b"\"cached_tokens\"")?;
-    let prompt = last_number(tail, b"\"prompt_tokens\"").unwrap_or(0);
+    let prompt = last_number(tail, b"\"prompt_tokens\"")
+        .or_else(|| last_number(tail, b"\"input_tokens\""))
+        .unwrap_or(0);
     Some((prompt, cached))
 }
 

@@ -8,6 +8,8 @@ fn reads_the_usage_of_a_json_reply_and_of_a_stream() {
     assert_eq!(usage_tokens(json), Some((812, 768)));
     let sse = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\": 40, \"prompt_tokens_details\": {\"cached_tokens\": 0}}}\n\ndata: [DONE]\n\n";
     assert_eq!(usage_tokens(sse), Some((40, 0)));
+    let responses = b"event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"status\":\"completed\",\"usage\":{\"input_tokens\":2048,\"input_tokens_details\":{\"cached_tokens\":1920},\"output_tokens\":80,\"total_tokens\":2128}}}\n\n";
+    assert_eq!(usage_tokens(responses), Some((2048, 1920)), "the Responses API's names");
     assert_eq!(usage_tokens(br#"{"usage":{"prompt_tokens":5}}"#), None, "no cache report");
     assert_eq!(usage_tokens(br#""cached_tokens": null"#), None);
     assert_eq!(usage_tokens(b"\"cached_tokens\":"), None, "cut");

@@ -1,7 +1,7 @@
 //! Small recording upstream "inference pods".
 //!
-//! A [`Pod`] answers like an OpenAI-compatible model server: `POST /v1/chat/completions` and
-//! `/v1/completions` (JSON or SSE with `"stream": true`), `GET /metrics` (a Prometheus text the test
+//! A [`Pod`] answers like an OpenAI-compatible model server: `POST /v1/chat/completions`,
+//! `/v1/completions` and `/v1/responses` (JSON or SSE with `"stream": true`), `GET /metrics` (a Prometheus text the test
 //! sets), `GET /health`, and anything else with a small JSON echo. It records every request it
 //! received, counts requests in flight, and can add latency, hold requests open until released,
 //! answer 5xx, or stop altogether.
@@ -111,6 +111,79 @@ fn cached_tokens(state: &State, messages: &[serde_json::Value]) -> usize {
     }
     seen.extend(prefixes);
     messages.iter().take(shared).map(|m| m.to_string().len() / 4).sum()
+}
+
+/// A Responses API request's conversation, item by item (`instructions` first), for
+/// [`cached_tokens`].
+fn responses_conversation(parsed: &serde_json::Value) -> Vec<serde_json::Value> {
+    let instructions = parsed.get("instructions").filter(|i| !i.is_null()).cloned();
+    let input = match parsed.get("input") {
+        Some(serde_json::Value::Array(items)) => items.clone(),
+        Some(text) => vec![text.clone()],
+        None => Vec::new(),
+    };
+    instructions.into_iter().chain(input).collect()
+}
+
+/// The answer "Hello from <name>" as the Responses API gives it: a `response` object, or a
+/// stream of typed events (`response.created`, one `response.output_text.delta` per word,
+/// `response.completed` with the usage; no `[DONE]`).
+fn responses_answer(
+    name: &str,
+    model: &str,
+    stream: bool,
+    body_len: usize,
+    cached: usize,
+    behavior: &Behavior,
+) -> hyper::Response<PodBody> {
+    let text = format!("Hello from {name}");
+    let response = |status: &str, text: &str| {
+        serde_json::json!({
+            "id": format!("resp_{name}"), "object": "response", "created_at": 0, "model": model,
+            "status": status,
+            "output": [{"type": "message", "id": format!("msg_{name}"), "role": "assistant",
+                "status": status, "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+            "usage": {"input_tokens": body_len / 4, "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": body_len / 4 + 3},
+        })
+    };
+    if !stream {
+        return full(200, name, "application/json", response("completed", &text).to_string());
+    }
+    let mut words = vec!["Hello".to_string(), " from".into(), format!(" {name}")];
+    words.extend((1..=behavior.stream_extra_words).map(|i| format!(" w{i}")));
+    let mut events =
+        vec![("response.created", serde_json::json!({"response": response("in_progress", "")}))];
+    for word in &words {
+        events.push((
+            "response.output_text.delta",
+            serde_json::json!({"item_id": format!("msg_{name}"), "output_index": 0, "content_index": 0, "delta": word}),
+        ));
+    }
+    events.push((
+        "response.completed",
+        serde_json::json!({"response": response("completed", &words.concat())}),
+    ));
+    let chunks = events
+        .into_iter()
+        .enumerate()
+        .map(|(seq, (kind, mut data))| {
+            data["type"] = serde_json::json!(kind);
+            data["sequence_number"] = serde_json::json!(seq);
+            Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
+        })
+        .collect();
+    let mut resp = hyper::Response::new(chunked_body(chunks, behavior.stream_chunk_delay));
+    let h = resp.headers_mut();
+    h.insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/event-stream"),
+    );
+    if let Ok(v) = hyper::header::HeaderValue::from_str(name) {
+        h.insert("x-pod", v);
+    }
+    resp
 }
 
 /// Decrements the in-flight count when the request ends, also when hyper drops the handler
@@ -385,7 +458,9 @@ async fn handle(
         return Ok(full(status, &name, "application/json", err.to_string()));
     }
 
-    let is_llm = path.ends_with("/chat/completions") || path.ends_with("/completions");
+    let is_responses = path.ends_with("/v1/responses");
+    let is_llm =
+        path.ends_with("/chat/completions") || path.ends_with("/completions") || is_responses;
     if !is_llm {
         let echo = serde_json::json!({
             "pod": name, "method": parts.method.as_str(), "path": path, "body_len": body.len()
@@ -403,6 +478,10 @@ async fn handle(
     let model = parsed.get("model").and_then(|m| m.as_str()).unwrap_or("unknown").to_string();
     let stream = parsed.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
     let content = format!("Hello from {name}");
+    if is_responses {
+        let cached = cached_tokens(&state, &responses_conversation(&parsed));
+        return Ok(responses_answer(&name, &model, stream, body.len(), cached, &behavior));
+    }
     let messages = parsed.get("messages").and_then(|m| m.as_array()).cloned().unwrap_or_default();
     let cached = cached_tokens(&state, &messages);
     if !stream {

@@ -1,6 +1,6 @@
 //! A real client: the official OpenAI Python SDK (`pip install openai`) talks to the gateway with
-//! the plugin in prefix_cache mode; every turn of its conversation (JSON and streamed) lands on one
-//! pod and the SDK parses every answer.
+//! the plugin in prefix_cache mode; every turn of its conversation (JSON and streamed, on the chat
+//! API and on the Responses API) lands on one pod and the SDK parses every answer.
 //!
 //! The SDK is installed with pip when missing (PyPI is reachable on the project's machines); if
 //! that fails the test fails: it is never silently skipped.
@@ -36,25 +36,18 @@ fn ensure_openai_sdk() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn openai_python_sdk_conversation_sticks_to_one_pod() {
+/// Runs `tests/python/<script>` against the gateway; its output lines, parsed.
+async fn run_sdk_script(gw: &Gateway, script: &str, env: &[(&str, String)]) -> Vec<Value> {
     tokio::task::spawn_blocking(ensure_openai_sdk).await.unwrap();
-    let redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("sdk", 3).await.unwrap();
-    for p in &pods {
-        p.set_stream_chunk_delay(Duration::from_millis(10));
-    }
-    let gw =
-        Gateway::start(&redis_policy_config("route-sdk", &pods, &redis, "prefix_cache", json!({})))
-            .await
-            .unwrap();
-    let script = paths::workspace_root().join("tests/python/openai_conversation.py");
+    let script = paths::workspace_root().join("tests/python").join(script);
     let base_url = format!("http://{}/v1", gw.addr());
+    let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
     let run = tokio::task::spawn_blocking(move || {
         Command::new(python())
             .arg(script)
             .env("GATEWAY_BASE_URL", base_url)
             .env("MODEL", MODEL)
+            .envs(env)
             .output()
     });
     let out = tokio::time::timeout(Duration::from_secs(60), run)
@@ -68,18 +61,64 @@ async fn openai_python_sdk_conversation_sticks_to_one_pod() {
         "SDK script failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let turns: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(turns.len(), 4, "{stdout}");
+    stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_sdk_conversation_sticks_to_one_pod() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("sdk", 3).await.unwrap();
+    for p in &pods {
+        p.set_stream_chunk_delay(Duration::from_millis(10));
+    }
+    let gw =
+        Gateway::start(&redis_policy_config("route-sdk", &pods, &redis, "prefix_cache", json!({})))
+            .await
+            .unwrap();
+    let turns = run_sdk_script(&gw, "openai_conversation.py", &[]).await;
+    assert_eq!(turns.len(), 4, "{turns:?}");
     let home = turns[0]["upstream"].as_str().unwrap().to_string();
     let pod = pod_at(&pods, &home).unwrap();
     for t in &turns {
-        assert_eq!(t["upstream"].as_str(), Some(home.as_str()), "turn left its pod: {stdout}");
+        assert_eq!(t["upstream"].as_str(), Some(home.as_str()), "turn left its pod: {turns:?}");
         assert_eq!(
             t["answer"].as_str(),
             Some(format!("Hello from {}", pod.name()).as_str()),
-            "{stdout}"
+            "{turns:?}"
         );
     }
     assert!(turns.iter().any(|t| t["stream"] == true), "no streamed turn");
     assert_eq!(pod.inference_count(), 4);
+}
+
+/// A coding agent on the Responses API, as the SDK sends it (its own output items fed back, a
+/// function call and its output per round, JSON and streamed rounds): every round lands on the
+/// pod holding the rounds before, which reports them cached, and the plugin's counters agree.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_sdk_responses_agent_stays_on_its_pod() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("sdk-responses", 3).await.unwrap();
+    for p in &pods {
+        p.set_stream_chunk_delay(Duration::from_millis(10));
+    }
+    let cfg = redis_policy_config("route-sdk-responses", &pods, &redis, "prefix_cache", json!({}));
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let task = format!("The build of {} fails on the CI; fix it.", paths::unique_name("repo"));
+    let rounds = run_sdk_script(&gw, "openai_responses_agent.py", &[("TASK", task)]).await;
+    assert_eq!(rounds.len(), 4, "{rounds:?}");
+    let home = rounds[0]["upstream"].as_str().unwrap().to_string();
+    let pod = pod_at(&pods, &home).unwrap();
+    for r in &rounds {
+        assert_eq!(r["upstream"].as_str(), Some(home.as_str()), "round left its pod: {rounds:?}");
+        let answer = format!("Hello from {}", pod.name());
+        assert_eq!(r["answer"].as_str(), Some(answer.as_str()), "{rounds:?}");
+        let cached = r["cached_tokens"].as_u64().unwrap_or(0);
+        assert_eq!(cached > 0, r["round"] != 0, "the pod holds the rounds before: {rounds:?}");
+    }
+    assert!(rounds.iter().any(|r| r["stream"] == true), "no streamed round");
+    assert_eq!(pod.inference_count(), 4);
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 1, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 3, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_predicted_hit_engine_hit"), 3, "{stats}");
 }

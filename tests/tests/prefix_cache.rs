@@ -532,12 +532,13 @@ async fn a_responses_api_agent_stays_on_its_pod_and_each_turn_finds_every_round_
     let mut served = Vec::new();
     for round in 0..4 {
         let body = json!({"model": MODEL, "instructions": "You are a coding agent.",
-            "input": input, "tools": tools, "max_output_tokens": 32});
+            "input": input, "tools": tools, "max_output_tokens": 32, "stream": round % 2 == 1});
         let r =
             gw.send(HttpRequest::post_json("/v1/responses", &body), REQUEST_TIMEOUT).await.unwrap();
         assert_eq!(r.status, 200, "{}", r.text());
+        assert!(r.text().contains("Hello from"), "{}", r.text());
         served.push(r.upstream().unwrap());
-        // (The test pods echo the request; the model's turn is written here.)
+        // (The model's turn is written here, whatever the test pod answered.)
         input.push(
             json!({"type": "message", "role": "assistant", "content": [{"type": "output_text",
             "text": format!("Round {round}: running the tests."), "annotations": []}]}),
@@ -553,6 +554,14 @@ async fn a_responses_api_agent_stays_on_its_pod_and_each_turn_finds_every_round_
     assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 1, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 3, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_prefix_matched_blocks"), 1 + 2 + 3, "{stats}");
+    // The pod's reports (`usage.input_tokens_details`, in a JSON reply and in a stream's
+    // `response.completed`) confirm each guess: the first round found nothing cached, the
+    // later ones their history.
+    assert_eq!(stat(&stats, "ai_lb_predicted_miss_engine_miss"), 1, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_predicted_hit_engine_hit"), 3, "{stats}");
+    assert!(
+        stat(&stats, "ai_lb_engine_prompt_tokens") > stat(&stats, "ai_lb_engine_cached_tokens")
+    );
 }
 
 /// Higress's default downstream buffer limit is 32 KiB and Envoy answers 413 to a held body over

@@ -1,0 +1,92 @@
+"""A coding agent on OpenAI's Responses API through the gateway, with the official OpenAI Python SDK.
+
+Run by tests/tests/openai_sdk.rs. Each round sends `instructions` and the whole `input` list (the
+model's output items appended as the SDK returns them, then a function call and its output, as an
+agent loop does), alternately as JSON and as a stream of typed events. Prints one JSON object per
+round: {"round": n, "stream": bool, "upstream": "ip:port", "answer": "...", "cached_tokens": n}.
+The base URL comes from GATEWAY_BASE_URL (e.g. http://127.0.0.1:1234/v1).
+"""
+
+import json
+import os
+import sys
+
+import openai
+
+base_url = os.environ["GATEWAY_BASE_URL"]
+model = os.environ.get("MODEL", "meta-llama/Llama-3.1-8B-Instruct")
+task = os.environ.get("TASK", "The build fails on the CI; find out why and fix it.")
+client = openai.OpenAI(base_url=base_url, api_key="not-needed", timeout=10.0, max_retries=0)
+
+tools = [
+    {
+        "type": "function",
+        "name": "run_command",
+        "description": "Run a shell command in the repository.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+    }
+]
+request = dict(
+    model=model,
+    instructions="You are a coding agent. Use run_command to inspect and fix the repository.",
+    tools=tools,
+    max_output_tokens=32,
+    store=False,
+)
+input_items = [{"role": "user", "content": [{"type": "input_text", "text": task}]}]
+for round_ in range(4):
+    stream = round_ % 2 == 1
+    if stream:
+        with client.responses.with_streaming_response.create(
+            input=input_items, stream=True, **request
+        ) as raw:
+            upstream = raw.headers.get("x-gateway-upstream-host")
+            answer, response = "", None
+            for event in raw.parse():
+                if event.type == "response.output_text.delta":
+                    answer += event.delta
+                elif event.type == "response.completed":
+                    response = event.response
+        if response is None:
+            sys.exit("the stream ended without response.completed")
+    else:
+        raw = client.responses.with_raw_response.create(input=input_items, **request)
+        upstream = raw.headers.get("x-gateway-upstream-host")
+        response = raw.parse()
+        answer = response.output_text
+    cached = response.usage.input_tokens_details.cached_tokens
+    print(
+        json.dumps(
+            {
+                "round": round_,
+                "stream": stream,
+                "upstream": upstream,
+                "answer": answer,
+                "cached_tokens": cached,
+            }
+        ),
+        flush=True,
+    )
+    # The agent loop: the model's output items as the SDK returned them, then the tool's run.
+    input_items += [item.model_dump(exclude_none=True) for item in response.output]
+    call_id = f"call_{round_}"
+    input_items.append(
+        {
+            "type": "function_call",
+            "call_id": call_id,
+            "name": "run_command",
+            "arguments": json.dumps({"command": "make test"}),
+        }
+    )
+    input_items.append(
+        {
+            "type": "function_call_output",
+            "call_id": call_id,
+            "output": f"exit status 2: {3 + round_} tests failed",
+        }
+    )
+sys.exit(0)
