@@ -1,7 +1,7 @@
 //! Sends the sessions: bounded concurrency, full history each turn, streamed replies,
 //! client-side timings, and the oracle hit rate.
 
-use crate::workload::{SessionPlan, TOOL_NAME};
+use crate::workload::{Api, SessionPlan, TOOL_NAME};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
@@ -165,19 +165,81 @@ type HttpClient = Client<HttpConnector, Full<Bytes>>;
 struct Reply {
     text: String,
     ttft: Option<Duration>,
-    usage: Option<Value>,
+    usage: Option<Usage>,
     pod: Option<String>,
     gateway_added_ms: Option<f64>,
+}
+
+/// What the engine reported of one request, whichever API's names it used.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Usage {
+    prompt_tokens: Option<usize>,
+    completion_tokens: Option<usize>,
+    cached_tokens: usize,
+}
+
+impl Usage {
+    /// A chat or completions `usage` object, or a Responses API one (`input_tokens`,
+    /// `output_tokens`, `input_tokens_details.cached_tokens`).
+    fn read(u: &Value) -> Usage {
+        let count = |keys: [&str; 2]| {
+            keys.iter().find_map(|k| u.pointer(k)).and_then(Value::as_u64).map(|v| v as usize)
+        };
+        Usage {
+            prompt_tokens: count(["/prompt_tokens", "/input_tokens"]),
+            completion_tokens: count(["/completion_tokens", "/output_tokens"]),
+            cached_tokens: count([
+                "/prompt_tokens_details/cached_tokens",
+                "/input_tokens_details/cached_tokens",
+            ])
+            .unwrap_or(0),
+        }
+    }
+}
+
+/// One streamed event's part in the reply: text, usage, the end.
+#[derive(Debug, Default, PartialEq)]
+struct StreamEvent<'a> {
+    text: &'a str,
+    usage: Option<Usage>,
+    done: bool,
+}
+
+/// Reads one `data:` payload of a chat stream (text deltas, a usage chunk, `[DONE]`) or of a
+/// Responses API stream (`response.output_text.delta`, then `response.completed` or
+/// `response.incomplete` carrying the usage and ending it). `Err` for a failed response.
+fn stream_event<'a>(api: Api, v: &'a Value) -> Result<StreamEvent<'a>, String> {
+    match api {
+        Api::Chat => Ok(StreamEvent {
+            text: v.pointer("/choices/0/delta/content").and_then(Value::as_str).unwrap_or(""),
+            usage: v.get("usage").filter(|u| !u.is_null()).map(Usage::read),
+            done: false,
+        }),
+        Api::Responses => match v.get("type").and_then(Value::as_str).unwrap_or("") {
+            "response.output_text.delta" => Ok(StreamEvent {
+                text: v.get("delta").and_then(Value::as_str).unwrap_or(""),
+                ..StreamEvent::default()
+            }),
+            "response.completed" | "response.incomplete" => Ok(StreamEvent {
+                usage: v.pointer("/response/usage").filter(|u| !u.is_null()).map(Usage::read),
+                done: true,
+                ..StreamEvent::default()
+            }),
+            "response.failed" | "error" => Err(format!("response failed: {v}")),
+            _ => Ok(StreamEvent::default()),
+        },
+    }
 }
 
 async fn send(
     client: &HttpClient,
     url: &str,
     sticky: Option<(&str, &str)>,
+    api: Api,
     body: Value,
     t0: Instant,
 ) -> Result<Reply, String> {
-    let mut req = hyper::Request::post(format!("{url}/v1/chat/completions"))
+    let mut req = hyper::Request::post(format!("{url}{}", api.path()))
         .header("content-type", "application/json");
     if let Some((name, value)) = sticky {
         req = req.header(name, value);
@@ -223,25 +285,102 @@ async fn send(
                     continue;
                 }
                 let Ok(v) = serde_json::from_slice::<Value>(payload) else { continue };
-                let piece =
-                    v.pointer("/choices/0/delta/content").and_then(Value::as_str).unwrap_or("");
-                if !piece.is_empty() {
+                let event = stream_event(api, &v)?;
+                if !event.text.is_empty() {
                     if reply.ttft.is_none() {
                         reply.ttft = Some(t0.elapsed());
                     }
-                    reply.text.push_str(piece);
+                    reply.text.push_str(event.text);
                 }
-                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-                    reply.usage = Some(u.clone());
+                if event.usage.is_some() {
+                    reply.usage = event.usage;
                 }
+                done |= event.done;
             }
         }
     }
     if !done {
         // The pod died mid-stream (or the gateway cut it): not a complete reply.
-        return Err(format!("stream ended before [DONE] after {} bytes", reply.text.len()));
+        let (end, got) = (api.stream_end(), reply.text.len());
+        return Err(format!("stream ended before {end} after {got} bytes"));
     }
     Ok(reply)
+}
+
+/// A session's conversation as its requests send it, in the workload's API.
+struct Conversation {
+    api: Api,
+    /// Responses API: the system prompt, sent as `instructions` (chat: the first message).
+    instructions: Option<String>,
+    /// Chat: `messages`; Responses API: `input` items.
+    items: Vec<Value>,
+}
+
+impl Conversation {
+    fn new(api: Api, system: Option<String>) -> Conversation {
+        let mut c = Conversation { api, instructions: None, items: Vec::new() };
+        match api {
+            Api::Chat => c.items.extend(system.map(|s| json!({"role": "system", "content": s}))),
+            Api::Responses => c.instructions = system,
+        }
+        c
+    }
+
+    fn user(&mut self, text: &str) {
+        self.items.push(json!({"role": "user", "content": text}));
+    }
+
+    /// The previous reply called the tool (call `id`); its result is `output`.
+    fn tool_result(&mut self, id: &str, output: &str) {
+        let arguments = "{\"command\":\"make\"}";
+        match self.api {
+            Api::Chat => {
+                if let Some(reply) = self.items.last_mut().and_then(Value::as_object_mut) {
+                    let call = json!([{"id": id, "type": "function",
+                        "function": {"name": TOOL_NAME, "arguments": arguments}}]);
+                    reply.insert("tool_calls".into(), call);
+                }
+                self.items.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
+            }
+            Api::Responses => {
+                self.items.push(json!({"type": "function_call", "call_id": id,
+                    "name": TOOL_NAME, "arguments": arguments}));
+                self.items
+                    .push(json!({"type": "function_call_output", "call_id": id, "output": output}));
+            }
+        }
+    }
+
+    fn assistant(&mut self, text: &str) {
+        self.items.push(match self.api {
+            Api::Chat => json!({"role": "assistant", "content": text}),
+            Api::Responses => json!({"type": "message", "role": "assistant",
+                "content": [{"type": "output_text", "text": text}]}),
+        });
+    }
+
+    /// The next request's body: the whole conversation, streamed, usage reported.
+    fn body(&self, model: &str, max_tokens: usize, tools: Option<&Value>) -> Value {
+        let mut body = match self.api {
+            Api::Chat => json!({
+                "model": model, "messages": self.items, "max_tokens": max_tokens,
+                "stream": true, "stream_options": {"include_usage": true},
+            }),
+            Api::Responses => json!({
+                "model": model, "input": self.items, "max_output_tokens": max_tokens,
+                "stream": true, "store": false,
+            }),
+        };
+        if let Some(obj) = body.as_object_mut() {
+            if let Some(tools) = tools {
+                obj.insert("tools".into(), tools.clone());
+            }
+            if let Some(instructions) = &self.instructions {
+                obj.insert("instructions".into(), json!(instructions));
+            }
+        }
+        body
+    }
 }
 
 async fn run_session(
@@ -258,10 +397,9 @@ async fn run_session(
     // The conversation twice: as the pods tokenize it (for the oracle) and as the request sends
     // it (with the tool calls and their ids, which the pods' template does not render).
     let mut history: Vec<Message> = Vec::new();
-    let mut messages: Vec<Value> = Vec::new();
+    let mut sent = Conversation::new(s.api, s.system.clone());
     if let Some(sys) = &s.system {
         history.push(Message { role: "system".into(), content: sys.clone() });
-        messages.push(json!({"role": "system", "content": sys}));
     }
     let tools_text = s.tools.as_ref().map(Value::to_string);
     let mut out = Vec::new();
@@ -272,17 +410,11 @@ async fn run_session(
         let url = &target.urls[target.gateway_choice.index(s.id, t, target.urls.len())];
         if s.tool_rounds && t > 0 {
             // The previous reply called the tool; this turn sends its result.
-            let id = format!("call_{}_{t}", s.id);
-            if let Some(reply) = messages.last_mut().and_then(Value::as_object_mut) {
-                let call = json!([{"id": id, "type": "function",
-                    "function": {"name": TOOL_NAME, "arguments": "{\"command\":\"make\"}"}}]);
-                reply.insert("tool_calls".into(), call);
-            }
             history.push(Message { role: "tool".into(), content: turn.user.clone() });
-            messages.push(json!({"role": "tool", "tool_call_id": id, "content": turn.user}));
+            sent.tool_result(&format!("call_{}_{t}", s.id), &turn.user);
         } else {
             history.push(Message { role: "user".into(), content: turn.user.clone() });
-            messages.push(json!({"role": "user", "content": turn.user}));
+            sent.user(&turn.user);
         }
         let prompt = chat_prompt_tokens(&history, tools_text.as_deref());
         let oracle_hit = oracle
@@ -293,15 +425,9 @@ async fn run_session(
                 best
             })
             .unwrap_or(0);
-        let mut body = json!({
-            "model": target.model, "messages": messages, "max_tokens": turn.max_tokens,
-            "stream": true, "stream_options": {"include_usage": true},
-        });
-        if let (Some(tools), Some(obj)) = (&s.tools, body.as_object_mut()) {
-            obj.insert("tools".into(), tools.clone());
-        }
+        let body = sent.body(&target.model, turn.max_tokens, s.tools.as_ref());
         let t0 = Instant::now();
-        let res = tokio::time::timeout(target.timeout, send(&client, url, sticky, body, t0))
+        let res = tokio::time::timeout(target.timeout, send(&client, url, sticky, s.api, body, t0))
             .await
             .unwrap_or_else(|_| Err("timeout".into()));
         let e2e_ms = t0.elapsed().as_secs_f64() * 1000.0;
@@ -320,21 +446,10 @@ async fn run_session(
                 rec.ttft_ms = r.ttft.map(|d| d.as_secs_f64() * 1000.0);
                 rec.pod = r.pod;
                 rec.gateway_added_ms = r.gateway_added_ms;
-                let u = r.usage.unwrap_or(Value::Null);
-                rec.output_tokens = u
-                    .get("completion_tokens")
-                    .and_then(Value::as_u64)
-                    .map(|v| v as usize)
-                    .unwrap_or(gen.len());
-                rec.prompt_tokens = u
-                    .get("prompt_tokens")
-                    .and_then(Value::as_u64)
-                    .map(|v| v as usize)
-                    .unwrap_or(prompt.len());
-                rec.cached_tokens = u
-                    .pointer("/prompt_tokens_details/cached_tokens")
-                    .and_then(Value::as_u64)
-                    .unwrap_or(0) as usize;
+                let u = r.usage;
+                rec.output_tokens = u.and_then(|u| u.completion_tokens).unwrap_or(gen.len());
+                rec.prompt_tokens = u.and_then(|u| u.prompt_tokens).unwrap_or(prompt.len());
+                rec.cached_tokens = u.map_or(0, |u| u.cached_tokens);
                 let mut seq = prompt;
                 seq.extend(gen);
                 if let Ok(mut o) = oracle.lock() {
@@ -347,7 +462,7 @@ async fn run_session(
                 String::new()
             }
         };
-        messages.push(json!({"role": "assistant", "content": reply_text}));
+        sent.assistant(&reply_text);
         history.push(Message { role: "assistant".into(), content: reply_text });
         out.push(rec);
         progress.fetch_add(1, Ordering::Relaxed);
@@ -418,6 +533,7 @@ mod tests {
             turns: vec![],
             tool_rounds: false,
             tools: None,
+            api: Api::Chat,
             start_ms: None,
         };
         let mut o = Oracle::default();
@@ -502,6 +618,71 @@ mod tests {
         assert_eq!(oracle, oracle_again, "the oracle does not depend on the routing");
         assert!(rotating < sticky, "affinity hits the history: {rotating} vs {sticky}");
         assert!(rotating > 0.0, "the system prompts hit on every pod: {rotating}");
+    }
+
+    /// An agent session sent on the Responses API costs the pods what the same session costs on
+    /// the chat API: the same prompt tokens turn by turn, the same cached tokens, the same replies.
+    #[tokio::test]
+    async fn an_agent_on_the_responses_api_costs_what_it_costs_on_the_chat_api() {
+        let mut per_api = Vec::new();
+        for api in ["chat", "responses"] {
+            let workload: crate::Workload = serde_yaml::from_str(&format!(
+                "{{kind: multi_turn, sessions: 3, turns_mean: 4, input_tokens_mean: 40, output_tokens_mean: 12, concurrency: 3, system_prompt_tokens: 48, tool_rounds: true, api: {api}, seed: 5}}"
+            ))
+            .expect("workload");
+            let target = Target {
+                urls: pods(1).await,
+                gateway_choice: GatewayChoice::PerSession,
+                sticky: None,
+                time_scale: 0.02,
+                model: "m".into(),
+                timeout: Duration::from_secs(30),
+                page: 16,
+            };
+            let mut records = run(workload.plan(), target, 3, Arc::new(AtomicU64::new(0))).await;
+            records.sort_by_key(|r| (r.session, r.turn));
+            assert_eq!(records.len(), 12, "{api}");
+            for r in &records {
+                assert_eq!(r.error, None, "{api}: {r:?}");
+                assert!(r.ttft_ms.is_some() && r.output_tokens > 0, "{api}: {r:?}");
+                if r.turn > 0 {
+                    // One pod: every later round finds the rounds before it.
+                    assert!(r.cached_tokens >= r.oracle_cached_tokens, "{api}: {r:?}");
+                    assert!(r.cached_tokens > 0, "{api}: {r:?}");
+                }
+            }
+            per_api.push(
+                records
+                    .iter()
+                    .map(|r| (r.session, r.turn, r.prompt_tokens, r.output_tokens))
+                    .collect::<Vec<_>>(),
+            );
+        }
+        assert_eq!(per_api[0], per_api[1], "the same conversation on either API");
+    }
+
+    #[test]
+    fn responses_api_stream_events_give_text_usage_and_end() {
+        let delta = json!({"type": "response.output_text.delta", "delta": " word"});
+        assert_eq!(
+            stream_event(Api::Responses, &delta),
+            Ok(StreamEvent { text: " word", ..StreamEvent::default() })
+        );
+        let done = json!({"type": "response.incomplete", "response": {"usage": {
+            "input_tokens": 90, "input_tokens_details": {"cached_tokens": 64}, "output_tokens": 7}}});
+        let usage =
+            Usage { prompt_tokens: Some(90), completion_tokens: Some(7), cached_tokens: 64 };
+        assert_eq!(
+            stream_event(Api::Responses, &done),
+            Ok(StreamEvent { text: "", usage: Some(usage), done: true })
+        );
+        let failed =
+            json!({"type": "response.failed", "response": {"error": {"code": "server_error"}}});
+        assert!(stream_event(Api::Responses, &failed).is_err());
+        // A chat chunk read as a Responses event is nothing, and the other way round.
+        let chunk = json!({"choices": [{"delta": {"content": "x"}}]});
+        assert_eq!(stream_event(Api::Responses, &chunk), Ok(StreamEvent::default()));
+        assert_eq!(stream_event(Api::Chat, &delta), Ok(StreamEvent::default()));
     }
 
     #[test]

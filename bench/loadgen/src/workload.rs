@@ -84,6 +84,10 @@ pub enum Workload {
         /// none).
         #[serde(default)]
         tools_tokens: usize,
+        /// The OpenAI API the requests use (`chat`: `/v1/chat/completions`, `responses`:
+        /// `/v1/responses`). The same conversation either way.
+        #[serde(default)]
+        api: Api,
         /// Text seed.
         #[serde(default = "default_seed")]
         seed: u64,
@@ -110,6 +114,36 @@ pub enum Workload {
         #[serde(default = "default_seed")]
         seed: u64,
     },
+}
+
+/// The OpenAI API a workload's requests use.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `/v1/chat/completions` with `messages`.
+    #[default]
+    Chat,
+    /// `/v1/responses` (what Codex-style agents send): `instructions`, `input` items, typed
+    /// stream events.
+    Responses,
+}
+
+impl Api {
+    /// The endpoint's path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Responses => "/v1/responses",
+        }
+    }
+
+    /// What ends a complete stream.
+    pub fn stream_end(self) -> &'static str {
+        match self {
+            Api::Chat => "[DONE]",
+            Api::Responses => "response.completed",
+        }
+    }
 }
 
 /// One turn to send.
@@ -139,6 +173,8 @@ pub struct SessionPlan {
     pub tool_rounds: bool,
     /// The `tools` list every request carries, if any.
     pub tools: Option<Value>,
+    /// The API the requests use.
+    pub api: Api,
     /// Open loop: when the session starts, simulated ms after the run begins.
     pub start_ms: Option<f64>,
 }
@@ -251,6 +287,7 @@ impl Workload {
                 session_prefix_tokens,
                 tool_rounds,
                 tools_tokens,
+                api,
                 seed,
                 ..
             } => {
@@ -258,11 +295,18 @@ impl Workload {
                 // From a stream of its own, as popularity and think times below.
                 let tools = (*tools_tokens > 0).then(|| {
                     let description = words(&mut Rng::new(seed ^ 0x7001), *tools_tokens);
-                    json!([{"type": "function", "function": {
-                        "name": TOOL_NAME,
-                        "description": description,
-                        "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
-                    }}])
+                    let parameters =
+                        json!({"type": "object", "properties": {"command": {"type": "string"}}});
+                    match api {
+                        Api::Chat => json!([{"type": "function", "function": {
+                            "name": TOOL_NAME, "description": description, "parameters": parameters,
+                        }}]),
+                        // The Responses API's function tools are flat.
+                        Api::Responses => json!([{
+                            "type": "function", "name": TOOL_NAME, "description": description,
+                            "parameters": parameters,
+                        }]),
+                    }
                 });
                 let systems: Vec<String> = if *system_prompt_tokens > 0 {
                     (0..(*system_prompts).max(1))
@@ -309,6 +353,7 @@ impl Workload {
                             turns,
                             tool_rounds: *tool_rounds,
                             tools: tools.clone(),
+                            api: *api,
                             start_ms: starts.get(id).copied().flatten(),
                         }
                     })
@@ -341,6 +386,7 @@ impl Workload {
                             }],
                             tool_rounds: false,
                             tools: None,
+                            api: Api::Chat,
                             start_ms: None,
                         });
                     }

@@ -554,8 +554,9 @@ impl Pod {
                 }
                 self.json_response(StatusCode::OK, &json!({"ok": true}))
             }
-            (Method::POST, "/v1/chat/completions") => self.completion(req, true, t0).await,
-            (Method::POST, "/v1/completions") => self.completion(req, false, t0).await,
+            (Method::POST, "/v1/chat/completions") => self.completion(req, Api::Chat, t0).await,
+            (Method::POST, "/v1/completions") => self.completion(req, Api::Completions, t0).await,
+            (Method::POST, "/v1/responses") => self.completion(req, Api::Responses, t0).await,
             _ => self.error(StatusCode::NOT_FOUND, "not found"),
         }
     }
@@ -563,7 +564,7 @@ impl Pod {
     async fn completion(
         self: Arc<Self>,
         req: Request<Incoming>,
-        chat: bool,
+        api: Api,
         t0: Instant,
     ) -> Response<RespBody> {
         if self.failed() {
@@ -580,31 +581,38 @@ impl Pod {
             Ok(v) => v,
             Err(e) => return self.error(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}")),
         };
-        let prompt = if chat {
-            let Some(msgs) = v.get("messages").and_then(Value::as_array) else {
-                return self.error(StatusCode::BAD_REQUEST, "messages missing");
-            };
-            let messages: Vec<Message> = msgs
-                .iter()
-                .map(|m| Message {
-                    role: m.get("role").and_then(Value::as_str).unwrap_or("user").to_string(),
-                    content: content_text(m.get("content")),
-                })
-                .collect();
-            let tools = v.get("tools").filter(|t| !t.is_null()).map(|t| t.to_string());
-            chat_prompt_tokens(&messages, tools.as_deref())
-        } else {
-            match v.get("prompt") {
+        let prompt = match api {
+            Api::Chat => {
+                let Some(msgs) = v.get("messages").and_then(Value::as_array) else {
+                    return self.error(StatusCode::BAD_REQUEST, "messages missing");
+                };
+                let messages: Vec<Message> = msgs
+                    .iter()
+                    .map(|m| Message {
+                        role: m.get("role").and_then(Value::as_str).unwrap_or("user").to_string(),
+                        content: content_text(m.get("content")),
+                    })
+                    .collect();
+                chat_prompt_tokens(&messages, tools_text(&v).as_deref())
+            }
+            Api::Responses => {
+                let Some(messages) = responses_messages(&v) else {
+                    return self.error(StatusCode::BAD_REQUEST, "input missing");
+                };
+                chat_prompt_tokens(&messages, tools_text(&v).as_deref())
+            }
+            Api::Completions => match v.get("prompt") {
                 Some(Value::String(s)) => tokenize(s),
                 Some(Value::Array(a)) => {
                     tokenize(&a.iter().filter_map(Value::as_str).collect::<Vec<_>>().join("\n"))
                 }
                 _ => return self.error(StatusCode::BAD_REQUEST, "prompt missing"),
-            }
+            },
         };
         let max_tokens = v
             .get("max_completion_tokens")
             .or_else(|| v.get("max_tokens"))
+            .or_else(|| v.get("max_output_tokens"))
             .and_then(Value::as_u64)
             .unwrap_or(128) as usize;
         let seed = v.get("seed").and_then(Value::as_u64).unwrap_or_else(|| hash_tokens(&prompt));
@@ -638,18 +646,20 @@ impl Pod {
         self.notify.notify_one();
         let created =
             SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let rid = format!("{}-{}-{id}", if chat { "chatcmpl" } else { "cmpl" }, self.cfg.name);
+        let rid = format!("{}-{}-{id}", api.id_prefix(), self.cfg.name);
         if stream {
             let mut r = Response::new(
                 SseBody {
                     rx,
-                    chat,
+                    api,
                     include_usage,
                     id: rid,
                     model,
                     created,
                     first: true,
                     finished: false,
+                    sequence: 0,
+                    text: String::new(),
                 }
                 .boxed(),
             );
@@ -673,16 +683,21 @@ impl Pod {
                 }
             }
         }
-        let reason = finish.as_str();
-        let choice = if chat {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
-        } else {
-            json!({"index": 0, "text": text, "finish_reason": reason})
+        let v = match api {
+            Api::Responses => response_object(&rid, &model, created, &text, finish, Some(&usage)),
+            Api::Chat | Api::Completions => {
+                let reason = finish.as_str();
+                let choice = if api == Api::Chat {
+                    json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason})
+                } else {
+                    json!({"index": 0, "text": text, "finish_reason": reason})
+                };
+                json!({
+                    "id": rid, "object": if api == Api::Chat { "chat.completion" } else { "text_completion" },
+                    "created": created, "model": model, "choices": [choice], "usage": usage_json(&usage),
+                })
+            }
         };
-        let v = json!({
-            "id": rid, "object": if chat { "chat.completion" } else { "text_completion" },
-            "created": created, "model": model, "choices": [choice], "usage": usage_json(&usage),
-        });
         let mut r = self.json_response(StatusCode::OK, &v);
         self.time_header(r.headers_mut(), t0);
         r
@@ -692,6 +707,27 @@ impl Pod {
         let ms = t0.elapsed().as_secs_f64() * 1000.0;
         if let Ok(v) = format!("{ms:.3}").parse() {
             h.insert("x-pod-time-ms", v);
+        }
+    }
+}
+
+/// The OpenAI API a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/responses`: `instructions` and `input` items in, typed events out.
+    Responses,
+}
+
+impl Api {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Api::Chat => "chatcmpl",
+            Api::Completions => "cmpl",
+            Api::Responses => "resp",
         }
     }
 }
@@ -708,6 +744,42 @@ fn content_text(c: Option<&Value>) -> String {
     }
 }
 
+/// The `tools` list as the chat template renders it (its JSON text), if any.
+fn tools_text(v: &Value) -> Option<String> {
+    v.get("tools").filter(|t| !t.is_null()).map(Value::to_string)
+}
+
+/// A Responses API request as the conversation the chat template renders: `instructions` as the
+/// system message, a string `input` as one user message, and each `input` item as a message: a
+/// message item by its role, a tool's output (`function_call_output`) as a `tool` message. The
+/// calls themselves are not rendered, as the chat path does not render `tool_calls`, so the same
+/// conversation costs the same tokens on either API. `None` without `input`.
+fn responses_messages(v: &Value) -> Option<Vec<Message>> {
+    let mut messages = Vec::new();
+    if let Some(instructions) = v.get("instructions").and_then(Value::as_str) {
+        messages.push(Message { role: "system".into(), content: instructions.to_string() });
+    }
+    match v.get("input")? {
+        Value::String(text) => {
+            messages.push(Message { role: "user".into(), content: text.clone() })
+        }
+        Value::Array(items) => {
+            for item in items {
+                let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+                if let Some(role) = item.get("role").and_then(Value::as_str) {
+                    let content = content_text(item.get("content"));
+                    messages.push(Message { role: role.to_string(), content });
+                } else if kind.ends_with("_call_output") {
+                    let content = content_text(item.get("output"));
+                    messages.push(Message { role: "tool".into(), content });
+                }
+            }
+        }
+        _ => return None,
+    }
+    Some(messages)
+}
+
 fn usage_json(u: &Usage) -> Value {
     json!({
         "prompt_tokens": u.prompt_tokens,
@@ -717,23 +789,69 @@ fn usage_json(u: &Usage) -> Value {
     })
 }
 
+/// The Responses API's usage object (its own names for the chat API's figures).
+fn responses_usage_json(u: &Usage) -> Value {
+    json!({
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+/// A Responses API `response` object: `usage` None while it is still in progress.
+fn response_object(
+    id: &str,
+    model: &str,
+    created: u64,
+    text: &str,
+    finish: Finish,
+    usage: Option<&Usage>,
+) -> Value {
+    let (status, incomplete) = match (usage, finish) {
+        (None, _) => ("in_progress", Value::Null),
+        (Some(_), Finish::Stop) => ("completed", Value::Null),
+        (Some(_), Finish::Length) => ("incomplete", json!({"reason": "max_output_tokens"})),
+    };
+    let output =
+        if usage.is_some() { json!([response_message(id, text, "completed")]) } else { json!([]) };
+    json!({
+        "id": id, "object": "response", "created_at": created, "model": model,
+        "status": status, "incomplete_details": incomplete, "output": output,
+        "usage": usage.map(responses_usage_json),
+    })
+}
+
+/// The one output message of a response.
+fn response_message(id: &str, text: &str, status: &str) -> Value {
+    json!({
+        "type": "message", "id": format!("msg_{id}"), "role": "assistant", "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
+    })
+}
+
 /// Server-sent events body fed by the scheduler; coalesces tokens that are already queued.
 struct SseBody {
     rx: mpsc::UnboundedReceiver<Event>,
-    chat: bool,
+    api: Api,
     include_usage: bool,
     id: String,
     model: String,
     created: u64,
     first: bool,
     finished: bool,
+    /// Responses API: the events' `sequence_number` so far.
+    sequence: u64,
+    /// Responses API: the text so far (its closing events repeat it).
+    text: String,
 }
 
 impl SseBody {
     fn chunk(&self, out: &mut String, choices: Value, usage: Option<Value>) {
         let mut v = json!({
             "id": self.id,
-            "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "object": if self.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" },
             "created": self.created, "model": self.model, "choices": choices,
         });
         if let Some(u) = usage {
@@ -744,10 +862,27 @@ impl SseBody {
         out.push_str("\n\n");
     }
 
+    /// One typed Responses API event (`event:` line, then its JSON with `type` and
+    /// `sequence_number`).
+    fn event(&mut self, out: &mut String, kind: &str, mut v: Value) {
+        v["type"] = json!(kind);
+        v["sequence_number"] = json!(self.sequence);
+        self.sequence += 1;
+        out.push_str("event: ");
+        out.push_str(kind);
+        out.push_str("\ndata: ");
+        out.push_str(&v.to_string());
+        out.push_str("\n\n");
+    }
+
     fn format(&mut self, ev: Event, out: &mut String) {
+        if self.api == Api::Responses {
+            return self.format_responses(ev, out);
+        }
+        let chat = self.api == Api::Chat;
         match ev {
             Event::Token(t) => {
-                let choice = if self.chat {
+                let choice = if chat {
                     let delta = if self.first {
                         json!({"role": "assistant", "content": t})
                     } else {
@@ -762,7 +897,7 @@ impl SseBody {
             }
             Event::Done(u, finish) => {
                 let reason = finish.as_str();
-                let choice = if self.chat {
+                let choice = if chat {
                     json!([{"index": 0, "delta": {}, "finish_reason": reason}])
                 } else {
                     json!([{"index": 0, "text": "", "finish_reason": reason}])
@@ -772,6 +907,52 @@ impl SseBody {
                     self.chunk(out, json!([]), Some(usage_json(&u)));
                 }
                 out.push_str("data: [DONE]\n\n");
+                self.finished = true;
+            }
+        }
+    }
+
+    /// The Responses API's stream: `response.created`, the output item and its text deltas, and
+    /// `response.completed` (or `response.incomplete`) carrying the usage. No `[DONE]`.
+    fn format_responses(&mut self, ev: Event, out: &mut String) {
+        let item_id = format!("msg_{}", self.id);
+        if self.first {
+            self.first = false;
+            let response =
+                response_object(&self.id, &self.model, self.created, "", Finish::Stop, None);
+            self.event(out, "response.created", json!({"response": response}));
+            let item = response_message(&self.id, "", "in_progress");
+            self.event(out, "response.output_item.added", json!({"output_index": 0, "item": item}));
+        }
+        match ev {
+            Event::Token(t) => {
+                self.text.push_str(&t);
+                self.event(
+                    out,
+                    "response.output_text.delta",
+                    json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": t}),
+                );
+            }
+            Event::Done(u, finish) => {
+                let text = std::mem::take(&mut self.text);
+                self.event(
+                    out,
+                    "response.output_text.done",
+                    json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": text}),
+                );
+                let item = response_message(&self.id, &text, "completed");
+                self.event(
+                    out,
+                    "response.output_item.done",
+                    json!({"output_index": 0, "item": item}),
+                );
+                let response =
+                    response_object(&self.id, &self.model, self.created, &text, finish, Some(&u));
+                let kind = match finish {
+                    Finish::Stop => "response.completed",
+                    Finish::Length => "response.incomplete",
+                };
+                self.event(out, kind, json!({"response": response}));
                 self.finished = true;
             }
         }
@@ -903,6 +1084,94 @@ mod tests {
             assert_eq!((read.running, read.waiting), (Some(0.0), Some(0.0)), "{flavor:?}");
             assert_eq!(read.kv_cache_usage, Some(0.0), "{flavor:?}");
         }
+    }
+
+    /// Posts `body` to `path`; the status and the response body.
+    async fn post(addr: SocketAddr, path: &str, body: &str) -> (u16, String) {
+        let text = exchange(
+            addr,
+            format!(
+                "POST {path} HTTP/1.0\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+        )
+        .await;
+        let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        (status, text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string())
+    }
+
+    /// A Responses API request is the chat request it stands for: the same prompt tokens, the
+    /// same cache, the same reply; a stream ends with `response.completed` carrying the usage.
+    #[tokio::test]
+    async fn the_responses_api_serves_the_conversation_the_chat_api_does() {
+        let pod = Pod::new(pod_config(Flavor::VllmV1, Faults::default()));
+        let addr = serve(pod, "127.0.0.1:0".parse().expect("addr")).await.expect("serve");
+        let chat = json!({"model": "m", "max_tokens": 6, "messages": [
+            {"role": "system", "content": "you are a coding agent"},
+            {"role": "user", "content": "build the project"},
+            {"role": "assistant", "content": "running it", "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "run_command", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "error on line seven"},
+        ]});
+        let responses = json!({"model": "m", "max_output_tokens": 6,
+        "instructions": "you are a coding agent",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "build the project"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "running it"}]},
+            {"type": "function_call", "call_id": "c1", "name": "run_command", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "error on line seven"},
+        ]});
+        let (status, body) = post(addr, "/v1/chat/completions", &chat.to_string()).await;
+        assert_eq!(status, 200, "{body}");
+        let chat_reply: Value = serde_json::from_str(&body).expect("chat JSON");
+        let (status, body) = post(addr, "/v1/responses", &responses.to_string()).await;
+        assert_eq!(status, 200, "{body}");
+        let reply: Value = serde_json::from_str(&body).expect("response JSON");
+        assert_eq!(reply["object"], "response");
+        let prompt = &chat_reply["usage"]["prompt_tokens"];
+        assert_eq!(&reply["usage"]["input_tokens"], prompt, "{reply}");
+        assert!(reply["usage"]["input_tokens_details"]["cached_tokens"].as_u64() > Some(0));
+        assert_eq!(
+            reply["output"][0]["content"][0]["text"],
+            chat_reply["choices"][0]["message"]["content"],
+            "the same prompt, the same reply"
+        );
+        assert_eq!(
+            reply["status"],
+            if chat_reply["choices"][0]["finish_reason"] == "stop" {
+                "completed"
+            } else {
+                "incomplete"
+            }
+        );
+
+        let mut streamed = responses.clone();
+        streamed["stream"] = json!(true);
+        let (status, body) = post(addr, "/v1/responses", &streamed.to_string()).await;
+        assert_eq!(status, 200, "{body}");
+        let events: Vec<Value> = body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str(d).ok())
+            .collect();
+        let kinds: Vec<&str> = events.iter().filter_map(|e| e["type"].as_str()).collect();
+        assert_eq!(kinds.first(), Some(&"response.created"), "{kinds:?}");
+        let last = events.last().expect("events");
+        assert!(
+            ["response.completed", "response.incomplete"]
+                .contains(&last["type"].as_str().unwrap_or("")),
+            "{kinds:?}"
+        );
+        assert_eq!(&last["response"]["usage"]["input_tokens"], prompt);
+        let text: String = events.iter().filter_map(|e| e["delta"].as_str()).collect();
+        assert_eq!(json!(text), chat_reply["choices"][0]["message"]["content"]);
+        let sequence: Vec<u64> =
+            events.iter().filter_map(|e| e["sequence_number"].as_u64()).collect();
+        assert_eq!(sequence, (0..events.len() as u64).collect::<Vec<_>>());
+        assert!(!body.contains("[DONE]"), "the Responses API's stream has no [DONE]");
+
+        let (status, _) = post(addr, "/v1/responses", r#"{"model":"m"}"#).await;
+        assert_eq!(status, 400, "no input");
     }
 
     #[tokio::test]
