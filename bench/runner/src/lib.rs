@@ -140,6 +140,10 @@ pub struct PolicyResult {
     /// routers and runs before this field.
     #[serde(default)]
     pub plugin_ms_per_request: Option<f64>,
+    /// `plugin_ms_per_request` by phase of [`PLUGIN_PHASES`] (empty for competitor routers and
+    /// runs before this field).
+    #[serde(default)]
+    pub plugin_ms_by_phase: BTreeMap<String, f64>,
     /// Wall-clock seconds of the load.
     pub wall_s: f64,
     /// Offered load of an open-loop sweep point (sessions per simulated second); None for the
@@ -242,18 +246,54 @@ async fn watch_first_unhealthy(
     None
 }
 
-/// Seconds the gateways behind `admins` have spent inside the plugin so far, summed; None when
-/// there is no gateway (a competitor router) or one of them did not answer.
-async fn plugin_seconds(admins: &[String]) -> Option<f64> {
+/// Where the plugin's time goes: the callbacks a gateway counts
+/// (`gateway_vm_callback_seconds_total{callback}`), grouped by the part of a request's life, or
+/// the background work, that calls them.
+pub const PLUGIN_PHASES: [(&str, &[&str]); 5] = [
+    (
+        "request",
+        &[
+            "proxy_on_context_create",
+            "proxy_on_request_headers",
+            "proxy_on_request_body",
+            "proxy_on_request_trailers",
+        ],
+    ),
+    ("Redis replies", &["proxy_on_redis_call_response"]),
+    ("response", &["proxy_on_response_headers", "proxy_on_response_body"]),
+    ("stream end", &["proxy_on_log", "proxy_on_done", "proxy_on_delete"]),
+    ("background", &["proxy_on_tick", "proxy_on_http_call_response", "proxy_on_queue_ready"]),
+];
+
+/// Seconds the gateways have spent inside the plugin so far, in all and per phase of
+/// [`PLUGIN_PHASES`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct PluginSeconds {
+    total: f64,
+    phases: [f64; PLUGIN_PHASES.len()],
+}
+
+/// The plugin time of the gateways behind `admins`, summed; None when there is no gateway (a
+/// competitor router) or one of them did not answer.
+async fn plugin_seconds(admins: &[String]) -> Option<PluginSeconds> {
     if admins.is_empty() {
         return None;
     }
-    let mut total = 0.0;
+    let mut sum = PluginSeconds { total: 0.0, phases: [0.0; PLUGIN_PHASES.len()] };
     for a in admins {
         let text = http_get(a, "/stats").await.ok()?;
-        total += prom_value(&text, "gateway_vm_call_seconds_total")?;
+        sum.total += prom_value(&text, "gateway_vm_call_seconds_total")?;
+        for ((_, callbacks), phase) in PLUGIN_PHASES.iter().zip(&mut sum.phases) {
+            *phase += callbacks
+                .iter()
+                .filter_map(|c| {
+                    let sample = format!("gateway_vm_callback_seconds_total{{callback=\"{c}\"}}");
+                    prom_value(&text, &sample)
+                })
+                .sum::<f64>();
+        }
     }
-    Some(total)
+    Some(sum)
 }
 
 /// When, from what and where a report was made.
@@ -589,9 +629,17 @@ pub async fn run_policy(
     pods_proc.stop().await;
     let s = loadgen::summarize(&records, wall, sc.time_scale);
     let routed = records.len().max(1) as f64;
-    let plugin_ms_per_request = match (vm_before, vm_after) {
-        (Some(before), Some(after)) => Some((after - before).max(0.0) * 1e3 / routed),
-        _ => None,
+    let per_request = |after: f64, before: f64| (after - before).max(0.0) * 1e3 / routed;
+    let (plugin_ms_per_request, plugin_ms_by_phase) = match (vm_before, vm_after) {
+        (Some(before), Some(after)) => (
+            Some(per_request(after.total, before.total)),
+            PLUGIN_PHASES
+                .iter()
+                .zip(after.phases.iter().zip(&before.phases))
+                .map(|((name, _), (a, b))| (name.to_string(), per_request(*a, *b)))
+                .collect(),
+        ),
+        _ => (None, BTreeMap::new()),
     };
     let ts = sc.time_scale;
     let sim_s = (wall / ts).max(1e-9);
@@ -621,6 +669,7 @@ pub async fn run_policy(
         redis_bytes_out_per_request: usage.bytes_out as f64 / routed,
         gateway_added_ms: s.gateway_added_ms,
         plugin_ms_per_request,
+        plugin_ms_by_phase,
         wall_s: wall,
         offered_sessions_per_s: sc
             .workload
@@ -818,16 +867,28 @@ pub fn plugin_table(rep: &Report) -> String {
     if rows.is_empty() {
         return String::new();
     }
+    // The phases' columns when every row has them (reports before the per-callback counts: none).
+    let phases: Vec<&str> = PLUGIN_PHASES
+        .iter()
+        .map(|(p, _)| *p)
+        .filter(|p| rows.iter().all(|(r, _)| r.plugin_ms_by_phase.iter().any(|(n, _)| n == p)))
+        .collect();
     let mut t = String::from(
-        "| policy (gateway per routed request) | time in the plugin, ms (its host calls included) | gw added p50 ms |\n|---|---|---|\n",
+        "| policy (gateway per routed request) | time in the plugin, ms (its host calls included) |",
     );
+    for p in &phases {
+        t.push_str(&format!(" of it: {p} |"));
+    }
+    t.push_str(" gw added p50 ms |\n|---|---|");
+    t.push_str(&"---|".repeat(phases.len() + 1));
+    t.push('\n');
     for (r, plugin) in rows {
-        t.push_str(&format!(
-            "| {} | {} | {} |\n",
-            label(r, multi),
-            plugin.show(3, 1.0),
-            r.gateway_added_p50_ms.show(2, 1.0),
-        ));
+        t.push_str(&format!("| {} | {} |", label(r, multi), plugin.show(3, 1.0)));
+        for p in &phases {
+            let spread = r.plugin_ms_by_phase.iter().find(|(n, _)| n == p).map(|(_, s)| s);
+            t.push_str(&format!(" {} |", spread.map_or(String::new(), |s| s.show(3, 1.0))));
+        }
+        t.push_str(&format!(" {} |\n", r.gateway_added_p50_ms.show(2, 1.0)));
     }
     t
 }

@@ -99,6 +99,9 @@ pub struct PolicyAggregate {
     /// Time in the plugin per routed request (real ms), when every run measured it.
     #[serde(default)]
     pub plugin_ms_per_request: Option<Spread>,
+    /// `plugin_ms_per_request` by phase (`PLUGIN_PHASES`), when every run measured them.
+    #[serde(default)]
+    pub plugin_ms_by_phase: Vec<(String, Spread)>,
     /// TTFTs of every repetition (simulated ms), for the chart.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -156,6 +159,16 @@ pub fn aggregate(results: &[PolicyResult]) -> Vec<PolicyAggregate> {
                     .map(|r| r.plugin_ms_per_request)
                     .collect::<Option<Vec<f64>>>()
                     .and_then(Spread::of),
+                plugin_ms_by_phase: crate::PLUGIN_PHASES
+                    .iter()
+                    .filter_map(|(phase, _)| {
+                        let per_run = runs
+                            .iter()
+                            .map(|r| r.plugin_ms_by_phase.get(*phase).copied())
+                            .collect::<Option<Vec<f64>>>()?;
+                        Some((phase.to_string(), Spread::of(per_run)?))
+                    })
+                    .collect(),
                 ttfts: runs.iter().flat_map(|r| r.ttfts.iter().copied()).collect(),
             }
         })

@@ -278,7 +278,25 @@ mod tests {
         }
         rep.policies = aggregate(&rep.runs);
         let md = section(&rep);
-        assert!(md.contains("| round_robin | 0.200 (0.100–0.300) |"), "{md}");
+        assert!(md.contains("| round_robin | 0.200 (0.100–0.300) | 0.00 (0.00–0.00) |"), "{md}");
+        assert!(!md.contains("of it:"), "runs before the per-callback counts: no phases: {md}");
+        // With the phases, each gets a column, in the order of a request's life.
+        let mut phased = rep.clone();
+        for (i, r) in phased.runs.iter_mut().enumerate() {
+            for (k, (phase, _)) in crate::PLUGIN_PHASES.iter().enumerate() {
+                r.plugin_ms_by_phase
+                    .insert(phase.to_string(), 0.01 * (k + 1) as f64 * (i + 1) as f64);
+            }
+        }
+        phased.policies = aggregate(&phased.runs);
+        let md = section(&phased);
+        assert!(md.contains("| of it: request | of it: Redis replies | of it: response | of it: stream end | of it: background | gw added p50 ms |"), "{md}");
+        assert!(
+            md.contains(
+                "| round_robin | 0.200 (0.100–0.300) | 0.020 (0.010–0.030) | 0.040 (0.020–0.060) |"
+            ),
+            "{md}"
+        );
         // One run without it (a gateway that did not answer): no figure for that policy.
         rep.runs[0].plugin_ms_per_request = None;
         rep.policies = aggregate(&rep.runs);
