@@ -151,8 +151,7 @@ fn responses_answer(
     if !stream {
         return full(200, name, "application/json", response("completed", &text).to_string());
     }
-    let mut words = vec!["Hello".to_string(), " from".into(), format!(" {name}")];
-    words.extend((1..=behavior.stream_extra_words).map(|i| format!(" w{i}")));
+    let words = answer_words(name, behavior);
     let mut events =
         vec![("response.created", serde_json::json!({"response": response("in_progress", "")}))];
     for word in &words {
@@ -174,7 +173,19 @@ fn responses_answer(
             Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
         })
         .collect();
-    let mut resp = hyper::Response::new(chunked_body(chunks, behavior.stream_chunk_delay));
+    sse(name, chunks, behavior.stream_chunk_delay)
+}
+
+/// The words of a streamed answer: "Hello from <name>", then `stream_extra_words` more.
+fn answer_words(name: &str, behavior: &Behavior) -> Vec<String> {
+    let mut words = vec!["Hello".to_string(), " from".into(), format!(" {name}")];
+    words.extend((1..=behavior.stream_extra_words).map(|i| format!(" w{i}")));
+    words
+}
+
+/// A streamed (server-sent events) answer of `chunks`, `delay` apart.
+fn sse(name: &str, chunks: Vec<Bytes>, delay: Duration) -> hyper::Response<PodBody> {
+    let mut resp = hyper::Response::new(chunked_body(chunks, delay));
     let h = resp.headers_mut();
     h.insert(
         hyper::header::CONTENT_TYPE,
@@ -497,8 +508,7 @@ async fn handle(
         return Ok(full(200, &name, "application/json", answer.to_string()));
     }
     let mut chunks = Vec::new();
-    let mut words = vec!["Hello".to_string(), " from".into(), format!(" {name}")];
-    words.extend((1..=behavior.stream_extra_words).map(|i| format!(" w{i}")));
+    let words = answer_words(&name, &behavior);
     for (i, word) in words.iter().enumerate() {
         let delta = if i == 0 {
             serde_json::json!({"role": "assistant", "content": word})
@@ -526,14 +536,5 @@ async fn handle(
         chunks.push(Bytes::from(format!("data: {usage}\n\n")));
     }
     chunks.push(Bytes::from_static(b"data: [DONE]\n\n"));
-    let mut resp = hyper::Response::new(chunked_body(chunks, behavior.stream_chunk_delay));
-    let h = resp.headers_mut();
-    h.insert(
-        hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static("text/event-stream"),
-    );
-    if let Ok(v) = hyper::header::HeaderValue::from_str(&name) {
-        h.insert("x-pod", v);
-    }
-    Ok(resp)
+    Ok(sse(&name, chunks, behavior.stream_chunk_delay))
 }

@@ -266,11 +266,11 @@ pub const PLUGIN_PHASES: [(&str, &[&str]); 5] = [
 ];
 
 /// Seconds the gateways have spent inside the plugin so far, in all and per phase of
-/// [`PLUGIN_PHASES`].
+/// [`PLUGIN_PHASES`] (None from a gateway without per-callback counts).
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct PluginSeconds {
     total: f64,
-    phases: [f64; PLUGIN_PHASES.len()],
+    phases: Option<[f64; PLUGIN_PHASES.len()]>,
 }
 
 /// The plugin time of the gateways behind `admins`, summed; None when there is no gateway (a
@@ -279,11 +279,15 @@ async fn plugin_seconds(admins: &[String]) -> Option<PluginSeconds> {
     if admins.is_empty() {
         return None;
     }
-    let mut sum = PluginSeconds { total: 0.0, phases: [0.0; PLUGIN_PHASES.len()] };
+    let mut sum = PluginSeconds { total: 0.0, phases: Some([0.0; PLUGIN_PHASES.len()]) };
     for a in admins {
         let text = http_get(a, "/stats").await.ok()?;
         sum.total += prom_value(&text, "gateway_vm_call_seconds_total")?;
-        for ((_, callbacks), phase) in PLUGIN_PHASES.iter().zip(&mut sum.phases) {
+        if !text.contains("# TYPE gateway_vm_callback_seconds_total ") {
+            sum.phases = None;
+        }
+        let Some(phases) = sum.phases.as_mut() else { continue };
+        for ((_, callbacks), phase) in PLUGIN_PHASES.iter().zip(phases) {
             *phase += callbacks
                 .iter()
                 .filter_map(|c| {
@@ -633,11 +637,14 @@ pub async fn run_policy(
     let (plugin_ms_per_request, plugin_ms_by_phase) = match (vm_before, vm_after) {
         (Some(before), Some(after)) => (
             Some(per_request(after.total, before.total)),
-            PLUGIN_PHASES
-                .iter()
-                .zip(after.phases.iter().zip(&before.phases))
-                .map(|((name, _), (a, b))| (name.to_string(), per_request(*a, *b)))
-                .collect(),
+            match (after.phases, before.phases) {
+                (Some(after), Some(before)) => PLUGIN_PHASES
+                    .iter()
+                    .zip(after.iter().zip(&before))
+                    .map(|((name, _), (a, b))| (name.to_string(), per_request(*a, *b)))
+                    .collect(),
+                _ => BTreeMap::new(),
+            },
         ),
         _ => (None, BTreeMap::new()),
     };
