@@ -134,9 +134,22 @@ pub fn client(connect_timeout: std::time::Duration) -> HttpClient {
 /// The worker's client for upstream requests and callouts: a request goes out with the `host`
 /// the stream's `:authority` gives it, and without one when the plugin removed `:authority`,
 /// as Envoy sends it (`host_is_the_authority_in_the_request_header_map`).
-pub fn upstream_client(connect_timeout: std::time::Duration) -> HttpClient {
-    builder().set_host(false).build(connector(connect_timeout))
+pub fn upstream_client(
+    connect_timeout: std::time::Duration,
+    headers: crate::config::HeaderLimits,
+) -> HttpClient {
+    let mut b = builder();
+    // Above the clusters' limits (which the proxy applies as Envoy counts them), never below
+    // hyper's defaults: hyper's own refusal must not come first.
+    b.http1_max_headers(headers.count.saturating_mul(2).max(HYPER_MAX_HEADERS));
+    b.http1_max_buf_size(headers.bytes.saturating_mul(2).max(HYPER_MAX_BUF_SIZE));
+    b.set_host(false).build(connector(connect_timeout))
 }
+
+/// Hyper's default limit on the headers of an HTTP/1 head.
+pub const HYPER_MAX_HEADERS: usize = 100;
+/// Hyper's default read buffer limit for HTTP/1 (8 KiB plus 100 lines of 4 KiB).
+pub const HYPER_MAX_BUF_SIZE: usize = 8192 + 4096 * 100;
 
 fn connector(
     connect_timeout: std::time::Duration,

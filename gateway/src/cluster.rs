@@ -132,6 +132,8 @@ pub struct Cluster {
     pub redis_cluster: RedisClusterConfig,
     /// Envoy's `ignore_new_hosts_until_first_hc`.
     pub ignore_new_hosts_until_first_hc: bool,
+    /// How large and how many an upstream response's headers may be.
+    pub response_header_limits: crate::config::HeaderLimits,
     /// Round-robin position. Starts at a random value, as Envoy's round-robin LB starts each
     /// worker's index at a random seed: gateways (or workers) started together do not all send
     /// their first requests to the same endpoint.
@@ -291,6 +293,7 @@ impl Clusters {
                     use_http_header: cfg.original_dst_lb_config.use_http_header,
                     redis_cluster: cfg.redis_cluster,
                     ignore_new_hosts_until_first_hc: cfg.ignore_new_hosts_until_first_hc,
+                    response_header_limits: cfg.response_header_limits(),
                     rr: AtomicUsize::new(rand::random::<u32>() as usize),
                 }),
             );

@@ -251,7 +251,9 @@ pub async fn serve_connection(
             // Hyper answers a head over these with a 431 of its own (no body): room past the
             // limits, which the service applies with Envoy's reply.
             .max_headers(opts.header_limits.count.saturating_mul(2))
-            .max_buf_size(opts.header_limits.bytes.saturating_mul(2).max(HYPER_MAX_BUF_SIZE))
+            .max_buf_size(
+                opts.header_limits.bytes.saturating_mul(2).max(crate::body::HYPER_MAX_BUF_SIZE),
+            )
             .serve_connection(io, svc);
         drive_connection(conn, |c| c.graceful_shutdown(), &streams, opts.timers, false, stop).await;
     }
@@ -411,8 +413,23 @@ fn header_overflow(req: &Request<Incoming>, limits: HeaderLimits, h2: bool) -> b
     bytes > limits.bytes || count > limits.count
 }
 
-/// Hyper's default read buffer limit for HTTP/1 (8 KiB plus 100 lines of 4 KiB).
-const HYPER_MAX_BUF_SIZE: usize = 8192 + 4096 * 100;
+/// Whether an upstream response's header is over the cluster's limits as Envoy's HTTP/1 codec
+/// counts it: the head's bytes from the status line to the blank line (a header line counted as
+/// `name: value`, as servers write it), and the headers.
+fn response_header_overflow<B>(resp: &Response<B>, limits: HeaderLimits) -> bool {
+    let h = resp.headers();
+    let fields: usize = h.iter().map(|(k, v)| k.as_str().len() + v.len()).sum();
+    let reason = resp
+        .extensions()
+        .get::<hyper::ext::ReasonPhrase>()
+        .map(|r| r.as_bytes().len())
+        .or_else(|| resp.status().canonical_reason().map(str::len))
+        .unwrap_or(0);
+    // `HTTP/1.1 200 OK\r\n`, each `name: value\r\n`, then `\r\n`.
+    let line = "HTTP/1.1 200 ".len() + reason + "\r\n".len();
+    let bytes = line + fields + h.len() * ": \r\n".len() + "\r\n".len();
+    bytes > limits.bytes || h.len() > limits.count
+}
 
 /// SETTINGS_MAX_HEADER_LIST_SIZE for header lists within `limits` (RFC 9113 counts 32 bytes
 /// more per field than Envoy does).
@@ -1013,6 +1030,8 @@ struct Drive {
     down: Option<mpsc::Sender<Result<Bytes, BodyError>>>,
     upstream: Option<Upstream>,
     pending_req: Option<hyper::http::request::Builder>,
+    /// The routed cluster's limits on its response headers.
+    response_limits: Option<HeaderLimits>,
     endpoint: Option<Arc<Endpoint>>,
     active: Option<ActiveGuard>,
     timeout: Duration,
@@ -1203,6 +1222,7 @@ impl Drive {
             down: None,
             upstream: None,
             pending_req: None,
+            response_limits: None,
             endpoint: None,
             active: None,
             timeout: Duration::ZERO,
@@ -1983,6 +2003,7 @@ impl Drive {
         self.endpoint = Some(ep);
         // Sent with the first released body data (or at once when there is none to wait for).
         self.pending_req = Some(b);
+        self.response_limits = Some(cluster.response_header_limits);
         Ok(())
     }
 
@@ -2002,9 +2023,10 @@ impl Drive {
         };
         let req = b.body(gw_body).map_err(|_| local(400, "invalid_request", "bad request"))?;
         let client = self.w.client.clone();
+        let limits = self.response_limits;
         // No timeout here: the route timeout runs from the end of the request (`route_deadline`).
         let fut = async move {
-            client.request(req).await.map_err(|e| {
+            let resp = client.request(req).await.map_err(|e| {
                 let source = std::error::Error::source(&e);
                 if e.is_connect() {
                     UpError::Connect
@@ -2016,7 +2038,13 @@ impl Drive {
                 } else {
                     UpError::Other
                 }
-            })
+            })?;
+            // Envoy's upstream codec refuses a head over the cluster's limits while it parses it:
+            // the connection is closed and the stream reset (`protocol error`).
+            if limits.is_some_and(|l| response_header_overflow(&resp, l)) {
+                return Err(UpError::Other);
+            }
+            Ok(resp)
         };
         self.upstream = Some(Upstream {
             body_tx,

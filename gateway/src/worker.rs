@@ -189,9 +189,18 @@ impl Worker {
         plugin: Option<Arc<PluginRuntime>>,
         events: mpsc::UnboundedSender<WorkerEvent>,
     ) -> anyhow::Result<Worker> {
+        // Room for the largest response header any cluster accepts: the clusters' own limits
+        // are applied to each response (`response_header_overflow`).
+        let room = g.clusters.all().iter().map(|c| c.response_header_limits).fold(
+            crate::config::HeaderLimits { bytes: 0, count: 0 },
+            |a, l| crate::config::HeaderLimits {
+                bytes: a.bytes.max(l.bytes),
+                count: a.count.max(l.count),
+            },
+        );
         let w = Worker {
             idx,
-            client: crate::body::upstream_client(std::time::Duration::from_secs(5)),
+            client: crate::body::upstream_client(std::time::Duration::from_secs(5), room),
             g,
             vm: RefCell::new(None),
             gen: Cell::new(0),

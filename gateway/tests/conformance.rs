@@ -2540,6 +2540,32 @@ async fn a_graceful_drain_keeps_accepting_and_closes_each_connection_after_its_r
     );
 }
 
+/// Envoy's limits on an upstream response's header (the cluster's `max_response_headers_kb`,
+/// default 80, not the request side's 60, and `max_headers_count`, default 100): a head of
+/// 81920 bytes passes, one byte more, or 101 headers, is a protocol error of the upstream codec,
+/// and the client gets 502 `reset reason: protocol error`, as the plugin's log callback sees it.
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_response_header_limits() {
+    let steps = vec![
+        Step::get("/response-head/81920"),
+        Step::get("/response-head/81921"),
+        Step::get("/response-headers/100"),
+        Step::get("/response-headers/101"),
+        Step::get("/after"),
+    ];
+    let t = differential(
+        logging_status_and_path().scenario("upstream_response_header_limits").steps(steps),
+    )
+    .await;
+    // Only the two over the limits are refused (a head at the limit and 100 headers pass the
+    // proxy; with the headers the proxy adds, the test client may refuse the latter itself).
+    let refused = t.client.iter().filter(|l| *l == "status 502").count();
+    let protocol_errors = t.client.iter().filter(|l| l.contains("reset reason: protocol error"));
+    assert_eq!((refused, protocol_errors.count()), (2, 2), "{:#?}", t.client);
+    let after = t.client.iter().position(|l| l == "GET /after");
+    let status = after.and_then(|i| t.client.get(i + 1));
+    assert_eq!(status.map(String::as_str), Some("status 200"), "{:#?}", t.client);
+}
 /// Envoy's request header limits (HCM `max_request_headers_kb` 60, as Higress sets it too, and
 /// `max_headers_count` 100). HTTP/1: a head (request line to blank line) over 61440 bytes or
 /// over 100 headers gets 431 with the status text, and the connection closes. HTTP/2: names and

@@ -400,6 +400,43 @@ impl Upstream {
                                             .unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
                                         r
                                     }
+                                    // A response head (status line to blank line) of
+                                    // exactly N bytes: hyper adds `content-length: 2` and a
+                                    // 29-byte `date`; one `x-big` header pads the rest.
+                                    p if p.starts_with("/response-head/") => {
+                                        let n =
+                                            p["/response-head/".len()..].parse().unwrap_or(0usize);
+                                        let fixed = "HTTP/1.1 200 OK\r\n".len()
+                                            + "content-length: 2\r\n".len()
+                                            + "date: Mon, 30 Nov 2026 21:48:43 GMT\r\n".len()
+                                            + "x-big: \r\n".len()
+                                            + "\r\n".len();
+                                        let mut r =
+                                            hyper::Response::new(GwBody::full(Bytes::from("ok")));
+                                        let pad = "a".repeat(n.saturating_sub(fixed).min(1 << 20));
+                                        r.headers_mut().insert("x-big", pad.parse().unwrap());
+                                        r
+                                    }
+                                    // N response headers, hyper's `content-length` and `date`
+                                    // among them.
+                                    p if p.starts_with("/response-headers/") => {
+                                        let n = p["/response-headers/".len()..]
+                                            .parse()
+                                            .unwrap_or(0usize);
+                                        let mut r =
+                                            hyper::Response::new(GwBody::full(Bytes::from("ok")));
+                                        for i in 2..n.min(1000) {
+                                            let name = format!("x-h{i}");
+                                            r.headers_mut().insert(
+                                                hyper::header::HeaderName::from_bytes(
+                                                    name.as_bytes(),
+                                                )
+                                                .unwrap(),
+                                                "a".parse().unwrap(),
+                                            );
+                                        }
+                                        r
+                                    }
                                     p if p.starts_with("/bytes/") => {
                                         let n = p["/bytes/".len()..].parse().unwrap_or(0usize);
                                         hyper::Response::new(GwBody::full(Bytes::from(
