@@ -1,8 +1,10 @@
 //! Where the artifacts under test live, and small helpers for unique names and free ports.
 
+use std::collections::BTreeSet;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The workspace root (parent of this crate's directory).
@@ -40,10 +42,25 @@ pub fn plugin_wasm() -> PathBuf {
     })
 }
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it).
+/// A TCP port on 127.0.0.1 that was free a moment ago (the OS picked it), and that this process
+/// has not handed out before. Tests in one binary run in parallel: without the second rule two of
+/// them can get the same just-released port, and one test's client then talks to the other
+/// test's server (the OS may still give the port to another socket; the servers' ready checks
+/// catch that by process id).
 pub fn free_port() -> std::io::Result<u16> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
+    static HANDED_OUT: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+    let mut handed_out = HANDED_OUT.lock().unwrap_or_else(PoisonError::into_inner);
+    // Each try keeps its listener open until the end, so the OS gives a new port every time.
+    let mut held = Vec::new();
+    for _ in 0..64 {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let port = listener.local_addr()?.port();
+        if handed_out.insert(port) {
+            return Ok(port);
+        }
+        held.push(listener);
+    }
+    Err(std::io::Error::other("no port on 127.0.0.1 that this process has not used already"))
 }
 
 /// A name unique within this machine for a while: prefix, process id, a counter and the clock.

@@ -338,9 +338,21 @@ impl RedisFixture {
                     bail!("redis-server exited at start ({status}): {log}");
                 }
             }
+            let ours = match &self.backend {
+                Backend::Local { child: Some(c), .. } => Some(c.id()),
+                _ => None,
+            };
             match self.client().await {
                 Ok(mut c) => match c.cmd(&["PING"]).await {
-                    Ok(RedisValue::Status(s)) if s == "PONG" => return Ok(()),
+                    Ok(RedisValue::Status(s)) if s == "PONG" => match ours {
+                        None => return Ok(()),
+                        Some(pid) => match c.process_id().await {
+                            Ok(answered) if answered == pid => return Ok(()),
+                            // Another server holds the port; ours will fail to bind.
+                            Ok(answered) => bail!("port {} is served by pid {answered}", self.port),
+                            Err(e) => last = e,
+                        },
+                    },
                     Ok(other) => last = anyhow!("PING answered {other:?}"),
                     Err(e) => last = e,
                 },
@@ -545,6 +557,17 @@ impl RedisClient {
             .map_err(|_| anyhow!("connect to Redis {addr}: timeout"))?
             .with_context(|| format!("connect to Redis {addr}"))?;
         Ok(RedisClient { stream, buf: Vec::new() })
+    }
+
+    /// The `process_id` of the server at the other end (`INFO server`): which process a port
+    /// really belongs to, when a just-freed port may have gone to another test's server.
+    pub async fn process_id(&mut self) -> Result<u32> {
+        let info = self.cmd(&["INFO", "server"]).await?;
+        let text = info.as_string().ok_or_else(|| anyhow!("INFO server answered {info:?}"))?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("process_id:"))
+            .and_then(|pid| pid.trim().parse().ok())
+            .ok_or_else(|| anyhow!("INFO server without a process_id"))
     }
 
     /// Sends one command and reads its reply. `-ERR` replies come back as [`RedisValue::Error`].

@@ -143,11 +143,24 @@ impl RedisClusterFixture {
                 }
                 bail!("redis-server (cluster node {i}) exited at start ({status}): {log}");
             }
+            let ours = self.nodes[i].child.as_ref().map(Child::id);
             match self.client_at(i).await {
-                Ok(mut c) => match c.cmd(&["CLUSTER", "MYID"]).await {
-                    Ok(v) => match v.as_string() {
-                        Some(id) if !id.is_empty() => return Ok(id),
-                        _ => last = anyhow!("CLUSTER MYID answered {v:?}"),
+                Ok(mut c) => match c.process_id().await {
+                    Ok(pid) if Some(pid) != ours => {
+                        // Another server took the port before ours bound it: new ports.
+                        if let Some(mut child) = self.nodes[i].child.take() {
+                            let _ = child.kill();
+                            let _ = child.wait();
+                        }
+                        self.nodes[i] = self.start_node()?;
+                        continue;
+                    }
+                    Ok(_) => match c.cmd(&["CLUSTER", "MYID"]).await {
+                        Ok(v) => match v.as_string() {
+                            Some(id) if !id.is_empty() => return Ok(id),
+                            _ => last = anyhow!("CLUSTER MYID answered {v:?}"),
+                        },
+                        Err(e) => last = e,
                     },
                     Err(e) => last = e,
                 },
