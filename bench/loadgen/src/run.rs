@@ -168,6 +168,8 @@ struct Reply {
     usage: Option<Usage>,
     pod: Option<String>,
     gateway_added_ms: Option<f64>,
+    /// Responses API: the response's id (from `response.created`).
+    response_id: Option<String>,
 }
 
 /// What the engine reported of one request, whichever API's names it used.
@@ -203,6 +205,8 @@ struct StreamEvent<'a> {
     text: &'a str,
     usage: Option<Usage>,
     done: bool,
+    /// Responses API: the response's id (`response.created`).
+    response_id: Option<&'a str>,
 }
 
 /// Reads one `data:` payload of a chat stream (text deltas, a usage chunk, `[DONE]`) or of a
@@ -213,9 +217,13 @@ fn stream_event<'a>(api: Api, v: &'a Value) -> Result<StreamEvent<'a>, String> {
         Api::Chat => Ok(StreamEvent {
             text: v.pointer("/choices/0/delta/content").and_then(Value::as_str).unwrap_or(""),
             usage: v.get("usage").filter(|u| !u.is_null()).map(Usage::read),
-            done: false,
+            ..StreamEvent::default()
         }),
         Api::Responses => match v.get("type").and_then(Value::as_str).unwrap_or("") {
+            "response.created" => Ok(StreamEvent {
+                response_id: v.pointer("/response/id").and_then(Value::as_str),
+                ..StreamEvent::default()
+            }),
             "response.output_text.delta" => Ok(StreamEvent {
                 text: v.get("delta").and_then(Value::as_str).unwrap_or(""),
                 ..StreamEvent::default()
@@ -267,6 +275,7 @@ async fn send(
         usage: None,
         pod,
         gateway_added_ms: pod_ms.map(|p| headers_ms - p),
+        response_id: None,
     };
     let mut buf: Vec<u8> = Vec::new();
     let mut done = false;
@@ -295,6 +304,9 @@ async fn send(
                 if event.usage.is_some() {
                     reply.usage = event.usage;
                 }
+                if let Some(id) = event.response_id {
+                    reply.response_id = Some(id.to_string());
+                }
                 done |= event.done;
             }
         }
@@ -314,11 +326,22 @@ struct Conversation {
     instructions: Option<String>,
     /// Chat: `messages`; Responses API: `input` items.
     items: Vec<Value>,
+    /// Responses API kept on the server (`store_responses`): the last response's id, and where
+    /// the items it does not hold begin.
+    stored: Option<StoredConversation>,
+}
+
+/// Where a conversation kept on the server stands.
+#[derive(Default)]
+struct StoredConversation {
+    previous: Option<String>,
+    new_from: usize,
 }
 
 impl Conversation {
-    fn new(api: Api, system: Option<String>) -> Conversation {
-        let mut c = Conversation { api, instructions: None, items: Vec::new() };
+    fn new(api: Api, system: Option<String>, store_responses: bool) -> Conversation {
+        let stored = store_responses.then(StoredConversation::default);
+        let mut c = Conversation { api, instructions: None, items: Vec::new(), stored };
         match api {
             Api::Chat => c.items.extend(system.map(|s| json!({"role": "system", "content": s}))),
             Api::Responses => c.instructions = system,
@@ -343,20 +366,30 @@ impl Conversation {
                 self.items.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
             }
             Api::Responses => {
-                self.items.push(json!({"type": "function_call", "call_id": id,
-                    "name": TOOL_NAME, "arguments": arguments}));
+                // Kept on the server, the call is in the response the server stored.
+                if self.stored.is_none() {
+                    self.items.push(json!({"type": "function_call", "call_id": id,
+                        "name": TOOL_NAME, "arguments": arguments}));
+                }
                 self.items
                     .push(json!({"type": "function_call_output", "call_id": id, "output": output}));
             }
         }
     }
 
-    fn assistant(&mut self, text: &str) {
+    /// The reply (`response_id`: its id, when the server stored it).
+    fn assistant(&mut self, text: &str, response_id: Option<String>) {
         self.items.push(match self.api {
             Api::Chat => json!({"role": "assistant", "content": text}),
             Api::Responses => json!({"type": "message", "role": "assistant",
                 "content": [{"type": "output_text", "text": text}]}),
         });
+        if let (Some(stored), Some(id)) = (self.stored.as_mut(), response_id) {
+            // The server holds everything up to here; a failed request leaves its items to send
+            // again with the next one.
+            stored.previous = Some(id);
+            stored.new_from = self.items.len();
+        }
     }
 
     /// The next request's body: the whole conversation, streamed, usage reported.
@@ -366,16 +399,30 @@ impl Conversation {
                 "model": model, "messages": self.items, "max_tokens": max_tokens,
                 "stream": true, "stream_options": {"include_usage": true},
             }),
-            Api::Responses => json!({
-                "model": model, "input": self.items, "max_output_tokens": max_tokens,
-                "stream": true, "store": false,
-            }),
+            Api::Responses => match &self.stored {
+                None => json!({
+                    "model": model, "input": self.items, "max_output_tokens": max_tokens,
+                    "stream": true, "store": false,
+                }),
+                Some(StoredConversation { previous: Some(previous), new_from }) => json!({
+                    "model": model, "input": self.items.get(*new_from..).unwrap_or_default(),
+                    "max_output_tokens": max_tokens, "stream": true, "store": true,
+                    "previous_response_id": previous,
+                }),
+                Some(StoredConversation { previous: None, .. }) => json!({
+                    "model": model, "input": self.items, "max_output_tokens": max_tokens,
+                    "stream": true, "store": true,
+                }),
+            },
         };
+        let continues = self.stored.as_ref().is_some_and(|s| s.previous.is_some());
         if let Some(obj) = body.as_object_mut() {
             if let Some(tools) = tools {
                 obj.insert("tools".into(), tools.clone());
             }
-            if let Some(instructions) = &self.instructions {
+            // The stored conversation holds them (`instructions` are not carried over by OpenAI's
+            // API, but this conversation's server keeps the system message it rendered).
+            if let Some(instructions) = self.instructions.as_ref().filter(|_| !continues) {
                 obj.insert("instructions".into(), json!(instructions));
             }
         }
@@ -397,7 +444,7 @@ async fn run_session(
     // The conversation twice: as the pods tokenize it (for the oracle) and as the request sends
     // it (with the tool calls and their ids, which the pods' template does not render).
     let mut history: Vec<Message> = Vec::new();
-    let mut sent = Conversation::new(s.api, s.system.clone());
+    let mut sent = Conversation::new(s.api, s.system.clone(), s.store_responses);
     if let Some(sys) = &s.system {
         history.push(Message { role: "system".into(), content: sys.clone() });
     }
@@ -440,8 +487,10 @@ async fn run_session(
             oracle_cached_tokens: cacheable(oracle_hit, prompt.len(), target.page),
             ..Default::default()
         };
+        let mut response_id = None;
         let reply_text = match res {
             Ok(r) => {
+                response_id = r.response_id;
                 let gen = tokenize(&r.text);
                 rec.ttft_ms = r.ttft.map(|d| d.as_secs_f64() * 1000.0);
                 rec.pod = r.pod;
@@ -462,7 +511,7 @@ async fn run_session(
                 String::new()
             }
         };
-        sent.assistant(&reply_text);
+        sent.assistant(&reply_text, response_id);
         history.push(Message { role: "assistant".into(), content: reply_text });
         out.push(rec);
         progress.fetch_add(1, Ordering::Relaxed);
@@ -534,6 +583,7 @@ mod tests {
             tool_rounds: false,
             tools: None,
             api: Api::Chat,
+            store_responses: false,
             start_ms: None,
         };
         let mut o = Oracle::default();
@@ -622,10 +672,12 @@ mod tests {
 
     /// An agent session sent on the Responses API costs the pods what the same session costs on
     /// the chat API: the same prompt tokens turn by turn, the same cached tokens, the same replies.
+    /// So does one kept on the server (each request after the first sends `previous_response_id`
+    /// and only its tool output, and the pod adds the conversation it stored).
     #[tokio::test]
     async fn an_agent_on_the_responses_api_costs_what_it_costs_on_the_chat_api() {
         let mut per_api = Vec::new();
-        for api in ["chat", "responses"] {
+        for api in ["chat", "responses", "responses, store_responses: true"] {
             let workload: crate::Workload = serde_yaml::from_str(&format!(
                 "{{kind: multi_turn, sessions: 3, turns_mean: 4, input_tokens_mean: 40, output_tokens_mean: 12, concurrency: 3, system_prompt_tokens: 48, tool_rounds: true, api: {api}, seed: 5}}"
             ))
@@ -659,6 +711,37 @@ mod tests {
             );
         }
         assert_eq!(per_api[0], per_api[1], "the same conversation on either API");
+        assert_eq!(per_api[0], per_api[2], "the same conversation kept on the server");
+    }
+
+    /// A conversation kept on the server reaches a pod that did not make its last response: that
+    /// pod answers 404, as vLLM's per-process store does, and the request is an error.
+    #[tokio::test]
+    async fn a_stored_conversation_sent_to_another_pod_fails() {
+        let workload: crate::Workload = serde_yaml::from_str(
+            "{kind: multi_turn, sessions: 2, turns_mean: 3, input_tokens_mean: 20, output_tokens_mean: 8, concurrency: 2, api: responses, store_responses: true, seed: 5}",
+        )
+        .expect("workload");
+        for choice in [GatewayChoice::PerSession, GatewayChoice::PerTurn] {
+            let target = Target {
+                urls: pods(2).await,
+                gateway_choice: choice,
+                sticky: None,
+                time_scale: 0.02,
+                model: "m".into(),
+                timeout: Duration::from_secs(30),
+                page: 16,
+            };
+            let records = run(workload.plan(), target, 2, Arc::new(AtomicU64::new(0))).await;
+            assert!(records.len() >= 4, "{records:?}");
+            for r in &records {
+                // Per turn, odd turns go to the other pod (the even ones come back to the pod
+                // that made the last response that succeeded).
+                let fails = choice == GatewayChoice::PerTurn && r.turn % 2 == 1;
+                let error = r.error.as_deref().unwrap_or("");
+                assert_eq!(error.starts_with("HTTP 404"), fails, "{choice:?}: {r:?}");
+            }
+        }
     }
 
     #[test]
@@ -674,7 +757,7 @@ mod tests {
             Usage { prompt_tokens: Some(90), completion_tokens: Some(7), cached_tokens: 64 };
         assert_eq!(
             stream_event(Api::Responses, &done),
-            Ok(StreamEvent { text: "", usage: Some(usage), done: true })
+            Ok(StreamEvent { usage: Some(usage), done: true, ..StreamEvent::default() })
         );
         let failed =
             json!({"type": "response.failed", "response": {"error": {"code": "server_error"}}});

@@ -88,6 +88,12 @@ pub enum Workload {
         /// `/v1/responses`). The same conversation either way.
         #[serde(default)]
         api: Api,
+        /// `api: responses` only: the conversation is kept on the server. Every request has
+        /// `store: true`, and each after the first carries `previous_response_id` and only the
+        /// items since that response (a tool round: only its `function_call_output`), as a
+        /// client of a stateful Responses server sends them.
+        #[serde(default)]
+        store_responses: bool,
         /// Text seed.
         #[serde(default = "default_seed")]
         seed: u64,
@@ -175,6 +181,8 @@ pub struct SessionPlan {
     pub tools: Option<Value>,
     /// The API the requests use.
     pub api: Api,
+    /// Responses API: the conversation is kept on the server (`store_responses`).
+    pub store_responses: bool,
     /// Open loop: when the session starts, simulated ms after the run begins.
     pub start_ms: Option<f64>,
 }
@@ -288,6 +296,7 @@ impl Workload {
                 tool_rounds,
                 tools_tokens,
                 api,
+                store_responses,
                 seed,
                 ..
             } => {
@@ -354,6 +363,7 @@ impl Workload {
                             tool_rounds: *tool_rounds,
                             tools: tools.clone(),
                             api: *api,
+                            store_responses: *store_responses && *api == Api::Responses,
                             start_ms: starts.get(id).copied().flatten(),
                         }
                     })
@@ -387,6 +397,7 @@ impl Workload {
                             tool_rounds: false,
                             tools: None,
                             api: Api::Chat,
+                            store_responses: false,
                             start_ms: None,
                         });
                     }

@@ -8,7 +8,7 @@ use http_body_util::{combinators::BoxBody, BodyExt, Full};
 use hyper::body::{Body, Frame, Incoming};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{json, Value};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -103,10 +103,54 @@ struct Shared {
     error_rate: f64,
 }
 
+/// Responses API answers a pod keeps before it forgets the oldest.
+pub const STORED_RESPONSES: usize = 20_000;
+
+/// The Responses API answers a pod stored (`store` not false), as vLLM keeps them in the memory of
+/// its process (`VLLM_ENABLE_RESPONSES_API_STORE`): by id, the conversation up to and with the
+/// answer. A request that names one this pod does not have (`previous_response_id`) gets 404.
+#[derive(Default)]
+pub struct ResponseStore {
+    by_id: HashMap<String, Vec<Message>>,
+    order: VecDeque<String>,
+}
+
+impl ResponseStore {
+    fn get(&self, id: &str) -> Option<Vec<Message>> {
+        self.by_id.get(id).cloned()
+    }
+
+    fn insert(&mut self, id: String, conversation: Vec<Message>) {
+        if self.order.len() >= STORED_RESPONSES {
+            if let Some(old) = self.order.pop_front() {
+                self.by_id.remove(&old);
+            }
+        }
+        self.order.push_back(id.clone());
+        self.by_id.insert(id, conversation);
+    }
+}
+
+/// A conversation to store once its answer is complete: the store, and the messages before the
+/// answer.
+struct ToStore {
+    store: Arc<Mutex<ResponseStore>>,
+    conversation: Vec<Message>,
+}
+
+impl ToStore {
+    fn answered(self, id: &str, text: &str) {
+        let mut conversation = self.conversation;
+        conversation.push(Message { role: "assistant".into(), content: text.to_string() });
+        self.store.lock().unwrap_or_else(|e| e.into_inner()).insert(id.to_string(), conversation);
+    }
+}
+
 /// A running pod: shared state between HTTP handlers and the scheduler loop.
 pub struct Pod {
     cfg: PodConfig,
     state: Mutex<Shared>,
+    responses: Arc<Mutex<ResponseStore>>,
     notify: Notify,
     started: Instant,
     hang: AtomicBool,
@@ -148,6 +192,7 @@ impl Pod {
                 error_rate,
             }),
             cfg,
+            responses: Arc::default(),
             notify: Notify::new(),
             started: Instant::now(),
             hang: AtomicBool::new(false),
@@ -581,6 +626,7 @@ impl Pod {
             Ok(v) => v,
             Err(e) => return self.error(StatusCode::BAD_REQUEST, &format!("invalid JSON: {e}")),
         };
+        let mut to_store = None;
         let prompt = match api {
             Api::Chat => {
                 let Some(msgs) = v.get("messages").and_then(Value::as_array) else {
@@ -596,9 +642,33 @@ impl Pod {
                 chat_prompt_tokens(&messages, tools_text(&v).as_deref())
             }
             Api::Responses => {
-                let Some(messages) = responses_messages(&v) else {
-                    return self.error(StatusCode::BAD_REQUEST, "input missing");
-                };
+                // A stored response this request continues: its conversation comes first.
+                let previous =
+                    v.get("previous_response_id").and_then(Value::as_str).filter(|s| !s.is_empty());
+                let mut messages = Vec::new();
+                if let Some(id) = previous {
+                    let stored = self.responses.lock().unwrap_or_else(|e| e.into_inner()).get(id);
+                    let Some(stored) = stored else {
+                        let msg = format!("Response with id '{id}' not found.");
+                        return self.json_response(
+                            StatusCode::NOT_FOUND,
+                            &json!({"error": {"message": msg, "type": "invalid_request_error",
+                                "param": "previous_response_id", "code": 404}}),
+                        );
+                    };
+                    messages = stored;
+                }
+                match responses_messages(&v) {
+                    Some(new) => messages.extend(new),
+                    None if previous.is_some() => {}
+                    None => return self.error(StatusCode::BAD_REQUEST, "input missing"),
+                }
+                if v.get("store").and_then(Value::as_bool) != Some(false) {
+                    to_store = Some(ToStore {
+                        store: self.responses.clone(),
+                        conversation: messages.clone(),
+                    });
+                }
                 chat_prompt_tokens(&messages, tools_text(&v).as_deref())
             }
             Api::Completions => match v.get("prompt") {
@@ -660,6 +730,7 @@ impl Pod {
                     finished: false,
                     sequence: 0,
                     text: String::new(),
+                    to_store,
                 }
                 .boxed(),
             );
@@ -682,6 +753,9 @@ impl Pod {
                     break;
                 }
             }
+        }
+        if let Some(to_store) = to_store {
+            to_store.answered(&rid, &text);
         }
         let v = match api {
             Api::Responses => response_object(&rid, &model, created, &text, finish, Some(&usage)),
@@ -845,6 +919,8 @@ struct SseBody {
     sequence: u64,
     /// Responses API: the text so far (its closing events repeat it).
     text: String,
+    /// Responses API: the conversation to store with the answer (`store` not false).
+    to_store: Option<ToStore>,
 }
 
 impl SseBody {
@@ -935,6 +1011,10 @@ impl SseBody {
             }
             Event::Done(u, finish) => {
                 let text = std::mem::take(&mut self.text);
+                if let Some(to_store) = self.to_store.take() {
+                    // Stored before the client can read the id and send the next request.
+                    to_store.answered(&self.id, &text);
+                }
                 self.event(
                     out,
                     "response.output_text.done",
