@@ -62,9 +62,11 @@ fn body_target(body: &[u8]) {
     use crate::policy::prefix_cache::{blocks_from_body, chain, prompt_from_body, Prompt};
     // What the plugin routes by is the chain of the readable blocks, hashed without building them.
     for cuts in crate::testutil::every_block_cuts() {
+        let stored = prompt_from_body(body, cuts).map(|p| p.stored).unwrap_or_default();
         let text = blocks_from_body(body, cuts).map(|blocks| Prompt {
             keys: chain(&blocks),
             block_bytes: blocks.iter().map(String::len).collect(),
+            stored,
         });
         assert_eq!(prompt_from_body(body, cuts), text);
     }

@@ -266,6 +266,16 @@ counters! {
     PrefixMiss => "ai_lb_prefix_miss",
     /// `prefix_cache`: sum of the matched prefix blocks over all hits.
     PrefixMatchedBlocks => "ai_lb_prefix_matched_blocks",
+    /// `prefix_cache`: a stored response's id was recorded with the pod that made it (Responses
+    /// API, `store` not false).
+    PrefixResponseRecorded => "ai_lb_prefix_response_recorded",
+    /// `prefix_cache`: a request that continues a stored response (`previous_response_id`) went to
+    /// the pod that made it.
+    PrefixResponseFollowed => "ai_lb_prefix_response_followed",
+    /// `prefix_cache`: a request that continues a stored response found no healthy pod recorded
+    /// for it (made before the plugin ran, its key expired, its pod gone, Redis down): balanced as
+    /// a new conversation.
+    PrefixResponseUnknown => "ai_lb_prefix_response_unknown",
     /// `cluster_hash`: routed to the service of the request's hash key.
     HashRouted => "ai_lb_hash_routed",
     /// `cluster_hash`: no hash key; answered 403.

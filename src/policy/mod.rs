@@ -42,6 +42,7 @@ pub mod load;
 pub mod picker;
 pub mod prefill;
 pub mod prefix_cache;
+pub mod response_id;
 
 /// What the dispatcher should do with the request.
 #[derive(Debug, Clone, PartialEq)]

@@ -550,8 +550,13 @@ struct Release {
 #[derive(Debug)]
 enum RootCall {
     Release(Release),
-    Heartbeat { owners_key: String, use_eval: bool },
+    Heartbeat {
+        owners_key: String,
+        use_eval: bool,
+    },
     Probe,
+    /// A key written for a policy ([`Picker::write_key`]).
+    Write,
 }
 
 /// The shared pick machinery.
@@ -1205,6 +1210,11 @@ impl Picker {
         Some(self.without_redis(host, stream, &Fallback::Slow, None))
     }
 
+    /// Whether `stream`'s pick call is out (sent, or sent again after `NOSCRIPT`).
+    pub fn is_waiting(&self, stream: u32) -> bool {
+        self.picks.get(&stream).is_some_and(|s| s.pending.is_some())
+    }
+
     /// Where `stream`'s admitted pick placed it, while the stream lives.
     pub fn placement(&self, stream: u32) -> Option<super::prefill::Placement<'_>> {
         let s = self.picks.get(&stream)?;
@@ -1418,7 +1428,23 @@ impl Picker {
         }
     }
 
-    /// The reply to a release, heartbeat or probe.
+    /// Writes `key` = `value` for `ttl_s` seconds (`SET ... EX`), nothing waiting for the reply:
+    /// `prefix_cache`'s record of the pod that made a stored response. Not sent while the breaker
+    /// is open: a lost write costs a later request its pod, never a count.
+    pub fn write_key(&mut self, host: &mut dyn Host, key: &str, value: &str, ttl_s: u64) {
+        if !self.breaker.is_closed() {
+            return;
+        }
+        let query = redis::encode_command(&["SET", key, value, "EX", &ttl_s.to_string()]);
+        match self.redis.call(host, &query) {
+            Ok(token) => {
+                self.root_calls.insert(token, RootCall::Write);
+            }
+            Err(_) => self.redis_failed(host),
+        }
+    }
+
+    /// The reply to a release, heartbeat, probe or write.
     fn on_root_reply(&mut self, host: &mut dyn Host, call: RootCall, reply: &RedisReply) {
         let frame = match reply {
             RedisReply::Ok(b) => decode_reply(b).ok(),
@@ -1455,7 +1481,7 @@ impl Picker {
                     self.on_heartbeat_reply(host, &reply);
                 }
             }
-            RootCall::Probe => {}
+            RootCall::Probe | RootCall::Write => {}
         }
         if ran {
             self.flush_release_queue(host);

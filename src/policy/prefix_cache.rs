@@ -3,9 +3,11 @@
 //! Blocks: the text `role + ":" + content` of each message, concatenated, cut after each user
 //! message and after the last message; the `tools` list (what a chat template renders first),
 //! then a top-level `system` prompt (Anthropic's Messages API), open the first block. OpenAI's
-//! Responses API (`instructions`, `input` items) is cut the same way. Each block
-//! is hashed with SHA-1; the chain is `key_i = key_{i-1} XOR sha1_i` (Higress's key semantics),
-//! named by upper-case hex. The chain is computed here, not in Lua, and sent in one
+//! Responses API (`instructions`, `input` items) is cut the same way; a request that continues a
+//! response kept on the server (`previous_response_id`) starts with the block `response:<id>`,
+//! which stands for the whole conversation up to that response (see [`super::response_id`]).
+//! Each block is hashed with SHA-1; the chain is `key_i = key_{i-1} XOR sha1_i` (Higress's key
+//! semantics), named by upper-case hex. The chain is computed here, not in Lua, and sent in one
 //! `prefix_cache.lua` call that finds the longest chain present in Redis, routes to its host if
 //! healthy (re-homing keys that name a gone/unhealthy host, without breaking the chain), otherwise
 //! picks the least-loaded host, writes the rest of the chain, and counts in-flight like
@@ -19,6 +21,7 @@
 use super::latency::PodSpeed;
 use super::picker::{LoadAware, PickKind, PickResult, Picker, Routed};
 use super::prefill::PrefillBacklog;
+use super::response_id::ResponseIdReader;
 use super::{Decision, Policy, Stream};
 use crate::config::{BlockCuts, PrefixCacheConfig};
 use crate::host::{Counter, Host, LogLevel};
@@ -26,6 +29,7 @@ use crate::redis;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
 use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
 
 /// At most this many chain keys per request: prefixes matter from the start, and the script call
 /// must stay small. Later blocks are not indexed.
@@ -61,6 +65,33 @@ pub struct Prompt {
     pub keys: Vec<String>,
     /// Each block's length in bytes.
     pub block_bytes: Vec<usize>,
+    /// What the request says of responses kept on the server (Responses API).
+    pub stored: StoredResponse,
+}
+
+/// What a Responses API request says of responses kept on the server.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// It continues a stored response (`previous_response_id`): its chain starts with that
+    /// response's block, and it goes to the pod that made the response whatever that pod's load
+    /// (another pod may not have the response at all).
+    pub continues: bool,
+    /// Its own response is stored (`store` is not `false`): the response's id is recorded with the
+    /// pod that answers.
+    pub stores: bool,
+}
+
+/// The start of the block that stands for a stored response: `response:<id>`.
+pub const RESPONSE_BLOCK_PREFIX: &[u8] = b"response:";
+
+/// The chain value of a request that continues the stored response `id`: the first key of its
+/// chain, which the plugin writes with the pod that made the response.
+pub fn response_chain_value(id: &str) -> String {
+    let mut hash = Sha1::new();
+    hash.update(RESPONSE_BLOCK_PREFIX);
+    hash.update(id.as_bytes());
+    let digest: [u8; 20] = hash.finalize().into();
+    hex_upper(&digest)
 }
 
 /// The prompt of a request body: the blocks of [`blocks_from_body`], each hashed while the body
@@ -68,22 +99,21 @@ pub struct Prompt {
 /// piece by piece into the hash): a long chat costs no second copy of its conversation.
 pub fn prompt_from_body(body: &[u8], cuts: BlockCuts) -> Option<Prompt> {
     let mut hashes = BlockHashes::default();
-    split_body(body, cuts, &mut hashes)?;
-    Some(hashes.into_prompt())
+    let stored = split_body(body, cuts, &mut hashes)?;
+    Some(Prompt { stored, ..hashes.into_prompt() })
 }
 
 /// Parses `body` (again with bad text replaced, see [`blocks_from_body`]) and feeds its blocks to
 /// `sink`; `None` when it is not a JSON object.
-fn split_body(body: &[u8], cuts: BlockCuts, sink: &mut dyn BlockSink) -> Option<()> {
+fn split_body(body: &[u8], cuts: BlockCuts, sink: &mut dyn BlockSink) -> Option<StoredResponse> {
     match serde_json::from_slice::<ChatBody<'_>>(body) {
-        Ok(req) => blocks_of(&req, cuts, sink),
+        Ok(req) => Some(blocks_of(&req, cuts, sink)),
         Err(_) => {
             let repaired = replace_bad_text(body)?;
             let req: ChatBody<'_> = serde_json::from_slice(&repaired).ok()?;
-            blocks_of(&req, cuts, sink)
+            Some(blocks_of(&req, cuts, sink))
         }
     }
-    Some(())
 }
 
 /// Where a prompt's block text goes, piece by piece as the body is read.
@@ -147,7 +177,11 @@ struct BlockHashes {
 
 impl BlockHashes {
     fn into_prompt(self) -> Prompt {
-        Prompt { keys: chain_of_digests(self.digests), block_bytes: self.block_bytes }
+        Prompt {
+            keys: chain_of_digests(self.digests),
+            block_bytes: self.block_bytes,
+            stored: StoredResponse::default(),
+        }
     }
 }
 
@@ -221,8 +255,10 @@ fn replace_bad_text(body: &[u8]) -> Option<Vec<u8>> {
     changed.then_some(out)
 }
 
-/// Feeds the blocks of a parsed body to `sink` (see [`blocks_from_body`]).
-fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) {
+/// Feeds the blocks of a parsed body to `sink` (see [`blocks_from_body`]); says what a Responses
+/// API body asks of stored responses.
+fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> StoredResponse {
+    let mut stored = StoredResponse::default();
     if let Some(tools) = &req.tools {
         sink.push(b"tools:");
         push_json(sink, tools);
@@ -231,10 +267,20 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) {
         // A top-level system prompt (Anthropic) is rendered first, as a system message is: two
         // conversations that differ only in it share no cached prefix.
         blocks_of_conversation(req.system.as_ref(), messages, cuts, sink);
-    } else if let Some(input) = &req.input {
+    } else if req.input.is_some() || req.previous_response_id.is_some() {
         // The Responses API: `instructions` stand where a system message would, and a string
-        // input is one user message.
-        match input {
+        // input is one user message. A stored response the request continues comes first: the
+        // engine's prompt is that response's conversation, then this request's items.
+        stored.stores = !matches!(req.store, Some(Json::Other(Value::Bool(false))));
+        if let Some(Json::Str(id)) = &req.previous_response_id {
+            if !id.0.is_empty() {
+                sink.push(RESPONSE_BLOCK_PREFIX);
+                id.push_to(sink);
+                sink.cut();
+                stored.continues = true;
+            }
+        }
+        match req.input.as_ref().unwrap_or(&Input::Other) {
             Input::Items(items) => {
                 blocks_of_conversation(req.instructions.as_ref(), items, cuts, sink)
             }
@@ -274,6 +320,7 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) {
             sink.cut();
         }
     }
+    stored
 }
 
 /// Feeds the blocks of a conversation: its system prompt (when given apart from the messages),
@@ -390,6 +437,10 @@ struct ChatBody<'a> {
     /// OpenAI's Responses API (`/v1/responses`): the system prompt, and the conversation.
     instructions: Option<Json<'a>>,
     input: Option<Input<'a>>,
+    /// The Responses API: the stored response this request continues, and whether its own
+    /// response is stored (`false` says not; absent means it is).
+    previous_response_id: Option<Json<'a>>,
+    store: Option<Json<'a>>,
 }
 
 /// A Responses API `input`: a string (one user message), a list of items, or any other value.
@@ -549,6 +600,8 @@ mod body_de {
         Prompt,
         Instructions,
         Input,
+        PreviousResponseId,
+        Store,
         #[serde(other)]
         Other,
     }
@@ -607,6 +660,8 @@ mod body_de {
                         prompt: None,
                         instructions: None,
                         input: None,
+                        previous_response_id: None,
+                        store: None,
                     };
                     // A repeated key: the last one counts (as in a parsed JSON object).
                     while let Some(key) = map.next_key::<BodyField>()? {
@@ -617,6 +672,10 @@ mod body_de {
                             BodyField::Prompt => body.prompt = map.next_value()?,
                             BodyField::Instructions => body.instructions = map.next_value()?,
                             BodyField::Input => body.input = map.next_value()?,
+                            BodyField::PreviousResponseId => {
+                                body.previous_response_id = map.next_value()?
+                            }
+                            BodyField::Store => body.store = map.next_value()?,
                             BodyField::Other => {
                                 map.next_value::<IgnoredAny>()?;
                             }
@@ -811,6 +870,10 @@ pub struct PrefixCache {
     /// `loadAware` with `loadPrefillBytes` only: each pod's prefill backlog, from this worker and
     /// the others.
     prefill: Option<PrefillBacklog>,
+    /// Streams whose stored response's id is read from the reply, to record its pod.
+    response_ids: HashMap<u32, ResponseIdReader>,
+    /// Streams that continue a stored response, whose pick has not answered yet.
+    continuing: HashSet<u32>,
 }
 
 impl PrefixCache {
@@ -834,7 +897,30 @@ impl PrefixCache {
                 .is_some_and(|l| l.prefill_bytes > 0)
                 .then(PrefillBacklog::default),
             config,
+            response_ids: HashMap::new(),
+            continuing: HashSet::new(),
         }
+    }
+
+    /// A reply chunk of a stream whose stored response's id is wanted: once the id is found, its
+    /// pod is written as the holder of the block that stands for it, with the prefix keys' TTL.
+    fn read_response_id(
+        &mut self,
+        host: &mut dyn Host,
+        stream: &Stream,
+        size: usize,
+        end_of_stream: bool,
+    ) {
+        let Some(reader) = self.response_ids.get_mut(&stream.id) else { return };
+        let found = reader.on_chunk(host, size);
+        if found.is_some() || end_of_stream || reader.gave_up() {
+            self.response_ids.remove(&stream.id);
+        }
+        let Some((pod, id)) = found else { return };
+        let key = redis::prefix_key(&stream.route, &stream.cluster, &response_chain_value(&id));
+        let value = format!("{pod}@{}", host.unix_seconds());
+        self.picker.write_key(host, &key, &value, self.config.redis_key_ttl_s);
+        host.increment_counter(Counter::PrefixResponseRecorded, 1);
     }
 
     /// Publishes this worker's prefill backlog for the other workers (when it changed).
@@ -845,12 +931,16 @@ impl PrefixCache {
     }
 
     /// Picks for a prompt whose chain values are `chain` and whose blocks are `block_bytes` long.
+    /// `pinned` (a request that continues a stored response): the pod holding the prefix is taken
+    /// whatever its load, so the pick goes without `hitLoadFactor` and `loadAware`; only
+    /// `maxRequestCount` still sends it elsewhere.
     fn pick(
         &mut self,
         host: &mut dyn Host,
         stream: &mut Stream,
         chain: &[String],
         block_bytes: &[usize],
+        pinned: bool,
     ) -> Decision {
         let prefill_backlog = match self.prefill.as_mut() {
             Some(prefill) => prefill.totals(host, |s| self.picker.placement(s)),
@@ -860,8 +950,8 @@ impl PrefixCache {
             chain: chain.to_vec(),
             ttl_s: self.config.redis_key_ttl_s,
             now_s: host.unix_seconds(),
-            hit_load_factor: self.config.hit_load_factor,
-            load: self.config.load_aware.as_ref().map(|config| {
+            hit_load_factor: if pinned { 0.0 } else { self.config.hit_load_factor },
+            load: self.config.load_aware.as_ref().filter(|_| !pinned).map(|config| {
                 Box::new(LoadAware {
                     config: config.clone(),
                     args: None,
@@ -891,7 +981,7 @@ impl Policy for PrefixCache {
         }
         if stream.bodiless {
             // Bodiless (GET...): no prompt, so a least-request pick now (Higress #3740: never wait).
-            return self.pick(host, stream, &[], &[]);
+            return self.pick(host, stream, &[], &[], false);
         }
         Decision::NeedBody
     }
@@ -905,7 +995,7 @@ impl Policy for PrefixCache {
         if body.trim_ascii().is_empty() {
             // An empty body (chunked with no data) is a request without a prompt, as one whose
             // headers ended it: a least-request pick.
-            return self.pick(host, stream, &[], &[]);
+            return self.pick(host, stream, &[], &[], false);
         }
         let Some(prompt) = prompt_from_body(body, self.config.block_cuts) else {
             host.log(
@@ -919,10 +1009,22 @@ impl Policy for PrefixCache {
         if let Some(prefill) = self.prefill.as_mut() {
             prefill.on_prompt(stream.id, prompt.block_bytes.iter().copied(), host.now_nanos());
         }
-        self.pick(host, stream, &prompt.keys, &prompt.block_bytes)
+        if prompt.stored.stores {
+            self.response_ids.insert(stream.id, ResponseIdReader::default());
+        }
+        let pinned = prompt.stored.continues;
+        if pinned {
+            self.continuing.insert(stream.id);
+        }
+        self.pick(host, stream, &prompt.keys, &prompt.block_bytes, pinned)
     }
 
     fn on_response_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) {
+        if let Some(reader) = self.response_ids.get_mut(&stream.id) {
+            if !reader.on_headers(host) {
+                self.response_ids.remove(&stream.id);
+            }
+        }
         let Some(speed) = self.speed.as_mut() else { return };
         // The pod that answers, whoever chose it (this plugin, or the gateway's own balancing).
         let pod = host
@@ -944,6 +1046,7 @@ impl Policy for PrefixCache {
         if let Some(speed) = self.speed.as_mut() {
             speed.on_response_body(stream.id, host.now_nanos(), size, end_of_stream);
         }
+        self.read_response_id(host, stream, size, end_of_stream);
         // Only the first answer bytes change the backlog (and only then is it published again).
         if size > 0 && self.prefill.as_mut().is_some_and(|p| p.on_answered(stream.id)) {
             self.publish_prefill_backlog(host);
@@ -954,6 +1057,11 @@ impl Policy for PrefixCache {
     super::picker::delegate_to_picker!(
         routed,
         |p: &mut Self, host: &mut dyn Host, stream: u32| {
+            p.response_ids.remove(&stream);
+            if p.continuing.remove(&stream) {
+                // Its pick never answered (Redis down, the client gone): not routed to its pod.
+                host.increment_counter(Counter::PrefixResponseUnknown, 1);
+            }
             // A stream that ends before its first answer byte (client gone during the prefill, an
             // upstream reset, a headers-only answer) leaves no prompt behind.
             if p.prefill.as_mut().is_some_and(|prefill| prefill.on_answered(stream)) {
@@ -963,6 +1071,21 @@ impl Policy for PrefixCache {
         // A pick's reply that placed its prompt on a pod changed the backlog (the replies of
         // releases and heartbeats did not).
         |p: &mut Self, host: &mut dyn Host, stream: Option<u32>| {
+            let decided = |s: &u32| p.continuing.contains(s) && !p.picker.is_waiting(*s);
+            if let Some(s) = stream.filter(decided) {
+                p.continuing.remove(&s);
+                // Admitted on the pod holding the response's block (a pinned hit is never
+                // diverted), or not.
+                let followed = p.picker.placement(s).is_some_and(|at| at.cached_blocks > 0);
+                host.increment_counter(
+                    if followed {
+                        Counter::PrefixResponseFollowed
+                    } else {
+                        Counter::PrefixResponseUnknown
+                    },
+                    1,
+                );
+            }
             let placed = stream.is_some_and(|s| {
                 p.picker.placement(s).is_some()
                     && p.prefill.as_ref().is_some_and(|prefill| prefill.is_waiting(s))

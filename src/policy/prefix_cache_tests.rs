@@ -126,11 +126,13 @@ fn never_produces_the_all_zero_key() {
 }
 
 /// What [`prompt_from_body`] routes by: the chain of the text blocks and their lengths, with no
-/// block's text built.
+/// block's text built (the stored-response flags are taken from it: only the chain is compared).
 fn prompt_of_text(body: &[u8], cuts: BlockCuts) -> Option<Prompt> {
+    let stored = prompt_from_body(body, cuts).map(|p| p.stored).unwrap_or_default();
     blocks_from_body(body, cuts).map(|blocks| Prompt {
         keys: chain(&blocks),
         block_bytes: blocks.iter().map(String::len).collect(),
+        stored,
     })
 }
 
@@ -139,9 +141,10 @@ fn the_hashed_prompt_is_the_chain_of_the_text_blocks() {
     let tools = r#"{"tools":[{"type":"function","function":{"name":"f","parameters":{"a":[1,2.5,null]}}}],"system":[{"type":"text","text":"S\n\u00e9"}],
       "messages":[{"role":"system","content":"S"},{"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"http://x/a.png"}},{"type":"input_audio","x":1}]},
       {"role":"assistant","content":null,"tool_calls":[{"id":"c1","function":{"name":"g","arguments":"{\"q\":1}"}}]},{"role":"tool","content":"ok"},{"role":"user","content":"again"}]}"#;
-    let bodies: [&[u8]; 7] = [
+    let bodies: [&[u8]; 8] = [
         CHAT.as_bytes(),
         tools.as_bytes(),
+        br#"{"previous_response_id":"resp_\u0031","input":[{"role":"user","content":"go"}]}"#,
         br#"{"prompt":[1,23,"x",{"a":1}]}"#,
         br#"{"prompt":"Once upon"}"#,
         br#"{"input":"x"}"#,
@@ -1034,4 +1037,190 @@ fn a_responses_api_conversation_is_cut_as_a_chat_is() {
     // A chat message's `name` is not hashed: chat keys are as before.
     let named = r#"{"messages":[{"role":"user","name":"ann","content":"Hi"}]}"#;
     assert_eq!(blocks(named), vec!["user:Hi".to_string()]);
+}
+
+#[test]
+fn a_request_that_continues_a_stored_response_starts_with_its_block() {
+    let blocks = |body: &str| blocks_from_body(body.as_bytes(), BlockCuts::default()).unwrap();
+    let prompt = |body: &str| prompt_from_body(body.as_bytes(), BlockCuts::default()).unwrap();
+    let next = r#"{"model":"m","previous_response_id":"resp_1","input":[
+        {"type":"function_call_output","call_id":"c1","output":"ok"}]}"#;
+    assert_eq!(blocks(next), vec!["response:resp_1", "function_call_output:ok"]);
+    let p = prompt(next);
+    assert_eq!(p.keys[0], response_chain_value("resp_1"));
+    assert_eq!(p.stored, StoredResponse { continues: true, stores: true });
+    // Instructions and a string input follow the response's block; only the id, with no input.
+    assert_eq!(
+        blocks(r#"{"previous_response_id":"resp_2","instructions":"Be brief.","input":"Hi"}"#),
+        vec!["response:resp_2", "system:Be brief.user:Hi"]
+    );
+    assert_eq!(blocks(r#"{"previous_response_id":"resp_3"}"#), vec!["response:resp_3"]);
+    // `store: false`: nothing is kept on the server, so nothing is recorded.
+    let unstored = prompt(r#"{"previous_response_id":"resp_1","input":"Hi","store":false}"#);
+    assert_eq!(unstored.stored, StoredResponse { continues: true, stores: false });
+    assert!(prompt(r#"{"input":"Hi"}"#).stored.stores, "store defaults to true");
+    // No id (null, empty, not a string): a new conversation.
+    for none in [
+        r#""previous_response_id":null"#,
+        r#""previous_response_id":"""#,
+        r#""previous_response_id":7"#,
+    ] {
+        let body = format!(r#"{{{none},"input":"Hi"}}"#);
+        assert_eq!(prompt(&body).stored, StoredResponse { continues: false, stores: true });
+        assert_eq!(blocks(&body), vec!["user:Hi"]);
+    }
+    // Chat completions bodies record nothing.
+    assert_eq!(prompt(CHAT).stored, StoredResponse::default());
+}
+
+/// The pod answers stream `ctx` with `status`, its reply's start in `chunks`.
+fn reply_from(
+    f: &mut Filter,
+    host: &mut FakeHost,
+    ctx: u32,
+    pod: &str,
+    status: &str,
+    chunks: &[&str],
+) {
+    host.properties.insert("upstream.address".into(), pod.as_bytes().to_vec());
+    host.response_headers = vec![(":status".into(), status.into())];
+    f.on_response_headers(host, ctx);
+    for (i, chunk) in chunks.iter().enumerate() {
+        host.response_body = chunk.as_bytes().to_vec();
+        f.on_response_body(host, ctx, chunk.len(), i + 1 == chunks.len());
+    }
+}
+
+/// The `SET` commands the plugin sent, as (key, value, ttl).
+fn writes(host: &FakeHost) -> Vec<(String, String, String)> {
+    (0..host.redis_calls.len())
+        .map(|n| command(host, n))
+        .filter(|c| c[0] == "SET")
+        .map(|c| {
+            assert_eq!((c.len(), c[3].as_str()), (5, "EX"), "{c:?}");
+            (c[1].clone(), c[2].clone(), c[4].clone())
+        })
+        .collect()
+}
+
+#[test]
+fn a_stored_response_is_recorded_with_its_pod_and_the_next_request_follows_it() {
+    let (mut f, mut host) = setup(&cfg(r#","hitLoadFactor":1.5"#));
+    send_body(&mut f, &mut host, 7, r#"{"model":"m","instructions":"Be brief.","input":"Hi"}"#);
+    answer_last_pick(&mut f, &mut host, "10.0.0.2:8000", 0);
+    let inflight = keys_args(&command(&host, 0)).0[0].clone();
+    let base = inflight.strip_suffix("inflight").unwrap();
+    // A JSON reply: its id is the object's first key.
+    reply_from(
+        &mut f,
+        &mut host,
+        7,
+        "10.0.0.2:8000",
+        "200",
+        &[r#"{"id":"resp_a1","object":"response","status":"completed","output":[]}"#],
+    );
+    let key = format!("{base}pfx:{}", response_chain_value("resp_a1"));
+    let stamp = format!("10.0.0.2:8000@{}", host.unix_seconds());
+    assert_eq!(writes(&host), vec![(key.clone(), stamp, "600".to_string())]);
+    assert_eq!(host.counters.get("ai_lb_prefix_response_recorded"), Some(&1));
+    f.on_stream_end(&mut host, 7);
+
+    // The next request names that response: its chain starts with the recorded key, and it goes
+    // without the load guard (another pod may not have the response).
+    send_body(
+        &mut f,
+        &mut host,
+        8,
+        r#"{"model":"m","previous_response_id":"resp_a1","input":"More"}"#,
+    );
+    let n = host.redis_calls.len() - 1;
+    let (_, args) = keys_args(&command(&host, n));
+    assert_eq!(args[CHAIN_LEN_AT - 1], "0", "no hitLoadFactor for a pinned pick");
+    assert_eq!(args[CHAIN_LEN_AT + 1], response_chain_value("resp_a1"));
+    answer_last_pick(&mut f, &mut host, "10.0.0.2:8000", 1);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(host.counters.get("ai_lb_prefix_response_followed"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_prefix_response_unknown"), None);
+    // A request that is not pinned keeps the load guard.
+    send_body(&mut f, &mut host, 9, r#"{"model":"m","input":"Other"}"#);
+    let n = host.redis_calls.len() - 1;
+    assert_eq!(keys_args(&command(&host, n)).1[CHAIN_LEN_AT - 1], "1.5");
+}
+
+#[test]
+fn a_streamed_reply_is_recorded_once_its_id_has_come_whole() {
+    let (mut f, mut host) = setup(&cfg(""));
+    send_body(&mut f, &mut host, 7, r#"{"model":"m","input":"Hi","stream":true}"#);
+    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+    reply_from(&mut f, &mut host, 7, "10.0.0.1:8000", "200", &[
+        "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_s",
+        "tream9\",\"object\":\"response\"}}\n\n",
+        "event: response.output_text.delta\ndata: {\"item_id\":\"msg_1\",\"delta\":\"Hi\"}\n\n",
+        "event: response.completed\ndata: {\"response\":{\"id\":\"resp_stream9\"}}\n\n",
+    ]);
+    let w = writes(&host);
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].0.ends_with(&response_chain_value("resp_stream9")), "{w:?}");
+    assert_eq!(host.counters.get("ai_lb_prefix_response_recorded"), Some(&1));
+}
+
+#[test]
+fn nothing_is_recorded_for_an_error_an_unstored_response_or_a_chat() {
+    let (mut f, mut host) = setup(&cfg(""));
+    // A 404 (vLLM: the previous response is not on this pod): nothing was stored.
+    send_body(
+        &mut f,
+        &mut host,
+        1,
+        r#"{"model":"m","previous_response_id":"resp_x","input":"Hi"}"#,
+    );
+    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+    assert_eq!(host.counters.get("ai_lb_prefix_response_unknown"), Some(&1));
+    reply_from(
+        &mut f,
+        &mut host,
+        1,
+        "10.0.0.1:8000",
+        "404",
+        &[r#"{"error":{"message":"Response with id 'resp_x' not found."}}"#],
+    );
+    // `store: false`, and a chat completion (which has an id too).
+    send_body(&mut f, &mut host, 2, r#"{"model":"m","input":"Hi","store":false}"#);
+    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+    reply_from(
+        &mut f,
+        &mut host,
+        2,
+        "10.0.0.1:8000",
+        "200",
+        &[r#"{"id":"resp_y","object":"response"}"#],
+    );
+    send_chat(&mut f, &mut host, 3);
+    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+    reply_from(
+        &mut f,
+        &mut host,
+        3,
+        "10.0.0.1:8000",
+        "200",
+        &[r#"{"id":"chatcmpl-1","object":"chat.completion"}"#],
+    );
+    assert_eq!(writes(&host), vec![]);
+    assert_eq!(host.counters.get("ai_lb_prefix_response_recorded"), None);
+}
+
+#[test]
+fn a_pinned_request_goes_without_load_arguments() {
+    let (mut f, mut host) = setup(&cfg(r#","loadAware":true"#));
+    set_hosts_with_metrics(&mut host, vllm_metrics(8, 12, 0.5), vllm_metrics(1, 0, 0.1));
+    send_body(&mut f, &mut host, 1, r#"{"model":"m","input":"Hi"}"#);
+    assert!(load_args_of(&host, 0).is_some(), "a new conversation is load-aware");
+    send_body(
+        &mut f,
+        &mut host,
+        2,
+        r#"{"model":"m","previous_response_id":"resp_1","input":"Hi"}"#,
+    );
+    assert_eq!(load_args_of(&host, 1), None, "its pod is taken whatever its load");
+    assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), None);
 }

@@ -4,9 +4,11 @@
 //! `/v1/completions` and `/v1/responses` (JSON or SSE with `"stream": true`), `GET /metrics` (a Prometheus text the test
 //! sets), `GET /health`, and anything else with a small JSON echo. It records every request it
 //! received, counts requests in flight, and can add latency, hold requests open until released,
-//! answer 5xx, or stop altogether.
+//! answer 5xx, or stop altogether. Like vLLM with `VLLM_ENABLE_RESPONSES_API_STORE`, it keeps the
+//! Responses API answers it gave in its own memory: a request naming a `previous_response_id`
+//! this pod did not make gets 404.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -86,6 +88,11 @@ struct State {
     /// The message-list prefixes of the chats served, as a prefix cache remembers them: one hash
     /// per prefix (see `cached_tokens`).
     cached_chats: Mutex<HashSet<u64>>,
+    /// The Responses API answers stored (`store` not false), by id: the conversation up to and
+    /// with the answer, item by item.
+    responses: Mutex<HashMap<String, Vec<serde_json::Value>>>,
+    /// Responses API answers given (their ids are numbered, stored or not).
+    responses_given: AtomicUsize,
 }
 
 /// Prompt tokens this pod finds cached for `messages`: the longest run of leading messages equal to
@@ -125,11 +132,49 @@ fn responses_conversation(parsed: &serde_json::Value) -> Vec<serde_json::Value> 
     instructions.into_iter().chain(input).collect()
 }
 
+/// A Responses API request's answer: the conversation is the stored one it continues
+/// (`previous_response_id`; 404 when this pod has no such response, as vLLM answers), then its
+/// own items. The answer is stored under a new id unless `store` is false.
+fn responses_reply(
+    state: &State,
+    parsed: &serde_json::Value,
+    model: &str,
+    stream: bool,
+    body_len: usize,
+    behavior: &Behavior,
+) -> hyper::Response<PodBody> {
+    let name = &state.name;
+    let previous = parsed.get("previous_response_id").and_then(|v| v.as_str());
+    let mut conversation = Vec::new();
+    if let Some(id) = previous.filter(|id| !id.is_empty()) {
+        let stored = state.responses.lock().ok().and_then(|r| r.get(id).cloned());
+        let Some(stored) = stored else {
+            let err = serde_json::json!({"error": {"message": format!("Response with id '{id}' not found."),
+                "type": "invalid_request_error", "param": "previous_response_id", "code": 404}});
+            return full(404, name, "application/json", err.to_string());
+        };
+        conversation = stored;
+    }
+    conversation.extend(responses_conversation(parsed));
+    let cached = cached_tokens(state, &conversation);
+    let id = format!("resp_{name}_{}", state.responses_given.fetch_add(1, Ordering::Relaxed) + 1);
+    if parsed.get("store").and_then(|s| s.as_bool()) != Some(false) {
+        let answer = serde_json::json!({"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": format!("Hello from {name}")}]});
+        conversation.push(answer);
+        if let Ok(mut responses) = state.responses.lock() {
+            responses.insert(id.clone(), conversation);
+        }
+    }
+    responses_answer(name, &id, model, stream, body_len, cached, behavior)
+}
+
 /// The answer "Hello from <name>" as the Responses API gives it: a `response` object, or a
 /// stream of typed events (`response.created`, one `response.output_text.delta` per word,
 /// `response.completed` with the usage; no `[DONE]`).
 fn responses_answer(
     name: &str,
+    id: &str,
     model: &str,
     stream: bool,
     body_len: usize,
@@ -139,7 +184,7 @@ fn responses_answer(
     let text = format!("Hello from {name}");
     let response = |status: &str, text: &str| {
         serde_json::json!({
-            "id": format!("resp_{name}"), "object": "response", "created_at": 0, "model": model,
+            "id": id, "object": "response", "created_at": 0, "model": model,
             "status": status,
             "output": [{"type": "message", "id": format!("msg_{name}"), "role": "assistant",
                 "status": status, "content": [{"type": "output_text", "text": text, "annotations": []}]}],
@@ -247,6 +292,8 @@ impl Pod {
             max_in_flight: AtomicUsize::new(0),
             release,
             cached_chats: Mutex::new(HashSet::new()),
+            responses: Mutex::new(HashMap::new()),
+            responses_given: AtomicUsize::new(0),
         });
         let tasks: Arc<Mutex<Vec<AbortHandle>>> = Arc::new(Mutex::new(Vec::new()));
         let accept_state = state.clone();
@@ -490,8 +537,7 @@ async fn handle(
     let stream = parsed.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
     let content = format!("Hello from {name}");
     if is_responses {
-        let cached = cached_tokens(&state, &responses_conversation(&parsed));
-        return Ok(responses_answer(&name, &model, stream, body.len(), cached, &behavior));
+        return Ok(responses_reply(&state, &parsed, &model, stream, body.len(), &behavior));
     }
     let messages = parsed.get("messages").and_then(|m| m.as_array()).cloned().unwrap_or_default();
     let cached = cached_tokens(&state, &messages);

@@ -122,3 +122,43 @@ async fn openai_python_sdk_responses_agent_stays_on_its_pod() {
     assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 3, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_predicted_hit_engine_hit"), 3, "{stats}");
 }
+
+/// A conversation kept on the server (`store=True`, then only `previous_response_id` and the new
+/// message per round), as the SDK sends it, over three pods that each keep their own responses
+/// (vLLM's store is per process): every round reaches the pod that made the response it names,
+/// so none gets the 404 another pod gives, and the plugin's counters say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_sdk_stored_responses_reach_the_pod_that_made_them() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("sdk-stored", 3).await.unwrap();
+    for p in &pods {
+        p.set_stream_chunk_delay(Duration::from_millis(10));
+    }
+    let cfg = redis_policy_config("route-sdk-stored", &pods, &redis, "prefix_cache", json!({}));
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let task = format!("The build of {} fails on the CI; fix it.", paths::unique_name("repo"));
+    let rounds = run_sdk_script(&gw, "openai_responses_stored.py", &[("TASK", task)]).await;
+    assert_eq!(rounds.len(), 6, "{rounds:?}");
+    let home = rounds[0]["upstream"].as_str().unwrap().to_string();
+    let pod = pod_at(&pods, &home).unwrap();
+    for r in &rounds {
+        assert_eq!(r["upstream"].as_str(), Some(home.as_str()), "round left its pod: {rounds:?}");
+        let answer = format!("Hello from {}", pod.name());
+        assert_eq!(r["answer"].as_str(), Some(answer.as_str()), "{rounds:?}");
+        let cached = r["cached_tokens"].as_u64().unwrap_or(0);
+        assert_eq!(cached > 0, r["round"] != 0, "the pod holds the rounds before: {rounds:?}");
+    }
+    assert!(rounds.iter().any(|r| r["stream"] == true), "no streamed round");
+    assert_eq!(pod.inference_count(), 6);
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_recorded"), 6, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_followed"), 5, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_unknown"), 0, "{stats}");
+    // Any other pod refuses the last response's next round: the pinning is what kept them served.
+    let last = rounds[5]["id"].as_str().unwrap();
+    for other in pods.iter().filter(|p| p.name() != pod.name()) {
+        let next = json!({"model": MODEL, "previous_response_id": last, "input": "Go on."});
+        let r = testkit::http::post_json(other.addr(), "/v1/responses", &next).await.unwrap();
+        assert_eq!(r.status, 404, "{} has no such response", other.name());
+    }
+}

@@ -1,0 +1,81 @@
+//! Responses kept on the server. With OpenAI's Responses API a client can send only the new items
+//! and name the response they follow (`previous_response_id`): the server rebuilds the
+//! conversation from what it stored. vLLM stores responses in the memory of the process that made
+//! them (`VLLM_ENABLE_RESPONSES_API_STORE`), so such a request must reach that pod: any other
+//! answers 404. Where the store is shared, the pod that made the response still holds its
+//! conversation in KV cache.
+//!
+//! So `prefix_cache` reads the id of each stored response (`store` not `false`) from the start of
+//! the reply and writes it to Redis as a prefix key naming the pod that answered (the chain value
+//! of the block `response:<id>`, [`super::prefix_cache::response_chain_value`]); a request that
+//! continues the response starts its chain with the same block, and its pick goes to that pod.
+//!
+//! The id is the first `"id"` of the reply: a JSON reply is the response object, whose first key
+//! it is (OpenAI, vLLM and SGLang all write it first), and a stream's first event
+//! (`response.created`) carries that object. Only the first [`HEAD`] bytes are kept; nothing is
+//! buffered or delayed.
+
+use crate::host::Host;
+
+/// Bytes of the reply's start searched for the response id (a `response.created` event puts the
+/// id within its first hundred bytes).
+pub const HEAD: usize = 2048;
+
+/// The longest response id taken (OpenAI's are about 55 bytes; a longer string is not an id).
+pub const MAX_ID: usize = 256;
+
+/// One stream whose response id is wanted: the pod that answers and the reply's start so far.
+#[derive(Debug, Default)]
+pub(crate) struct ResponseIdReader {
+    /// The pod that answered (`upstream.address`), once the response headers came with a 2xx.
+    pod: Option<String>,
+    head: Vec<u8>,
+}
+
+impl ResponseIdReader {
+    /// The response headers: `false` when no id is to be read (not a 2xx, or no upstream address:
+    /// nothing was stored, or nowhere known).
+    pub fn on_headers(&mut self, host: &dyn Host) -> bool {
+        let ok = host.response_header(":status").is_some_and(|s| s.starts_with('2'));
+        self.pod = host
+            .get_property(&["upstream", "address"])
+            .and_then(|b| String::from_utf8(b).ok())
+            .filter(|a| ok && !a.is_empty());
+        self.pod.is_some()
+    }
+
+    /// A response body chunk of `size` bytes. `Some((pod, id))` once the id is found; `None` while
+    /// it may still come, and for good once [`HEAD`] bytes came without it.
+    pub fn on_chunk(&mut self, host: &dyn Host, size: usize) -> Option<(String, String)> {
+        let room = HEAD.saturating_sub(self.head.len());
+        if room > 0 && size > 0 {
+            if let Some(bytes) = host.response_body(0, size.min(room)) {
+                self.head.extend_from_slice(&bytes);
+            }
+        }
+        let id = first_id(&self.head)?;
+        Some((self.pod.clone()?, id.to_string()))
+    }
+
+    /// Whether the reply's start is read without an id: nothing more to look for.
+    pub fn gave_up(&self) -> bool {
+        self.head.len() >= HEAD
+    }
+}
+
+/// The value of the first `"id"` key in `text`, when it is a whole JSON string without escapes
+/// of at most [`MAX_ID`] bytes. A key inside a string is written `\"id\"` and is not matched.
+pub fn first_id(text: &[u8]) -> Option<&str> {
+    const KEY: &[u8] = b"\"id\"";
+    let at = text.windows(KEY.len()).position(|w| w == KEY)?;
+    let rest = text.get(at + KEY.len()..)?;
+    let rest = rest.trim_ascii_start().strip_prefix(b":")?;
+    let rest = rest.trim_ascii_start().strip_prefix(b"\"")?;
+    let len = rest.iter().take(MAX_ID + 1).position(|b| *b == b'"')?;
+    let id = std::str::from_utf8(rest.get(..len)?).ok()?;
+    (!id.is_empty() && !id.contains('\\') && !id.chars().any(char::is_control)).then_some(id)
+}
+
+#[cfg(test)]
+#[path = "response_id_tests.rs"]
+mod tests;

@@ -1,0 +1,43 @@
+//! Reading a stored response's id from the start of its reply.
+
+use super::*;
+
+#[test]
+fn the_id_is_read_from_a_json_reply_and_from_a_streams_first_event() {
+    let json = br#"{"id":"resp_68af3c1e","object":"response","created_at":1,"status":"completed"}"#;
+    assert_eq!(first_id(json), Some("resp_68af3c1e"));
+    // OpenAI's event order (type first) and vLLM's (the response object first).
+    let openai = b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_1\",\"object\":\"response\"}}\n\n";
+    assert_eq!(first_id(openai), Some("resp_1"));
+    let vllm = b"data: {\"response\": {\"id\": \"resp_9f2\", \"object\": \"response\"}, \"sequence_number\": 0, \"type\": \"response.created\"}\n\n";
+    assert_eq!(first_id(vllm), Some("resp_9f2"));
+}
+
+#[test]
+fn no_id_is_taken_from_text_that_only_looks_like_one() {
+    // Inside a string the key is escaped: not a key of the object.
+    assert_eq!(first_id(br#"{"instructions":"say \"id\": \"x\"","object":"response"}"#), None);
+    // Not a string, empty, with escapes, control characters, or longer than any id.
+    assert_eq!(first_id(br#"{"id":17}"#), None);
+    assert_eq!(first_id(br#"{"id":""}"#), None);
+    assert_eq!(first_id(br#"{"id":"resp_\"x"}"#), None);
+    assert_eq!(first_id(b"{\"id\":\"resp_\x01\"}"), None);
+    let long = format!(r#"{{"id":"{}"}}"#, "r".repeat(MAX_ID + 1));
+    assert_eq!(first_id(long.as_bytes()), None);
+    let longest = format!(r#"{{"id":"{}"}}"#, "r".repeat(MAX_ID));
+    assert_eq!(first_id(longest.as_bytes()).map(str::len), Some(MAX_ID));
+}
+
+#[test]
+fn an_id_cut_by_a_chunk_boundary_is_read_once_the_rest_comes() {
+    let whole = br#"{"id":"resp_abcdef","object":"response"}"#;
+    for cut in 1..whole.len() {
+        let head = &whole[..cut];
+        // Either not yet readable, or already the whole id: never a piece of it.
+        match first_id(head) {
+            None => {}
+            Some(id) => assert_eq!(id, "resp_abcdef", "cut at {cut}"),
+        }
+    }
+    assert_eq!(first_id(whole), Some("resp_abcdef"));
+}
