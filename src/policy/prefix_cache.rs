@@ -258,20 +258,14 @@ fn replace_bad_text(body: &[u8]) -> Option<Vec<u8>> {
 /// Feeds the blocks of a parsed body to `sink` (see [`blocks_from_body`]); says what a Responses
 /// API body asks of stored responses.
 fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> StoredResponse {
+    let chat = matches!(&req.messages, Some(Messages::List(_)));
+    let responses = !chat && (req.input.is_some() || req.previous_response_id.is_some());
     let mut stored = StoredResponse::default();
-    if let Some(tools) = &req.tools {
-        sink.push(b"tools:");
-        push_json(sink, tools);
-    }
-    if let Some(Messages::List(messages)) = &req.messages {
-        // A top-level system prompt (Anthropic) is rendered first, as a system message is: two
-        // conversations that differ only in it share no cached prefix.
-        blocks_of_conversation(req.system.as_ref(), messages, cuts, sink);
-    } else if req.input.is_some() || req.previous_response_id.is_some() {
-        // The Responses API: `instructions` stand where a system message would, and a string
-        // input is one user message. A stored response the request continues comes first: the
-        // engine's prompt is that response's conversation, then this request's items.
+    if responses {
         stored.stores = !matches!(req.store, Some(Json::Other(Value::Bool(false))));
+        // A stored response the request continues opens the chain, before anything the request
+        // carries (an agent sends its `tools` again each round): its block is the key the
+        // response's pod was written under.
         if let Some(Json::Str(id)) = &req.previous_response_id {
             if !id.0.is_empty() {
                 sink.push(RESPONSE_BLOCK_PREFIX);
@@ -280,6 +274,18 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> S
                 stored.continues = true;
             }
         }
+    }
+    if let Some(tools) = &req.tools {
+        sink.push(b"tools:");
+        push_json(sink, tools);
+    }
+    if let Some(Messages::List(messages)) = &req.messages {
+        // A top-level system prompt (Anthropic) is rendered first, as a system message is: two
+        // conversations that differ only in it share no cached prefix.
+        blocks_of_conversation(req.system.as_ref(), messages, cuts, sink);
+    } else if responses {
+        // The Responses API: `instructions` stand where a system message would, and a string
+        // input is one user message.
         match req.input.as_ref().unwrap_or(&Input::Other) {
             Input::Items(items) => {
                 blocks_of_conversation(req.instructions.as_ref(), items, cuts, sink)

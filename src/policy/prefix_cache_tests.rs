@@ -1055,6 +1055,14 @@ fn a_request_that_continues_a_stored_response_starts_with_its_block() {
         vec!["response:resp_2", "system:Be brief.user:Hi"]
     );
     assert_eq!(blocks(r#"{"previous_response_id":"resp_3"}"#), vec!["response:resp_3"]);
+    // An agent sends its tools again each round: the response's block still comes first, so the
+    // chain starts with the key its pod was written under.
+    let with_tools = r#"{"tools":[{"type":"function","name":"run"}],"previous_response_id":"resp_4","input":"Go"}"#;
+    assert_eq!(
+        blocks(with_tools),
+        vec![r#"response:resp_4"#, r#"tools:[{"name":"run","type":"function"}]user:Go"#]
+    );
+    assert_eq!(prompt(with_tools).keys[0], response_chain_value("resp_4"));
     // `store: false`: nothing is kept on the server, so nothing is recorded.
     let unstored = prompt(r#"{"previous_response_id":"resp_1","input":"Hi","store":false}"#);
     assert_eq!(unstored.stored, StoredResponse { continues: true, stores: false });
@@ -1167,44 +1175,29 @@ fn a_streamed_reply_is_recorded_once_its_id_has_come_whole() {
 #[test]
 fn nothing_is_recorded_for_an_error_an_unstored_response_or_a_chat() {
     let (mut f, mut host) = setup(&cfg(""));
-    // A 404 (vLLM: the previous response is not on this pod): nothing was stored.
-    send_body(
-        &mut f,
-        &mut host,
-        1,
-        r#"{"model":"m","previous_response_id":"resp_x","input":"Hi"}"#,
-    );
-    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+    let cases = [
+        // A 404 (vLLM: the previous response is not on this pod): nothing was stored.
+        (
+            r#"{"model":"m","previous_response_id":"resp_x","input":"Hi"}"#,
+            "404",
+            r#"{"error":{"message":"Response with id 'resp_x' not found."}}"#,
+        ),
+        // Not stored.
+        (
+            r#"{"model":"m","input":"Hi","store":false}"#,
+            "200",
+            r#"{"id":"resp_y","object":"response"}"#,
+        ),
+        // A chat completion has an id too.
+        (CHAT, "200", r#"{"id":"chatcmpl-1","object":"chat.completion"}"#),
+    ];
+    for (ctx, (body, status, reply)) in (1..).zip(cases) {
+        send_body(&mut f, &mut host, ctx, body);
+        answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+        reply_from(&mut f, &mut host, ctx, "10.0.0.1:8000", status, &[reply]);
+    }
+    // The first named a response no pod was recorded for.
     assert_eq!(host.counters.get("ai_lb_prefix_response_unknown"), Some(&1));
-    reply_from(
-        &mut f,
-        &mut host,
-        1,
-        "10.0.0.1:8000",
-        "404",
-        &[r#"{"error":{"message":"Response with id 'resp_x' not found."}}"#],
-    );
-    // `store: false`, and a chat completion (which has an id too).
-    send_body(&mut f, &mut host, 2, r#"{"model":"m","input":"Hi","store":false}"#);
-    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
-    reply_from(
-        &mut f,
-        &mut host,
-        2,
-        "10.0.0.1:8000",
-        "200",
-        &[r#"{"id":"resp_y","object":"response"}"#],
-    );
-    send_chat(&mut f, &mut host, 3);
-    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
-    reply_from(
-        &mut f,
-        &mut host,
-        3,
-        "10.0.0.1:8000",
-        "200",
-        &[r#"{"id":"chatcmpl-1","object":"chat.completion"}"#],
-    );
     assert_eq!(writes(&host), vec![]);
     assert_eq!(host.counters.get("ai_lb_prefix_response_recorded"), None);
 }

@@ -12,6 +12,7 @@ import os
 import sys
 
 import openai
+from sdk_responses import create
 
 base_url = os.environ["GATEWAY_BASE_URL"]
 model = os.environ.get("MODEL", "meta-llama/Llama-3.1-8B-Instruct")
@@ -40,24 +41,7 @@ request = dict(
 input_items = [{"role": "user", "content": [{"type": "input_text", "text": task}]}]
 for round_ in range(4):
     stream = round_ % 2 == 1
-    if stream:
-        with client.responses.with_streaming_response.create(
-            input=input_items, stream=True, **request
-        ) as raw:
-            upstream = raw.headers.get("x-gateway-upstream-host")
-            answer, response = "", None
-            for event in raw.parse():
-                if event.type == "response.output_text.delta":
-                    answer += event.delta
-                elif event.type == "response.completed":
-                    response = event.response
-        if response is None:
-            sys.exit("the stream ended without response.completed")
-    else:
-        raw = client.responses.with_raw_response.create(input=input_items, **request)
-        upstream = raw.headers.get("x-gateway-upstream-host")
-        response = raw.parse()
-        answer = response.output_text
+    upstream, answer, response = create(client, stream, input=input_items, **request)
     cached = response.usage.input_tokens_details.cached_tokens
     print(
         json.dumps(

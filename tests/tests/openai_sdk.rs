@@ -91,33 +91,62 @@ async fn openai_python_sdk_conversation_sticks_to_one_pod() {
     assert_eq!(pod.inference_count(), 4);
 }
 
+/// A `prefix_cache` gateway on a fresh Redis before three pods (streaming 10 ms a word), and the
+/// rounds a Responses API script printed, given a task of its own.
+struct ResponsesRun {
+    _redis: RedisFixture,
+    pods: Vec<Pod>,
+    gw: Gateway,
+    rounds: Vec<Value>,
+}
+
+async fn run_responses_script(name: &str, script: &str) -> ResponsesRun {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods(name, 3).await.unwrap();
+    for p in &pods {
+        p.set_stream_chunk_delay(Duration::from_millis(10));
+    }
+    let route = format!("route-{name}");
+    let cfg = redis_policy_config(&route, &pods, &redis, "prefix_cache", json!({}));
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let task = format!("The build of {} fails on the CI; fix it.", paths::unique_name("repo"));
+    let rounds = run_sdk_script(&gw, script, &[("TASK", task)]).await;
+    ResponsesRun { _redis: redis, pods, gw, rounds }
+}
+
+impl ResponsesRun {
+    /// Asserts that there were `n` rounds, some streamed, all answered by one pod, which reported
+    /// the rounds before each as cached and served nothing else; returns that pod.
+    fn one_pod_served(&self, n: usize) -> &Pod {
+        let rounds = &self.rounds;
+        assert_eq!(rounds.len(), n, "{rounds:?}");
+        let home = rounds[0]["upstream"].as_str().unwrap().to_string();
+        let pod = pod_at(&self.pods, &home).unwrap();
+        for r in rounds {
+            assert_eq!(
+                r["upstream"].as_str(),
+                Some(home.as_str()),
+                "round left its pod: {rounds:?}"
+            );
+            let answer = format!("Hello from {}", pod.name());
+            assert_eq!(r["answer"].as_str(), Some(answer.as_str()), "{rounds:?}");
+            let cached = r["cached_tokens"].as_u64().unwrap_or(0);
+            assert_eq!(cached > 0, r["round"] != 0, "the pod holds the rounds before: {rounds:?}");
+        }
+        assert!(rounds.iter().any(|r| r["stream"] == true), "no streamed round");
+        assert_eq!(pod.inference_count(), n);
+        pod
+    }
+}
+
 /// A coding agent on the Responses API, as the SDK sends it (its own output items fed back, a
 /// function call and its output per round, JSON and streamed rounds): every round lands on the
 /// pod holding the rounds before, which reports them cached, and the plugin's counters agree.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_python_sdk_responses_agent_stays_on_its_pod() {
-    let redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("sdk-responses", 3).await.unwrap();
-    for p in &pods {
-        p.set_stream_chunk_delay(Duration::from_millis(10));
-    }
-    let cfg = redis_policy_config("route-sdk-responses", &pods, &redis, "prefix_cache", json!({}));
-    let gw = Gateway::start(&cfg).await.unwrap();
-    let task = format!("The build of {} fails on the CI; fix it.", paths::unique_name("repo"));
-    let rounds = run_sdk_script(&gw, "openai_responses_agent.py", &[("TASK", task)]).await;
-    assert_eq!(rounds.len(), 4, "{rounds:?}");
-    let home = rounds[0]["upstream"].as_str().unwrap().to_string();
-    let pod = pod_at(&pods, &home).unwrap();
-    for r in &rounds {
-        assert_eq!(r["upstream"].as_str(), Some(home.as_str()), "round left its pod: {rounds:?}");
-        let answer = format!("Hello from {}", pod.name());
-        assert_eq!(r["answer"].as_str(), Some(answer.as_str()), "{rounds:?}");
-        let cached = r["cached_tokens"].as_u64().unwrap_or(0);
-        assert_eq!(cached > 0, r["round"] != 0, "the pod holds the rounds before: {rounds:?}");
-    }
-    assert!(rounds.iter().any(|r| r["stream"] == true), "no streamed round");
-    assert_eq!(pod.inference_count(), 4);
-    let stats = gw.stats().await.unwrap();
+    let run = run_responses_script("sdk-responses", "openai_responses_agent.py").await;
+    run.one_pod_served(4);
+    let stats = run.gw.stats().await.unwrap();
     assert_eq!(stat(&stats, "ai_lb_prefix_miss"), 1, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_prefix_hit"), 3, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_predicted_hit_engine_hit"), 3, "{stats}");
@@ -129,34 +158,15 @@ async fn openai_python_sdk_responses_agent_stays_on_its_pod() {
 /// so none gets the 404 another pod gives, and the plugin's counters say why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openai_python_sdk_stored_responses_reach_the_pod_that_made_them() {
-    let redis = RedisFixture::start().await.unwrap();
-    let pods = start_pods("sdk-stored", 3).await.unwrap();
-    for p in &pods {
-        p.set_stream_chunk_delay(Duration::from_millis(10));
-    }
-    let cfg = redis_policy_config("route-sdk-stored", &pods, &redis, "prefix_cache", json!({}));
-    let gw = Gateway::start(&cfg).await.unwrap();
-    let task = format!("The build of {} fails on the CI; fix it.", paths::unique_name("repo"));
-    let rounds = run_sdk_script(&gw, "openai_responses_stored.py", &[("TASK", task)]).await;
-    assert_eq!(rounds.len(), 6, "{rounds:?}");
-    let home = rounds[0]["upstream"].as_str().unwrap().to_string();
-    let pod = pod_at(&pods, &home).unwrap();
-    for r in &rounds {
-        assert_eq!(r["upstream"].as_str(), Some(home.as_str()), "round left its pod: {rounds:?}");
-        let answer = format!("Hello from {}", pod.name());
-        assert_eq!(r["answer"].as_str(), Some(answer.as_str()), "{rounds:?}");
-        let cached = r["cached_tokens"].as_u64().unwrap_or(0);
-        assert_eq!(cached > 0, r["round"] != 0, "the pod holds the rounds before: {rounds:?}");
-    }
-    assert!(rounds.iter().any(|r| r["stream"] == true), "no streamed round");
-    assert_eq!(pod.inference_count(), 6);
-    let stats = gw.stats().await.unwrap();
+    let run = run_responses_script("sdk-stored", "openai_responses_stored.py").await;
+    let pod = run.one_pod_served(6);
+    let stats = run.gw.stats().await.unwrap();
     assert_eq!(stat(&stats, "ai_lb_prefix_response_recorded"), 6, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_prefix_response_followed"), 5, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_prefix_response_unknown"), 0, "{stats}");
     // Any other pod refuses the last response's next round: the pinning is what kept them served.
-    let last = rounds[5]["id"].as_str().unwrap();
-    for other in pods.iter().filter(|p| p.name() != pod.name()) {
+    let last = run.rounds[5]["id"].as_str().unwrap();
+    for other in run.pods.iter().filter(|p| p.name() != pod.name()) {
         let next = json!({"model": MODEL, "previous_response_id": last, "input": "Go on."});
         let r = testkit::http::post_json(other.addr(), "/v1/responses", &next).await.unwrap();
         assert_eq!(r.status, 404, "{} has no such response", other.name());
