@@ -598,6 +598,25 @@ mod tests {
     }
 
     /// `n` simulated pods in this process, 50 times faster than real time; their base URLs.
+    /// Runs `workload` on `n` fresh pods (time scale 0.02), `concurrency` sessions at a time.
+    async fn run_on_pods(
+        workload: &crate::Workload,
+        n: usize,
+        gateway_choice: GatewayChoice,
+        concurrency: usize,
+    ) -> Vec<RequestRecord> {
+        let target = Target {
+            urls: pods(n).await,
+            gateway_choice,
+            sticky: None,
+            time_scale: 0.02,
+            model: "m".into(),
+            timeout: Duration::from_secs(30),
+            page: 16,
+        };
+        run(workload.plan(), target, concurrency, Arc::new(AtomicU64::new(0))).await
+    }
+
     async fn pods(n: usize) -> Vec<String> {
         use podsim::server::{serve, Faults, Flavor, Pod, PodConfig};
         let mut urls = Vec::new();
@@ -630,16 +649,7 @@ mod tests {
         .expect("workload");
         let mut hit_rates = Vec::new();
         for choice in [GatewayChoice::PerSession, GatewayChoice::PerTurn] {
-            let target = Target {
-                urls: pods(3).await,
-                gateway_choice: choice,
-                sticky: None,
-                time_scale: 0.02,
-                model: "m".into(),
-                timeout: Duration::from_secs(30),
-                page: 16,
-            };
-            let records = run(workload.plan(), target, 4, Arc::new(AtomicU64::new(0))).await;
+            let records = run_on_pods(&workload, 3, choice, 4).await;
             assert_eq!(records.len(), 24, "{choice:?}");
             // Per request the oracle credits a shared system prompt to whichever session the
             // client sent first, while a pod may prefill a later-sent one first (two sessions
@@ -682,16 +692,7 @@ mod tests {
                 "{{kind: multi_turn, sessions: 3, turns_mean: 4, input_tokens_mean: 40, output_tokens_mean: 12, concurrency: 3, system_prompt_tokens: 48, tool_rounds: true, api: {api}, seed: 5}}"
             ))
             .expect("workload");
-            let target = Target {
-                urls: pods(1).await,
-                gateway_choice: GatewayChoice::PerSession,
-                sticky: None,
-                time_scale: 0.02,
-                model: "m".into(),
-                timeout: Duration::from_secs(30),
-                page: 16,
-            };
-            let mut records = run(workload.plan(), target, 3, Arc::new(AtomicU64::new(0))).await;
+            let mut records = run_on_pods(&workload, 1, GatewayChoice::PerSession, 3).await;
             records.sort_by_key(|r| (r.session, r.turn));
             assert_eq!(records.len(), 12, "{api}");
             for r in &records {
@@ -723,16 +724,7 @@ mod tests {
         )
         .expect("workload");
         for choice in [GatewayChoice::PerSession, GatewayChoice::PerTurn] {
-            let target = Target {
-                urls: pods(2).await,
-                gateway_choice: choice,
-                sticky: None,
-                time_scale: 0.02,
-                model: "m".into(),
-                timeout: Duration::from_secs(30),
-                page: 16,
-            };
-            let records = run(workload.plan(), target, 2, Arc::new(AtomicU64::new(0))).await;
+            let records = run_on_pods(&workload, 2, choice, 2).await;
             assert!(records.len() >= 4, "{records:?}");
             for r in &records {
                 // Per turn, odd turns go to the other pod (the even ones come back to the pod
