@@ -12,29 +12,17 @@ import os
 import sys
 
 import openai
-from sdk_responses import create
+from sdk_responses import TOOLS, create
 
 base_url = os.environ["GATEWAY_BASE_URL"]
 model = os.environ.get("MODEL", "meta-llama/Llama-3.1-8B-Instruct")
 task = os.environ.get("TASK", "The build fails on the CI; find out why and fix it.")
 client = openai.OpenAI(base_url=base_url, api_key="not-needed", timeout=10.0, max_retries=0)
 
-tools = [
-    {
-        "type": "function",
-        "name": "run_command",
-        "description": "Run a shell command in the repository.",
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "string"}},
-            "required": ["command"],
-        },
-    }
-]
 request = dict(
     model=model,
     instructions="You are a coding agent. Use run_command to inspect and fix the repository.",
-    tools=tools,
+    tools=TOOLS,
     max_output_tokens=32,
     store=False,
 )

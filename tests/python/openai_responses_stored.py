@@ -2,8 +2,8 @@
 
 Run by tests/tests/openai_sdk.rs. The first round sends `instructions` and the task; every later
 round sends only the new user message and `previous_response_id` (the id of the round before),
-with the `tools` list again and `store=True`, so the server must rebuild the conversation from what it stored. Rounds alternate
-JSON and a stream of typed events. Prints one JSON object per round:
+with the `tools` list again and `store=True`, so the server must rebuild the conversation from
+what it stored. Rounds alternate JSON and a stream of typed events. Prints one JSON object per round:
 {"round": n, "stream": bool, "upstream": "ip:port", "id": "resp_...", "answer": "...",
 "cached_tokens": n}. The base URL comes from GATEWAY_BASE_URL (e.g. http://127.0.0.1:1234/v1).
 """
@@ -13,7 +13,7 @@ import os
 import sys
 
 import openai
-from sdk_responses import create
+from sdk_responses import TOOLS, create
 
 base_url = os.environ["GATEWAY_BASE_URL"]
 model = os.environ.get("MODEL", "meta-llama/Llama-3.1-8B-Instruct")
@@ -21,22 +21,9 @@ task = os.environ.get("TASK", "The build fails on the CI; find out why and fix i
 rounds = int(os.environ.get("ROUNDS", "6"))
 client = openai.OpenAI(base_url=base_url, api_key="not-needed", timeout=10.0, max_retries=0)
 
-# Sent again with every round, as agents do (tools are not carried over from the stored response).
-tools = [
-    {
-        "type": "function",
-        "name": "run_command",
-        "description": "Run a shell command in the repository.",
-        "parameters": {
-            "type": "object",
-            "properties": {"command": {"type": "string"}},
-            "required": ["command"],
-        },
-    }
-]
 previous = None
 for round_ in range(rounds):
-    request = dict(model=model, max_output_tokens=32, store=True, tools=tools)
+    request = dict(model=model, max_output_tokens=32, store=True, tools=TOOLS)
     if previous is None:
         request["instructions"] = "You are a coding agent."
         request["input"] = task

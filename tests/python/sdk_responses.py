@@ -2,6 +2,21 @@
 
 import sys
 
+# The agent's one tool, sent with every request (a stored response does not carry its tools
+# over: agents send them again each round).
+TOOLS = [
+    {
+        "type": "function",
+        "name": "run_command",
+        "description": "Run a shell command in the repository.",
+        "parameters": {
+            "type": "object",
+            "properties": {"command": {"type": "string"}},
+            "required": ["command"],
+        },
+    }
+]
+
 
 def create(client, stream, **request):
     """Sends one Responses API request through the SDK; returns (upstream pod, answer text,
