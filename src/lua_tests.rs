@@ -269,6 +269,7 @@ fn pc(chain: &[&str], maxc: u64, ttl_s: u64, factor: f64, healthy: &[&str]) -> P
                 .map_or(0, |d| d.as_secs()),
             hit_load_factor: factor,
             load: None,
+            pin: None,
         },
         ..lr(healthy)
     }

@@ -213,7 +213,19 @@ pub enum PickKind {
         /// `loadAware`: `None` when off; [`Picker::start`] fills in the pods' loads, or sets
         /// `None` when some pod has no fresh metrics (decided as with it off).
         load: Option<Box<LoadAware>>,
+        /// The request must reach the pod holding its chain's first key (see [`Pin`]).
+        pin: Option<Pin>,
     },
+}
+
+/// A pick that must reach the pod holding its chain's first key: `prefix_cache`'s request that
+/// continues a stored response, which another pod may answer with 404. Counted as followed
+/// (`ai_lb_prefix_response_followed`) or not (`ai_lb_prefix_response_unknown`) once decided.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pin {
+    /// The pod the gateway's own record names (see [`super::response_id::recall`]): taken when
+    /// Redis cannot decide and it is healthy.
+    pub fallback_pod: Option<String>,
 }
 
 /// `loadAware` in a pick: its thresholds, then (filled in by [`Picker::start`]) the pods' loads.
@@ -277,7 +289,7 @@ impl PickCall {
             ids,
         ];
         match &self.kind {
-            PickKind::Prefix { chain, ttl_s, now_s, hit_load_factor, load } => {
+            PickKind::Prefix { chain, ttl_s, now_s, hit_load_factor, load, .. } => {
                 args.reserve(5 + chain.len() + self.healthy.len());
                 args.push(ttl_s.to_string());
                 args.push(now_s.to_string());
@@ -534,6 +546,8 @@ pub(crate) struct PickState {
     had_prompt: bool,
     /// Prefix blocks the picked pod holds (an admitted hit not diverted; else 0).
     cached_blocks: usize,
+    /// See [`Pin`].
+    pin: Option<Pin>,
 }
 
 /// One release (`-1`, or the cancel of an abandoned pick). `release.lua` is idempotent per pick
@@ -691,6 +705,10 @@ impl Picker {
         let Some((mut healthy, others)) = healthy_hosts(list.as_deref(), host, self.name) else {
             return Decision::Passthrough;
         };
+        let pin = match &kind {
+            PickKind::Prefix { pin, .. } => pin.clone(),
+            PickKind::LeastRequest => None,
+        };
         // Another worker of this gateway may have found Redis stalled since this one's last tick:
         // this request must not send its pick into the stall.
         self.follow_shared_breaker(host);
@@ -698,7 +716,7 @@ impl Picker {
         // is the tick's PING, never a request: a request carrying it would wait `breakerSlowMs`
         // on a still frozen Redis, once per `breakerOpenMs` per worker.
         if !self.breaker.is_closed() {
-            return self.without_redis(host, stream, &Fallback::BreakerOpen, list);
+            return self.without_redis(host, stream, &Fallback::BreakerOpen, list, pin);
         }
         if let PickKind::Prefix { load: load @ Some(_), .. } = &mut kind {
             // The host list (with the health check's metrics bodies) is read once per request:
@@ -777,6 +795,7 @@ impl Picker {
                         cache_check: None,
                         had_prompt,
                         cached_blocks: 0,
+                        pin,
                     },
                 );
                 Decision::Pending(token)
@@ -784,7 +803,7 @@ impl Picker {
             Err(_) => {
                 self.requeue_ended(host, &call.keys.owners, call.ended);
                 self.redis_failed(host);
-                self.without_redis(host, stream, &Fallback::SendFailed, list)
+                self.without_redis(host, stream, &Fallback::SendFailed, list, pin)
             }
         }
     }
@@ -898,6 +917,20 @@ impl Picker {
         routed: fn(&mut dyn Host, &PickResult) -> Routed,
     ) -> Decision {
         let outcome = self.on_reply(host, stream.as_deref_mut(), token, reply);
+        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref()) {
+            if self.picks.get(&s.id).is_some_and(|state| state.pin.is_some()) {
+                // Reached the pod holding the first key, or not (a miss, a 429's other pod).
+                let followed = pick.admitted && !pick.diverted && pick.matched > 0;
+                host.increment_counter(
+                    if followed {
+                        Counter::PrefixResponseFollowed
+                    } else {
+                        Counter::PrefixResponseUnknown
+                    },
+                    1,
+                );
+            }
+        }
         if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
             if pick.admitted {
                 let r = routed(host, pick);
@@ -939,24 +972,49 @@ impl Picker {
         ReplyOutcome::Fallback(why)
     }
 
-    /// Every request Redis could not decide comes here: routed by the pods' metrics when they are
-    /// known, else normal balancing; logged and counted either way. `list` is the cluster's host
-    /// list when this callback already has it.
+    /// `stream`'s [`Pin`], while its pick lives.
+    fn pin_of(&self, stream: u32) -> Option<Pin> {
+        self.picks.get(&stream).and_then(|s| s.pin.clone())
+    }
+
+    /// Every request Redis could not decide comes here: a pinned one to its pod when the gateway's
+    /// own record names a healthy one; else routed by the pods' metrics when they are known, else
+    /// normal balancing; logged and counted either way. `list` is the cluster's host list when
+    /// this callback already has it.
     fn without_redis(
         &mut self,
         host: &mut dyn Host,
         stream: &mut Stream,
         why: &Fallback,
         list: Option<Vec<UpstreamHost>>,
+        pin: Option<Pin>,
     ) -> Decision {
         host.increment_counter(why.counter(), 1);
         let now_ms = host.now_nanos() / 1_000_000;
-        let pod = list
-            .or_else(|| self.metrics.host_list(host, &stream.cluster, now_ms))
-            .and_then(|list| self.metrics.gather(host, &stream.cluster, list, now_ms))
-            .and_then(|pods| self.metrics.choose(host, stream.id, &pods, "", now_ms));
+        let list = list.or_else(|| self.metrics.host_list(host, &stream.cluster, now_ms));
         // While the breaker is open every request comes here: its opening was logged once.
         let level = if *why == Fallback::BreakerOpen { LogLevel::Debug } else { LogLevel::Warn };
+        if let Some(pin) = pin {
+            let healthy =
+                |pod: &String| list.iter().flatten().any(|h| h.address == *pod && h.is_healthy());
+            if let Some(pod) = pin.fallback_pod.filter(healthy) {
+                host.log(
+                    level,
+                    &format!(
+                        "{}: {}; routed to {pod}, which made the stored response",
+                        self.name,
+                        why.describe()
+                    ),
+                );
+                host.increment_counter(Counter::PrefixResponseFollowed, 1);
+                stream.decision = Some(format!("{}; by=stored-response", why.label()));
+                return Decision::Route(pod);
+            }
+            host.increment_counter(Counter::PrefixResponseUnknown, 1);
+        }
+        let pod = list
+            .and_then(|list| self.metrics.gather(host, &stream.cluster, list, now_ms))
+            .and_then(|pods| self.metrics.choose(host, stream.id, &pods, "", now_ms));
         match pod {
             Some(pod) => {
                 host.log(
@@ -1147,7 +1205,8 @@ impl Picker {
             (ReplyOutcome::Resent(token), _) => Decision::Pending(token),
             (ReplyOutcome::NotForRequest, _) => Decision::Passthrough,
             (ReplyOutcome::Fallback(why), Some(stream)) => {
-                self.without_redis(host, stream, &why, None)
+                let pin = self.pin_of(stream.id);
+                self.without_redis(host, stream, &why, None, pin)
             }
             (ReplyOutcome::Fallback(_), None) => Decision::Passthrough,
         }
@@ -1192,7 +1251,8 @@ impl Picker {
             // Redis. Decided now, as every new request is, instead of waiting out its own
             // `breakerSlowMs` (and not counted as one more failure).
             self.fallback(host, stream, Fallback::Slow);
-            return Some(self.without_redis(host, stream, &Fallback::BreakerOpen, None));
+            let pin = self.pin_of(stream.id);
+            return Some(self.without_redis(host, stream, &Fallback::BreakerOpen, None, pin));
         }
         let now = host.now_nanos();
         if slow_ns == 0 || now.saturating_sub(sent) < slow_ns {
@@ -1207,12 +1267,8 @@ impl Picker {
             self.redis_failed(host);
         }
         self.fallback(host, stream, Fallback::Slow);
-        Some(self.without_redis(host, stream, &Fallback::Slow, None))
-    }
-
-    /// Whether `stream`'s pick call is out (sent, or sent again after `NOSCRIPT`).
-    pub fn is_waiting(&self, stream: u32) -> bool {
-        self.picks.get(&stream).is_some_and(|s| s.pending.is_some())
+        let pin = self.pin_of(stream.id);
+        Some(self.without_redis(host, stream, &Fallback::Slow, None, pin))
     }
 
     /// Where `stream`'s admitted pick placed it, while the stream lives.

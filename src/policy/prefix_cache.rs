@@ -19,9 +19,9 @@
 //! the prefix (a key names up to `maxHolders` pods; later requests take the least loaded one).
 
 use super::latency::PodSpeed;
-use super::picker::{LoadAware, PickKind, PickResult, Picker, Routed};
+use super::picker::{LoadAware, PickKind, PickResult, Picker, Pin, Routed};
 use super::prefill::PrefillBacklog;
-use super::response_id::ResponseIdReader;
+use super::response_id::{self, ResponseIdReader};
 use super::{Decision, Policy, Stream};
 use crate::config::{BlockCuts, PrefixCacheConfig};
 use crate::host::{Counter, Host, LogLevel};
@@ -29,7 +29,7 @@ use crate::redis;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
 use std::borrow::Cow;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 /// At most this many chain keys per request: prefixes matter from the start, and the script call
 /// must stay small. Later blocks are not indexed.
@@ -70,12 +70,12 @@ pub struct Prompt {
 }
 
 /// What a Responses API request says of responses kept on the server.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
-    /// It continues a stored response (`previous_response_id`): its chain starts with that
+    /// The stored response it continues (`previous_response_id`): its chain starts with that
     /// response's block, and it goes to the pod that made the response whatever that pod's load
     /// (another pod may not have the response at all).
-    pub continues: bool,
+    pub continues: Option<String>,
     /// Its own response is stored (`store` is not `false`): the response's id is recorded with the
     /// pod that answers.
     pub stores: bool,
@@ -271,7 +271,7 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> S
                 sink.push(RESPONSE_BLOCK_PREFIX);
                 id.push_to(sink);
                 sink.cut();
-                stored.continues = true;
+                stored.continues = Some(id.text().into_owned());
             }
         }
     }
@@ -878,8 +878,6 @@ pub struct PrefixCache {
     prefill: Option<PrefillBacklog>,
     /// Streams whose stored response's id is read from the reply, to record its pod.
     response_ids: HashMap<u32, ResponseIdReader>,
-    /// Streams that continue a stored response, whose pick has not answered yet.
-    continuing: HashSet<u32>,
 }
 
 impl PrefixCache {
@@ -904,7 +902,6 @@ impl PrefixCache {
                 .then(PrefillBacklog::default),
             config,
             response_ids: HashMap::new(),
-            continuing: HashSet::new(),
         }
     }
 
@@ -926,6 +923,7 @@ impl PrefixCache {
         let key = redis::prefix_key(&stream.route, &stream.cluster, &response_chain_value(&id));
         let value = format!("{pod}@{}", host.unix_seconds());
         self.picker.write_key(host, &key, &value, self.config.redis_key_ttl_s);
+        response_id::remember(host, &id, &pod);
         host.increment_counter(Counter::PrefixResponseRecorded, 1);
     }
 
@@ -937,7 +935,7 @@ impl PrefixCache {
     }
 
     /// Picks for a prompt whose chain values are `chain` and whose blocks are `block_bytes` long.
-    /// `pinned` (a request that continues a stored response): the pod holding the prefix is taken
+    /// `pin` (a request that continues a stored response): the pod holding the prefix is taken
     /// whatever its load, so the pick goes without `hitLoadFactor` and `loadAware`; only
     /// `maxRequestCount` still sends it elsewhere.
     fn pick(
@@ -946,8 +944,9 @@ impl PrefixCache {
         stream: &mut Stream,
         chain: &[String],
         block_bytes: &[usize],
-        pinned: bool,
+        pin: Option<Pin>,
     ) -> Decision {
+        let pinned = pin.is_some();
         let prefill_backlog = match self.prefill.as_mut() {
             Some(prefill) => prefill.totals(host, |s| self.picker.placement(s)),
             None => Vec::new(),
@@ -975,6 +974,7 @@ impl PrefixCache {
                     ),
                 })
             }),
+            pin,
         };
         self.picker.start(host, stream, kind)
     }
@@ -987,7 +987,7 @@ impl Policy for PrefixCache {
         }
         if stream.bodiless {
             // Bodiless (GET...): no prompt, so a least-request pick now (Higress #3740: never wait).
-            return self.pick(host, stream, &[], &[], false);
+            return self.pick(host, stream, &[], &[], None);
         }
         Decision::NeedBody
     }
@@ -1001,7 +1001,7 @@ impl Policy for PrefixCache {
         if body.trim_ascii().is_empty() {
             // An empty body (chunked with no data) is a request without a prompt, as one whose
             // headers ended it: a least-request pick.
-            return self.pick(host, stream, &[], &[], false);
+            return self.pick(host, stream, &[], &[], None);
         }
         let Some(prompt) = prompt_from_body(body, self.config.block_cuts) else {
             host.log(
@@ -1018,11 +1018,12 @@ impl Policy for PrefixCache {
         if prompt.stored.stores {
             self.response_ids.insert(stream.id, ResponseIdReader::default());
         }
-        let pinned = prompt.stored.continues;
-        if pinned {
-            self.continuing.insert(stream.id);
-        }
-        self.pick(host, stream, &prompt.keys, &prompt.block_bytes, pinned)
+        let pin = prompt
+            .stored
+            .continues
+            .as_deref()
+            .map(|id| Pin { fallback_pod: response_id::recall(host, id) });
+        self.pick(host, stream, &prompt.keys, &prompt.block_bytes, pin)
     }
 
     fn on_response_headers(&mut self, host: &mut dyn Host, stream: &mut Stream) {
@@ -1064,10 +1065,6 @@ impl Policy for PrefixCache {
         routed,
         |p: &mut Self, host: &mut dyn Host, stream: u32| {
             p.response_ids.remove(&stream);
-            if p.continuing.remove(&stream) {
-                // Its pick never answered (Redis down, the client gone): not routed to its pod.
-                host.increment_counter(Counter::PrefixResponseUnknown, 1);
-            }
             // A stream that ends before its first answer byte (client gone during the prefill, an
             // upstream reset, a headers-only answer) leaves no prompt behind.
             if p.prefill.as_mut().is_some_and(|prefill| prefill.on_answered(stream)) {
@@ -1077,21 +1074,6 @@ impl Policy for PrefixCache {
         // A pick's reply that placed its prompt on a pod changed the backlog (the replies of
         // releases and heartbeats did not).
         |p: &mut Self, host: &mut dyn Host, stream: Option<u32>| {
-            let decided = |s: &u32| p.continuing.contains(s) && !p.picker.is_waiting(*s);
-            if let Some(s) = stream.filter(decided) {
-                p.continuing.remove(&s);
-                // Admitted on the pod holding the response's block (a pinned hit is never
-                // diverted), or not.
-                let followed = p.picker.placement(s).is_some_and(|at| at.cached_blocks > 0);
-                host.increment_counter(
-                    if followed {
-                        Counter::PrefixResponseFollowed
-                    } else {
-                        Counter::PrefixResponseUnknown
-                    },
-                    1,
-                );
-            }
             let placed = stream.is_some_and(|s| {
                 p.picker.placement(s).is_some()
                     && p.prefill.as_ref().is_some_and(|prefill| prefill.is_waiting(s))

@@ -1048,7 +1048,7 @@ fn a_request_that_continues_a_stored_response_starts_with_its_block() {
     assert_eq!(blocks(next), vec!["response:resp_1", "function_call_output:ok"]);
     let p = prompt(next);
     assert_eq!(p.keys[0], response_chain_value("resp_1"));
-    assert_eq!(p.stored, StoredResponse { continues: true, stores: true });
+    assert_eq!(p.stored, StoredResponse { continues: Some("resp_1".into()), stores: true });
     // Instructions and a string input follow the response's block; only the id, with no input.
     assert_eq!(
         blocks(r#"{"previous_response_id":"resp_2","instructions":"Be brief.","input":"Hi"}"#),
@@ -1065,7 +1065,7 @@ fn a_request_that_continues_a_stored_response_starts_with_its_block() {
     assert_eq!(prompt(with_tools).keys[0], response_chain_value("resp_4"));
     // `store: false`: nothing is kept on the server, so nothing is recorded.
     let unstored = prompt(r#"{"previous_response_id":"resp_1","input":"Hi","store":false}"#);
-    assert_eq!(unstored.stored, StoredResponse { continues: true, stores: false });
+    assert_eq!(unstored.stored, StoredResponse { continues: Some("resp_1".into()), stores: false });
     assert!(prompt(r#"{"input":"Hi"}"#).stored.stores, "store defaults to true");
     // No id (null, empty, not a string): a new conversation.
     for none in [
@@ -1074,7 +1074,7 @@ fn a_request_that_continues_a_stored_response_starts_with_its_block() {
         r#""previous_response_id":7"#,
     ] {
         let body = format!(r#"{{{none},"input":"Hi"}}"#);
-        assert_eq!(prompt(&body).stored, StoredResponse { continues: false, stores: true });
+        assert_eq!(prompt(&body).stored, StoredResponse { continues: None, stores: true });
         assert_eq!(blocks(&body), vec!["user:Hi"]);
     }
     // Chat completions bodies record nothing.
@@ -1216,4 +1216,29 @@ fn a_pinned_request_goes_without_load_arguments() {
     );
     assert_eq!(load_args_of(&host, 1), None, "its pod is taken whatever its load");
     assert_eq!(host.counters.get("ai_lb_prefix_load_unknown"), None);
+}
+
+#[test]
+fn without_redis_a_continued_request_goes_to_the_pod_the_gateway_recorded() {
+    let (mut f, mut host) = setup(&cfg(""));
+    // Two responses recorded: one by .2 (healthy), one by .3 (unhealthy).
+    for (ctx, pod, id) in [(1, "10.0.0.2:8000", "resp_a"), (2, "10.0.0.3:8000", "resp_b")] {
+        send_body(&mut f, &mut host, ctx, r#"{"model":"m","input":"Hi"}"#);
+        answer_last_pick(&mut f, &mut host, pod, 0);
+        let reply = format!(r#"{{"id":"{id}","object":"response"}}"#);
+        reply_from(&mut f, &mut host, ctx, pod, "200", &[&reply]);
+        f.on_stream_end(&mut host, ctx);
+    }
+    // Redis fails each pick: the request naming .2's response still goes to .2.
+    let cases = [("resp_a", Some("10.0.0.2:8000")), ("resp_b", None), ("resp_never_seen", None)];
+    for (ctx, (id, pod)) in (3..).zip(cases) {
+        host.override_host = None;
+        let body = format!(r#"{{"model":"m","previous_response_id":"{id}","input":"More"}}"#);
+        send_body(&mut f, &mut host, ctx, &body);
+        let t = host.last_redis_token().unwrap();
+        deliver(&mut f, &mut host, t, RedisReply::NetworkError);
+        assert_eq!(host.override_host.as_deref(), pod, "{id}");
+    }
+    assert_eq!(host.counters.get("ai_lb_prefix_response_followed"), Some(&1));
+    assert_eq!(host.counters.get("ai_lb_prefix_response_unknown"), Some(&2), "unhealthy, unknown");
 }

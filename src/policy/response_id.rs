@@ -10,12 +10,43 @@
 //! of the block `response:<id>`, [`super::prefix_cache::response_chain_value`]); a request that
 //! continues the response starts its chain with the same block, and its pick goes to that pod.
 //!
+//! The gateway also keeps its own record of recent responses' pods, in shared data (every worker
+//! of this gateway reads it): [`RECORD_SLOTS`] keys, each holding the last response whose id
+//! hashes to it. A request that continues a response while Redis cannot answer (down, stalled, the
+//! breaker open) goes to that pod when the record still holds it, instead of to a pod that would
+//! answer 404.
+//!
 //! The id is the first `"id"` of the reply: a JSON reply is the response object, whose first key
 //! it is (OpenAI, vLLM and SGLang all write it first), and a stream's first event
 //! (`response.created`) carries that object. Only the first [`HEAD`] bytes are kept; nothing is
 //! buffered or delayed.
 
 use crate::host::Host;
+
+/// Keys of the gateway's own record of responses' pods (about 100 bytes each: 1.6 MB when all are
+/// used). A response whose slot is taken by a later one is forgotten there.
+pub const RECORD_SLOTS: u64 = 16384;
+
+/// Writes `pod` as the pod that made the stored response `id`, in the gateway's own record.
+pub fn remember(host: &mut dyn Host, id: &str, pod: &str) {
+    let _ = host.set_shared_data(&record_key(id), format!("{id} {pod}").as_bytes(), 0);
+}
+
+/// The pod that made the stored response `id`, if the gateway's own record still holds it.
+pub fn recall(host: &dyn Host, id: &str) -> Option<String> {
+    let (value, _) = host.get_shared_data(&record_key(id));
+    let value = String::from_utf8(value?).ok()?;
+    let (held, pod) = value.split_once(' ')?;
+    (held == id && !pod.is_empty()).then(|| pod.to_string())
+}
+
+/// The record's key for `id`: its slot, by FNV-1a.
+fn record_key(id: &str) -> String {
+    let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("ai-lb/response/{}", hash % RECORD_SLOTS)
+}
 
 /// Bytes of the reply's start searched for the response id (a `response.created` event puts the
 /// id within its first hundred bytes).

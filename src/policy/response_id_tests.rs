@@ -41,3 +41,22 @@ fn an_id_cut_by_a_chunk_boundary_is_read_once_the_rest_comes() {
     }
     assert_eq!(first_id(whole), Some("resp_abcdef"));
 }
+
+#[test]
+fn the_gateways_own_record_gives_back_the_pod_of_the_id_it_holds() {
+    let mut host = crate::host::fake::FakeHost::new();
+    assert_eq!(recall(&host, "resp_1"), None);
+    remember(&mut host, "resp_1", "10.0.0.1:8000");
+    remember(&mut host, "resp_2", "10.0.0.2:8000");
+    assert_eq!(recall(&host, "resp_1").as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(recall(&host, "resp_2").as_deref(), Some("10.0.0.2:8000"));
+    // Another id in the same slot takes it: the first is forgotten, never given the other's pod.
+    let slot = record_key("resp_1");
+    let rival = (0..100_000)
+        .map(|i| format!("resp_{i}x"))
+        .find(|id| record_key(id) == slot)
+        .expect("some id shares the slot");
+    remember(&mut host, &rival, "10.0.0.3:8000");
+    assert_eq!(recall(&host, "resp_1"), None);
+    assert_eq!(recall(&host, &rival).as_deref(), Some("10.0.0.3:8000"));
+}

@@ -389,3 +389,38 @@ async fn client_gone_while_the_pick_is_in_redis_leaves_no_count() {
     assert_eq!(chat_once(&gw, "after").await.unwrap().status, 200);
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
 }
+
+/// A conversation kept on the server (Responses API: `store`, then `previous_response_id`) over
+/// three pods that each keep their own responses (as vLLM's store does): with Redis stopped, each
+/// round still reaches the pod that made the response it names, from the gateway's own record,
+/// instead of a pod that answers 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_down_stored_responses_still_reach_their_pod() {
+    let mut redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("down-stored", 3).await.unwrap();
+    let lb_config = json!({"timeout": 1000});
+    let cfg = redis_policy_config("route-down-stored", &pods, &redis, "prefix_cache", lb_config);
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let respond = |body: serde_json::Value| {
+        gw.send(HttpRequest::post_json("/v1/responses", &body), Duration::from_secs(10))
+    };
+    let first = respond(json!({"model": MODEL, "input": "Fix the build.", "store": true}));
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 200, "{}", first.text());
+    let home = first.upstream().unwrap();
+    let mut previous = first.json().unwrap()["id"].as_str().unwrap().to_string();
+
+    redis.stop().await.unwrap();
+    for round in 1..=6 {
+        let next = json!({"model": MODEL, "previous_response_id": previous,
+            "input": format!("Round {round}: the tests still fail."), "store": true});
+        let r = respond(next).await.unwrap();
+        assert_eq!(r.status, 200, "round {round}: {}", r.text());
+        assert_eq!(r.upstream().as_deref(), Some(home.as_str()), "round {round}");
+        previous = r.json().unwrap()["id"].as_str().unwrap().to_string();
+    }
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_followed"), 6, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_unknown"), 0, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_recorded"), 7, "{stats}");
+}

@@ -427,6 +427,7 @@ fn pick_call(
                 now_s,
                 hit_load_factor: 0.0,
                 load: None,
+                pin: None,
             },
             Case::PrefixCacheLoadAware => {
                 // Pods with queues of 0-3 and KV use of 0-0.5, none overloaded by its metrics.
@@ -456,6 +457,7 @@ fn pick_call(
                         // Short chat turns: nothing to give up (sent as an empty argument).
                         divert_costs: vec![0; chain.len()],
                     })),
+                    pin: None,
                 }
             }
             _ => PickKind::LeastRequest,
