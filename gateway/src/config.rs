@@ -570,16 +570,9 @@ impl Config {
         let cfg: Config = serde_yaml::from_str(text)?;
         for l in &cfg.listeners {
             l.http2.check(&l.name)?;
-            if !(1..=8192).contains(&l.max_request_headers_kb) {
-                anyhow::bail!(
-                    "listener {}: max_request_headers_kb {} is not in 1..=8192",
-                    l.name,
-                    l.max_request_headers_kb
-                );
-            }
-            if l.max_headers_count == 0 {
-                anyhow::bail!("listener {}: max_headers_count must be at least 1", l.name);
-            }
+            let what = format!("listener {}", l.name);
+            check_header_kb(&what, "max_request_headers_kb", l.max_request_headers_kb)?;
+            check_header_count(&what, l.max_headers_count)?;
         }
         for r in &cfg.routes {
             if r.cluster.is_none() && r.cluster_header.is_none() {
@@ -592,16 +585,9 @@ impl Config {
             }
         }
         for c in &cfg.clusters {
-            if !(1..=8192).contains(&c.max_response_headers_kb) {
-                anyhow::bail!(
-                    "cluster {}: max_response_headers_kb {} is not in 1..=8192",
-                    c.name,
-                    c.max_response_headers_kb
-                );
-            }
-            if c.max_headers_count == 0 {
-                anyhow::bail!("cluster {}: max_headers_count must be at least 1", c.name);
-            }
+            let what = format!("cluster {}", c.name);
+            check_header_kb(&what, "max_response_headers_kb", c.max_response_headers_kb)?;
+            check_header_count(&what, c.max_headers_count)?;
             for e in &c.endpoints {
                 e.parse::<std::net::SocketAddr>().map_err(|_| {
                     anyhow::anyhow!("cluster {}: endpoint {e} is not ip:port", c.name)
@@ -610,6 +596,22 @@ impl Config {
         }
         Ok(cfg)
     }
+}
+
+/// A header size limit in KiB, in the range Envoy accepts (1..=8192; its config is refused outside).
+fn check_header_kb(what: &str, field: &str, kb: u32) -> anyhow::Result<()> {
+    if !(1..=8192).contains(&kb) {
+        anyhow::bail!("{what}: {field} {kb} is not in 1..=8192");
+    }
+    Ok(())
+}
+
+/// A header count limit, at least 1 as Envoy requires.
+fn check_header_count(what: &str, count: u32) -> anyhow::Result<()> {
+    if count == 0 {
+        anyhow::bail!("{what}: max_headers_count must be at least 1");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -62,17 +62,9 @@ pub fn usage_tokens(tail: &[u8]) -> Option<(i64, i64)> {
 
 /// The integer after the last `"key"` `:` in `text`.
 fn last_number(text: &[u8], key: &[u8]) -> Option<i64> {
-    let at = text.windows(key.len()).rposition(|w| w == key)?;
-    let rest = text.get(at + key.len()..)?;
-    let rest = trim_start(rest);
-    let rest = trim_start(rest.strip_prefix(b":")?);
+    let rest = super::after_last_key(text, key)?;
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
     std::str::from_utf8(rest.get(..digits)?).ok()?.parse().ok()
-}
-
-fn trim_start(s: &[u8]) -> &[u8] {
-    let n = s.iter().take_while(|b| b.is_ascii_whitespace()).count();
-    s.get(n..).unwrap_or_default()
 }
 
 #[cfg(test)]

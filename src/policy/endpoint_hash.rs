@@ -119,11 +119,7 @@ impl EndpointHash {
         let Some(s) = self.streams.get_mut(&stream_id).filter(|s| s.record) else { return };
         s.record = false;
         let key = s.key.clone();
-        let pod = host
-            .get_property(&["upstream", "address"])
-            .and_then(|a| String::from_utf8(a).ok())
-            .filter(|a| !a.is_empty());
-        let Some(pod) = pod else {
+        let Some(pod) = super::upstream_address(host) else {
             host.log(LogLevel::Debug, "endpoint_hash: no upstream address to bind the key to");
             return;
         };

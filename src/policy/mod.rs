@@ -248,6 +248,34 @@ pub fn healthy_hosts(
     Some((healthy, other))
 }
 
+/// The pod that answers the stream (`upstream.address`), whoever chose it (this plugin, or the
+/// gateway's own balancing); `None` before one is chosen or when the host does not say.
+pub fn upstream_address(host: &dyn Host) -> Option<String> {
+    host.get_property(&["upstream", "address"])
+        .and_then(|b| String::from_utf8(b).ok())
+        .filter(|a| !a.is_empty())
+}
+
+/// What follows the first `key` (quoted, e.g. `b"\"id\""`) and its `:` in `text`, whitespace
+/// skipped: a JSON member's value, found without parsing a document that may be cut anywhere (the
+/// start or the end of a reply).
+pub fn after_first_key<'t>(text: &'t [u8], key: &[u8]) -> Option<&'t [u8]> {
+    let at = text.windows(key.len()).position(|w| w == key)?;
+    member_value(text, at + key.len())
+}
+
+/// [`after_first_key`] at the last `key` in `text`.
+pub fn after_last_key<'t>(text: &'t [u8], key: &[u8]) -> Option<&'t [u8]> {
+    let at = text.windows(key.len()).rposition(|w| w == key)?;
+    member_value(text, at + key.len())
+}
+
+/// The value after a member's key that ends at `key_end`.
+fn member_value(text: &[u8], key_end: usize) -> Option<&[u8]> {
+    let rest = text.get(key_end..)?.trim_ascii_start().strip_prefix(b":")?;
+    Some(rest.trim_ascii_start())
+}
+
 /// `pairs` indexed by key, the first pair of a key kept (as a linear `find` would): every pick
 /// looks up each healthy pod once, so a large cluster costs linear time, not quadratic.
 pub fn first_by_key<'a, V>(

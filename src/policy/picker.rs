@@ -917,7 +917,7 @@ impl Picker {
         routed: fn(&mut dyn Host, &PickResult) -> Routed,
     ) -> Decision {
         let outcome = self.on_reply(host, stream.as_deref_mut(), token, reply);
-        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref()) {
+        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
             if self.picks.get(&s.id).is_some_and(|state| state.pin.is_some()) {
                 // Reached the pod holding the first key, or not (a miss, a 429's other pod).
                 let followed = pick.admitted && !pick.diverted && pick.matched > 0;
@@ -930,8 +930,6 @@ impl Picker {
                     1,
                 );
             }
-        }
-        if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
             if pick.admitted {
                 let r = routed(host, pick);
                 host.increment_counter(r.counter, 1);

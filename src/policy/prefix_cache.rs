@@ -1034,11 +1034,7 @@ impl Policy for PrefixCache {
         }
         let Some(speed) = self.speed.as_mut() else { return };
         // The pod that answers, whoever chose it (this plugin, or the gateway's own balancing).
-        let pod = host
-            .get_property(&["upstream", "address"])
-            .and_then(|b| String::from_utf8(b).ok())
-            .filter(|a| !a.is_empty());
-        if let Some(pod) = pod {
+        if let Some(pod) = super::upstream_address(host) {
             speed.on_response_headers(stream.id, pod, host.now_nanos());
         }
     }

@@ -68,10 +68,7 @@ impl ResponseIdReader {
     /// nothing was stored, or nowhere known).
     pub fn on_headers(&mut self, host: &dyn Host) -> bool {
         let ok = host.response_header(":status").is_some_and(|s| s.starts_with('2'));
-        self.pod = host
-            .get_property(&["upstream", "address"])
-            .and_then(|b| String::from_utf8(b).ok())
-            .filter(|a| ok && !a.is_empty());
+        self.pod = super::upstream_address(host).filter(|_| ok);
         self.pod.is_some()
     }
 
@@ -97,11 +94,7 @@ impl ResponseIdReader {
 /// The value of the first `"id"` key in `text`, when it is a whole JSON string without escapes
 /// of at most [`MAX_ID`] bytes. A key inside a string is written `\"id\"` and is not matched.
 pub fn first_id(text: &[u8]) -> Option<&str> {
-    const KEY: &[u8] = b"\"id\"";
-    let at = text.windows(KEY.len()).position(|w| w == KEY)?;
-    let rest = text.get(at + KEY.len()..)?;
-    let rest = rest.trim_ascii_start().strip_prefix(b":")?;
-    let rest = rest.trim_ascii_start().strip_prefix(b"\"")?;
+    let rest = super::after_first_key(text, b"\"id\"")?.strip_prefix(b"\"")?;
     let len = rest.iter().take(MAX_ID + 1).position(|b| *b == b'"')?;
     let id = std::str::from_utf8(rest.get(..len)?).ok()?;
     (!id.is_empty() && !id.contains('\\') && !id.chars().any(char::is_control)).then_some(id)
