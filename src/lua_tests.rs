@@ -2,7 +2,7 @@
 //! These fail (not skip) without redis-server: install it (`apt-get install redis-server`).
 
 use crate::policy::picker::{
-    parse_pick, HeartbeatCall, PickCall, PickKind, ReleaseCall, StateKeys,
+    parse_pick, HeartbeatCall, PickCall, PickKind, Pin, ReleaseCall, StateKeys,
 };
 use crate::redis::{
     decode_reply, encode_command, Frame, Script, HEARTBEAT_LUA, LEAST_REQUEST_LUA,
@@ -370,6 +370,32 @@ fn prefix_miss_writes_the_chain_to_the_least_loaded_host() {
     assert_eq!(r.holders("pfx:k1").as_deref(), Some("b"));
     assert_eq!(r.holders("pfx:k2").as_deref(), Some("b"));
     assert!((590..=600).contains(&r.ttl("pfx:k2")));
+}
+
+#[test]
+fn a_stored_responses_miss_writes_its_key_only_when_held_to_the_recorded_pod() {
+    let mut r = Redis::start();
+    let s = Script::new(PREFIX_CACHE_LUA.as_str());
+    let pinned = |fallback_pod: Option<&str>, healthy: &[&str]| {
+        let mut call = pc(&["resp", "k2"], 0, 600, 0.0, healthy);
+        if let PickKind::Prefix { pin, .. } = &mut call.kind {
+            *pin = Some(Pin { fallback_pod: fallback_pod.map(str::to_string) });
+        }
+        call
+    };
+    // Unknown here: the miss goes to a pod, but writes only the blocks after the response's.
+    r.cmd(&["HSET", "inflight", "a", "5"]);
+    let f = r.run(&s, &pinned(None, &["a", "b"]));
+    assert_eq!(pick(&f), ("b".to_string(), 1, 1, 0));
+    assert_eq!(r.holders("pfx:resp"), None, "no key naming a pod that may answer 404");
+    assert_eq!(r.holders("pfx:k2").as_deref(), Some("b"));
+    // Held to the pod this gateway recorded: the miss writes the key back.
+    let f = r.run(&s, &pinned(Some("a"), &["a"]));
+    assert_eq!(pick(&f), ("a".to_string(), 6, 1, 0));
+    assert_eq!(r.holders("pfx:resp").as_deref(), Some("a"));
+    // Once there, it is followed whatever the pick's candidates.
+    let f = r.run(&s, &pinned(None, &["b", "a"]));
+    assert_eq!(pick(&f), ("a".to_string(), 7, 1, 2));
 }
 
 #[test]

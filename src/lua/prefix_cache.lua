@@ -12,7 +12,11 @@
 -- KEYS[1]  in-flight hash of this route+cluster: host -> in-flight requests over the live owners
 -- ARGV[1 .. 4]  max in-flight, lease, owner, this request's id and the carried releases
 --               (pick_settle.lua)
--- ARGV[5]  key TTL (s)   ARGV[6] now (unix s)   ARGV[7] hit load factor (0 = off)
+-- ARGV[5]  key TTL (s)   ARGV[6] now (unix s)   ARGV[7] hit load factor (0 = off), or 'pin': the
+--          first chain value is a stored response's (a request that continues it) and the gateway
+--          does not know its pod: a miss never writes that key (the pod it chooses would answer 404,
+--          and the key would send every later request for the response there); only the reply's
+--          record does
 -- ARGV[8]  K = number of chain values (key_i = key_{i-1} XOR sha1(block_i)), value = host
 -- ARGV[9 .. 8+K]  the chain values, upper-case hex, shortest prefix first
 -- ARGV[9+K]  N = number of healthy candidates
@@ -32,6 +36,7 @@ local maxc = tonumber(ARGV[1]) or 0
 local ttl = tonumber(ARGV[5]) or 1800
 local now = tonumber(ARGV[6]) or 0
 local factor = tonumber(ARGV[7]) or 0
+local pinned = ARGV[7] == 'pin'
 local nk = tonumber(ARGV[8]) or 0
 local first = 10 + nk
 local n = tonumber(ARGV[9 + nk]) or 0
@@ -201,7 +206,7 @@ if admitted then
   for i = first_read, nk do
     if i > matched or not vals[i] then
       -- New, re-homed, or missing before the probe's match: the chosen host's now.
-      redis.call('SET', chain[i], chosen .. stamp, 'EX', ttl)
+      if i > 1 or not pinned then redis.call('SET', chain[i], chosen .. stamp, 'EX', ttl) end
     else
       -- The key's holders once a diverted hit adds the chosen host (nil: unchanged).
       local grown = nil

@@ -221,11 +221,25 @@ pub enum PickKind {
 /// A pick that must reach the pod holding its chain's first key: `prefix_cache`'s request that
 /// continues a stored response, which another pod may answer with 404. Counted as followed
 /// (`ai_lb_prefix_response_followed`) or not (`ai_lb_prefix_response_unknown`) once decided.
+///
+/// When the gateway's own record names a healthy pod, the pick's only candidate is that pod: a
+/// response is made once, on one pod, so the record is right wherever Redis lost the key (its
+/// `SET` skipped while the breaker was open, Redis restarted empty, the key evicted), and the
+/// pick's miss writes the key again. Otherwise the script never writes the first key on a miss
+/// (script argument `pin`): the pod a miss chooses would answer 404, and a key naming it would send
+/// every later request for that response there.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pin {
-    /// The pod the gateway's own record names (see [`super::response_id::recall`]): taken when
-    /// Redis cannot decide and it is healthy.
+    /// The pod the gateway's own record names (see [`super::response_id::recall`]): the pick's
+    /// only candidate, and where the request goes when Redis cannot decide, when it is healthy.
     pub fallback_pod: Option<String>,
+}
+
+impl Pin {
+    /// Whether a pick over `healthy` candidates is held to the recorded pod.
+    fn holds_to_record(&self, healthy: &[String]) -> bool {
+        matches!((self.fallback_pod.as_ref(), healthy), (Some(pod), [only]) if pod == only)
+    }
 }
 
 /// `loadAware` in a pick: its thresholds, then (filled in by [`Picker::start`]) the pods' loads.
@@ -289,11 +303,17 @@ impl PickCall {
             ids,
         ];
         match &self.kind {
-            PickKind::Prefix { chain, ttl_s, now_s, hit_load_factor, load, .. } => {
+            PickKind::Prefix { chain, ttl_s, now_s, hit_load_factor, load, pin } => {
                 args.reserve(5 + chain.len() + self.healthy.len());
                 args.push(ttl_s.to_string());
                 args.push(now_s.to_string());
-                args.push(format!("{hit_load_factor}"));
+                // A stored response's pick has no load guard, and keeps its first key unwritten
+                // unless it is held to the pod this gateway recorded (see `Pin`).
+                args.push(match pin {
+                    Some(pin) if !pin.holds_to_record(&self.healthy) => "pin".to_string(),
+                    Some(_) => "0".to_string(),
+                    None => format!("{hit_load_factor}"),
+                });
                 args.push(chain.len().to_string());
                 args.extend(chain.iter().cloned());
                 args.push(self.healthy.len().to_string());
@@ -748,6 +768,11 @@ impl Picker {
         let mut in_cluster = Vec::with_capacity(healthy.len() + others.len());
         in_cluster.extend(healthy.iter().cloned());
         in_cluster.extend(others);
+        if let Some(pod) = pin.as_ref().and_then(|p| p.fallback_pod.as_ref()) {
+            if healthy.contains(pod) {
+                healthy = vec![pod.clone()];
+            }
+        }
         shuffle(host, &mut healthy);
         let owner_id = self.owner_id(host);
         self.next_request += 1;
@@ -918,9 +943,11 @@ impl Picker {
     ) -> Decision {
         let outcome = self.on_reply(host, stream.as_deref_mut(), token, reply);
         if let (ReplyOutcome::Picked(pick), Some(s)) = (&outcome, stream.as_deref_mut()) {
-            if self.picks.get(&s.id).is_some_and(|state| state.pin.is_some()) {
-                // Reached the pod holding the first key, or not (a miss, a 429's other pod).
-                let followed = pick.admitted && !pick.diverted && pick.matched > 0;
+            if let Some(pin) = self.picks.get(&s.id).and_then(|state| state.pin.as_ref()) {
+                // Reached the pod holding the first key or the recorded one, or not (a miss, a
+                // 429's other pod).
+                let recorded = pin.fallback_pod.as_deref() == Some(pick.host.as_str());
+                let followed = pick.admitted && (recorded || (!pick.diverted && pick.matched > 0));
                 host.increment_counter(
                     if followed {
                         Counter::PrefixResponseFollowed

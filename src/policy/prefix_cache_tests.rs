@@ -1145,6 +1145,7 @@ fn a_stored_response_is_recorded_with_its_pod_and_the_next_request_follows_it() 
     let (_, args) = keys_args(&command(&host, n));
     assert_eq!(args[CHAIN_LEN_AT - 1], "0", "no hitLoadFactor for a pinned pick");
     assert_eq!(args[CHAIN_LEN_AT + 1], response_chain_value("resp_a1"));
+    assert_eq!(candidates_of(&host, n), vec!["10.0.0.2:8000"], "held to the recorded pod");
     answer_last_pick(&mut f, &mut host, "10.0.0.2:8000", 1);
     assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
     assert_eq!(host.counters.get("ai_lb_prefix_response_followed"), Some(&1));
@@ -1153,6 +1154,61 @@ fn a_stored_response_is_recorded_with_its_pod_and_the_next_request_follows_it() 
     send_body(&mut f, &mut host, 9, r#"{"model":"m","input":"Other"}"#);
     let n = host.redis_calls.len() - 1;
     assert_eq!(keys_args(&command(&host, n)).1[CHAIN_LEN_AT - 1], "1.5");
+}
+
+/// The healthy candidates of pick `n`.
+fn candidates_of(host: &FakeHost, n: usize) -> Vec<String> {
+    let (_, args) = keys_args(&command(host, n));
+    let k: usize = args[CHAIN_LEN_AT].parse().unwrap();
+    let nh: usize = args[CHAIN_LEN_AT + 1 + k].parse().unwrap();
+    args[CHAIN_LEN_AT + 2 + k..CHAIN_LEN_AT + 2 + k + nh].to_vec()
+}
+
+#[test]
+fn a_response_redis_lost_still_reaches_its_pod_and_an_unknown_one_writes_no_key() {
+    let (mut f, mut host) = setup(&cfg(r#","hitLoadFactor":1.5"#));
+    let all = candidates_of_new_request(&mut f, &mut host);
+    // .2 made resp_a; .3 (unhealthy since) made resp_b.
+    for (ctx, pod, id) in [(1, "10.0.0.2:8000", "resp_a"), (2, "10.0.0.3:8000", "resp_b")] {
+        send_body(&mut f, &mut host, ctx, r#"{"model":"m","input":"Hi"}"#);
+        answer_last_pick(&mut f, &mut host, pod, 0);
+        let reply = format!(r#"{{"id":"{id}","object":"response"}}"#);
+        reply_from(&mut f, &mut host, ctx, pod, "200", &[&reply]);
+        f.on_stream_end(&mut host, ctx);
+    }
+    // resp_a: Redis no longer holds its key (a miss: matched 0), yet the only candidate is .2, so
+    // the miss writes the key back to .2 and the request is counted followed.
+    send_body(&mut f, &mut host, 3, r#"{"model":"m","previous_response_id":"resp_a","input":"M"}"#);
+    let n = host.redis_calls.len() - 1;
+    assert_eq!(candidates_of(&host, n), vec!["10.0.0.2:8000"]);
+    assert_eq!(keys_args(&command(&host, n)).1[CHAIN_LEN_AT - 1], "0", "its key may be written");
+    answer_last_pick(&mut f, &mut host, "10.0.0.2:8000", 0);
+    assert_eq!(host.override_host.as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(host.counters.get("ai_lb_prefix_response_followed"), Some(&1));
+    // resp_b (its pod unhealthy) and an id never seen: every healthy pod is a candidate, and the
+    // script is told not to write the response's key on a miss (`pin`).
+    assert_eq!(all, ["10.0.0.1:8000", "10.0.0.2:8000"]);
+    for (ctx, id) in [(4, "resp_b"), (5, "resp_never_seen")] {
+        let body = format!(r#"{{"model":"m","previous_response_id":"{id}","input":"More"}}"#);
+        send_body(&mut f, &mut host, ctx, &body);
+        let n = host.redis_calls.len() - 1;
+        let mut got = candidates_of(&host, n);
+        got.sort();
+        assert_eq!(got, all, "{id}");
+        assert_eq!(keys_args(&command(&host, n)).1[CHAIN_LEN_AT - 1], "pin", "{id}");
+        answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+    }
+    assert_eq!(host.counters.get("ai_lb_prefix_response_unknown"), Some(&2));
+}
+
+/// Every healthy candidate of a new conversation's pick (sorted); the pick is answered.
+fn candidates_of_new_request(f: &mut Filter, host: &mut FakeHost) -> Vec<String> {
+    send_body(f, host, 99, r#"{"model":"m","input":"Warm up"}"#);
+    let mut all = candidates_of(host, host.redis_calls.len() - 1);
+    all.sort();
+    answer_last_pick(f, host, "10.0.0.1:8000", 0);
+    f.on_stream_end(host, 99);
+    all
 }
 
 #[test]

@@ -424,3 +424,67 @@ async fn with_redis_down_stored_responses_still_reach_their_pod() {
     assert_eq!(stat(&stats, "ai_lb_prefix_response_unknown"), 0, "{stats}");
     assert_eq!(stat(&stats, "ai_lb_prefix_response_recorded"), 7, "{stats}");
 }
+
+/// Redis comes back empty (restarted without persistence) after responses were made while it was
+/// down, so it knows none of them. The first request Redis decides again continues such a response:
+/// held to the pod this gateway recorded, it reaches that pod, and its pick writes the response's key
+/// back. Three rounds of stop and restart: an unheld pick on 3 idle pods finds the home pod only
+/// one time in three.
+#[tokio::test]
+async fn after_redis_comes_back_empty_stored_responses_still_reach_their_pod() {
+    use sha1::{Digest, Sha1};
+    let mut redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("back-stored", 3).await.unwrap();
+    let lb_config = json!({"timeout": 1000, "breakerOpenMs": 200});
+    let cfg = redis_policy_config("route-back-stored", &pods, &redis, "prefix_cache", lb_config);
+    let gw = Gateway::start(&cfg).await.unwrap();
+    let respond = |previous: Option<&str>, round: usize| {
+        let mut body = json!({"model": MODEL, "input": format!("Round {round}."), "store": true});
+        if let Some(id) = previous {
+            body["previous_response_id"] = json!(id);
+        }
+        gw.send(HttpRequest::post_json("/v1/responses", &body), Duration::from_secs(10))
+    };
+    let first = respond(None, 0).await.unwrap();
+    assert_eq!(first.status, 200, "{}", first.text());
+    let home = first.upstream().unwrap();
+    let mut previous = first.json().unwrap()["id"].as_str().unwrap().to_string();
+    let mut round = 0;
+    for cycle in 0..3 {
+        redis.stop().await.unwrap();
+        round += 1;
+        let r = respond(Some(&previous), round).await.unwrap();
+        assert_eq!((r.status, r.upstream()), (200, Some(home.clone())), "{}", r.text());
+        previous = r.json().unwrap()["id"].as_str().unwrap().to_string();
+        redis.restart().await.unwrap();
+        let mut c = redis.client().await.unwrap();
+        // Rounds until one is decided by Redis: its pick writes the key of the response it
+        // continues (one decided without Redis writes none), naming the home pod. Each round
+        // reaches the home pod.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            assert!(Instant::now() < deadline, "cycle {cycle}: Redis never used again");
+            round += 1;
+            let continued = previous.clone();
+            let r = respond(Some(&continued), round).await.unwrap();
+            assert_eq!((r.status, r.upstream()), (200, Some(home.clone())), "round {round}");
+            previous = r.json().unwrap()["id"].as_str().unwrap().to_string();
+            let mut block = b"response:".to_vec();
+            block.extend_from_slice(continued.as_bytes());
+            let value = hex_upper(&Sha1::digest(&block));
+            if let Some(key) = c.keys(&format!("*:pfx:{value}")).await.unwrap().first() {
+                let holder = c.get(key).await.unwrap().unwrap_or_default();
+                assert!(holder.starts_with(&format!("{home}@")), "cycle {cycle}: {holder}");
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let stats = gw.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_unknown"), 0, "{stats}");
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_followed"), round as i64, "{stats}");
+}
+
+fn hex_upper(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02X}")).collect()
+}
