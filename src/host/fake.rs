@@ -83,6 +83,9 @@ pub struct FakeHost {
     pub http_call_error: Option<HostError>,
     /// Shared data: key -> (value, cas).
     pub shared: HashMap<String, (Vec<u8>, u32)>,
+    /// Another worker's write of `(key, value)`, made just before the next `set_shared_data` (a
+    /// CAS read before it is then stale).
+    pub shared_data_write_before_next_set: Option<(String, String)>,
     /// `(status, body)` of each local response.
     pub local_responses: Vec<LocalResponse>,
     /// Number of resume_request calls.
@@ -254,6 +257,10 @@ impl Host for FakeHost {
         }
     }
     fn set_shared_data(&mut self, key: &str, value: &[u8], cas: u32) -> Result<(), HostError> {
+        if let Some((k, v)) = self.shared_data_write_before_next_set.take() {
+            let next = self.shared.get(&k).map_or(1, |(_, c)| c + 1);
+            self.shared.insert(k, (v.into_bytes(), next));
+        }
         let current = self.shared.get(key).map(|(_, c)| *c).unwrap_or(0);
         if cas != 0 && cas != current {
             return Err(HostError::CasMismatch);

@@ -11,8 +11,8 @@
 //! continues the response starts its chain with the same block, and its pick goes to that pod.
 //!
 //! The gateway also keeps its own record of recent responses' pods, in shared data (every worker
-//! of this gateway reads it): [`RECORD_SLOTS`] keys, each holding the last response whose id
-//! hashes to it. A request that continues a response while Redis cannot answer (down, stalled, the
+//! of this gateway reads it): [`RECORD_SLOTS`] keys, each holding the last [`RECORD_WAYS`]
+//! responses whose id hashes to it. A request that continues a response while Redis cannot answer (down, stalled, the
 //! breaker open) goes to that pod when the record still holds it, instead of to a pod that would
 //! answer 404.
 //!
@@ -23,24 +23,49 @@
 
 use crate::host::Host;
 
-/// Keys of the gateway's own record of responses' pods (about 100 bytes each: 1.6 MB when all are
-/// used). A response whose slot is taken by a later one is forgotten there.
+/// Buckets of the gateway's own record of responses' pods: shared data keys, each holding the
+/// last [`RECORD_WAYS`] responses whose id hashes to it (about 100 bytes each: 6.5 MB when all are
+/// full). A response is forgotten there only once that many later ones share its bucket.
 pub const RECORD_SLOTS: u64 = 16384;
 
-/// Writes `pod` as the pod that made the stored response `id`, in the gateway's own record.
+/// Responses one bucket holds. With one, two of the few hundred responses a busy gateway makes in
+/// a few seconds often shared a slot (16384 slots: the birthday bound), and the older was forgotten
+/// before its next request (bench `agentic-stored-freeze`: every 404 left during the freeze).
+pub const RECORD_WAYS: usize = 4;
+
+/// Writes `pod` as the pod that made the stored response `id`, in the gateway's own record: first
+/// in its bucket, the bucket's oldest dropped past [`RECORD_WAYS`]. Workers write a bucket with
+/// its CAS, so one worker's write does not undo another's.
 pub fn remember(host: &mut dyn Host, id: &str, pod: &str) {
-    let _ = host.set_shared_data(&record_key(id), format!("{id} {pod}").as_bytes(), 0);
+    let key = record_key(id);
+    for _ in 0..3 {
+        let (held, cas) = host.get_shared_data(&key);
+        let held = held.and_then(|b| String::from_utf8(b).ok()).unwrap_or_default();
+        let mut lines = vec![format!("{id} {pod}")];
+        lines.extend(
+            held.lines()
+                .filter(|line| line.split_once(' ').is_some_and(|(other, _)| other != id))
+                .take(RECORD_WAYS - 1)
+                .map(str::to_string),
+        );
+        match host.set_shared_data(&key, lines.join("\n").as_bytes(), cas) {
+            Err(crate::host::HostError::CasMismatch) => continue,
+            _ => return,
+        }
+    }
 }
 
 /// The pod that made the stored response `id`, if the gateway's own record still holds it.
 pub fn recall(host: &dyn Host, id: &str) -> Option<String> {
     let (value, _) = host.get_shared_data(&record_key(id));
     let value = String::from_utf8(value?).ok()?;
-    let (held, pod) = value.split_once(' ')?;
-    (held == id && !pod.is_empty()).then(|| pod.to_string())
+    value.lines().find_map(|line| {
+        let (held, pod) = line.split_once(' ')?;
+        (held == id && !pod.is_empty()).then(|| pod.to_string())
+    })
 }
 
-/// The record's key for `id`: its slot, by FNV-1a.
+/// The record's key for `id`: its bucket, by FNV-1a.
 fn record_key(id: &str) -> String {
     let hash = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
         (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)

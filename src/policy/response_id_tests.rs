@@ -50,13 +50,49 @@ fn the_gateways_own_record_gives_back_the_pod_of_the_id_it_holds() {
     remember(&mut host, "resp_2", "10.0.0.2:8000");
     assert_eq!(recall(&host, "resp_1").as_deref(), Some("10.0.0.1:8000"));
     assert_eq!(recall(&host, "resp_2").as_deref(), Some("10.0.0.2:8000"));
-    // Another id in the same slot takes it: the first is forgotten, never given the other's pod.
+    // Ids sharing a bucket: the last RECORD_WAYS are kept, the oldest forgotten, never given
+    // another's pod.
     let slot = record_key("resp_1");
-    let rival = (0..100_000)
+    let rivals: Vec<String> = (0..2_000_000)
         .map(|i| format!("resp_{i}x"))
-        .find(|id| record_key(id) == slot)
-        .expect("some id shares the slot");
-    remember(&mut host, &rival, "10.0.0.3:8000");
+        .filter(|id| record_key(id) == slot)
+        .take(RECORD_WAYS)
+        .collect();
+    assert_eq!(rivals.len(), RECORD_WAYS, "ids sharing the bucket");
+    for (i, rival) in rivals.iter().enumerate() {
+        remember(&mut host, rival, &format!("10.0.1.{i}:8000"));
+        let kept = i + 1 < RECORD_WAYS;
+        assert_eq!(recall(&host, "resp_1").is_some(), kept, "after {} rivals", i + 1);
+    }
     assert_eq!(recall(&host, "resp_1"), None);
-    assert_eq!(recall(&host, &rival).as_deref(), Some("10.0.0.3:8000"));
+    for (i, rival) in rivals.iter().enumerate() {
+        assert_eq!(recall(&host, rival), Some(format!("10.0.1.{i}:8000")));
+    }
+    // The same id written again is moved first, not held twice.
+    remember(&mut host, &rivals[0], "10.0.1.9:8000");
+    assert_eq!(recall(&host, &rivals[0]).as_deref(), Some("10.0.1.9:8000"));
+    assert_eq!(recall(&host, &rivals[1]).as_deref(), Some("10.0.1.1:8000"));
+    let (bucket, _) = host.get_shared_data(&slot);
+    assert_eq!(String::from_utf8(bucket.unwrap()).unwrap().lines().count(), RECORD_WAYS);
+}
+
+#[test]
+fn a_bucket_written_by_another_worker_meanwhile_keeps_both_writes() {
+    // The CAS read before the write is stale once another worker wrote: the write is retried on
+    // the new value, so no response is lost. (A bucket's first write has no CAS to check: the ABI
+    // reads a missing key with CAS 0, which writes unconditionally.)
+    let mut host = crate::host::fake::FakeHost::new();
+    let slot = record_key("resp_1");
+    let rivals: Vec<String> = (0..2_000_000)
+        .map(|i| format!("resp_{i}x"))
+        .filter(|id| record_key(id) == slot)
+        .take(2)
+        .collect();
+    remember(&mut host, &rivals[0], "10.0.0.8:8000");
+    let other_worker = format!("{} 10.0.0.9:8000\n{} 10.0.0.8:8000", rivals[1], rivals[0]);
+    host.shared_data_write_before_next_set = Some((slot, other_worker));
+    remember(&mut host, "resp_1", "10.0.0.1:8000");
+    assert_eq!(recall(&host, "resp_1").as_deref(), Some("10.0.0.1:8000"));
+    assert_eq!(recall(&host, &rivals[1]).as_deref(), Some("10.0.0.9:8000"));
+    assert_eq!(recall(&host, &rivals[0]).as_deref(), Some("10.0.0.8:8000"));
 }
