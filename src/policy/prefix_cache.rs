@@ -936,8 +936,8 @@ impl PrefixCache {
 
     /// Picks for a prompt whose chain values are `chain` and whose blocks are `block_bytes` long.
     /// `pin` (a request that continues a stored response): the pod holding the prefix is taken
-    /// whatever its load, so the pick goes without `hitLoadFactor` and `loadAware`; only
-    /// `maxRequestCount` still sends it elsewhere.
+    /// whatever its load, so the pick goes without `hitLoadFactor` and `loadAware` (and
+    /// `maxRequestCount` is off for `prefix_cache`, as in Go).
     fn pick(
         &mut self,
         host: &mut dyn Host,
