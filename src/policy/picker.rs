@@ -146,6 +146,9 @@ pub const REJECT_BODY: &str = "Exceeded maximum request limit from ai-load-balan
 const MAX_RELEASE_ATTEMPTS: u32 = 10;
 /// At most this many releases wait for Redis to come back (bounded memory per worker).
 const MAX_QUEUED_RELEASES: usize = 16_384;
+/// At most this many key writes wait for Redis to come back (each about 150 bytes): the stored
+/// responses made while the breaker was open, the newest kept.
+const MAX_WAITING_WRITES: usize = 4096;
 /// A finished request's release waits at most about this long for a pick to carry it: the root tick
 /// runs at least this often and sends what no pick carried.
 pub const CARRY_FLUSH_MS: u32 = 100;
@@ -624,6 +627,8 @@ pub(crate) struct Picker {
     root_calls: HashMap<u32, RootCall>,
     /// Releases waiting for Redis: sent as soon as a reply shows it answers again.
     release_queue: Vec<Release>,
+    /// Key writes waiting for Redis, as (key, value, TTL s): sent when the breaker closes.
+    waiting_writes: std::collections::VecDeque<(String, String, u64)>,
     /// The pods' metrics, which decide when Redis cannot.
     metrics: MetricsRouter,
     /// Each live stream's pick, by stream id (from the pick's start to the stream's end).
@@ -655,6 +660,7 @@ impl Picker {
             last_heartbeat_ns: 0,
             root_calls: HashMap::new(),
             release_queue: Vec::new(),
+            waiting_writes: std::collections::VecDeque::new(),
             picks: HashMap::new(),
         }
     }
@@ -1088,6 +1094,7 @@ impl Picker {
                 ),
             );
             self.flush_all_ended(host);
+            self.flush_writes(host);
             return;
         }
         if self.breaker.follow(host.now_nanos(), until) {
@@ -1207,6 +1214,10 @@ impl Picker {
             }
             // The releases of requests that ended while it was open go out now.
             self.flush_all_ended(host);
+        }
+        // Key writes that waited: for the breaker, or after a send failed with it closed.
+        if !self.waiting_writes.is_empty() {
+            self.flush_writes(host);
         }
     }
 
@@ -1510,18 +1521,33 @@ impl Picker {
     }
 
     /// Writes `key` = `value` for `ttl_s` seconds (`SET ... EX`), nothing waiting for the reply:
-    /// `prefix_cache`'s record of the pod that made a stored response. Not sent while the breaker
-    /// is open: a lost write costs a later request its pod, never a count.
+    /// `prefix_cache`'s record of the pod that made a stored response. While the breaker is open,
+    /// or when the call cannot be sent, the write waits (at most [`MAX_WAITING_WRITES`], the
+    /// oldest dropped) and goes out when the breaker closes: a response made during an outage is
+    /// then found by every gateway, not only by this one's own record. A write lost costs a later
+    /// request its pod, never a count.
     pub fn write_key(&mut self, host: &mut dyn Host, key: &str, value: &str, ttl_s: u64) {
-        if !self.breaker.is_closed() {
-            return;
-        }
-        let query = redis::encode_command(&["SET", key, value, "EX", &ttl_s.to_string()]);
-        match self.redis.call(host, &query) {
-            Ok(token) => {
-                self.root_calls.insert(token, RootCall::Write);
+        if self.breaker.is_closed() {
+            let query = redis::encode_command(&["SET", key, value, "EX", &ttl_s.to_string()]);
+            match self.redis.call(host, &query) {
+                Ok(token) => {
+                    self.root_calls.insert(token, RootCall::Write);
+                    return;
+                }
+                Err(_) => self.redis_failed(host),
             }
-            Err(_) => self.redis_failed(host),
+        }
+        if self.waiting_writes.len() >= MAX_WAITING_WRITES {
+            self.waiting_writes.pop_front();
+        }
+        self.waiting_writes.push_back((key.to_string(), value.to_string(), ttl_s));
+    }
+
+    /// Redis answers (again): the key writes that waited go out.
+    fn flush_writes(&mut self, host: &mut dyn Host) {
+        let waiting: Vec<_> = self.waiting_writes.drain(..).collect();
+        for (key, value, ttl_s) in waiting {
+            self.write_key(host, &key, &value, ttl_s);
         }
     }
 

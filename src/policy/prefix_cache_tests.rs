@@ -1201,6 +1201,31 @@ fn a_response_redis_lost_still_reaches_its_pod_and_an_unknown_one_writes_no_key(
     assert_eq!(host.counters.get("ai_lb_prefix_response_unknown"), Some(&2));
 }
 
+#[test]
+fn a_response_made_while_the_breaker_is_open_is_written_to_redis_when_it_closes() {
+    let (mut f, mut host) = setup(&cfg(r#","breakerFailures":1"#));
+    send_body(&mut f, &mut host, 1, r#"{"model":"m","input":"Hi"}"#);
+    let t = host.last_redis_token().unwrap();
+    deliver(&mut f, &mut host, t, RedisReply::NetworkError);
+    f.on_stream_end(&mut host, 1);
+    // Open: decided without Redis, and its response's record waits.
+    let calls = host.redis_calls.len();
+    send_body(&mut f, &mut host, 2, r#"{"model":"m","input":"Hello"}"#);
+    reply_from(&mut f, &mut host, 2, "10.0.0.2:8000", "200", &[r#"{"id":"resp_out"}"#]);
+    f.on_stream_end(&mut host, 2);
+    assert_eq!(host.redis_calls.len(), calls, "nothing sent while the breaker is open");
+    assert_eq!(host.counters.get("ai_lb_prefix_response_recorded"), Some(&1));
+    // The tick's probe after breakerOpenMs; Redis answers: the record goes out.
+    host.now += 1_000_000_000;
+    f.on_tick(&mut host);
+    let probe = host.last_redis_token().unwrap();
+    f.on_redis_reply(&mut host, probe, &RedisReply::Ok(b":1\r\n".to_vec()), false);
+    let w = writes(&host);
+    assert_eq!(w.len(), 1, "{w:?}");
+    assert!(w[0].0.ends_with(&response_chain_value("resp_out")), "{w:?}");
+    assert!(w[0].1.starts_with("10.0.0.2:8000@"), "{w:?}");
+}
+
 /// Every healthy candidate of a new conversation's pick (sorted); the pick is answered.
 fn candidates_of_new_request(f: &mut Filter, host: &mut FakeHost) -> Vec<String> {
     send_body(f, host, 99, r#"{"model":"m","input":"Warm up"}"#);

@@ -485,6 +485,53 @@ async fn after_redis_comes_back_empty_stored_responses_still_reach_their_pod() {
     assert_eq!(stat(&stats, "ai_lb_prefix_response_followed"), round as i64, "{stats}");
 }
 
+/// A response made through gateway A while Redis is down (its record's `SET` cannot be sent) is
+/// written once Redis answers A again, so a request continuing it through gateway B, which never
+/// saw it, still reaches its pod.
+#[tokio::test]
+async fn a_response_made_while_redis_was_down_reaches_its_pod_through_another_gateway() {
+    use sha1::{Digest, Sha1};
+    let mut redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("down-two-gw", 3).await.unwrap();
+    let lb_config = json!({"timeout": 1000, "breakerOpenMs": 200});
+    let cfg = redis_policy_config("route-down-two-gw", &pods, &redis, "prefix_cache", lb_config);
+    let (a, b) = (Gateway::start(&cfg).await.unwrap(), Gateway::start(&cfg).await.unwrap());
+    async fn respond(gw: &Gateway, previous: Option<&str>) -> testkit::http::HttpResponse {
+        let mut body = json!({"model": MODEL, "input": "Next step.", "store": true});
+        if let Some(id) = previous {
+            body["previous_response_id"] = json!(id);
+        }
+        gw.send(HttpRequest::post_json("/v1/responses", &body), Duration::from_secs(10))
+            .await
+            .unwrap()
+    }
+    let first = respond(&a, None).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let home = first.upstream().unwrap();
+    let first_id = first.json().unwrap()["id"].as_str().unwrap().to_string();
+
+    redis.stop().await.unwrap();
+    let r = respond(&a, Some(&first_id)).await;
+    assert_eq!((r.status, r.upstream()), (200, Some(home.clone())), "{}", r.text());
+    let made_while_down = r.json().unwrap()["id"].as_str().unwrap().to_string();
+    redis.restart().await.unwrap();
+
+    // A writes the record once Redis answers it again (its heartbeat or breaker probe).
+    let mut block = b"response:".to_vec();
+    block.extend_from_slice(made_while_down.as_bytes());
+    let pattern = format!("*:pfx:{}", hex_upper(&Sha1::digest(&block)));
+    let mut c = redis.client().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while c.keys(&pattern).await.unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "the record of {made_while_down} never reached Redis");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let r = respond(&b, Some(&made_while_down)).await;
+    assert_eq!((r.status, r.upstream()), (200, Some(home.clone())), "{}", r.text());
+    let stats = b.stats().await.unwrap();
+    assert_eq!(stat(&stats, "ai_lb_prefix_response_followed"), 1, "{stats}");
+}
+
 fn hex_upper(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02X}")).collect()
 }
