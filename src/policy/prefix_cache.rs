@@ -87,11 +87,7 @@ pub const RESPONSE_BLOCK_PREFIX: &[u8] = b"response:";
 /// The chain value of a request that continues the stored response `id`: the first key of its
 /// chain, which the plugin writes with the pod that made the response.
 pub fn response_chain_value(id: &str) -> String {
-    let mut hash = Sha1::new();
-    hash.update(RESPONSE_BLOCK_PREFIX);
-    hash.update(id.as_bytes());
-    let digest: [u8; 20] = hash.finalize().into();
-    hex_upper(&digest)
+    hex_upper(&sha1(&[RESPONSE_BLOCK_PREFIX, id.as_bytes()].concat()))
 }
 
 /// The prompt of a request body: the blocks of [`blocks_from_body`], each hashed while the body
