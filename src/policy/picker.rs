@@ -593,7 +593,15 @@ enum RootCall {
     },
     Probe,
     /// A key written for a policy ([`Picker::write_key`]).
-    Write,
+    Write(KeyWrite),
+}
+
+/// A `SET key value EX ttl_s` for a policy ([`Picker::write_key`]).
+#[derive(Debug)]
+struct KeyWrite {
+    key: String,
+    value: String,
+    ttl_s: u64,
 }
 
 /// The shared pick machinery.
@@ -627,8 +635,8 @@ pub(crate) struct Picker {
     root_calls: HashMap<u32, RootCall>,
     /// Releases waiting for Redis: sent as soon as a reply shows it answers again.
     release_queue: Vec<Release>,
-    /// Key writes waiting for Redis, as (key, value, TTL s): sent when the breaker closes.
-    waiting_writes: std::collections::VecDeque<(String, String, u64)>,
+    /// Key writes waiting for Redis: sent when it answers again.
+    waiting_writes: std::collections::VecDeque<KeyWrite>,
     /// The pods' metrics, which decide when Redis cannot.
     metrics: MetricsRouter,
     /// Each live stream's pick, by stream id (from the pick's start to the stream's end).
@@ -1522,32 +1530,42 @@ impl Picker {
 
     /// Writes `key` = `value` for `ttl_s` seconds (`SET ... EX`), nothing waiting for the reply:
     /// `prefix_cache`'s record of the pod that made a stored response. While the breaker is open,
-    /// or when the call cannot be sent, the write waits (at most [`MAX_WAITING_WRITES`], the
-    /// oldest dropped) and goes out when the breaker closes: a response made during an outage is
-    /// then found by every gateway, not only by this one's own record. A write lost costs a later
-    /// request its pod, never a count.
+    /// or when the call cannot be sent or gets no answer, the write waits (at most
+    /// [`MAX_WAITING_WRITES`], the oldest dropped) and goes out when Redis answers again: a
+    /// response made during an outage is then found by every gateway, not only by this one's own
+    /// record. A write lost costs a later request its pod, never a count.
     pub fn write_key(&mut self, host: &mut dyn Host, key: &str, value: &str, ttl_s: u64) {
+        let write = KeyWrite { key: key.to_string(), value: value.to_string(), ttl_s };
+        self.send_write(host, write);
+    }
+
+    fn send_write(&mut self, host: &mut dyn Host, write: KeyWrite) {
         if self.breaker.is_closed() {
-            let query = redis::encode_command(&["SET", key, value, "EX", &ttl_s.to_string()]);
+            let ttl = write.ttl_s.to_string();
+            let query = redis::encode_command(&["SET", &write.key, &write.value, "EX", &ttl]);
             match self.redis.call(host, &query) {
                 Ok(token) => {
-                    self.root_calls.insert(token, RootCall::Write);
+                    self.root_calls.insert(token, RootCall::Write(write));
                     return;
                 }
                 Err(_) => self.redis_failed(host),
             }
         }
+        self.wait_write(write);
+    }
+
+    fn wait_write(&mut self, write: KeyWrite) {
         if self.waiting_writes.len() >= MAX_WAITING_WRITES {
             self.waiting_writes.pop_front();
         }
-        self.waiting_writes.push_back((key.to_string(), value.to_string(), ttl_s));
+        self.waiting_writes.push_back(write);
     }
 
     /// Redis answers (again): the key writes that waited go out.
     fn flush_writes(&mut self, host: &mut dyn Host) {
         let waiting: Vec<_> = self.waiting_writes.drain(..).collect();
-        for (key, value, ttl_s) in waiting {
-            self.write_key(host, &key, &value, ttl_s);
+        for write in waiting {
+            self.send_write(host, write);
         }
     }
 
@@ -1588,7 +1606,9 @@ impl Picker {
                     self.on_heartbeat_reply(host, &reply);
                 }
             }
-            RootCall::Probe | RootCall::Write => {}
+            // No answer: Redis may not have it. (An error answer is not sent again.)
+            RootCall::Write(write) if frame.is_none() => self.wait_write(write),
+            RootCall::Probe | RootCall::Write(_) => {}
         }
         if ran {
             self.flush_release_queue(host);

@@ -1169,13 +1169,7 @@ fn a_response_redis_lost_still_reaches_its_pod_and_an_unknown_one_writes_no_key(
     let (mut f, mut host) = setup(&cfg(r#","hitLoadFactor":1.5"#));
     let all = candidates_of_new_request(&mut f, &mut host);
     // .2 made resp_a; .3 (unhealthy since) made resp_b.
-    for (ctx, pod, id) in [(1, "10.0.0.2:8000", "resp_a"), (2, "10.0.0.3:8000", "resp_b")] {
-        send_body(&mut f, &mut host, ctx, r#"{"model":"m","input":"Hi"}"#);
-        answer_last_pick(&mut f, &mut host, pod, 0);
-        let reply = format!(r#"{{"id":"{id}","object":"response"}}"#);
-        reply_from(&mut f, &mut host, ctx, pod, "200", &[&reply]);
-        f.on_stream_end(&mut host, ctx);
-    }
+    record_two_responses(&mut f, &mut host);
     // resp_a: Redis no longer holds its key (a miss: matched 0), yet the only candidate is .2, so
     // the miss writes the key back to .2 and the request is counted followed.
     send_body(&mut f, &mut host, 3, r#"{"model":"m","previous_response_id":"resp_a","input":"M"}"#);
@@ -1224,6 +1218,50 @@ fn a_response_made_while_the_breaker_is_open_is_written_to_redis_when_it_closes(
     assert_eq!(w.len(), 1, "{w:?}");
     assert!(w[0].0.ends_with(&response_chain_value("resp_out")), "{w:?}");
     assert!(w[0].1.starts_with("10.0.0.2:8000@"), "{w:?}");
+}
+
+#[test]
+fn a_record_that_got_no_answer_is_sent_again_once_redis_answers() {
+    let (mut f, mut host) = setup(&cfg(""));
+    send_body(&mut f, &mut host, 1, r#"{"model":"m","input":"Hi"}"#);
+    answer_last_pick(&mut f, &mut host, "10.0.0.2:8000", 0);
+    reply_from(&mut f, &mut host, 1, "10.0.0.2:8000", "200", &[r#"{"id":"resp_lost"}"#]);
+    f.on_stream_end(&mut host, 1);
+    assert_eq!(writes(&host).len(), 1);
+    // The connection drops before the SET's answer: it waits, and goes again with the next answer.
+    let set = last_set_token(&host);
+    deliver(&mut f, &mut host, set, RedisReply::NetworkError);
+    assert_eq!(writes(&host).len(), 1, "not resent into a failing connection");
+    send_body(&mut f, &mut host, 2, r#"{"model":"m","input":"Other"}"#);
+    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+    let w = writes(&host);
+    assert_eq!(w.len(), 2, "{w:?}");
+    assert_eq!(w[0], w[1], "the same write again");
+    // An error answer is not a lost write: Redis refused it, and it is not sent again.
+    let refused = RedisReply::Ok(b"-OOM command not allowed\r\n".to_vec());
+    let set = last_set_token(&host);
+    deliver(&mut f, &mut host, set, refused);
+    send_body(&mut f, &mut host, 3, r#"{"model":"m","input":"More"}"#);
+    answer_last_pick(&mut f, &mut host, "10.0.0.1:8000", 0);
+    assert_eq!(writes(&host).len(), 2);
+}
+
+/// The token of the last `SET` sent.
+fn last_set_token(host: &FakeHost) -> u32 {
+    let n = (0..host.redis_calls.len()).rev().find(|&n| command(host, n)[0] == "SET").unwrap();
+    host.redis_calls[n].token
+}
+
+/// Streams 1 and 2 make stored responses: `resp_a` on .2 (healthy) and `resp_b` on .3 (unhealthy in
+/// [`setup`]'s host list).
+fn record_two_responses(f: &mut Filter, host: &mut FakeHost) {
+    for (ctx, pod, id) in [(1, "10.0.0.2:8000", "resp_a"), (2, "10.0.0.3:8000", "resp_b")] {
+        send_body(f, host, ctx, r#"{"model":"m","input":"Hi"}"#);
+        answer_last_pick(f, host, pod, 0);
+        let reply = format!(r#"{{"id":"{id}","object":"response"}}"#);
+        reply_from(f, host, ctx, pod, "200", &[&reply]);
+        f.on_stream_end(host, ctx);
+    }
 }
 
 /// Every healthy candidate of a new conversation's pick (sorted); the pick is answered.
@@ -1303,13 +1341,7 @@ fn a_pinned_request_goes_without_load_arguments() {
 fn without_redis_a_continued_request_goes_to_the_pod_the_gateway_recorded() {
     let (mut f, mut host) = setup(&cfg(""));
     // Two responses recorded: one by .2 (healthy), one by .3 (unhealthy).
-    for (ctx, pod, id) in [(1, "10.0.0.2:8000", "resp_a"), (2, "10.0.0.3:8000", "resp_b")] {
-        send_body(&mut f, &mut host, ctx, r#"{"model":"m","input":"Hi"}"#);
-        answer_last_pick(&mut f, &mut host, pod, 0);
-        let reply = format!(r#"{{"id":"{id}","object":"response"}}"#);
-        reply_from(&mut f, &mut host, ctx, pod, "200", &[&reply]);
-        f.on_stream_end(&mut host, ctx);
-    }
+    record_two_responses(&mut f, &mut host);
     // Redis fails each pick: the request naming .2's response still goes to .2.
     let cases = [("resp_a", Some("10.0.0.2:8000")), ("resp_b", None), ("resp_never_seen", None)];
     for (ctx, (id, pod)) in (3..).zip(cases) {

@@ -432,7 +432,6 @@ async fn with_redis_down_stored_responses_still_reach_their_pod() {
 /// one time in three.
 #[tokio::test]
 async fn after_redis_comes_back_empty_stored_responses_still_reach_their_pod() {
-    use sha1::{Digest, Sha1};
     let mut redis = RedisFixture::start().await.unwrap();
     let pods = start_pods("back-stored", 3).await.unwrap();
     let lb_config = json!({"timeout": 1000, "breakerOpenMs": 200});
@@ -469,10 +468,7 @@ async fn after_redis_comes_back_empty_stored_responses_still_reach_their_pod() {
             let r = respond(Some(&continued), round).await.unwrap();
             assert_eq!((r.status, r.upstream()), (200, Some(home.clone())), "round {round}");
             previous = r.json().unwrap()["id"].as_str().unwrap().to_string();
-            let mut block = b"response:".to_vec();
-            block.extend_from_slice(continued.as_bytes());
-            let value = hex_upper(&Sha1::digest(&block));
-            if let Some(key) = c.keys(&format!("*:pfx:{value}")).await.unwrap().first() {
+            if let Some(key) = c.keys(&response_key_pattern(&continued)).await.unwrap().first() {
                 let holder = c.get(key).await.unwrap().unwrap_or_default();
                 assert!(holder.starts_with(&format!("{home}@")), "cycle {cycle}: {holder}");
                 break;
@@ -490,7 +486,6 @@ async fn after_redis_comes_back_empty_stored_responses_still_reach_their_pod() {
 /// saw it, still reaches its pod.
 #[tokio::test]
 async fn a_response_made_while_redis_was_down_reaches_its_pod_through_another_gateway() {
-    use sha1::{Digest, Sha1};
     let mut redis = RedisFixture::start().await.unwrap();
     let pods = start_pods("down-two-gw", 3).await.unwrap();
     let lb_config = json!({"timeout": 1000, "breakerOpenMs": 200});
@@ -517,9 +512,7 @@ async fn a_response_made_while_redis_was_down_reaches_its_pod_through_another_ga
     redis.restart().await.unwrap();
 
     // A writes the record once Redis answers it again (its heartbeat or breaker probe).
-    let mut block = b"response:".to_vec();
-    block.extend_from_slice(made_while_down.as_bytes());
-    let pattern = format!("*:pfx:{}", hex_upper(&Sha1::digest(&block)));
+    let pattern = response_key_pattern(&made_while_down);
     let mut c = redis.client().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     while c.keys(&pattern).await.unwrap().is_empty() {
@@ -532,6 +525,11 @@ async fn a_response_made_while_redis_was_down_reaches_its_pod_through_another_ga
     assert_eq!(stat(&stats, "ai_lb_prefix_response_followed"), 1, "{stats}");
 }
 
-fn hex_upper(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02X}")).collect()
+/// A `KEYS` pattern for the prefix key recording the pod of stored response `id`: the chain value
+/// of the block `response:<id>` (computed here, not by the plugin's code).
+fn response_key_pattern(id: &str) -> String {
+    use sha1::{Digest, Sha1};
+    let digest = Sha1::digest(format!("response:{id}").as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02X}")).collect();
+    format!("*:pfx:{hex}")
 }
