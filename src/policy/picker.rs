@@ -146,8 +146,8 @@ pub const REJECT_BODY: &str = "Exceeded maximum request limit from ai-load-balan
 const MAX_RELEASE_ATTEMPTS: u32 = 10;
 /// At most this many releases wait for Redis to come back (bounded memory per worker).
 const MAX_QUEUED_RELEASES: usize = 16_384;
-/// At most this many key writes wait for Redis to come back (each about 150 bytes): the stored
-/// responses made while the breaker was open, the newest kept.
+/// At most this many key writes wait for Redis to come back (each about 150 bytes): the records of
+/// stored responses made while the breaker was open or Redis did not answer, the newest kept.
 const MAX_WAITING_WRITES: usize = 4096;
 /// A finished request's release waits at most about this long for a pick to carry it: the root tick
 /// runs at least this often and sends what no pick carried.

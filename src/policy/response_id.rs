@@ -12,9 +12,9 @@
 //!
 //! The gateway also keeps its own record of recent responses' pods, in shared data (every worker
 //! of this gateway reads it): [`RECORD_SLOTS`] keys, each holding the last [`RECORD_WAYS`]
-//! responses whose id hashes to it. A request that continues a response while Redis cannot answer (down, stalled, the
-//! breaker open) goes to that pod when the record still holds it, instead of to a pod that would
-//! answer 404.
+//! responses whose id hashes to it. A request that continues a response the record holds is held
+//! to that pod (see [`super::picker::Pin`]); while Redis cannot answer (down, stalled, the breaker
+//! open) it goes there directly, instead of to a pod that would answer 404.
 //!
 //! The id is the first `"id"` of the reply: a JSON reply is the response object, whose first key
 //! it is (OpenAI, vLLM and SGLang all write it first), and a stream's first event
