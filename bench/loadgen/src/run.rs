@@ -472,7 +472,8 @@ async fn run_session(
                 best
             })
             .unwrap_or(0);
-        let body = sent.body(&target.model, turn.max_tokens, s.tools.as_ref());
+        let model = s.model.as_deref().unwrap_or(&target.model);
+        let body = sent.body(model, turn.max_tokens, s.tools.as_ref());
         let t0 = Instant::now();
         let res = tokio::time::timeout(target.timeout, send(&client, url, sticky, s.api, body, t0))
             .await
@@ -585,6 +586,7 @@ mod tests {
             api: Api::Chat,
             store_responses: false,
             start_ms: None,
+            model: None,
         };
         let mut o = Oracle::default();
         let a = mk(0, Some(1));

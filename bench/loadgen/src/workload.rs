@@ -94,6 +94,11 @@ pub enum Workload {
         /// client of a stateful Responses server sends them.
         #[serde(default)]
         store_responses: bool,
+        /// LoRA adapters the sessions' requests name as their `model` (session k: adapter k mod
+        /// n; none: the run's model). An engine keeps each adapter's KV cache apart, so sessions
+        /// of one system prompt share their cached prefix only within an adapter.
+        #[serde(default)]
+        adapters: Vec<String>,
         /// Text seed.
         #[serde(default = "default_seed")]
         seed: u64,
@@ -185,6 +190,8 @@ pub struct SessionPlan {
     pub store_responses: bool,
     /// Open loop: when the session starts, simulated ms after the run begins.
     pub start_ms: Option<f64>,
+    /// The `model` its requests name, when not the run's (a LoRA adapter).
+    pub model: Option<String>,
 }
 
 fn sample(rng: &mut Rng, mean: f64, sd: f64, min: usize) -> usize {
@@ -297,6 +304,7 @@ impl Workload {
                 tools_tokens,
                 api,
                 store_responses,
+                adapters,
                 seed,
                 ..
             } => {
@@ -331,8 +339,12 @@ impl Workload {
                 let starts = poisson_starts(*seed, *sessions, *arrival_rate_per_s);
                 (0..*sessions)
                     .map(|id| {
-                        let group = (!systems.is_empty())
+                        let system = (!systems.is_empty())
                             .then(|| zipf(&mut pick, systems.len(), *system_prompt_zipf));
+                        let adapter = (!adapters.is_empty()).then(|| id % adapters.len());
+                        // Sessions share a cached prefix within one system prompt and adapter.
+                        let group =
+                            system.map(|g| g * adapters.len().max(1) + adapter.unwrap_or(0));
                         let n = sample(&mut rng, *turns_mean, *turns_stddev, 1);
                         let turns = (0..n)
                             .map(|t| {
@@ -358,13 +370,14 @@ impl Workload {
                         SessionPlan {
                             id,
                             group,
-                            system: group.and_then(|g| systems.get(g).cloned()),
+                            system: system.and_then(|g| systems.get(g).cloned()),
                             turns,
                             tool_rounds: *tool_rounds,
                             tools: tools.clone(),
                             api: *api,
                             store_responses: *store_responses && *api == Api::Responses,
                             start_ms: starts.get(id).copied().flatten(),
+                            model: adapter.and_then(|a| adapters.get(a).cloned()),
                         }
                     })
                     .collect()
@@ -399,6 +412,7 @@ impl Workload {
                             api: Api::Chat,
                             store_responses: false,
                             start_ms: None,
+                            model: None,
                         });
                     }
                 }
@@ -541,5 +555,25 @@ mod tests {
         assert!((0.45..0.51).contains(&share(0)), "{counts:?}");
         assert!((0.21..0.27).contains(&share(1)), "{counts:?}");
         assert!((0.10..0.14).contains(&share(3)), "{counts:?}");
+    }
+
+    /// Adapters: each session names one as its model, in turn, and shares its group (the oracle's
+    /// shared prefix) only with the sessions of its system prompt and its adapter. The text is the
+    /// same as without adapters.
+    #[test]
+    fn adapter_sessions_share_a_prefix_within_their_adapter_only() {
+        let base = "{kind: multi_turn, sessions: 40, turns_mean: 2, input_tokens_mean: 5, output_tokens_mean: 5, system_prompt_tokens: 30, system_prompts: 2, seed: 6";
+        let plain = yaml(&format!("{base}}}")).plan();
+        let lora = yaml(&format!("{base}, adapters: [sql, chat, code]}}")).plan();
+        assert!(plain.iter().all(|s| s.model.is_none()));
+        for (p, s) in plain.iter().zip(&lora) {
+            assert_eq!((&p.system, &p.turns), (&s.system, &s.turns));
+            let adapter = ["sql", "chat", "code"][s.id % 3];
+            assert_eq!(s.model.as_deref(), Some(adapter));
+            let (g, sg) = (p.group.expect("a system prompt"), s.group.expect("a group"));
+            assert_eq!(sg, g * 3 + s.id % 3, "system prompt {g}, adapter {adapter}");
+        }
+        let groups: std::collections::HashSet<_> = lora.iter().filter_map(|s| s.group).collect();
+        assert_eq!(groups.len(), 6, "2 system prompts x 3 adapters");
     }
 }

@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::fmt::Write as _;
+use std::hash::{Hash, Hasher};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -688,6 +689,7 @@ impl Pod {
         let seed = v.get("seed").and_then(Value::as_u64).unwrap_or_else(|| hash_tokens(&prompt));
         let model = v.get("model").and_then(Value::as_str).unwrap_or(&self.cfg.model).to_string();
         let adapter = self.cfg.loras.iter().find(|l| **l == model).cloned();
+        let prompt = scoped(prompt, adapter.as_deref(), &v);
         let stream = v.get("stream").and_then(Value::as_bool).unwrap_or(false);
         let ignore_eos = v.get("ignore_eos").and_then(Value::as_bool).unwrap_or(false);
         let include_usage =
@@ -819,6 +821,27 @@ fn content_text(c: Option<&Value>) -> String {
 }
 
 /// The `tools` list as the chat template renders it (its JSON text), if any.
+/// The prompt as the prefix cache sees it. vLLM hashes a request's LoRA adapter and `cache_salt`
+/// into its KV blocks, and SGLang keys its radix tree by them (and by `extra_key`): the same
+/// tokens under another adapter or salt share no cached page. Each token of a scoped prompt is
+/// XORed with the scope's hash, so the radix tree holds each scope's pages apart; a request for
+/// the base model without a salt is not scoped.
+fn scoped(mut prompt: Vec<u32>, adapter: Option<&str>, body: &Value) -> Vec<u32> {
+    let salt = |name: &str| body.get(name).filter(|v| !v.is_null()).map(Value::to_string);
+    let parts = [adapter.map(str::to_string), salt("cache_salt"), salt("extra_key")];
+    if parts.iter().all(Option::is_none) {
+        return prompt;
+    }
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    parts.hash(&mut hasher);
+    // Never 0: XOR with 0 would leave the prompt in the unscoped cache.
+    let scope = hasher.finish() as u32 | 1;
+    for t in &mut prompt {
+        *t ^= scope;
+    }
+    prompt
+}
+
 fn tools_text(v: &Value) -> Option<String> {
     v.get("tools").filter(|t| !t.is_null()).map(Value::to_string)
 }
@@ -1178,6 +1201,42 @@ mod tests {
         .await;
         let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
         (status, text.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string())
+    }
+
+    /// As vLLM: each LoRA adapter and each `cache_salt` has its own prefix cache; the base model's
+    /// requests (under any name the pod does not serve as an adapter) share one.
+    #[tokio::test]
+    async fn adapters_and_salts_keep_their_prefix_caches_apart() {
+        let mut config = pod_config(Flavor::VllmV1, Faults::default());
+        config.loras = vec!["sql".into(), "chat".into()];
+        config.max_lora = 2;
+        let addr =
+            serve(Pod::new(config), "127.0.0.1:0".parse().expect("addr")).await.expect("serve");
+        let system = "you answer questions about the warehouse database ".repeat(80);
+        let cached = |extra: Value| {
+            let mut body = json!({"max_tokens": 2, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "how many rows"}]});
+            if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+                b.extend(e.clone());
+            }
+            async move {
+                let (status, reply) = post(addr, "/v1/chat/completions", &body.to_string()).await;
+                assert_eq!(status, 200, "{reply}");
+                let reply: Value = serde_json::from_str(&reply).expect("JSON");
+                reply["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+            }
+        };
+        assert_eq!(cached(json!({"model": "m"})).await, 0, "a cold pod");
+        assert!(cached(json!({"model": "base-alias"})).await > 400, "the base model's cache");
+        assert_eq!(cached(json!({"model": "sql"})).await, 0, "another adapter's cache");
+        assert!(cached(json!({"model": "sql"})).await > 400);
+        assert_eq!(cached(json!({"model": "chat"})).await, 0);
+        assert_eq!(cached(json!({"model": "sql", "cache_salt": "t1"})).await, 0, "a salted cache");
+        assert!(cached(json!({"model": "sql", "cache_salt": "t1"})).await > 400);
+        assert_eq!(cached(json!({"model": "sql", "cache_salt": "t2"})).await, 0);
+        assert_eq!(cached(json!({"model": "m", "extra_key": "t1"})).await, 0, "SGLang's key");
+        assert!(cached(json!({"model": "m"})).await > 400, "the base cache is still there");
     }
 
     /// A Responses API request is the chat request it stands for: the same prompt tokens, the
