@@ -200,34 +200,43 @@ pub struct PrefixCacheConfig {
     pub redis_key_ttl_s: u64,
     /// `hitLoadFactor` (ours, default 0 = off): see [`DEFAULT_HIT_LOAD_FACTOR`].
     pub hit_load_factor: f64,
-    /// Where blocks end besides user messages. `splitSystemPrompt` (ours, default false): also
-    /// after the leading system/developer messages (and `tools`), so conversations that share only
-    /// a system prompt share the first key; pair it with `hitLoadFactor`, since one app's requests
-    /// all share that key. `splitToolResults` (ours, default true): also after each run of tool
-    /// results, so an agent's rounds are blocks (see [`BlockCuts`]).
-    pub block_cuts: BlockCuts,
+    /// How a prompt becomes chain keys: where blocks end besides user messages, and what keeps
+    /// the keys of different models apart (see [`KeyRules`]).
+    pub key_rules: KeyRules,
     /// `loadAware` (ours, default false): weigh prefix affinity against the pods' GPU metrics
     /// (queue, KV-cache use) and the global in-flight counts; `None` when off (Go's routing).
     pub load_aware: Option<LoadAwareConfig>,
 }
 
-/// Where a prompt's blocks end, besides after each user message and after the last message (the
-/// Go plugin's cuts).
+/// How a prompt becomes chain keys: where its blocks end, besides after each user message and
+/// after the last message (the Go plugin's cuts), and what the first block is scoped by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BlockCuts {
-    /// `splitSystemPrompt`: after the leading system/developer messages (and `tools`).
+pub struct KeyRules {
+    /// `splitSystemPrompt` (ours, default false): also cut after the leading system/developer
+    /// messages (and `tools`), so conversations that share only a system prompt share the first
+    /// key; pair it with `hitLoadFactor` or `loadAware`, since one app's requests all share that
+    /// key.
     pub after_system_prompt: bool,
     /// `splitToolResults`: after each run of `tool`/`function` messages. An agent's session has
     /// one user message and then a tool round per request: cut only at user messages, its whole
     /// history after the first message is one block that changes every request, so a pod holding
     /// 30 rounds of it is found by its first block alone and credited with that block's bytes.
     /// Cut here, each round is a block of the chain: the match says how much the pod holds.
+    /// `splitToolResults` (ours, default true).
     pub after_tool_results: bool,
+    /// `scopedKeys` (ours; default false, true with `loadAware`): the request's `model`,
+    /// `cache_salt` and `extra_key` scope its keys. Engines keep the KV cache of each LoRA adapter
+    /// and each salt apart (vLLM hashes the adapter and the salt into its blocks, SGLang keys its
+    /// radix tree by them and by `extra_key`): the same messages under another adapter or salt
+    /// find nothing cached, and unscoped keys would promise them a hit. `false` keys by the
+    /// messages alone, as the Go plugin does (also for routes whose model names are aliases of one
+    /// model).
+    pub scoped: bool,
 }
 
-impl Default for BlockCuts {
+impl Default for KeyRules {
     fn default() -> Self {
-        BlockCuts { after_system_prompt: false, after_tool_results: true }
+        KeyRules { after_system_prompt: false, after_tool_results: true, scoped: false }
     }
 }
 
@@ -1038,38 +1047,7 @@ fn parse_lb(
     let mut body_limit_default = DEFAULT_MAX_BODY_BYTES;
     let policy = match (lb_type, policy_name.as_deref()) {
         (LbType::Endpoint, Some("global_least_request")) => PolicyConfig::GlobalLeastRequest(parse_glr(&f)?),
-        (LbType::Endpoint, Some("prefix_cache")) => PolicyConfig::PrefixCache(PrefixCacheConfig {
-            least_request: {
-                let mut least_request = parse_glr(&f)?;
-                if least_request.max_request_count > 0 {
-                    // Go's prefix_cache never reads it: a Go config carrying it must not get 429s.
-                    f.warn("maxRequestCount", "ignored by prefix_cache, as in Go");
-                    least_request.max_request_count = 0;
-                }
-                least_request
-            },
-            redis_key_ttl_s: match f.int("redisKeyTTL")? {
-                None | Some(0) => DEFAULT_REDIS_KEY_TTL_S,
-                Some(n) if n < 0 => {
-                    // Go starts with it, and its keys expire as soon as they are written.
-                    f.warn(
-                        "redisKeyTTL",
-                        format!(
-                            "{n} is negative: the default, {DEFAULT_REDIS_KEY_TTL_S} s (the Go \
-                             plugin's prefix keys would expire at once)"
-                        ),
-                    );
-                    DEFAULT_REDIS_KEY_TTL_S
-                }
-                Some(n) => n.unsigned_abs().min(u64::from(u32::MAX)),
-            },
-            hit_load_factor: f.float("hitLoadFactor")?.unwrap_or(DEFAULT_HIT_LOAD_FACTOR),
-            block_cuts: BlockCuts {
-                after_system_prompt: f.boolean("splitSystemPrompt")?.unwrap_or(false),
-                after_tool_results: f.boolean("splitToolResults")?.unwrap_or(true),
-            },
-            load_aware: parse_load_aware(&f)?,
-        }),
+        (LbType::Endpoint, Some("prefix_cache")) => PolicyConfig::PrefixCache(parse_prefix_cache(&f)?),
         (LbType::Endpoint, Some("endpoint_hash")) => {
             PolicyConfig::EndpointHash(parse_endpoint_hash(&f)?)
         }
@@ -1208,6 +1186,43 @@ fn parse_rate_limit(f: &Fields<'_>) -> Result<f64, ConfigError> {
         f.warn("rate_limit", format!("{r} is above 1, a share never reached: no limit"));
     }
     Ok(r)
+}
+
+fn parse_prefix_cache(f: &Fields<'_>) -> Result<PrefixCacheConfig, ConfigError> {
+    let load_aware = parse_load_aware(f)?;
+    Ok(PrefixCacheConfig {
+        least_request: {
+            let mut least_request = parse_glr(f)?;
+            if least_request.max_request_count > 0 {
+                // Go's prefix_cache never reads it: a Go config carrying it must not get 429s.
+                f.warn("maxRequestCount", "ignored by prefix_cache, as in Go");
+                least_request.max_request_count = 0;
+            }
+            least_request
+        },
+        redis_key_ttl_s: match f.int("redisKeyTTL")? {
+            None | Some(0) => DEFAULT_REDIS_KEY_TTL_S,
+            Some(n) if n < 0 => {
+                // Go starts with it, and its keys expire as soon as they are written.
+                f.warn(
+                    "redisKeyTTL",
+                    format!(
+                        "{n} is negative: the default, {DEFAULT_REDIS_KEY_TTL_S} s (the Go \
+                         plugin's prefix keys would expire at once)"
+                    ),
+                );
+                DEFAULT_REDIS_KEY_TTL_S
+            }
+            Some(n) => n.unsigned_abs().min(u64::from(u32::MAX)),
+        },
+        hit_load_factor: f.float("hitLoadFactor")?.unwrap_or(DEFAULT_HIT_LOAD_FACTOR),
+        key_rules: KeyRules {
+            after_system_prompt: f.boolean("splitSystemPrompt")?.unwrap_or(false),
+            after_tool_results: f.boolean("splitToolResults")?.unwrap_or(true),
+            scoped: f.boolean("scopedKeys")?.unwrap_or(load_aware.is_some()),
+        },
+        load_aware,
+    })
 }
 
 fn parse_glr(f: &Fields<'_>) -> Result<GlobalLeastRequestConfig, ConfigError> {

@@ -61,14 +61,14 @@ fn finish(f: &mut Filter, host: &mut FakeHost, ctx: u32) {
 fn body_target(body: &[u8]) {
     use crate::policy::prefix_cache::{blocks_from_body, chain, prompt_from_body, Prompt};
     // What the plugin routes by is the chain of the readable blocks, hashed without building them.
-    for cuts in crate::testutil::every_block_cuts() {
-        let stored = prompt_from_body(body, cuts).map(|p| p.stored).unwrap_or_default();
-        let text = blocks_from_body(body, cuts).map(|blocks| Prompt {
+    for rules in crate::testutil::every_key_rules() {
+        let stored = prompt_from_body(body, rules).map(|p| p.stored).unwrap_or_default();
+        let text = blocks_from_body(body, rules).map(|blocks| Prompt {
             keys: chain(&blocks),
             block_bytes: blocks.iter().map(String::len).collect(),
             stored,
         });
-        assert_eq!(prompt_from_body(body, cuts), text);
+        assert_eq!(prompt_from_body(body, rules), text);
     }
     let (mut f, mut host) =
         filter(&format!(r#"{{"lb_policy":"prefix_cache","lb_config":{{{REDIS_CFG}}}}}"#));
@@ -272,6 +272,7 @@ const KEYS: &[&str] = &[
     "redisKeyTTL",
     "hitLoadFactor",
     "splitSystemPrompt",
+    "scopedKeys",
     "maxBodyBytes",
     "decisionHeader",
     "leaseMs",

@@ -1,22 +1,23 @@
 //! Helpers shared by the unit tests (compiled only for tests).
 
-use crate::config::BlockCuts;
+use crate::config::KeyRules;
 use crate::filter::Filter;
 use crate::host::fake::FakeHost;
 use crate::host::RedisReply;
 use crate::redis::{decode_reply, Frame};
 
-/// Every combination of `prefix_cache`'s block cuts.
-pub fn every_block_cuts() -> Vec<BlockCuts> {
+/// Every combination of `prefix_cache`'s key rules.
+pub fn every_key_rules() -> Vec<KeyRules> {
     let both = [false, true];
-    both.iter()
-        .flat_map(|&after_system_prompt| {
-            both.iter().map(move |&after_tool_results| BlockCuts {
-                after_system_prompt,
-                after_tool_results,
-            })
-        })
-        .collect()
+    let mut all = Vec::new();
+    for after_system_prompt in both {
+        for after_tool_results in both {
+            for scoped in both {
+                all.push(KeyRules { after_system_prompt, after_tool_results, scoped });
+            }
+        }
+    }
+    all
 }
 
 /// A configured filter and a fake host with hosts .1, .2 healthy and .3 unhealthy.

@@ -6,6 +6,9 @@
 //! Responses API (`instructions`, `input` items) is cut the same way; a request that continues a
 //! response kept on the server (`previous_response_id`) starts with the block `response:<id>`,
 //! which stands for the whole conversation up to that response (see [`super::response_id`]).
+//! With `scopedKeys` (ours; on with `loadAware`), the request's `model`, `cache_salt` and
+//! `extra_key` open the first block: an engine keeps each LoRA adapter's and each salt's KV cache
+//! apart, so the same messages under another one share no key.
 //! Each block is hashed with SHA-1; the chain is `key_i = key_{i-1} XOR sha1_i` (Higress's key
 //! semantics), named by upper-case hex. The chain is computed here, not in Lua, and sent in one
 //! `prefix_cache.lua` call that finds the longest chain present in Redis, routes to its host if
@@ -23,7 +26,7 @@ use super::picker::{LoadAware, PickKind, PickResult, Picker, Pin, Routed};
 use super::prefill::PrefillBacklog;
 use super::response_id::{self, ResponseIdReader};
 use super::{Decision, Policy, Stream};
-use crate::config::{BlockCuts, PrefixCacheConfig};
+use crate::config::{KeyRules, PrefixCacheConfig};
 use crate::host::{Counter, Host, LogLevel};
 use crate::redis;
 use serde_json::Value;
@@ -37,7 +40,7 @@ pub const MAX_BLOCKS: usize = 256;
 
 /// Splits a request body into prefix blocks, as text. `None` when the body is not a JSON object
 /// (the request then passes through). An object without `messages`/`prompt` gives no blocks.
-/// `cuts`: where blocks end besides user messages and the last message.
+/// `rules`: where blocks end besides user messages and the last message, and what scopes the keys.
 /// The plugin itself routes by [`prompt_from_body`], which hashes the same text as it is read and
 /// keeps none of it; this is the readable form of the same split, for tests and tools.
 ///
@@ -51,9 +54,9 @@ pub const MAX_BLOCKS: usize = 256;
 /// without its other half, as a JavaScript client that cut a string in the middle of an emoji
 /// sends) is read again with each of those as U+FFFD, as the Go plugin's JSON reader does: the
 /// conversation keeps its affinity.
-pub fn blocks_from_body(body: &[u8], cuts: BlockCuts) -> Option<Vec<String>> {
+pub fn blocks_from_body(body: &[u8], rules: KeyRules) -> Option<Vec<String>> {
     let mut text = BlockText::default();
-    split_body(body, cuts, &mut text)?;
+    split_body(body, rules, &mut text)?;
     Some(text.blocks)
 }
 
@@ -93,21 +96,21 @@ pub fn response_chain_value(id: &str) -> String {
 /// The prompt of a request body: the blocks of [`blocks_from_body`], each hashed while the body
 /// is read. No block's text is built and no string is copied out of the body (each is unescaped
 /// piece by piece into the hash): a long chat costs no second copy of its conversation.
-pub fn prompt_from_body(body: &[u8], cuts: BlockCuts) -> Option<Prompt> {
+pub fn prompt_from_body(body: &[u8], rules: KeyRules) -> Option<Prompt> {
     let mut hashes = BlockHashes::default();
-    let stored = split_body(body, cuts, &mut hashes)?;
+    let stored = split_body(body, rules, &mut hashes)?;
     Some(Prompt { stored, ..hashes.into_prompt() })
 }
 
 /// Parses `body` (again with bad text replaced, see [`blocks_from_body`]) and feeds its blocks to
 /// `sink`; `None` when it is not a JSON object.
-fn split_body(body: &[u8], cuts: BlockCuts, sink: &mut dyn BlockSink) -> Option<StoredResponse> {
+fn split_body(body: &[u8], rules: KeyRules, sink: &mut dyn BlockSink) -> Option<StoredResponse> {
     match serde_json::from_slice::<ChatBody<'_>>(body) {
-        Ok(req) => Some(blocks_of(&req, cuts, sink)),
+        Ok(req) => Some(blocks_of(&req, rules, sink)),
         Err(_) => {
             let repaired = replace_bad_text(body)?;
             let req: ChatBody<'_> = serde_json::from_slice(&repaired).ok()?;
-            Some(blocks_of(&req, cuts, sink))
+            Some(blocks_of(&req, rules, sink))
         }
     }
 }
@@ -253,7 +256,7 @@ fn replace_bad_text(body: &[u8]) -> Option<Vec<u8>> {
 
 /// Feeds the blocks of a parsed body to `sink` (see [`blocks_from_body`]); says what a Responses
 /// API body asks of stored responses.
-fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> StoredResponse {
+fn blocks_of(req: &ChatBody<'_>, rules: KeyRules, sink: &mut dyn BlockSink) -> StoredResponse {
     let chat = matches!(&req.messages, Some(Messages::List(_)));
     let responses = !chat && (req.input.is_some() || req.previous_response_id.is_some());
     let mut stored = StoredResponse::default();
@@ -271,6 +274,10 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> S
             }
         }
     }
+    // A continued response's block is the response's own already: only a new prompt is scoped.
+    let scope = if stored.continues.is_some() { Vec::new() } else { scope_of(req, rules) };
+    let mut scoped = Scoped { sink, scope };
+    let sink: &mut dyn BlockSink = &mut scoped;
     if let Some(tools) = &req.tools {
         sink.push(b"tools:");
         push_json(sink, tools);
@@ -278,13 +285,13 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> S
     if let Some(Messages::List(messages)) = &req.messages {
         // A top-level system prompt (Anthropic) is rendered first, as a system message is: two
         // conversations that differ only in it share no cached prefix.
-        blocks_of_conversation(req.system.as_ref(), messages, cuts, sink);
+        blocks_of_conversation(req.system.as_ref(), messages, rules, sink);
     } else if responses {
         // The Responses API: `instructions` stand where a system message would, and a string
         // input is one user message.
         match req.input.as_ref().unwrap_or(&Input::Other) {
             Input::Items(items) => {
-                blocks_of_conversation(req.instructions.as_ref(), items, cuts, sink)
+                blocks_of_conversation(req.instructions.as_ref(), items, rules, sink)
             }
             Input::Text(text) => {
                 let user = Message::Object {
@@ -293,7 +300,7 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> S
                     tool_calls: None,
                     item: None,
                 };
-                blocks_of_conversation(req.instructions.as_ref(), &[user], cuts, sink)
+                blocks_of_conversation(req.instructions.as_ref(), &[user], rules, sink)
             }
             Input::Other => {}
         }
@@ -325,18 +332,76 @@ fn blocks_of(req: &ChatBody<'_>, cuts: BlockCuts, sink: &mut dyn BlockSink) -> S
     stored
 }
 
+/// What keeps a prompt's keys apart from the same text's in another KV cache (see
+/// [`KeyRules::scoped`]): `model`, `cache_salt` and `extra_key`, each as `name=text` and a
+/// newline; empty when the keys are not scoped or the request has none of them.
+fn scope_of(req: &ChatBody<'_>, rules: KeyRules) -> Vec<u8> {
+    let mut scope = Vec::new();
+    if !rules.scoped {
+        return scope;
+    }
+    let parts = [
+        ("model", req.model.as_ref()),
+        ("cache_salt", req.cache_salt.as_ref()),
+        ("extra_key", req.extra_key.as_ref()),
+    ];
+    for (name, value) in parts {
+        let text = match value {
+            None | Some(Json::Other(Value::Null)) => continue,
+            Some(Json::Str(s)) => s.text(),
+            // SGLang takes a list for a batch: the whole list then scopes the prompt.
+            Some(Json::Other(other)) => Cow::Owned(other.to_string()),
+        };
+        if text.is_empty() {
+            continue;
+        }
+        scope.extend_from_slice(name.as_bytes());
+        scope.push(b'=');
+        scope.extend_from_slice(text.as_bytes());
+        scope.push(b'\n');
+    }
+    scope
+}
+
+/// A sink whose first text is preceded by the prompt's scope ([`scope_of`]): the first block, and
+/// through the chain every key, is then the scope's own. A prompt without text gets no block.
+struct Scoped<'a> {
+    sink: &'a mut dyn BlockSink,
+    /// Not yet pushed.
+    scope: Vec<u8>,
+}
+
+impl BlockSink for Scoped<'_> {
+    fn push(&mut self, text: &[u8]) {
+        if !text.is_empty() && !self.scope.is_empty() {
+            let scope = std::mem::take(&mut self.scope);
+            self.sink.push(&scope);
+        }
+        self.sink.push(text);
+    }
+    fn cut(&mut self) {
+        self.sink.cut();
+    }
+    fn current_is_empty(&self) -> bool {
+        self.sink.current_is_empty()
+    }
+    fn cut_count(&self) -> usize {
+        self.sink.cut_count()
+    }
+}
+
 /// Feeds the blocks of a conversation: its system prompt (when given apart from the messages),
 /// then each message or Responses item, cut as [`blocks_of`] says.
 fn blocks_of_conversation(
     system: Option<&Json<'_>>,
     messages: &[Message<'_>],
-    cuts: BlockCuts,
+    rules: KeyRules,
     sink: &mut dyn BlockSink,
 ) {
     if let Some(system) = system {
         sink.push(b"system:");
         push_content(sink, system);
-        if cuts.after_system_prompt && !messages.is_empty() {
+        if rules.after_system_prompt && !messages.is_empty() {
             sink.cut();
         }
     }
@@ -365,13 +430,13 @@ fn blocks_of_conversation(
         }
         // End of the leading system run: the next message is the first non-system one.
         leading_system &= matches!(role, "system" | "developer");
-        let system_cut = cuts.after_system_prompt
+        let system_cut = rules.after_system_prompt
             && leading_system
             && sink.cut_count() == 0
             && messages.get(i + 1).is_some_and(|n| !is_system(n));
         // End of a run of tool results (parallel calls answer in several messages): what an
         // agent appends at each step, as a chat appends a user message.
-        let tool_results_cut = cuts.after_tool_results
+        let tool_results_cut = rules.after_tool_results
             && is_tool_result_role(role)
             && !messages.get(i + 1).is_some_and(is_tool_result);
         if role == "user" || i == last || system_cut || tool_results_cut {
@@ -443,6 +508,11 @@ struct ChatBody<'a> {
     /// response is stored (`false` says not; absent means it is).
     previous_response_id: Option<Json<'a>>,
     store: Option<Json<'a>>,
+    /// What scopes the keys ([`scope_of`]): the model or LoRA adapter, and the engines' cache
+    /// isolation keys (vLLM's and SGLang's `cache_salt`, SGLang's `extra_key`).
+    model: Option<Json<'a>>,
+    cache_salt: Option<Json<'a>>,
+    extra_key: Option<Json<'a>>,
 }
 
 /// A Responses API `input`: a string (one user message), a list of items, or any other value.
@@ -604,6 +674,9 @@ mod body_de {
         Input,
         PreviousResponseId,
         Store,
+        Model,
+        CacheSalt,
+        ExtraKey,
         #[serde(other)]
         Other,
     }
@@ -664,6 +737,9 @@ mod body_de {
                         input: None,
                         previous_response_id: None,
                         store: None,
+                        model: None,
+                        cache_salt: None,
+                        extra_key: None,
                     };
                     // A repeated key: the last one counts (as in a parsed JSON object).
                     while let Some(key) = map.next_key::<BodyField>()? {
@@ -678,6 +754,9 @@ mod body_de {
                                 body.previous_response_id = map.next_value()?
                             }
                             BodyField::Store => body.store = map.next_value()?,
+                            BodyField::Model => body.model = map.next_value()?,
+                            BodyField::CacheSalt => body.cache_salt = map.next_value()?,
+                            BodyField::ExtraKey => body.extra_key = map.next_value()?,
                             BodyField::Other => {
                                 map.next_value::<IgnoredAny>()?;
                             }
@@ -999,7 +1078,7 @@ impl Policy for PrefixCache {
             // headers ended it: a least-request pick.
             return self.pick(host, stream, &[], &[], None);
         }
-        let Some(prompt) = prompt_from_body(body, self.config.block_cuts) else {
+        let Some(prompt) = prompt_from_body(body, self.config.key_rules) else {
             host.log(
                 LogLevel::Info,
                 "prefix_cache: request body is not a JSON object; using normal balancing",

@@ -16,8 +16,8 @@ const CHAT: &str = r#"{"model":"m","messages":[
   {"role":"user","content":"What is 2+2?"}]}"#;
 
 /// The cuts with `splitSystemPrompt` as given and the others at their defaults.
-fn cuts(after_system_prompt: bool) -> BlockCuts {
-    BlockCuts { after_system_prompt, ..BlockCuts::default() }
+fn cuts(after_system_prompt: bool) -> KeyRules {
+    KeyRules { after_system_prompt, ..KeyRules::default() }
 }
 
 fn cfg(extra: &str) -> String {
@@ -127,9 +127,9 @@ fn never_produces_the_all_zero_key() {
 
 /// What [`prompt_from_body`] routes by: the chain of the text blocks and their lengths, with no
 /// block's text built (the stored-response flags are taken from it: only the chain is compared).
-fn prompt_of_text(body: &[u8], cuts: BlockCuts) -> Option<Prompt> {
-    let stored = prompt_from_body(body, cuts).map(|p| p.stored).unwrap_or_default();
-    blocks_from_body(body, cuts).map(|blocks| Prompt {
+fn prompt_of_text(body: &[u8], rules: KeyRules) -> Option<Prompt> {
+    let stored = prompt_from_body(body, rules).map(|p| p.stored).unwrap_or_default();
+    blocks_from_body(body, rules).map(|blocks| Prompt {
         keys: chain(&blocks),
         block_bytes: blocks.iter().map(String::len).collect(),
         stored,
@@ -152,9 +152,9 @@ fn the_hashed_prompt_is_the_chain_of_the_text_blocks() {
         b"{\"messages\":[{\"role\":\"user\",\"content\":\"caf\xe9 \\ud83d\"}]}",
     ];
     for body in bodies {
-        for cuts in every_block_cuts() {
-            let text = prompt_of_text(body, cuts);
-            assert_eq!(prompt_from_body(body, cuts), text, "{}", String::from_utf8_lossy(body));
+        for rules in every_key_rules() {
+            let text = prompt_of_text(body, rules);
+            assert_eq!(prompt_from_body(body, rules), text, "{}", String::from_utf8_lossy(body));
         }
     }
     assert_eq!(prompt_from_body(b"not json", cuts(false)), None);
@@ -485,10 +485,10 @@ fn agent_body(rounds: usize) -> String {
 
 #[test]
 fn an_agents_tool_rounds_are_blocks_of_the_chain() {
-    let blocks = |rounds: usize, cuts: BlockCuts| {
+    let blocks = |rounds: usize, cuts: KeyRules| {
         blocks_from_body(agent_body(rounds).as_bytes(), cuts).unwrap()
     };
-    let three = blocks(3, BlockCuts::default());
+    let three = blocks(3, KeyRules::default());
     assert_eq!(three.len(), 4, "the task, then one block per round: {three:?}");
     assert!(three[0].starts_with("tools:") && three[0].ends_with("user:fix the build"));
     // The two results of round 2's parallel calls end one block.
@@ -497,13 +497,13 @@ fn an_agents_tool_rounds_are_blocks_of_the_chain() {
     assert!(three[3].starts_with("assistant:") && three[3].ends_with("tool:out 3.0"));
     // Each request's chain starts with the previous request's: the pod that served round 3 is
     // found by all four keys at round 4, and credited with all they hold.
-    let four = chain(&blocks(4, BlockCuts::default()));
+    let four = chain(&blocks(4, KeyRules::default()));
     assert_eq!(four[..4], chain(&three)[..]);
     assert_eq!(four.len(), 5);
 
     // splitToolResults off (the Go plugin's cuts): everything after the task is one block that
     // changes every round, so a later round matches the first block alone.
-    let go = BlockCuts { after_tool_results: false, ..BlockCuts::default() };
+    let go = KeyRules { after_tool_results: false, ..KeyRules::default() };
     let (go3, go4) = (blocks(3, go), blocks(4, go));
     assert_eq!(go3.len(), 2);
     assert_eq!(go3[0], three[0]);
@@ -1010,7 +1010,7 @@ fn responses_body(rounds: usize) -> String {
 
 #[test]
 fn a_responses_api_conversation_is_cut_as_a_chat_is() {
-    let blocks = |body: &str| blocks_from_body(body.as_bytes(), BlockCuts::default()).unwrap();
+    let blocks = |body: &str| blocks_from_body(body.as_bytes(), cuts(false)).unwrap();
     let three = blocks(&responses_body(3));
     assert_eq!(three.len(), 4, "the task, then one block per round: {three:?}");
     assert!(three[0].starts_with("tools:"), "{}", three[0]);
@@ -1041,8 +1041,8 @@ fn a_responses_api_conversation_is_cut_as_a_chat_is() {
 
 #[test]
 fn a_request_that_continues_a_stored_response_starts_with_its_block() {
-    let blocks = |body: &str| blocks_from_body(body.as_bytes(), BlockCuts::default()).unwrap();
-    let prompt = |body: &str| prompt_from_body(body.as_bytes(), BlockCuts::default()).unwrap();
+    let blocks = |body: &str| blocks_from_body(body.as_bytes(), KeyRules::default()).unwrap();
+    let prompt = |body: &str| prompt_from_body(body.as_bytes(), KeyRules::default()).unwrap();
     let next = r#"{"model":"m","previous_response_id":"resp_1","input":[
         {"type":"function_call_output","call_id":"c1","output":"ok"}]}"#;
     assert_eq!(blocks(next), vec!["response:resp_1", "function_call_output:ok"]);
@@ -1354,4 +1354,118 @@ fn without_redis_a_continued_request_goes_to_the_pod_the_gateway_recorded() {
     }
     assert_eq!(host.counters.get("ai_lb_prefix_response_followed"), Some(&1));
     assert_eq!(host.counters.get("ai_lb_prefix_response_unknown"), Some(&2), "unhealthy, unknown");
+}
+
+/// Two chats with the same messages, for the models and the cache isolation fields given (JSON
+/// members, each with its comma).
+fn chat_for(extra: &str) -> String {
+    format!(
+        r#"{{{extra}"messages":[{{"role":"system","content":"S"}},{{"role":"user","content":"Q1"}},{{"role":"assistant","content":"A1"}},{{"role":"user","content":"Q2"}}]}}"#
+    )
+}
+
+fn keys_for(extra: &str, rules: KeyRules) -> Vec<String> {
+    prompt_from_body(chat_for(extra).as_bytes(), rules).expect("a chat").keys
+}
+
+/// `scopedKeys`: the keys' rules with the scope on.
+fn scoped_rules() -> KeyRules {
+    KeyRules { scoped: true, ..KeyRules::default() }
+}
+
+/// vLLM hashes a request's LoRA adapter and `cache_salt` into its KV blocks, SGLang keys its radix
+/// tree by them (and by `extra_key`): the same messages for another adapter or salt find nothing
+/// cached, so scoped keys share no key with them.
+#[test]
+fn scoped_keys_are_apart_for_each_model_and_cache_salt() {
+    let rules = scoped_rules();
+    let adapter_a = keys_for(r#""model":"sql-lora","#, rules);
+    let adapter_b = keys_for(r#""model":"chat-lora","#, rules);
+    assert_eq!(adapter_a.len(), 2);
+    assert!(adapter_a.iter().all(|k| !adapter_b.contains(k)), "{adapter_a:?} {adapter_b:?}");
+    assert_eq!(adapter_a, keys_for(r#""model":"sql-lora","stream":true,"#, rules));
+    // A longer conversation of one adapter still extends its own chain.
+    let longer = r#"{"model":"sql-lora","messages":[{"role":"system","content":"S"},{"role":"user","content":"Q1"},{"role":"assistant","content":"A1"},{"role":"user","content":"Q2"},{"role":"assistant","content":"A2"},{"role":"user","content":"Q3"}]}"#;
+    let longer = prompt_from_body(longer.as_bytes(), rules).unwrap().keys;
+    assert_eq!(longer[..2], adapter_a[..]);
+
+    // The salt (vLLM, SGLang) and SGLang's extra key scope the keys too.
+    let salted = keys_for(r#""model":"sql-lora","cache_salt":"tenant-1","#, rules);
+    let other_salt = keys_for(r#""model":"sql-lora","cache_salt":"tenant-2","#, rules);
+    let extra_key = keys_for(r#""model":"sql-lora","extra_key":"tenant-1","#, rules);
+    for (a, b) in [(&salted, &adapter_a), (&salted, &other_salt), (&salted, &extra_key)] {
+        assert!(a.iter().all(|k| !b.contains(k)), "{a:?} {b:?}");
+    }
+    assert_eq!(
+        blocks_from_body(chat_for(r#""model":"m","cache_salt":"t\u00e9","#).as_bytes(), rules)
+            .unwrap()[0],
+        "model=m\ncache_salt=t\u{e9}\nsystem:Suser:Q1"
+    );
+    // A batch's list of salts scopes the prompt as a whole.
+    assert_ne!(
+        keys_for(r#""extra_key":["a","b"],"#, rules),
+        keys_for(r#""extra_key":["a","c"],"#, rules)
+    );
+
+    // Null and empty fields scope nothing: such a request's keys are the Go plugin's (the
+    // messages' text alone), and so are every request's without `scopedKeys`.
+    let go_keys = chain(&blocks_from_body(chat_for("").as_bytes(), cuts(false)).unwrap());
+    assert_eq!(keys_for(r#""model":"","cache_salt":null,"#, rules), go_keys);
+    for extra in [r#""model":"sql-lora","#, r#""model":"chat-lora","cache_salt":"t","#] {
+        assert_eq!(keys_for(extra, KeyRules::default()), go_keys, "{extra}");
+    }
+}
+
+#[test]
+fn a_scope_alone_is_no_prompt_and_a_continued_response_is_not_scoped() {
+    let rules = scoped_rules();
+    for body in
+        [r#"{"model":"m"}"#, r#"{"model":"m","messages":[]}"#, r#"{"model":"m","prompt":""}"#]
+    {
+        assert_eq!(blocks_from_body(body.as_bytes(), rules), Some(vec![]), "{body}");
+    }
+    // The first key of a request that continues a stored response is the key the response's pod
+    // was recorded under, whatever the model: the response is where it was made.
+    for model in ["a", "b"] {
+        let body = format!(
+            r#"{{"model":"{model}","cache_salt":"s","previous_response_id":"resp_9","input":"More"}}"#
+        );
+        let p = prompt_from_body(body.as_bytes(), rules).unwrap();
+        assert_eq!(p.keys[0], response_chain_value("resp_9"));
+        assert_eq!(blocks_from_body(body.as_bytes(), rules).unwrap()[1], "user:More");
+    }
+}
+
+/// Through the filter: the keys the script is sent are the Go plugin's with a Go config, scoped
+/// with `scopedKeys` or `loadAware` (unless `scopedKeys` is false), and a `scopedKeys` that is
+/// not a boolean fails the start naming the field.
+#[test]
+fn scoped_keys_are_configured_and_reach_the_script() {
+    let body = chat_for(r#""model":"sql-lora","#);
+    let sent = |config: &str| {
+        let (mut f, mut host) = setup(&cfg(config));
+        send_body(&mut f, &mut host, 1, &body);
+        let call = host.redis_calls.last().expect("a script call");
+        String::from_utf8_lossy(&call.query).into_owned()
+    };
+    let go = keys_for("", cuts(false));
+    let scoped = prompt_from_body(body.as_bytes(), scoped_rules()).unwrap().keys;
+    for (config, keys) in [
+        ("", &go),
+        (r#","scopedKeys":true"#, &scoped),
+        (r#","loadAware":true"#, &scoped),
+        (r#","loadAware":true,"scopedKeys":false"#, &go),
+    ] {
+        let call = sent(config);
+        assert!(keys.iter().all(|k| call.contains(k.as_str())), "{config}: {call}");
+    }
+
+    let mut host = FakeHost::new();
+    let mut f = Filter::new();
+    assert!(!f.configure(&mut host, cfg(r#","scopedKeys":"yes""#).as_bytes()));
+    assert!(
+        host.logs.borrow().iter().any(|l| l.1.contains("scopedKeys")),
+        "{:?}",
+        host.logs.borrow()
+    );
 }

@@ -4,7 +4,7 @@
 //! its linear memory also holds the 4 MiB body copy the host hands over). One test per binary: the
 //! global allocator counts every thread.
 
-use ai_load_balancer::config::BlockCuts;
+use ai_load_balancer::config::KeyRules;
 use ai_load_balancer::policy::prefix_cache::{blocks_from_body, chain, prompt_from_body};
 use serde_json::json;
 
@@ -32,13 +32,13 @@ fn a_4_mib_chat_is_routed_without_a_copy_of_its_conversation() {
 
     // What the plugin does: each block hashed as the body is read (dhat's peak only grows, so the
     // cheapest way is measured first).
-    let prompt = prompt_from_body(&body, BlockCuts::default()).expect("a chat");
+    let prompt = prompt_from_body(&body, KeyRules::default()).expect("a chat");
     let ours = dhat::HeapStats::get().max_bytes;
     assert!(prompt.keys.len() > 100, "{} keys", prompt.keys.len());
 
     // The same split as text, as the plugin built it before: the blocks hold the conversation once.
     let keys = {
-        let blocks = blocks_from_body(&body, BlockCuts::default()).expect("a chat");
+        let blocks = blocks_from_body(&body, KeyRules::default()).expect("a chat");
         chain(&blocks)
     };
     assert_eq!(keys, prompt.keys);
@@ -46,7 +46,7 @@ fn a_4_mib_chat_is_routed_without_a_copy_of_its_conversation() {
 
     // Before that: the body as a full JSON tree, alive while the blocks are built.
     let tree: serde_json::Value = serde_json::from_slice(&body).expect("JSON");
-    let blocks = blocks_from_body(&body, BlockCuts::default()).expect("a chat");
+    let blocks = blocks_from_body(&body, KeyRules::default()).expect("a chat");
     drop((tree, blocks));
     let with_tree = dhat::HeapStats::get().max_bytes;
 

@@ -238,9 +238,13 @@ fn schema_defaults_are_the_parser_defaults() {
     assert_eq!(json!(p.hit_load_factor), json!(d("hitLoadFactor").as_f64()));
     assert_eq!(p.load_aware, None);
     assert_eq!(d("loadAware"), json!(false));
+    assert_eq!(json!(p.key_rules.after_system_prompt), d("splitSystemPrompt"));
+    assert_eq!(json!(p.key_rules.after_tool_results), d("splitToolResults"));
+    assert_eq!(json!(p.key_rules.scoped), d("scopedKeys"));
     let on = one(json!({"lb_policy": "prefix_cache",
         "lb_config": {"serviceFQDN": "r", "servicePort": 1, "loadAware": true}}));
     let PolicyConfig::PrefixCache(on) = on.policy else { panic!("prefix_cache") };
+    assert!(on.key_rules.scoped, "loadAware turns scopedKeys on, as the schema says");
     let l = on.load_aware.expect("loadAware: true");
     assert_eq!(json!(l.queue_gap), json!(d("overloadQueue").as_f64()));
     assert_eq!(json!(l.kv_gap), json!(d("overloadKvCache").as_f64()));

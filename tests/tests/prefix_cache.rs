@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use e2e::*;
 use serde_json::json;
-use testkit::HttpRequest;
+use testkit::{HttpRequest, HttpResponse};
 
 const TTL_S: i64 = 120;
 
@@ -1026,4 +1026,67 @@ async fn new_document_goes_to_a_pod_not_prefilling_another(workers: usize) {
         }
     }
     wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+}
+
+/// Multi-LoRA serving: two adapters' sessions share a system prompt, but an engine keeps each
+/// adapter's KV cache apart. With `scopedKeys` (on with `loadAware`) the second adapter's first
+/// request is a miss, not a hit promised on the first adapter's pod, and each adapter's later
+/// requests find their own prefix; a Go config keys by the messages alone, as the Go plugin does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lora_adapters_sharing_a_system_prompt_keep_their_own_prefix_keys() {
+    let redis = RedisFixture::start().await.unwrap();
+    let pods = start_pods("pl", 2).await.unwrap();
+    let chat = |model: &str, salt: Option<&str>, question: &str| {
+        let mut body = json!({"model": model, "max_tokens": 8, "messages": [
+            {"role": "system", "content": "You answer questions about the warehouse database."},
+            {"role": "user", "content": question}]});
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        body
+    };
+    // Both gateways live to the end: a gateway's last releases ride on its next pick or leave
+    // within a tick, and one stopped before then leaves its counts to the lease's reaping.
+    let mut gateways = Vec::new();
+    for (route, scoped) in [("route-lora-go", false), ("route-lora-scoped", true)] {
+        let mut lb = json!({"redisKeyTTL": TTL_S, "decisionHeader": "x-ai-lb",
+                            "splitSystemPrompt": true});
+        if scoped {
+            lb["scopedKeys"] = json!(true);
+        }
+        let config = redis_policy_config(route, &pods, &redis, "prefix_cache", lb);
+        let gw = Gateway::start(&config).await.unwrap();
+        let decision = |r: &HttpResponse| r.header("x-ai-lb").unwrap_or_default().to_string();
+        let sql = gw.post_json("/v1/chat/completions", &chat("sql", None, "rows?")).await.unwrap();
+        assert_eq!(sql.status, 200, "{}", sql.text());
+        assert_eq!(decision(&sql), "prefix_miss; blocks=0", "{route}");
+        let support =
+            gw.post_json("/v1/chat/completions", &chat("support", None, "refund?")).await.unwrap();
+        let salted = gw
+            .post_json("/v1/chat/completions", &chat("sql", Some("t1"), "tables?"))
+            .await
+            .unwrap();
+        let sql_again =
+            gw.post_json("/v1/chat/completions", &chat("sql", None, "columns?")).await.unwrap();
+        assert_eq!(decision(&sql_again), "prefix_hit; blocks=1", "{route}");
+        assert_eq!(sql_again.upstream(), sql.upstream(), "{route}: the adapter's own prefix");
+        if scoped {
+            assert_eq!(decision(&support), "prefix_miss; blocks=0", "another adapter's cache");
+            assert_eq!(decision(&salted), "prefix_miss; blocks=0", "another salt's cache");
+            let support_again = gw
+                .post_json("/v1/chat/completions", &chat("support", None, "ship?"))
+                .await
+                .unwrap();
+            assert_eq!(decision(&support_again), "prefix_hit; blocks=1");
+            assert_eq!(support_again.upstream(), support.upstream());
+        } else {
+            // The Go plugin's keys: one adapter's request is promised another's cache.
+            assert_eq!(decision(&support), "prefix_hit; blocks=1");
+            assert_eq!(support.upstream(), sql.upstream());
+            assert_eq!(decision(&salted), "prefix_hit; blocks=1");
+        }
+        gateways.push(gw);
+    }
+    wait_counters_zero(&redis, Duration::from_secs(5)).await.unwrap();
+    drop(gateways);
 }
