@@ -198,6 +198,13 @@ pub const POLICIES: &[Policy] = &[
         "prefix_cache",
         r#"{"loadAware":true,"splitToolResults":false}"#,
     ),
+    // loadAware with the keys of every model in one space, as the Go plugin keys them (the
+    // default before 2026-12-01: a LoRA adapter's request was promised another adapter's cache).
+    plugin_with(
+        "prefix_cache_load_aware_unscoped",
+        "prefix_cache",
+        r#"{"loadAware":true,"scopedKeys":false}"#,
+    ),
     plugin("endpoint_metrics", "endpoint_metrics"),
     external("sglang_round_robin", Router::Sglang, "round_robin"),
     external("sglang_cache_aware", Router::Sglang, "cache_aware"),
