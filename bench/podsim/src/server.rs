@@ -820,7 +820,6 @@ fn content_text(c: Option<&Value>) -> String {
     }
 }
 
-/// The `tools` list as the chat template renders it (its JSON text), if any.
 /// The prompt as the prefix cache sees it. vLLM hashes a request's LoRA adapter and `cache_salt`
 /// into its KV blocks, and SGLang keys its radix tree by them (and by `extra_key`): the same
 /// tokens under another adapter or salt share no cached page. Each token of a scoped prompt is
@@ -842,6 +841,7 @@ fn scoped(mut prompt: Vec<u32>, adapter: Option<&str>, body: &Value) -> Vec<u32>
     prompt
 }
 
+/// The `tools` list as the chat template renders it (its JSON text), if any.
 fn tools_text(v: &Value) -> Option<String> {
     v.get("tools").filter(|t| !t.is_null()).map(Value::to_string)
 }
