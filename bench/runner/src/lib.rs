@@ -144,6 +144,12 @@ pub struct PolicyResult {
     /// runs before this field).
     #[serde(default)]
     pub plugin_ms_by_phase: BTreeMap<String, f64>,
+    /// Of the requests `prefix_cache` routed as prefix hits, the share whose engine reported no
+    /// cached token (the gateways' `ai_lb_predicted_hit_engine_*` counters): hits the router
+    /// promised and the pod could not serve. None for other policies, runs without a predicted
+    /// hit, and runs before this field.
+    #[serde(default)]
+    pub predicted_hits_missed: Option<f64>,
     /// Wall-clock seconds of the load.
     pub wall_s: f64,
     /// Offered load of an open-loop sweep point (sessions per simulated second); None for the
@@ -298,6 +304,18 @@ async fn plugin_seconds(admins: &[String]) -> Option<PluginSeconds> {
         }
     }
     Some(sum)
+}
+
+/// Of the predicted hits the gateways behind `admins` checked against the engines' reports, the
+/// share the engine found nothing cached for; None without a gateway or a checked hit.
+async fn predicted_hits_missed(admins: &[String]) -> Option<f64> {
+    let (mut served, mut missed) = (0.0, 0.0);
+    for a in admins {
+        let text = http_get(a, "/stats").await.ok()?;
+        served += prom_value(&text, "ai_lb_predicted_hit_engine_hit").unwrap_or(0.0);
+        missed += prom_value(&text, "ai_lb_predicted_hit_engine_miss").unwrap_or(0.0);
+    }
+    (served + missed > 0.0).then(|| missed / (served + missed))
 }
 
 /// When, from what and where a report was made.
@@ -627,6 +645,7 @@ pub async fn run_policy(
     // Late callbacks (the last streams' log phase, their releases' replies) land within a few ms.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let vm_after = plugin_seconds(&admins).await;
+    let predicted_hits_missed = predicted_hits_missed(&admins).await;
     for g in gws {
         g.stop().await;
     }
@@ -677,6 +696,7 @@ pub async fn run_policy(
         gateway_added_ms: s.gateway_added_ms,
         plugin_ms_per_request,
         plugin_ms_by_phase,
+        predicted_hits_missed,
         wall_s: wall,
         offered_sessions_per_s: sc
             .workload
@@ -886,8 +906,14 @@ pub fn plugin_table(rep: &Report) -> String {
     for p in &phases {
         t.push_str(&format!(" of it: {p} |"));
     }
-    t.push_str(" gw added p50 ms |\n|---|---|");
-    t.push_str(&"---|".repeat(phases.len() + 1));
+    t.push_str(" gw added p50 ms |");
+    // Reports before the prediction check, or without a prefix_cache row: no column.
+    let predictions = rows.iter().any(|(r, _)| r.predicted_hits_missed.is_some());
+    if predictions {
+        t.push_str(" predicted hits the engine had nothing cached for, % |");
+    }
+    t.push_str("\n|---|---|");
+    t.push_str(&"---|".repeat(phases.len() + 1 + usize::from(predictions)));
     t.push('\n');
     for (r, plugin) in rows {
         t.push_str(&format!("| {} | {} |", label(r, multi), plugin.show(3, 1.0)));
@@ -895,7 +921,12 @@ pub fn plugin_table(rep: &Report) -> String {
             let spread = r.plugin_ms_by_phase.iter().find(|(n, _)| n == p).map(|(_, s)| s);
             t.push_str(&format!(" {} |", spread.map_or(String::new(), |s| s.show(3, 1.0))));
         }
-        t.push_str(&format!(" {} |\n", r.gateway_added_p50_ms.show(2, 1.0)));
+        t.push_str(&format!(" {} |", r.gateway_added_p50_ms.show(2, 1.0)));
+        if predictions {
+            let missed = r.predicted_hits_missed.as_ref().map(|s| s.show(1, 100.0));
+            t.push_str(&format!(" {} |", missed.unwrap_or_default()));
+        }
+        t.push('\n');
     }
     t
 }

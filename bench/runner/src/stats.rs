@@ -102,6 +102,10 @@ pub struct PolicyAggregate {
     /// `plugin_ms_per_request` by phase (`PLUGIN_PHASES`), when every run measured them.
     #[serde(default)]
     pub plugin_ms_by_phase: Vec<(String, Spread)>,
+    /// Share of predicted prefix hits the engine reported nothing cached for, when every run
+    /// checked some.
+    #[serde(default)]
+    pub predicted_hits_missed: Option<Spread>,
     /// TTFTs of every repetition (simulated ms), for the chart.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -169,6 +173,11 @@ pub fn aggregate(results: &[PolicyResult]) -> Vec<PolicyAggregate> {
                         Some((phase.to_string(), Spread::of(per_run)?))
                     })
                     .collect(),
+                predicted_hits_missed: runs
+                    .iter()
+                    .map(|r| r.predicted_hits_missed)
+                    .collect::<Option<Vec<f64>>>()
+                    .and_then(Spread::of),
                 ttfts: runs.iter().flat_map(|r| r.ttfts.iter().copied()).collect(),
             }
         })

@@ -304,6 +304,26 @@ mod tests {
     }
 
     #[test]
+    fn predicted_hits_the_engine_missed_get_a_column_when_a_run_checked_them() {
+        let mut rep = report();
+        for (i, r) in rep.runs.iter_mut().enumerate() {
+            r.plugin_ms_per_request = Some(0.1 * (i + 1) as f64);
+        }
+        rep.policies = aggregate(&rep.runs);
+        assert!(!section(&rep).contains("nothing cached for"), "no prediction checked: no column");
+        for (i, r) in rep.runs.iter_mut().enumerate() {
+            r.predicted_hits_missed = Some(0.02 * (i + 1) as f64);
+        }
+        rep.policies = aggregate(&rep.runs);
+        let md = section(&rep);
+        assert!(
+            md.contains("| gw added p50 ms | predicted hits the engine had nothing cached for, % |\n|---|---|---|---|"),
+            "{md}"
+        );
+        assert!(md.contains("| 0.00 (0.00–0.00) | 4.0 (2.0–6.0) |"), "{md}");
+    }
+
+    #[test]
     fn a_redis_freeze_report_renders_its_outage_table() {
         let md = section(&report());
         assert!(!md.contains("while Redis was frozen"), "no outage table without a freeze: {md}");
