@@ -211,7 +211,7 @@ pub enum PickKind {
         ttl_s: u64,
         /// The gateway's wall clock (unix s): the time written keys are stamped with.
         now_s: u64,
-        /// `hitLoadFactor`.
+        /// `hitLoadFactor` (not sent for a pinned pick, which has no load guard).
         hit_load_factor: f64,
         /// `loadAware`: `None` when off; [`Picker::start`] fills in the pods' loads, or sets
         /// `None` when some pod has no fresh metrics (decided as with it off).

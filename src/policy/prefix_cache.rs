@@ -1030,7 +1030,7 @@ impl PrefixCache {
             chain: chain.to_vec(),
             ttl_s: self.config.redis_key_ttl_s,
             now_s: host.unix_seconds(),
-            hit_load_factor: if pinned { 0.0 } else { self.config.hit_load_factor },
+            hit_load_factor: self.config.hit_load_factor,
             load: self.config.load_aware.as_ref().filter(|_| !pinned).map(|config| {
                 Box::new(LoadAware {
                     config: config.clone(),
