@@ -202,6 +202,8 @@ fn notable_options_have_examples() {
     for needle in [
         "maxRequestCount:",
         "redisKeyTTL:",
+        "loadAware: true",
+        "scopedKeys:",
         "metric_policy: default",
         "metric_policy: least",
         "metric_policy: most",
