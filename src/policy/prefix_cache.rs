@@ -276,8 +276,23 @@ fn blocks_of(req: &ChatBody<'_>, rules: KeyRules, sink: &mut dyn BlockSink) -> S
     }
     // A continued response's block is the response's own already: only a new prompt is scoped.
     let scope = if stored.continues.is_some() { Vec::new() } else { scope_of(req, rules) };
-    let mut scoped = Scoped { sink, scope };
-    let sink: &mut dyn BlockSink = &mut scoped;
+    // Most prompts have no scope: they skip the wrapper's indirect call on every push.
+    if scope.is_empty() {
+        blocks_of_prompt(req, responses, rules, sink);
+    } else {
+        blocks_of_prompt(req, responses, rules, &mut Scoped { sink, scope });
+    }
+    stored
+}
+
+/// Feeds the blocks of what a body asks the model (its tools, then its conversation, Responses
+/// input or completion prompt) to `sink`; `responses` says the body is a Responses API request.
+fn blocks_of_prompt(
+    req: &ChatBody<'_>,
+    responses: bool,
+    rules: KeyRules,
+    sink: &mut dyn BlockSink,
+) {
     if let Some(tools) = &req.tools {
         sink.push(b"tools:");
         push_json(sink, tools);
@@ -329,7 +344,6 @@ fn blocks_of(req: &ChatBody<'_>, rules: KeyRules, sink: &mut dyn BlockSink) -> S
             sink.cut();
         }
     }
-    stored
 }
 
 /// What keeps a prompt's keys apart from the same text's in another KV cache (see
