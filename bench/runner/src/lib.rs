@@ -279,16 +279,24 @@ struct PluginSeconds {
     phases: Option<[f64; PLUGIN_PHASES.len()]>,
 }
 
-/// The plugin time of the gateways behind `admins`, summed; None when there is no gateway (a
-/// competitor router) or one of them did not answer.
-async fn plugin_seconds(admins: &[String]) -> Option<PluginSeconds> {
-    if admins.is_empty() {
+/// The `/stats` text of each gateway behind `admins`; None when one of them did not answer.
+async fn gateway_stats(admins: &[String]) -> Option<Vec<String>> {
+    let mut texts = Vec::with_capacity(admins.len());
+    for a in admins {
+        texts.push(http_get(a, "/stats").await.ok()?);
+    }
+    Some(texts)
+}
+
+/// The plugin time in the gateways' `stats`, summed; None when there is no gateway (a
+/// competitor router).
+fn plugin_seconds(stats: &[String]) -> Option<PluginSeconds> {
+    if stats.is_empty() {
         return None;
     }
     let mut sum = PluginSeconds { total: 0.0, phases: Some([0.0; PLUGIN_PHASES.len()]) };
-    for a in admins {
-        let text = http_get(a, "/stats").await.ok()?;
-        sum.total += prom_value(&text, "gateway_vm_call_seconds_total")?;
+    for text in stats {
+        sum.total += prom_value(text, "gateway_vm_call_seconds_total")?;
         if !text.contains("# TYPE gateway_vm_callback_seconds_total ") {
             sum.phases = None;
         }
@@ -298,7 +306,7 @@ async fn plugin_seconds(admins: &[String]) -> Option<PluginSeconds> {
                 .iter()
                 .filter_map(|c| {
                     let sample = format!("gateway_vm_callback_seconds_total{{callback=\"{c}\"}}");
-                    prom_value(&text, &sample)
+                    prom_value(text, &sample)
                 })
                 .sum::<f64>();
         }
@@ -306,14 +314,13 @@ async fn plugin_seconds(admins: &[String]) -> Option<PluginSeconds> {
     Some(sum)
 }
 
-/// Of the predicted hits the gateways behind `admins` checked against the engines' reports, the
+/// Of the predicted hits the gateways (their `stats`) checked against the engines' reports, the
 /// share the engine found nothing cached for; None without a gateway or a checked hit.
-async fn predicted_hits_missed(admins: &[String]) -> Option<f64> {
+fn predicted_hits_missed(stats: &[String]) -> Option<f64> {
     let (mut served, mut missed) = (0.0, 0.0);
-    for a in admins {
-        let text = http_get(a, "/stats").await.ok()?;
-        served += prom_value(&text, "ai_lb_predicted_hit_engine_hit").unwrap_or(0.0);
-        missed += prom_value(&text, "ai_lb_predicted_hit_engine_miss").unwrap_or(0.0);
+    for text in stats {
+        served += prom_value(text, "ai_lb_predicted_hit_engine_hit").unwrap_or(0.0);
+        missed += prom_value(text, "ai_lb_predicted_hit_engine_miss").unwrap_or(0.0);
     }
     (served + missed > 0.0).then(|| missed / (served + missed))
 }
@@ -563,7 +570,7 @@ pub async fn run_policy(
     }
     redis_cmd(&redis.addr, &["CONFIG", "RESETSTAT"]).await?;
     let cpu0 = RedisUsage::main_thread_cpu_s(&redis.addr).await.unwrap_or(0.0);
-    let vm_before = plugin_seconds(&admins).await;
+    let vm_before = gateway_stats(&admins).await.and_then(|s| plugin_seconds(&s));
     let target = loadgen::Target {
         urls,
         gateway_choice: sc.client_gateway,
@@ -644,8 +651,9 @@ pub async fn run_policy(
     }
     // Late callbacks (the last streams' log phase, their releases' replies) land within a few ms.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let vm_after = plugin_seconds(&admins).await;
-    let predicted_hits_missed = predicted_hits_missed(&admins).await;
+    let stats_after = gateway_stats(&admins).await;
+    let vm_after = stats_after.as_deref().and_then(plugin_seconds);
+    let predicted_hits_missed = stats_after.as_deref().and_then(predicted_hits_missed);
     for g in gws {
         g.stop().await;
     }
@@ -1032,4 +1040,47 @@ pub fn redis_table(rep: &Report) -> String {
         ));
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two gateways' `/stats`: plugin time and checked predictions are summed over both; a
+    /// gateway without per-callback counts leaves the phases out.
+    #[test]
+    fn gateway_stats_are_summed_over_gateways() {
+        let with_phases = "# TYPE gateway_vm_call_seconds_total counter\n\
+            gateway_vm_call_seconds_total 2.5\n\
+            # TYPE gateway_vm_callback_seconds_total counter\n\
+            gateway_vm_callback_seconds_total{callback=\"proxy_on_request_body\"} 1.5\n\
+            gateway_vm_callback_seconds_total{callback=\"proxy_on_tick\"} 0.25\n\
+            ai_lb_predicted_hit_engine_hit 3\n\
+            ai_lb_predicted_hit_engine_miss 1\n";
+        let without_phases = "gateway_vm_call_seconds_total 1.5\n\
+            ai_lb_predicted_hit_engine_hit 5\n\
+            ai_lb_predicted_hit_engine_miss 1\n";
+        let one = plugin_seconds(&[with_phases.to_string()]).expect("one gateway");
+        assert_eq!(one.total, 2.5);
+        let phases = one.phases.expect("per-callback counts");
+        let phase = |name: &str| {
+            let i = PLUGIN_PHASES.iter().position(|(n, _)| *n == name).expect("phase");
+            phases[i]
+        };
+        assert_eq!(phase("background"), 0.25);
+        assert_eq!(phases.iter().sum::<f64>(), 1.75);
+
+        let both = [with_phases.to_string(), without_phases.to_string()];
+        let sum = plugin_seconds(&both).expect("two gateways");
+        assert_eq!((sum.total, sum.phases), (4.0, None));
+        assert_eq!(predicted_hits_missed(&both), Some(0.2));
+
+        assert_eq!(plugin_seconds(&[]), None, "a competitor router has no gateway");
+        assert_eq!(
+            predicted_hits_missed(&[without_phases
+                .replace("_hit 5", "_hit 0")
+                .replace("_miss 1", "_miss 0")]),
+            None
+        );
+    }
 }
