@@ -38,6 +38,11 @@ pub use testkit::gateway::{LLM_CLUSTER, REDIS_CLUSTER};
 /// `cluster_header`): one cluster per pod, the client hashing the session onto them.
 pub const SESSION_CLUSTER_HEADER: &str = "x-bench-session-cluster";
 
+/// The name pod `i` reports in `x-pod-name` (podsim's default prefix).
+pub fn pod_name(i: usize) -> String {
+    format!("pod-{i}")
+}
+
 /// Cluster of pod `i` in the `session_hash` baseline.
 pub fn pod_cluster(i: usize) -> String {
     format!("outbound|8000||pod-{i}.static")
@@ -179,6 +184,9 @@ pub struct PolicyResult {
     /// Successful requests sent while Redis was frozen.
     #[serde(default)]
     pub outage_requests: usize,
+    /// With `scale_out`: how the requests sent after the new pods came were served.
+    #[serde(default)]
+    pub after_scale_out: Option<AfterScaleOut>,
     /// TTFTs (simulated ms), for the chart.
     #[serde(skip)]
     pub ttfts: Vec<f64>,
@@ -200,12 +208,105 @@ pub struct Failure {
 fn outage_ttfts(records: &[loadgen::RequestRecord], f: scenario::RedisFreeze, ts: f64) -> Vec<f64> {
     records
         .iter()
-        .filter(|r| r.error.is_none() && r.start_s >= f.at_s && r.start_s < f.at_s + f.for_s)
-        .filter_map(|r| {
-            let gw = r.gateway_added_ms.unwrap_or(0.0);
-            r.ttft_ms.map(|v| (v - gw.clamp(0.0, v)) / ts + gw.clamp(0.0, v))
-        })
+        .filter(|r| r.start_s >= f.at_s && r.start_s < f.at_s + f.for_s)
+        .filter_map(|r| simulated_ttft(r, ts))
         .collect()
+}
+
+/// A successful request's TTFT in simulated ms: the pods' part of it scaled back to their clock
+/// (`ts`), the gateway's own added time kept as measured, as [`loadgen::summarize`] does.
+fn simulated_ttft(r: &loadgen::RequestRecord, ts: f64) -> Option<f64> {
+    if r.error.is_some() {
+        return None;
+    }
+    let gw = r.gateway_added_ms.unwrap_or(0.0);
+    r.ttft_ms.map(|v| (v - gw.clamp(0.0, v)) / ts + gw.clamp(0.0, v))
+}
+
+/// How the requests sent after a scale-out were served.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct AfterScaleOut {
+    /// Successful requests sent once every router knew the new pods.
+    pub requests: usize,
+    /// Their TTFT mean (simulated ms).
+    pub ttft_mean_ms: f64,
+    /// Their TTFT p90 (simulated ms).
+    pub ttft_p90_ms: f64,
+    /// The share of them the new pods served.
+    pub new_pods_share: f64,
+}
+
+impl AfterScaleOut {
+    /// Of `records`, the successful requests sent `since_s` or later into the load; the new
+    /// pods are the ones named in `new_pods` (`x-pod-name`). None when there was no such request.
+    pub fn of(
+        records: &[loadgen::RequestRecord],
+        since_s: f64,
+        new_pods: &[String],
+        ts: f64,
+    ) -> Option<AfterScaleOut> {
+        let after: Vec<&loadgen::RequestRecord> =
+            records.iter().filter(|r| r.start_s >= since_s && r.error.is_none()).collect();
+        let ttfts: Vec<f64> = after.iter().filter_map(|r| simulated_ttft(r, ts)).collect();
+        if after.is_empty() || ttfts.is_empty() {
+            return None;
+        }
+        let on_new =
+            after.iter().filter(|r| r.pod.as_ref().is_some_and(|p| new_pods.contains(p))).count();
+        let d = loadgen::stats::dist(&ttfts);
+        Some(AfterScaleOut {
+            requests: after.len(),
+            ttft_mean_ms: d.mean,
+            ttft_p90_ms: d.p90,
+            new_pods_share: on_new as f64 / after.len() as f64,
+        })
+    }
+}
+
+/// The routers a scale-out tells about the new pods.
+enum ScaleTarget {
+    /// Our gateways' admin addresses: each gets the LLM cluster's whole new endpoint list, as
+    /// an xDS update gives Envoy.
+    Gateways(Vec<String>),
+    /// Competitor routers' addresses: each registers the new pods through its worker API.
+    Routers(policy::Router, Vec<String>),
+}
+
+/// `s.at_s` after `t0`, tells `target` that the LLM service now has `pods` (the new ones are
+/// `pods[s.initial_pods..]`); returns when they all knew, in seconds since `t0`.
+async fn scale_out(
+    target: ScaleTarget,
+    pods: Vec<String>,
+    s: scenario::ScaleOut,
+    t0: Instant,
+) -> Result<f64> {
+    tokio::time::sleep_until((t0 + Duration::from_secs_f64(s.at_s.max(0.0))).into()).await;
+    let new = pods.get(s.initial_pods..).unwrap_or_default();
+    match &target {
+        ScaleTarget::Gateways(admins) => {
+            let path = format!("/clusters/{}/endpoints", testkit::gateway::url_encode(LLM_CLUSTER));
+            for a in admins {
+                let addr: std::net::SocketAddr = a.parse()?;
+                let req = testkit::http::HttpRequest::post_json(&path, &json!(pods));
+                let resp = testkit::http::send(addr, req, Duration::from_secs(10)).await?;
+                if resp.status != 200 {
+                    return Err(anyhow!(
+                        "gateway admin {a}: setting {LLM_CLUSTER}'s endpoints: status {} {:?}",
+                        resp.status,
+                        resp.text()
+                    ));
+                }
+            }
+        }
+        ScaleTarget::Routers(router, addrs) => {
+            for a in addrs {
+                for pod in new {
+                    routers::add_worker(*router, a, pod).await?;
+                }
+            }
+        }
+    }
+    Ok(t0.elapsed().as_secs_f64())
 }
 
 /// Freezes Redis (SIGSTOP) `f.at_s` into the load and thaws it (SIGCONT) `f.for_s` later.
@@ -536,8 +637,15 @@ pub async fn run_policy(
     progress: Arc<AtomicU64>,
 ) -> Result<PolicyResult> {
     let spec = policy::lookup(policy)?;
+    if sc.scale_out.is_some() && spec.client_header() == ClientHeader::SessionCluster {
+        return Err(anyhow!(
+            "{policy} cannot run with scale_out: its client picks the pod and never learns new ones"
+        ));
+    }
     // Fresh pods per policy: every policy starts with cold caches.
     let (pods_proc, pods) = start_pods(paths, sc).await?;
+    // With a scale-out the routers start with the first pods and learn the rest mid-run.
+    let routed = &pods[..sc.initial_pods()];
     redis_cmd(&redis.addr, &["FLUSHALL"]).await?;
     // Redis's main thread spends CPU when idle too (serverCron, 10 Hz): measured over a quiet
     // half second before any gateway starts (so their heartbeats count as the plugin's cost,
@@ -548,16 +656,18 @@ pub async fn run_policy(
     let mut gws = Vec::new();
     let mut urls = Vec::new();
     let mut admins = Vec::new();
+    let mut external = None;
     for i in 0..replicas.max(1) {
         let tag = format!("{policy}-{i}");
         let (p, addr) = match spec.route {
             Route::Gateway(_) => {
-                let (p, addr) = start_gateway(paths, sc, policy, &pods, &redis.addr, &tag).await?;
+                let (p, addr) = start_gateway(paths, sc, policy, routed, &redis.addr, &tag).await?;
                 admins.extend(p.lines_with("ADMIN ").first().and_then(|v| v.first().cloned()));
                 (p, addr)
             }
             Route::External { router, policy: rp } => {
-                let r = routers::start_router(&paths.root, sc, router, rp, &pods, &tag).await?;
+                let r = routers::start_router(&paths.root, sc, router, rp, routed, &tag).await?;
+                external.get_or_insert((router, Vec::new())).1.push(r.addr.clone());
                 (r.proc, r.addr)
             }
         };
@@ -578,7 +688,7 @@ pub async fn run_policy(
             ClientHeader::None => None,
             ClientHeader::SessionCluster => Some(loadgen::StickyHeader {
                 header: SESSION_CLUSTER_HEADER.into(),
-                values: loadgen::StickyValues::OneOf((0..pods.len()).map(pod_cluster).collect()),
+                values: loadgen::StickyValues::OneOf((0..routed.len()).map(pod_cluster).collect()),
             }),
             ClientHeader::SessionId => Some(loadgen::StickyHeader {
                 header: "X-Session-ID".into(),
@@ -600,8 +710,24 @@ pub async fn run_policy(
         (Some(f), Some(pid)) => Some(tokio::spawn(freeze_redis(pid, f))),
         _ => None,
     };
+    let scaler = sc.scale_out.map(|s| {
+        let target = match external {
+            Some((router, addrs)) => ScaleTarget::Routers(router, addrs),
+            None => ScaleTarget::Gateways(admins.clone()),
+        };
+        tokio::spawn(scale_out(target, pods.clone(), s, t0))
+    });
     let records =
         loadgen::run(sc.workload.plan(), target, sc.workload.concurrency(), progress).await;
+    // A run that ended before the scale-out has nothing after it.
+    let scaled_at_s = match scaler {
+        Some(h) if !h.is_finished() => {
+            h.abort();
+            None
+        }
+        Some(h) => Some(h.await.map_err(|e| anyhow!("scale-out: {e}"))??),
+        None => None,
+    };
     let wall = t0.elapsed().as_secs_f64();
     if let Some(dir) = std::env::var_os("BENCH_DUMP_RECORDS") {
         // Diagnosis: every request's record (start, pod, TTFT, cached tokens), one file per run.
@@ -731,14 +857,11 @@ pub async fn run_policy(
             v.get(i.saturating_sub(1)).copied()
         }),
         outage_requests: sc.redis_freeze.map_or(0, |f| outage_ttfts(&records, f, ts).len()),
-        ttfts: records
-            .iter()
-            .filter(|r| r.error.is_none())
-            .filter_map(|r| {
-                let gw = r.gateway_added_ms.unwrap_or(0.0);
-                r.ttft_ms.map(|v| (v - gw.clamp(0.0, v)) / ts + gw.clamp(0.0, v))
-            })
-            .collect(),
+        after_scale_out: scaled_at_s.and_then(|at| {
+            let new: Vec<String> = (sc.initial_pods()..pods.len()).map(pod_name).collect();
+            AfterScaleOut::of(&records, at, &new, ts)
+        }),
+        ttfts: records.iter().filter_map(|r| simulated_ttft(r, ts)).collect(),
     })
 }
 
@@ -809,6 +932,15 @@ pub async fn run_jobs(
                 "; while Redis was frozen: {} requests, TTFT p90 {} ms",
                 r.outage_requests,
                 r.outage_ttft_p90_ms.map_or_else(|| "n/a".into(), |v| format!("{v:.0}"))
+            ));
+        }
+        if let Some(a) = &r.after_scale_out {
+            line.push_str(&format!(
+                "; after the scale-out: {} requests, TTFT mean {:.0} ms, p90 {:.0} ms, {:.0}% on the new pods",
+                a.requests,
+                a.ttft_mean_ms,
+                a.ttft_p90_ms,
+                a.new_pods_share * 100.0
             ));
         }
         if job.sc.health_check {
@@ -974,6 +1106,57 @@ pub fn outage_table(rep: &Report) -> String {
     t
 }
 
+/// With `scale_out`: per policy, how the requests sent after the new pods came were served,
+/// median over the runs (TTFT p90 and the new pods' share also per run). Empty without one.
+pub fn scale_out_table(rep: &Report) -> String {
+    let Some(s) = rep.config.scale_out else {
+        return String::new();
+    };
+    let count = rep.config.pods.count.max(1);
+    let fair = (count - rep.config.initial_pods().min(count)) as f64 * 100.0 / count as f64;
+    let mut t = format!(
+        "| policy (requests sent after the scale-out, {:.0} s in) | TTFT mean, ms | TTFT p90, ms | p90 per run | on the new pods, % (fair: {fair:.0}) | per run | requests |\n|---|---|---|---|---|---|---|\n",
+        s.at_s
+    );
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied()
+    };
+    let show = |v: Option<f64>| v.map_or_else(|| "n/a".into(), |v| format!("{v:.0}"));
+    let mut names: Vec<&str> = Vec::new();
+    for r in &rep.runs {
+        if !names.contains(&r.policy.as_str()) {
+            names.push(&r.policy);
+        }
+    }
+    for name in names {
+        let runs: Vec<Option<&AfterScaleOut>> = rep
+            .runs
+            .iter()
+            .filter(|r| r.policy == name)
+            .map(|r| r.after_scale_out.as_ref())
+            .collect();
+        let of = |f: fn(&AfterScaleOut) -> f64| -> Vec<f64> {
+            runs.iter().flatten().map(|a| f(a)).collect()
+        };
+        let per_run = |f: fn(&AfterScaleOut) -> f64| -> String {
+            let v: Vec<String> = runs.iter().map(|a| show(a.map(f))).collect();
+            v.join(", ")
+        };
+        let share = |a: &AfterScaleOut| a.new_pods_share * 100.0;
+        t.push_str(&format!(
+            "| {name} | {} | {} | {} | {} | {} | {} |\n",
+            show(median(of(|a| a.ttft_mean_ms))),
+            show(median(of(|a| a.ttft_p90_ms))),
+            per_run(|a| a.ttft_p90_ms),
+            show(median(of(share))),
+            per_run(share),
+            show(median(of(|a| a.requests as f64))),
+        ));
+    }
+    t
+}
+
 /// With a health check (pod-failure): per policy, the errors over all runs split at the moment
 /// the gateway marked the failed pod Unhealthy, and when that was. Empty without a health check.
 pub fn failure_table(rep: &Report) -> String {
@@ -1045,6 +1228,42 @@ pub fn redis_table(rep: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request record sent `start_s` into the load, served by `pod` with a TTFT of `ttft_ms`
+    /// (wall ms, 2 of them the gateway's), or failed.
+    fn record(start_s: f64, pod: &str, ttft_ms: Option<f64>) -> loadgen::RequestRecord {
+        loadgen::RequestRecord {
+            start_s,
+            pod: Some(pod.into()),
+            ttft_ms,
+            gateway_added_ms: Some(2.0),
+            error: ttft_ms.is_none().then(|| "connection reset".into()),
+            ..Default::default()
+        }
+    }
+
+    /// Only the successful requests sent once the new pods were known count; their TTFTs are
+    /// on the pods' clock (the gateway's part kept) and the share is of them.
+    #[test]
+    fn after_scale_out_counts_the_requests_sent_after_it() {
+        let records = [
+            record(1.0, "pod-2", Some(1000.0)),
+            record(4.9, "pod-0", Some(12.0)),
+            record(5.0, "pod-0", Some(12.0)),
+            record(5.5, "pod-2", Some(22.0)),
+            record(6.0, "pod-3", Some(32.0)),
+            record(6.5, "pod-1", Some(42.0)),
+            record(7.0, "pod-3", None),
+        ];
+        let new = [pod_name(2), pod_name(3)];
+        let a = AfterScaleOut::of(&records, 5.0, &new, 0.25).expect("requests after 5 s");
+        // Simulated TTFT = (wall - 2) / 0.25 + 2: 42, 82, 122, 162.
+        assert_eq!(a.requests, 4);
+        assert_eq!(a.ttft_mean_ms, 102.0);
+        assert_eq!(a.ttft_p90_ms, 162.0);
+        assert_eq!(a.new_pods_share, 0.5);
+        assert_eq!(AfterScaleOut::of(&records, 7.0, &new, 0.25), None, "only a failure after 7 s");
+    }
 
     /// Two gateways' `/stats`: plugin time and checked predictions are summed over both; a
     /// gateway without per-callback counts leaves the phases out.

@@ -238,6 +238,10 @@ async fn run(
     if !outage.is_empty() {
         print!("\n{outage}");
     }
+    let scale_out = bench::scale_out_table(&rep);
+    if !scale_out.is_empty() {
+        print!("\n{scale_out}");
+    }
     let failures = bench::failure_table(&rep);
     if !failures.is_empty() {
         print!("\n{failures}");

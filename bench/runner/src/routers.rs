@@ -6,6 +6,7 @@ use crate::policy::Router;
 use crate::procs::Proc;
 use crate::scenario::Scenario;
 use anyhow::{anyhow, bail, Result};
+use serde_json::json;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -122,6 +123,32 @@ pub async fn start_router(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The request that tells `router` about a new worker at `pod` (`ip:port`): SGLang's router
+/// 0.3 registers workers with `POST /workers` and a JSON body, vLLM's with
+/// `POST /add_worker?url=`.
+pub fn add_worker_request(router: Router, pod: &str) -> testkit::http::HttpRequest {
+    let url = format!("http://{pod}");
+    match router {
+        Router::Sglang => testkit::http::HttpRequest::post_json("/workers", &json!({"url": url})),
+        Router::Vllm => testkit::http::HttpRequest::post(
+            &format!("/add_worker?url={}", testkit::gateway::url_encode(&url)),
+            Vec::new(),
+        ),
+    }
+}
+
+/// Adds the worker at `pod` to the router at `addr` (SGLang's router answers 202: it checks the
+/// worker's health before routing to it, as our gateway does with a health check).
+pub async fn add_worker(router: Router, addr: &str, pod: &str) -> Result<()> {
+    let sock: std::net::SocketAddr = addr.parse()?;
+    let resp =
+        testkit::http::send(sock, add_worker_request(router, pod), Duration::from_secs(10)).await?;
+    if !(200..300).contains(&resp.status) {
+        bail!("{} at {addr}: adding {pod}: status {} {:?}", router.bin(), resp.status, resp.text());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

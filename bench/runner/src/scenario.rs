@@ -77,6 +77,18 @@ pub struct RedisFreeze {
     pub for_s: f64,
 }
 
+/// Pods added mid-run, as an autoscaler adds them under load: every router starts with the first
+/// `initial_pods` and learns the others `at_s` wall seconds into the load (our gateways through
+/// their admin API, as Higress learns endpoints from xDS; a competitor router through its own
+/// worker API).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct ScaleOut {
+    /// Seconds into the load.
+    pub at_s: f64,
+    /// Pods routed to before then (the first ones; at least one, fewer than `pods.count`).
+    pub initial_pods: usize,
+}
+
 /// A benchmark scenario.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Scenario {
@@ -118,6 +130,10 @@ pub struct Scenario {
     /// requests sent while it was frozen.
     #[serde(default)]
     pub redis_freeze: Option<RedisFreeze>,
+    /// Add pods during every run: TTFT and the new pods' share are then reported for the
+    /// requests sent after they came.
+    #[serde(default)]
+    pub scale_out: Option<ScaleOut>,
     /// Our gateway's health-check interval in simulated ms (default 200, Higress's
     /// `store_metrics` scrape as we configure it): the gateway gets it times `time_scale`, so
     /// between two scrapes the pods advance as much as they would on real hardware.
@@ -134,6 +150,14 @@ pub struct Scenario {
 }
 
 impl Scenario {
+    /// How many pods the routers know at the start: all, or `scale_out`'s first ones.
+    pub fn initial_pods(&self) -> usize {
+        match self.scale_out {
+            Some(s) => s.initial_pods.clamp(1, self.pods.count),
+            None => self.pods.count,
+        }
+    }
+
     /// The health-check interval our gateway runs, real ms: `health_check_interval_ms` on the
     /// pods' clock, at least 10 ms (the gateway's floor).
     pub fn gateway_health_interval_ms(&self) -> u64 {

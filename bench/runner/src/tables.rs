@@ -5,7 +5,9 @@
 //! scale). `bench tables --write` puts them into README.md between the two marker lines.
 
 use crate::stats::Spread;
-use crate::{failure_table, outage_table, plugin_table, redis_table, table, Report};
+use crate::{
+    failure_table, outage_table, plugin_table, redis_table, scale_out_table, table, Report,
+};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
 
@@ -54,7 +56,7 @@ fn stamp_line(stamp: &crate::Stamp, profile: &str, reps: &str, time_scale: f64) 
 }
 
 /// The Markdown of one report: heading, stamp, table, and the tables a scenario has only with a
-/// Redis policy, a Redis freeze or a health check.
+/// Redis policy, a Redis freeze, a scale-out or a health check.
 pub fn section(rep: &Report) -> String {
     let reps = format!("{} repetitions", rep.config.repetitions);
     let mut md = format!(
@@ -64,7 +66,14 @@ pub fn section(rep: &Report) -> String {
         stamp_line(&rep.stamp, &rep.config.pods.profile, &reps, rep.time_scale),
         table(rep)
     );
-    for extra in [plugin_table(rep), redis_table(rep), outage_table(rep), failure_table(rep)] {
+    let extras = [
+        plugin_table(rep),
+        redis_table(rep),
+        outage_table(rep),
+        scale_out_table(rep),
+        failure_table(rep),
+    ];
+    for extra in extras {
         if !extra.is_empty() {
             md.push('\n');
             md.push_str(&extra);
@@ -336,6 +345,28 @@ mod tests {
         let md = section(&rep);
         assert!(md.contains("| policy | TTFT p90 while Redis was frozen (ms) | per run |"), "{md}");
         assert!(md.contains("| round_robin | 510 | 500, 520, 510 | 50 |"), "{md}");
+    }
+
+    #[test]
+    fn a_scale_out_report_renders_its_table() {
+        assert!(!section(&report()).contains("after the scale-out"), "none without a scale-out");
+        let mut rep = report();
+        rep.config.pods.count = 4;
+        rep.config.scale_out = Some(crate::scenario::ScaleOut { at_s: 10.0, initial_pods: 3 });
+        for (r, share) in rep.runs.iter_mut().zip([0.2, 0.1, 0.3]) {
+            r.after_scale_out = Some(crate::AfterScaleOut {
+                requests: 200,
+                ttft_mean_ms: r.ttft_ms.mean + 10.0,
+                ttft_p90_ms: r.ttft_ms.p90 + 40.0,
+                new_pods_share: share,
+            });
+        }
+        let md = section(&rep);
+        assert!(md.contains("| on the new pods, % (fair: 25) |"), "one pod of four is new: {md}");
+        assert!(
+            md.contains("| round_robin | 120 | 150 | 140, 160, 150 | 20 | 20, 10, 30 | 200 |"),
+            "{md}"
+        );
     }
 
     #[test]
