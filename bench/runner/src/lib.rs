@@ -715,6 +715,7 @@ pub async fn run_policy(
             Some((router, addrs)) => ScaleTarget::Routers(router, addrs),
             None => ScaleTarget::Gateways(admins.clone()),
         };
+        let s = scenario::ScaleOut { initial_pods: sc.initial_pods(), ..s };
         tokio::spawn(scale_out(target, pods.clone(), s, t0))
     });
     let records =
