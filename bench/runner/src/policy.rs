@@ -205,6 +205,13 @@ pub const POLICIES: &[Policy] = &[
         "prefix_cache",
         r#"{"loadAware":true,"scopedKeys":false}"#,
     ),
+    // loadAware letting a prefix key name up to 4 pods (the default is 2): after a scale-out the
+    // new pods can become holders of prompts the old ones already hold.
+    plugin_with(
+        "prefix_cache_load_aware_holders4",
+        "prefix_cache",
+        r#"{"loadAware":true,"maxHolders":4}"#,
+    ),
     plugin("endpoint_metrics", "endpoint_metrics"),
     external("sglang_round_robin", Router::Sglang, "round_robin"),
     external("sglang_cache_aware", Router::Sglang, "cache_aware"),
