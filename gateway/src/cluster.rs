@@ -41,6 +41,15 @@ impl Health {
     }
 }
 
+/// An endpoint's serialized host info, with the health and the stored body's version it was made
+/// from.
+#[derive(Debug)]
+struct HostInfo {
+    health: Health,
+    metrics_version: u64,
+    json: Arc<[u8]>,
+}
+
 /// One upstream endpoint.
 #[derive(Debug)]
 pub struct Endpoint {
@@ -50,8 +59,11 @@ pub struct Endpoint {
     pub addr: SocketAddr,
     /// Current health.
     pub health: Mutex<Health>,
-    /// Last stored health-check body (`store_metrics`).
-    pub metrics: Mutex<String>,
+    /// Last stored health-check body (`store_metrics`), and how many times it was stored or
+    /// cleared (for [`Endpoint::host_info`]'s memo).
+    metrics: Mutex<(String, u64)>,
+    /// The last [`Endpoint::host_info`].
+    host_info: Mutex<Option<HostInfo>>,
     /// In-flight upstream requests (for least_request and `/stats`).
     pub active: AtomicI64,
     /// Requests sent to this endpoint.
@@ -82,7 +94,8 @@ impl Endpoint {
             address: address.to_string(),
             addr,
             health: Mutex::new(health),
-            metrics: Mutex::new(String::new()),
+            metrics: Mutex::new((String::new(), 0)),
+            host_info: Mutex::new(None),
             active: AtomicI64::new(0),
             total: AtomicU64::new(0),
             hc_successes: Mutex::new((0, 0)),
@@ -107,7 +120,36 @@ impl Endpoint {
     }
     /// Stored metrics text.
     pub fn metrics(&self) -> String {
-        self.metrics.lock().map(|m| m.clone()).unwrap_or_default()
+        self.metrics.lock().map(|m| m.0.clone()).unwrap_or_default()
+    }
+    /// Replaces the stored metrics text (empty: none).
+    pub fn set_metrics(&self, text: String) {
+        if let Ok(mut m) = self.metrics.lock() {
+            *m = (text, m.1.wrapping_add(1));
+        }
+    }
+    /// This endpoint's info as `proxy_get_upstream_hosts` lists it: JSON with `health_status`
+    /// and the stored `metrics`. Serialized again only when the health or the stored body
+    /// changed: a real vLLM's body is 30-60 KB, and a plugin lists the hosts per request, while
+    /// the body changes once per check interval.
+    pub fn host_info(&self) -> Arc<[u8]> {
+        let health = self.health();
+        let Ok(metrics) = self.metrics.lock() else { return Arc::from(&b"{}"[..]) };
+        let Ok(mut memo) = self.host_info.lock() else { return Arc::from(&b"{}"[..]) };
+        if let Some(info) = memo.as_ref() {
+            if info.health == health && info.metrics_version == metrics.1 {
+                return Arc::clone(&info.json);
+            }
+        }
+        let json: Arc<[u8]> = serde_json::json!({
+            "health_status": health.as_str(),
+            "metrics": metrics.0,
+        })
+        .to_string()
+        .into_bytes()
+        .into();
+        *memo = Some(HostInfo { health, metrics_version: metrics.1, json: Arc::clone(&json) });
+        json
     }
 }
 
@@ -389,9 +431,7 @@ pub async fn check_endpoints(cluster: &Cluster, eps: Vec<Arc<Endpoint>>) {
                 counts.0 += 1;
                 counts.1 = 0;
                 if hc.store_metrics {
-                    if let Ok(mut m) = e.metrics.lock() {
-                        *m = String::from_utf8_lossy(&body).into_owned();
-                    }
+                    e.set_metrics(String::from_utf8_lossy(&body).into_owned());
                 }
                 if (first || counts.0 >= hc.healthy_threshold) && e.health() == Health::Unhealthy {
                     e.set_health(Health::Healthy);
@@ -401,9 +441,7 @@ pub async fn check_endpoints(cluster: &Cluster, eps: Vec<Arc<Endpoint>>) {
                 counts.1 += 1;
                 counts.0 = 0;
                 tracing::debug!(endpoint = %e.address, cluster = %cluster.name, "health check failed: {err}");
-                if let Ok(mut m) = e.metrics.lock() {
-                    m.clear();
-                }
+                e.set_metrics(String::new());
                 if counts.1 >= hc.unhealthy_threshold {
                     e.set_health(Health::Unhealthy);
                 }
@@ -498,5 +536,25 @@ mod tests {
         let added = c.set_endpoints(&["127.0.0.1:1".into(), "127.0.0.1:2".into()]).unwrap();
         assert_eq!(added[0].health(), Health::Healthy);
         assert_eq!(c.find("127.0.0.1:1").unwrap().health(), Health::Healthy);
+    }
+
+    #[test]
+    fn host_info_is_made_again_only_when_the_health_or_the_stored_body_changed() {
+        let e = Endpoint::new("127.0.0.1:1").unwrap();
+        let info =
+            |e: &Endpoint| serde_json::from_slice::<serde_json::Value>(&e.host_info()).unwrap();
+        assert_eq!(info(&e), serde_json::json!({"health_status": "Healthy", "metrics": ""}));
+        e.set_metrics("vllm:num_requests_running 3\n".into());
+        let first = e.host_info();
+        assert!(Arc::ptr_eq(&first, &e.host_info()), "unchanged: the same bytes, not made again");
+        assert_eq!(info(&e)["metrics"], "vllm:num_requests_running 3\n");
+        // The same text stored again by the next check is a new sample: made again, still equal.
+        e.set_metrics("vllm:num_requests_running 3\n".into());
+        assert!(!Arc::ptr_eq(&first, &e.host_info()));
+        assert_eq!(*first, *e.host_info());
+        e.set_health(Health::Unhealthy);
+        assert_eq!(info(&e)["health_status"], "Unhealthy");
+        e.set_metrics(String::new());
+        assert_eq!(info(&e), serde_json::json!({"health_status": "Unhealthy", "metrics": ""}));
     }
 }

@@ -98,17 +98,8 @@ pub fn add(l: &mut Registrar<'_>) -> anyhow::Result<()> {
             Err(_) => return status::INTERNAL_FAILURE,
         };
         let Some(cluster) = st.g.clusters.get(&cluster_name) else { return status::NOT_FOUND };
-        let pairs: Vec<(String, Vec<u8>)> = cluster
-            .endpoints()
-            .iter()
-            .map(|e| {
-                let info = serde_json::json!({
-                    "health_status": e.health().as_str(),
-                    "metrics": e.metrics(),
-                });
-                (e.address.clone(), info.to_string().into_bytes())
-            })
-            .collect();
+        let pairs: Vec<(String, std::sync::Arc<[u8]>)> =
+            cluster.endpoints().iter().map(|e| (e.address.clone(), e.host_info())).collect();
         let data = if pairs.is_empty() { Vec::new() } else { marshal_pairs(&pairs) };
         match copy_out(&mut c, &data, pp, sp) {
             Ok(()) => status::OK,

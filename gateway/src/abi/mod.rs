@@ -308,6 +308,21 @@ pub struct HostState {
     pub http_client: crate::body::HttpClient,
     /// Next context id (shared counter, never reused across VM generations).
     pub next_ctx: Arc<std::sync::atomic::AtomicU32>,
+    /// The module's exported `memory` and allocator (`malloc`, else `proxy_on_memory_allocate`),
+    /// resolved once after instantiation as cpp-host's `WasmBase::getFunctions` does: looking them
+    /// up by name at every hostcall cost more than the rest of a small hostcall. `None` before
+    /// instantiation, or when the module's allocator does not have the `(i32) -> i32` type, which
+    /// [`copy_out`] then calls through its untyped export.
+    pub exports: GuestExports,
+}
+
+/// See [`HostState::exports`].
+#[derive(Default)]
+pub struct GuestExports {
+    /// The exported linear memory.
+    pub memory: Option<wasmtime::Memory>,
+    /// The allocator, typed.
+    pub alloc: Option<wasmtime::TypedFunc<i32, i32>>,
 }
 
 impl HostState {
@@ -329,6 +344,9 @@ pub fn code(r: HResult<()>) -> i32 {
 }
 
 fn memory(caller: &mut Caller<'_, HostState>) -> HResult<wasmtime::Memory> {
+    if let Some(m) = caller.data().exports.memory {
+        return Ok(m);
+    }
     caller.get_export("memory").and_then(|e| e.into_memory()).ok_or(status::INVALID_MEMORY_ACCESS)
 }
 
@@ -374,6 +392,19 @@ pub fn copy_out(
 ) -> HResult<()> {
     let mut ptr = 0u32;
     if !bytes.is_empty() {
+        let len = i32::try_from(bytes.len()).map_err(|_| status::INVALID_MEMORY_ACCESS)?;
+        ptr = allocate(caller, len)?;
+        write_bytes(caller, ptr as i32, bytes)?;
+    }
+    write_u32(caller, ptr_ptr, ptr)?;
+    write_u32(caller, size_ptr, bytes.len() as u32)
+}
+
+/// `len` bytes from the module's allocator; a null pointer or a trap is an error.
+fn allocate(caller: &mut Caller<'_, HostState>, len: i32) -> HResult<u32> {
+    let ptr = if let Some(alloc) = caller.data().exports.alloc.clone() {
+        alloc.call(&mut *caller, len).map_err(|_| status::INVALID_MEMORY_ACCESS)?
+    } else {
         // cpp-host's order (`WasmBase::getFunctions`): `malloc` first. A module with both (a
         // TinyGo plugin) gets its buffers from the same allocator as in Envoy.
         let alloc = caller
@@ -383,30 +414,29 @@ pub fn copy_out(
             .ok_or(status::INVALID_MEMORY_ACCESS)?;
         let mut out = [Val::I32(0)];
         alloc
-            .call(&mut *caller, &[Val::I32(bytes.len() as i32)], &mut out)
+            .call(&mut *caller, &[Val::I32(len)], &mut out)
             .map_err(|_| status::INVALID_MEMORY_ACCESS)?;
-        ptr = out[0].i32().unwrap_or(0) as u32;
-        if ptr == 0 {
-            return Err(status::INVALID_MEMORY_ACCESS);
-        }
-        write_bytes(caller, ptr as i32, bytes)?;
+        out[0].i32().unwrap_or(0)
+    };
+    match ptr as u32 {
+        0 => Err(status::INVALID_MEMORY_ACCESS),
+        p => Ok(p),
     }
-    write_u32(caller, ptr_ptr, ptr)?;
-    write_u32(caller, size_ptr, bytes.len() as u32)
 }
 
 /// Serialize pairs like cpp-host `PairsUtil::marshalPairs`.
-pub fn marshal_pairs(pairs: &[(String, Vec<u8>)]) -> Vec<u8> {
-    let mut out = Vec::new();
+pub fn marshal_pairs<V: AsRef<[u8]>>(pairs: &[(String, V)]) -> Vec<u8> {
+    let size = 4 + pairs.iter().map(|(k, v)| 10 + k.len() + v.as_ref().len()).sum::<usize>();
+    let mut out = Vec::with_capacity(size);
     out.extend_from_slice(&(pairs.len() as u32).to_le_bytes());
     for (k, v) in pairs {
         out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.as_ref().len() as u32).to_le_bytes());
     }
     for (k, v) in pairs {
         out.extend_from_slice(k.as_bytes());
         out.push(0);
-        out.extend_from_slice(v);
+        out.extend_from_slice(v.as_ref());
         out.push(0);
     }
     out
