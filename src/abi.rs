@@ -16,6 +16,7 @@ use crate::host::{
     UpstreamHost,
 };
 use crate::types::{BufferType, DataAction, HeaderAction, MapType, MetricType, StreamType};
+use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
@@ -458,8 +459,8 @@ fn metric_id(counter: Counter) -> Option<u32> {
 /// All contexts of this VM: root contexts own a [`Filter`]; streams map to their root.
 #[derive(Default)]
 struct Vm {
-    roots: HashMap<u32, Filter>,
-    stream_root: HashMap<u32, u32>,
+    roots: FxHashMap<u32, Filter>,
+    stream_root: FxHashMap<u32, u32>,
 }
 
 thread_local! {

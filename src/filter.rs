@@ -16,8 +16,8 @@ use crate::config::{LbConfig, MatchInput, PluginConfig, RuleMatch, CONSUMER_HEAD
 use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply};
 use crate::policy::{self, Decision, Policy, Stream};
 use crate::types::{DataAction, HeaderAction};
+use rustc_hash::FxHashMap;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
 
 /// A `_rules_` entry, or the top-level config, with the policy instance that serves it.
@@ -109,9 +109,9 @@ pub struct Filter {
     previous: Vec<Rc<Route>>,
     /// Whether a rule matches on the consumer header (read only then).
     reads_consumer: bool,
-    streams: HashMap<u32, StreamEntry>,
+    streams: FxHashMap<u32, StreamEntry>,
     /// Call token -> the stream held for its reply.
-    waiting: HashMap<u32, u32>,
+    waiting: FxHashMap<u32, u32>,
     stop: RootStop,
 }
 

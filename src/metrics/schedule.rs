@@ -35,6 +35,7 @@
 //!   ([`OwnPicks::Always`]), which starts with a burst decided on one sample.
 
 use super::prometheus::PodMetrics;
+use rustc_hash::FxHashMap;
 
 /// Queue length under which LoRA affinity is preferred (GIE `queueingThresholdLoRA`).
 pub const QUEUEING_THRESHOLD_LORA: f64 = 50.0;
@@ -253,7 +254,7 @@ pub const MAX_IN_FLIGHT: usize = 16_384;
 #[derive(Clone, Debug)]
 pub struct InFlightPicks {
     /// Stream id → (pick time in ms, pod address).
-    picks: std::collections::HashMap<u32, (u64, String)>,
+    picks: FxHashMap<u32, (u64, String)>,
     max_age_ms: u64,
     max_entries: usize,
     last_purge_ms: u64,

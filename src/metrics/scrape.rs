@@ -19,6 +19,7 @@
 
 use super::{prometheus, Snapshot};
 use crate::host::{Host, HttpCallRequest, HttpReply, LogLevel};
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
 /// Prefix of every shared-data key this module writes.
@@ -48,7 +49,7 @@ pub struct Scraper {
     target: Option<String>,
     worker_id: u64,
     clusters: HashMap<String, ClusterPods>,
-    in_flight: HashMap<u32, (String, String, u64)>,
+    in_flight: FxHashMap<u32, (String, String, u64)>,
     /// (cluster, pod) that left their cluster: their snapshot and lease are emptied on the next
     /// tick, so shared data does not keep a snapshot per pod IP ever seen (proxy-wasm cannot
     /// delete a key; an empty value frees all but the key's name).
@@ -81,7 +82,7 @@ impl Scraper {
             target,
             worker_id: 0,
             clusters: HashMap::new(),
-            in_flight: HashMap::new(),
+            in_flight: FxHashMap::default(),
             departed: Vec::new(),
         }
     }

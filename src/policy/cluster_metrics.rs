@@ -44,6 +44,7 @@ use super::{Decision, Policy, Stream};
 use crate::config::{ClusterMetricsConfig, ClusterMode};
 use crate::host::{Host, LogLevel};
 use crate::metrics::schedule::{self, RecentPicks};
+use rustc_hash::FxHashMap;
 use std::collections::{HashMap, VecDeque};
 
 /// Statistics of one service, per worker.
@@ -87,7 +88,7 @@ pub struct ClusterMetrics {
     stats: HashMap<String, ServiceStats>,
     recent: RecentPicks,
     /// Each live stream's pick, by stream id (until the stream ends).
-    picks: HashMap<u32, Pick>,
+    picks: FxHashMap<u32, Pick>,
 }
 
 fn now_ms(host: &dyn Host) -> u64 {
@@ -101,7 +102,7 @@ impl ClusterMetrics {
             config.service_list.iter().map(|s| (s.clone(), ServiceStats::default())).collect();
         // Share over the last `queue_size` choices; age is not a criterion (u64::MAX window).
         let recent = RecentPicks::new(config.queue_size, u64::MAX);
-        ClusterMetrics { config, stats, recent, picks: HashMap::new() }
+        ClusterMetrics { config, stats, recent, picks: FxHashMap::default() }
     }
 
     fn value(&self, service: &str, now: u64) -> f64 {

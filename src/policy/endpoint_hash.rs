@@ -26,7 +26,8 @@ use super::{fnv1a32, healthy_hosts, Decision, Policy, Stream};
 use crate::config::EndpointHashConfig;
 use crate::host::{Counter, Host, LogLevel, RedisReply};
 use crate::redis::{decode_reply, encode_command, Frame, RedisClient};
-use std::collections::{HashMap, HashSet};
+use rustc_hash::FxHashMap;
+use std::collections::HashSet;
 
 /// One stream's binding.
 struct Sticky {
@@ -51,7 +52,7 @@ pub struct EndpointHash {
     redis: RedisClient,
     breaker: Breaker,
     /// Live streams that have a key, by stream id.
-    streams: HashMap<u32, Sticky>,
+    streams: FxHashMap<u32, Sticky>,
     /// This policy's Redis calls in flight (lookups, also those given up or whose stream ended,
     /// and writes): each reply, or the host's timeout, tells the breaker whether Redis answers
     /// (a breaker whose probe's stream went away would otherwise stay half-open).
@@ -98,7 +99,7 @@ impl EndpointHash {
             config,
             redis,
             breaker,
-            streams: HashMap::new(),
+            streams: FxHashMap::default(),
             calls: HashSet::new(),
             last_answer_ns: 0,
         }

@@ -25,6 +25,7 @@
 //! pod's excess slowness instead halves every [`SLOWNESS_HALF_LIFE_NS`], so a pod that may have
 //! recovered gets new sessions back gradually, and its next sample replaces the old average.
 
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
 /// Weight of a new sample in a pod's average: about the last 5 responses count.
@@ -144,7 +145,7 @@ pub struct PodSpeed {
     /// Per pod: its averages.
     per_pod: HashMap<String, PodAverage>,
     /// Streams whose response is being timed, by stream id.
-    streams: HashMap<u32, Timing>,
+    streams: FxHashMap<u32, Timing>,
 }
 
 impl PodSpeed {

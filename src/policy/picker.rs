@@ -46,6 +46,7 @@ use crate::config::{GlobalLeastRequestConfig, LoadAwareConfig};
 use crate::host::{Counter, Host, HttpReply, LogLevel, RedisReply, UpstreamHost};
 use crate::metrics::router::{MetricsRouter, Ranking};
 use crate::redis::{self, decode_reply, Frame, RedisClient, Script};
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
 /// The shared breaker key's value once a worker's breaker closed because Redis answered it (an
@@ -632,7 +633,7 @@ pub(crate) struct Picker {
     groups: HashMap<String, Group>,
     last_heartbeat_ns: u64,
     /// Releases, heartbeats and probes sent and not yet answered, by token.
-    root_calls: HashMap<u32, RootCall>,
+    root_calls: FxHashMap<u32, RootCall>,
     /// Releases waiting for Redis: sent as soon as a reply shows it answers again.
     release_queue: Vec<Release>,
     /// Key writes waiting for Redis: sent when it answers again.
@@ -640,7 +641,7 @@ pub(crate) struct Picker {
     /// The pods' metrics, which decide when Redis cannot.
     metrics: MetricsRouter,
     /// Each live stream's pick, by stream id (from the pick's start to the stream's end).
-    picks: HashMap<u32, PickState>,
+    picks: FxHashMap<u32, PickState>,
 }
 
 impl Picker {
@@ -666,10 +667,10 @@ impl Picker {
             next_request: 0,
             groups: HashMap::new(),
             last_heartbeat_ns: 0,
-            root_calls: HashMap::new(),
+            root_calls: FxHashMap::default(),
             release_queue: Vec::new(),
             waiting_writes: std::collections::VecDeque::new(),
-            picks: HashMap::new(),
+            picks: FxHashMap::default(),
         }
     }
 

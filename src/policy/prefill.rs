@@ -10,6 +10,7 @@
 
 use super::prefix_cache::MAX_BLOCKS;
 use crate::host::Host;
+use rustc_hash::FxHashMap;
 use std::collections::HashMap;
 
 /// A prompt older than this with no answer no longer counts (a stream whose end the plugin never
@@ -40,7 +41,7 @@ pub struct Placement<'a> {
 /// See the module docs.
 #[derive(Default)]
 pub struct PrefillBacklog {
-    prompts: HashMap<u32, Prompt>,
+    prompts: FxHashMap<u32, Prompt>,
     /// The other workers' backlogs (created at first use, with a random id).
     shared: Option<SharedBacklogs>,
 }

@@ -29,10 +29,10 @@ use super::{Decision, Policy, Stream};
 use crate::config::{KeyRules, PrefixCacheConfig};
 use crate::host::{Counter, Host, LogLevel};
 use crate::redis;
+use rustc_hash::FxHashMap;
 use serde_json::Value;
 use sha1::{Digest, Sha1};
 use std::borrow::Cow;
-use std::collections::HashMap;
 
 /// At most this many chain keys per request: prefixes matter from the start, and the script call
 /// must stay small. Later blocks are not indexed.
@@ -966,7 +966,7 @@ pub struct PrefixCache {
     /// the others.
     prefill: Option<PrefillBacklog>,
     /// Streams whose stored response's id is read from the reply, to record its pod.
-    response_ids: HashMap<u32, ResponseIdReader>,
+    response_ids: FxHashMap<u32, ResponseIdReader>,
 }
 
 impl PrefixCache {
@@ -990,7 +990,7 @@ impl PrefixCache {
                 .is_some_and(|l| l.prefill_bytes > 0)
                 .then(PrefillBacklog::default),
             config,
-            response_ids: HashMap::new(),
+            response_ids: FxHashMap::default(),
         }
     }
 
