@@ -11,8 +11,10 @@
 #                         shared-prefix-split, cache-pressure, replicas, cross-replica, hot-spot,
 #                         unequal-pods, pod-failure, load-sweep, redis-freeze (Redis frozen under load),
 #                         seed-aiperf (the published test driven by NVIDIA AIPerf), chaos (Redis frozen
-#                         and a gateway replica killed under load), overhead (what the gateway and the
-#                         plugin add to one request)
+#                         and a gateway replica killed under load), overhead, overhead-large and
+#                         overhead-stream (what the gateway and the plugin add to one request; the last
+#                         per chunk of a streamed answer; BENCH_BASELINE_WASM=<.wasm> adds rows for a
+#                         second plugin build in the same run)
 #   ./build.sh bench C [args]
 #                         the bench binary's other subcommands, C one of: sweep (`./build.sh bench sweep
 #                         load-sweep`), timescale, model, tables (`./build.sh bench tables --write`),

@@ -14,9 +14,17 @@
 //! `redis cmds` the commands Redis processed per request. The target of issue #8: with one Redis
 //! call, gateway-added p50 at most plain proxy + Redis round trip + 0.2 ms (the `budget` column).
 //!
-//! Two shapes: `overhead`, a short chat and short `/metrics` bodies (what the plugin itself adds),
-//! and `overhead-large`, a 16 KB system prompt and pods whose `/metrics` is the size of a real
-//! vLLM's (40 KB: every request reads every pod's stored body through the host list).
+//! Three shapes: `overhead`, a short chat and short `/metrics` bodies (what the plugin itself adds);
+//! `overhead-large`, a 16 KB system prompt and pods whose `/metrics` is the size of a real vLLM's
+//! (40 KB: every request reads every pod's stored body through the host list); and
+//! `overhead-stream`, the short chat answered as a stream of about 200 SSE chunks, usage last.
+//! An engine streams a chat answer a token per chunk, and the plugin is called for each chunk, so
+//! for streamed traffic its cost per chunk (`plugin µs/chunk`: the time inside
+//! `proxy_on_response_body` over its calls) weighs more than its cost per request.
+//!
+//! With `BENCH_BASELINE_WASM=<path to a .wasm>` every policy row runs a second time with that
+//! module (rows marked `(baseline)`), interleaved with the others: a change to the plugin is
+//! measured against the build before it in the same run.
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -40,21 +48,32 @@ pub struct Shape {
     pub system_prompt_bytes: usize,
     /// Least bytes of each pod's `/metrics` body (0: the short vLLM V1 sample).
     pub pod_metrics_bytes: usize,
+    /// Words of a streamed answer, one SSE chunk each (0: the answer is not streamed).
+    #[serde(default)]
+    pub stream_words: usize,
 }
 
 impl Shape {
     /// `overhead-large`: a long system prompt, pods' metrics the size of a real vLLM's.
-    pub const LARGE: Shape = Shape { system_prompt_bytes: 16_000, pod_metrics_bytes: 40_000 };
+    pub const LARGE: Shape =
+        Shape { system_prompt_bytes: 16_000, pod_metrics_bytes: 40_000, stream_words: 0 };
 
-    /// The shape a `bench run` name asks for: `overhead` or `overhead-large`.
+    /// `overhead-stream`: the short chat, its answer streamed as 200 chunks (a chat answer of 200
+    /// tokens, as an engine streams it).
+    pub const STREAM: Shape =
+        Shape { system_prompt_bytes: 0, pod_metrics_bytes: 0, stream_words: 200 };
+
+    /// The shape a `bench run` name asks for: `overhead`, `overhead-large` or `overhead-stream`.
     pub fn named(name: &str) -> Option<Shape> {
-        [Shape::default(), Shape::LARGE].into_iter().find(|s| s.name() == name)
+        [Shape::default(), Shape::LARGE, Shape::STREAM].into_iter().find(|s| s.name() == name)
     }
 
-    /// The results' name (`overhead` or `overhead-large`).
+    /// The results' name.
     pub fn name(&self) -> &'static str {
         if *self == Shape::default() {
             "overhead"
+        } else if self.stream_words > 0 {
+            "overhead-stream"
         } else {
             "overhead-large"
         }
@@ -63,6 +82,12 @@ impl Shape {
     fn describe(&self) -> String {
         if *self == Shape::default() {
             "a short chat, short pod metrics".to_string()
+        } else if self.stream_words > 0 {
+            // The stub pods stream "Hello from <pod>" before the words asked for.
+            format!(
+                "a short chat answered as a stream of {} word chunks, a finish chunk, a usage chunk and `[DONE]`, short pod metrics",
+                self.stream_words + 3
+            )
         } else {
             format!(
                 "a {} B system prompt, each pod's `/metrics` {} B as a real vLLM's",
@@ -89,6 +114,9 @@ pub struct Sample {
     pub plugin_cpu_ms: Option<f64>,
     /// Redis commands per request, policy rows only.
     pub redis_cmds: Option<f64>,
+    /// Plugin VM time per response body callback (µs), policy rows only.
+    #[serde(default)]
+    pub chunk_us: Option<f64>,
 }
 
 /// A row's medians over the repetitions.
@@ -104,6 +132,9 @@ pub struct Row {
     pub plugin_cpu_ms: Option<f64>,
     /// Median Redis commands per request.
     pub redis_cmds: Option<f64>,
+    /// Median plugin VM time per response body callback (µs).
+    #[serde(default)]
+    pub chunk_us: Option<f64>,
 }
 
 /// `bench/results/overhead.json`.
@@ -119,6 +150,9 @@ pub struct OverheadResults {
     pub reps: usize,
     /// Measured requests per row and repetition.
     pub requests: usize,
+    /// The module of the `(baseline)` rows (`BENCH_BASELINE_WASM`), if any.
+    #[serde(default)]
+    pub baseline_wasm: Option<String>,
     /// Each row's medians, in measuring order (`direct` first).
     pub rows: Vec<Row>,
     /// Every row of every repetition.
@@ -128,8 +162,13 @@ pub struct OverheadResults {
 impl OverheadResults {
     /// Markdown for the README: what was run, the stamp line and the table.
     pub fn section(&self) -> String {
+        let baseline = self
+            .baseline_wasm
+            .as_deref()
+            .map(|w| format!("; rows marked (baseline) load `{w}`"))
+            .unwrap_or_default();
         format!(
-            "`{name}` (`bench run {name} --reps {reps}`): what the gateway host and the plugin add to one request, {} sequential keep-alive requests per row (one gateway worker, 2 stub pods; {}), medians\n\n{} · {reps} repetitions, interleaved · real ms\n\n{}",
+            "`{name}` (`bench run {name} --reps {reps}`): what the gateway host and the plugin add to one request, {} sequential keep-alive requests per row (one gateway worker, 2 stub pods; {}{baseline}), medians\n\n{} · {reps} repetitions, interleaved · real ms\n\n{}",
             self.requests,
             self.shape.describe(),
             crate::tables::stamp_text(&self.stamp, None),
@@ -151,6 +190,7 @@ impl OverheadResults {
             p99_ms,
             plugin_cpu_ms,
             redis_cmds,
+            chunk_us: None,
         };
         let samples = vec![
             row("direct", 0.05, 0.17, None, None),
@@ -164,6 +204,7 @@ impl OverheadResults {
             shape: Shape::default(),
             reps: 1,
             requests: 2000,
+            baseline_wasm: None,
             rows: summarize(&order, &samples),
             samples,
         }
@@ -189,6 +230,9 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize, shape: Shap
             n => testkit::samples::vllm_v1_full(0, 0, 0.1, n),
         });
     }
+    for p in &pods {
+        p.set_stream_extra_words(shape.stream_words);
+    }
     let hosts: Vec<String> = pods.iter().map(Pod::host).collect();
     let base = |route: &str| {
         GatewayConfig::new()
@@ -198,23 +242,38 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize, shape: Shap
             .workers(1)
             .log_level("warn")
     };
+    let baseline = std::env::var_os("BENCH_BASELINE_WASM").map(std::path::PathBuf::from);
+    if let Some(b) = &baseline {
+        if !b.is_file() {
+            bail!("BENCH_BASELINE_WASM: no file {}", b.display());
+        }
+    }
+    let modules: Vec<(&str, std::path::PathBuf)> =
+        std::iter::once(("", testkit::paths::plugin_wasm()))
+            .chain(baseline.iter().map(|b| (" (baseline)", b.clone())))
+            .collect();
     let mut gateways = vec![("plain proxy".to_string(), Gateway::start(&base("plain")).await?)];
     for policy in POLICIES {
-        let cfg = if policy == "endpoint_metrics" {
-            base(policy)
-                .plugin(json!({"lb_policy": policy, "lb_config": {}}))
-                .metrics_health_check(LLM_CLUSTER, 200)
-        } else if policy == "prefix_cache loadAware" {
-            let mut lb = redis_lb_config();
-            lb["loadAware"] = json!(true);
-            lb["splitSystemPrompt"] = json!(true);
-            base("load_aware")
-                .plugin(json!({"lb_policy": "prefix_cache", "lb_config": lb}))
-                .metrics_health_check(LLM_CLUSTER, 200)
-        } else {
-            base(policy).plugin(json!({"lb_policy": policy, "lb_config": redis_lb_config()}))
-        };
-        gateways.push((policy.to_string(), Gateway::start(&cfg).await?));
+        for (suffix, module) in &modules {
+            let cfg = if policy == "endpoint_metrics" {
+                base(policy)
+                    .plugin_module(module, json!({"lb_policy": policy, "lb_config": {}}))
+                    .metrics_health_check(LLM_CLUSTER, 200)
+            } else if policy == "prefix_cache loadAware" {
+                let mut lb = redis_lb_config();
+                lb["loadAware"] = json!(true);
+                lb["splitSystemPrompt"] = json!(true);
+                base("load_aware")
+                    .plugin_module(module, json!({"lb_policy": "prefix_cache", "lb_config": lb}))
+                    .metrics_health_check(LLM_CLUSTER, 200)
+            } else {
+                base(policy).plugin_module(
+                    module,
+                    json!({"lb_policy": policy, "lb_config": redis_lb_config()}),
+                )
+            };
+            gateways.push((format!("{policy}{suffix}"), Gateway::start(&cfg).await?));
+        }
     }
     let mut rows: Vec<(String, Target)> =
         vec![("direct".into(), Target::Http(pods[0].addr(), None))];
@@ -231,7 +290,7 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize, shape: Shap
                 let addr = *addr;
                 let lat =
                     tokio::task::spawn_blocking(move || redis_pings(addr, requests)).await??;
-                sample(name, rep, lat, None, None)
+                sample(name, rep, lat, None, None, None)
             }
             Target::Http(addr, gw) => {
                 let gw = gw.map(|i| &gateways[i].1);
@@ -244,24 +303,32 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize, shape: Shap
                     .await??;
                 // Late callbacks (the release's Redis reply) land within a few ms.
                 tokio::time::sleep(Duration::from_millis(100)).await;
-                let (cpu, cmds) = match (gw, before) {
-                    (Some(g), Some((s0, c0))) if name != "plain proxy" => {
-                        let (s1, c1) = counters(g, &redis).await?;
+                let (cpu, cmds, chunk) = match (gw, before) {
+                    (Some(g), Some(c0)) if name != "plain proxy" => {
+                        let c1 = counters(g, &redis).await?;
                         let n = (requests + WARMUP) as f64;
-                        (Some((s1 - s0) * 1e3 / n), Some((c1 - c0) / n))
+                        let chunks = c1.chunk_calls - c0.chunk_calls;
+                        let chunk_us = (chunks > 0.0)
+                            .then(|| (c1.chunk_seconds - c0.chunk_seconds) * 1e6 / chunks);
+                        (
+                            Some((c1.vm_seconds - c0.vm_seconds) * 1e3 / n),
+                            Some((c1.redis_commands - c0.redis_commands) / n),
+                            chunk_us,
+                        )
                     }
-                    _ => (None, None),
+                    _ => (None, None, None),
                 };
-                sample(name, rep, lat, cpu, cmds)
+                sample(name, rep, lat, cpu, cmds, chunk)
             }
         };
         eprintln!(
-            "{:<22} #{}: p50 {:.3} ms  p99 {:.3} ms{}",
+            "{:<22} #{}: p50 {:.3} ms  p99 {:.3} ms{}{}",
             sample.row,
             rep + 1,
             sample.p50_ms,
             sample.p99_ms,
-            sample.plugin_cpu_ms.map(|c| format!("  plugin {c:.3} ms")).unwrap_or_default()
+            sample.plugin_cpu_ms.map(|c| format!("  plugin {c:.3} ms")).unwrap_or_default(),
+            sample.chunk_us.map(|c| format!("  {c:.2} us/chunk")).unwrap_or_default()
         );
         samples.push(sample);
     }
@@ -274,6 +341,7 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize, shape: Shap
         shape,
         reps,
         requests,
+        baseline_wasm: baseline.map(|b| b.display().to_string()),
         rows: summarize(&rows.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(), &samples),
         samples,
     };
@@ -285,9 +353,26 @@ pub async fn run(paths: &crate::Paths, reps: usize, requests: usize, shape: Shap
     Ok(())
 }
 
-/// (`gateway_vm_call_seconds_total`, Redis `total_commands_processed`).
-async fn counters(gw: &Gateway, redis: &RedisFixture) -> Result<(f64, f64)> {
-    let vm = gw.stat("gateway_vm_call_seconds_total", &[]).await?.unwrap_or(0.0);
+/// A gateway's and Redis's counters before and after a row.
+struct Counters {
+    /// `gateway_vm_call_seconds_total`: every plugin callback.
+    vm_seconds: f64,
+    /// Calls of and seconds in `proxy_on_response_body`.
+    chunk_calls: f64,
+    chunk_seconds: f64,
+    /// Redis `total_commands_processed`.
+    redis_commands: f64,
+}
+
+async fn counters(gw: &Gateway, redis: &RedisFixture) -> Result<Counters> {
+    let stats = gw.stats().await?;
+    let stat = |name: &str, labels: &[(&str, &str)]| {
+        testkit::gateway::prom_sum(&stats, name, labels).unwrap_or(0.0)
+    };
+    let body = [("callback", "proxy_on_response_body")];
+    let vm_seconds = stat("gateway_vm_call_seconds_total", &[]);
+    let chunk_calls = stat("gateway_vm_callback_calls_total", &body);
+    let chunk_seconds = stat("gateway_vm_callback_seconds_total", &body);
     let info = redis.client().await?.cmd(&["INFO", "stats"]).await?;
     let info = info.as_string().unwrap_or_default();
     let cmds = info
@@ -296,7 +381,7 @@ async fn counters(gw: &Gateway, redis: &RedisFixture) -> Result<(f64, f64)> {
         .and_then(|v| v.trim().parse::<f64>().ok())
         .context("no total_commands_processed in INFO stats")?;
     // The INFO call itself counts one command.
-    Ok((vm, cmds - 1.0))
+    Ok(Counters { vm_seconds, chunk_calls, chunk_seconds, redis_commands: cmds - 1.0 })
 }
 
 fn sample(
@@ -305,6 +390,7 @@ fn sample(
     mut lat: Vec<Duration>,
     plugin_cpu_ms: Option<f64>,
     redis_cmds: Option<f64>,
+    chunk_us: Option<f64>,
 ) -> Sample {
     lat.sort();
     let at = |q: f64| {
@@ -318,6 +404,7 @@ fn sample(
         p99_ms: at(0.99),
         plugin_cpu_ms,
         redis_cmds,
+        chunk_us,
     }
 }
 
@@ -345,6 +432,7 @@ fn summarize(order: &[String], samples: &[Sample]) -> Vec<Row> {
                 p99_ms: of(&|s| Some(s.p99_ms)).unwrap_or(f64::NAN),
                 plugin_cpu_ms: of(&|s| s.plugin_cpu_ms),
                 redis_cmds: of(&|s| s.redis_cmds),
+                chunk_us: of(&|s| s.chunk_us),
             }
         })
         .collect()
@@ -359,14 +447,18 @@ fn markdown(rows: &[Row], reps: usize, requests: usize) -> String {
 }
 
 /// The README table: each row's p50/p99, the gateway-added p50 (over `direct`), and for the
-/// policies the budget plain proxy + Redis round trip + 0.2 ms.
+/// policies the budget plain proxy + Redis round trip + 0.2 ms; with streamed answers, the plugin's
+/// time per response chunk too.
 pub fn table(rows: &[Row]) -> String {
     let p50 = |n: &str| rows.iter().find(|r| r.row == n).map(|r| r.p50_ms).unwrap_or(f64::NAN);
     let (direct, plain, rtt) = (p50("direct"), p50("plain proxy"), p50("redis round trip"));
+    let chunks = rows.iter().any(|r| r.chunk_us.is_some());
     let mut out = String::from(
-        "| row | p50 ms | p99 ms | added p50 ms | plugin CPU ms/req | Redis cmds/req | budget p50 ms |\n\
-         |---|---:|---:|---:|---:|---:|---:|\n",
+        "| row | p50 ms | p99 ms | added p50 ms | plugin CPU ms/req | Redis cmds/req | budget p50 ms |",
     );
+    out.push_str(if chunks { " plugin µs/chunk |\n" } else { "\n" });
+    out.push_str("|---|---:|---:|---:|---:|---:|---:|");
+    out.push_str(if chunks { "---:|\n" } else { "\n" });
     for r in rows {
         let added = if r.row == "direct" || r.row == "redis round trip" {
             "".to_string()
@@ -378,13 +470,20 @@ pub fn table(rows: &[Row]) -> String {
             _ => String::new(),
         };
         out.push_str(&format!(
-            "| {} | {:.3} | {:.3} | {added} | {} | {} | {budget} |\n",
+            "| {} | {:.3} | {:.3} | {added} | {} | {} | {budget} |",
             r.row,
             r.p50_ms,
             r.p99_ms,
             r.plugin_cpu_ms.map(|c| format!("{c:.3}")).unwrap_or_default(),
             r.redis_cmds.map(|c| format!("{c:.2}")).unwrap_or_default(),
         ));
+        if chunks {
+            out.push_str(&format!(
+                " {} |",
+                r.chunk_us.map(|c| format!("{c:.2}")).unwrap_or_default()
+            ));
+        }
+        out.push('\n');
     }
     out
 }
@@ -406,12 +505,17 @@ fn http_requests(addr: SocketAddr, n: usize, shape: Shape) -> Result<Vec<Duratio
         } else {
             json!([{"role": "system", "content": system}, user])
         };
-        let body = json!({
+        let mut body = json!({
             "model": testkit::samples::MODEL,
             "messages": messages,
             "max_tokens": 8
-        })
-        .to_string();
+        });
+        if shape.stream_words > 0 {
+            body["max_tokens"] = json!(shape.stream_words + 3);
+            body["stream"] = json!(true);
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let body = body.to_string();
         let req = format!(
             "POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
             body.len()
@@ -502,6 +606,7 @@ mod tests {
     fn each_shape_is_run_by_its_own_name() {
         assert_eq!(Shape::named("overhead"), Some(Shape::default()));
         assert_eq!(Shape::named("overhead-large"), Some(Shape::LARGE));
+        assert_eq!(Shape::named("overhead-stream"), Some(Shape::STREAM));
         assert_eq!(Shape::named("seed"), None);
     }
 
@@ -522,5 +627,32 @@ mod tests {
         let md = serde_json::from_value::<OverheadResults>(old).expect("old file").section();
         assert!(md.contains("\n\nundated · commit and machine not recorded"), "{md}");
         assert!(md.contains("| prefix_cache | 0.330 |"), "{md}");
+    }
+
+    #[test]
+    fn a_streamed_run_shows_the_time_per_chunk_and_its_baseline_module() {
+        let mut results = OverheadResults::example();
+        results.shape = Shape::STREAM;
+        results.baseline_wasm = Some("/work/old.wasm".into());
+        for s in &mut results.samples {
+            if s.row == "prefix_cache" {
+                s.chunk_us = Some(1.25);
+            }
+        }
+        let order: Vec<String> = results.samples.iter().map(|s| s.row.clone()).collect();
+        results.rows = summarize(&order, &results.samples);
+        let json = serde_json::to_string(&results).expect("json");
+        let md = serde_json::from_str::<OverheadResults>(&json).expect("read").section();
+        assert!(
+            md.starts_with("`overhead-stream` (`bench run overhead-stream --reps 1`): "),
+            "{md}"
+        );
+        assert!(md.contains("a stream of 203 word chunks, a finish chunk, a usage chunk"), "{md}");
+        assert!(md.contains("rows marked (baseline) load `/work/old.wasm`"), "{md}");
+        assert!(md.contains("| budget p50 ms | plugin µs/chunk |"), "{md}");
+        assert!(
+            md.contains("| prefix_cache | 0.330 | 0.680 | 0.280 | 0.046 | 11.00 | 0.365 | 1.25 |")
+        );
+        assert!(md.contains("| direct | 0.050 | 0.170 |  |  |  |  |  |"), "{md}");
     }
 }
