@@ -69,8 +69,6 @@ impl PluginRuntime {
 pub struct Vm {
     store: Store<HostState>,
     funcs: HashMap<String, Export>,
-    /// The module's exported linear memory, for the memory gauge.
-    memory: Option<wasmtime::Memory>,
     /// Root context id.
     pub root_id: u32,
     /// ABI marker.
@@ -124,7 +122,7 @@ impl Vm {
             st.actions.clear();
         }
         let r = f.call(&mut self.store, &params, &mut results);
-        if let Some(m) = self.memory {
+        if let Some(m) = self.store.data().exports.memory {
             let bytes = m.data_size(&self.store) as u64;
             self.store.data().g.stats.vm_memory_bytes_max.fetch_max(bytes, Ordering::Relaxed);
         }
@@ -289,19 +287,19 @@ impl Worker {
             }
         }
         // Envoy (cpp-host `getFunctions`) fails a module it could hand no data to.
-        if !funcs.contains_key("malloc") && !funcs.contains_key("proxy_on_memory_allocate") {
+        if !crate::abi::ALLOCATOR_EXPORTS.iter().any(|name| funcs.contains_key(*name)) {
             anyhow::bail!(
                 "plugin {plugin_name}: the module exports neither malloc nor \
                  proxy_on_memory_allocate (Envoy refuses it too)"
             );
         }
         let memory = instance.get_memory(&mut store, "memory");
-        let alloc = ["malloc", "proxy_on_memory_allocate"]
+        let alloc = crate::abi::ALLOCATOR_EXPORTS
             .into_iter()
             .find_map(|name| funcs.get(name))
             .and_then(|e| e.func.typed::<i32, i32>(&store).ok());
         store.data_mut().exports = crate::abi::GuestExports { memory, alloc };
-        let mut vm = Vm { store, funcs, memory, root_id, abi: p.abi };
+        let mut vm = Vm { store, funcs, root_id, abi: p.abi };
         // Reactor start: `_initialize`, or `_start` (a proc_exit(0) from it is fine).
         if vm.funcs.contains_key("_initialize") {
             vm.call(root_id, "_initialize", &[])

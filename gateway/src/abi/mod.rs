@@ -308,13 +308,17 @@ pub struct HostState {
     pub http_client: crate::body::HttpClient,
     /// Next context id (shared counter, never reused across VM generations).
     pub next_ctx: Arc<std::sync::atomic::AtomicU32>,
-    /// The module's exported `memory` and allocator (`malloc`, else `proxy_on_memory_allocate`),
-    /// resolved once after instantiation as cpp-host's `WasmBase::getFunctions` does: looking them
-    /// up by name at every hostcall cost more than the rest of a small hostcall. `None` before
-    /// instantiation, or when the module's allocator does not have the `(i32) -> i32` type, which
-    /// [`copy_out`] then calls through its untyped export.
+    /// The module's exported `memory` and allocator, resolved once after instantiation as
+    /// cpp-host's `WasmBase::getFunctions` does: looking them up by name at every hostcall cost
+    /// more than the rest of a small hostcall. `None` before instantiation, for a module without
+    /// them, or for an allocator without the `(i32) -> i32` type (a hostcall that returns data
+    /// then fails with InvalidMemoryAccess).
     pub exports: GuestExports,
 }
+
+/// The allocator exports in cpp-host's order (`WasmBase::getFunctions`): `malloc` first, so a
+/// module with both (a TinyGo plugin) gets its buffers from the same allocator as in Envoy.
+pub const ALLOCATOR_EXPORTS: [&str; 2] = ["malloc", "proxy_on_memory_allocate"];
 
 /// See [`HostState::exports`].
 #[derive(Default)]
@@ -344,10 +348,7 @@ pub fn code(r: HResult<()>) -> i32 {
 }
 
 fn memory(caller: &mut Caller<'_, HostState>) -> HResult<wasmtime::Memory> {
-    if let Some(m) = caller.data().exports.memory {
-        return Ok(m);
-    }
-    caller.get_export("memory").and_then(|e| e.into_memory()).ok_or(status::INVALID_MEMORY_ACCESS)
+    caller.data().exports.memory.ok_or(status::INVALID_MEMORY_ACCESS)
 }
 
 /// Read guest bytes.
@@ -402,23 +403,8 @@ pub fn copy_out(
 
 /// `len` bytes from the module's allocator; a null pointer or a trap is an error.
 fn allocate(caller: &mut Caller<'_, HostState>, len: i32) -> HResult<u32> {
-    let ptr = if let Some(alloc) = caller.data().exports.alloc.clone() {
-        alloc.call(&mut *caller, len).map_err(|_| status::INVALID_MEMORY_ACCESS)?
-    } else {
-        // cpp-host's order (`WasmBase::getFunctions`): `malloc` first. A module with both (a
-        // TinyGo plugin) gets its buffers from the same allocator as in Envoy.
-        let alloc = caller
-            .get_export("malloc")
-            .or_else(|| caller.get_export("proxy_on_memory_allocate"))
-            .and_then(|e| e.into_func())
-            .ok_or(status::INVALID_MEMORY_ACCESS)?;
-        let mut out = [Val::I32(0)];
-        alloc
-            .call(&mut *caller, &[Val::I32(len)], &mut out)
-            .map_err(|_| status::INVALID_MEMORY_ACCESS)?;
-        out[0].i32().unwrap_or(0)
-    };
-    match ptr as u32 {
+    let alloc = caller.data().exports.alloc.clone().ok_or(status::INVALID_MEMORY_ACCESS)?;
+    match alloc.call(&mut *caller, len).map_err(|_| status::INVALID_MEMORY_ACCESS)? as u32 {
         0 => Err(status::INVALID_MEMORY_ACCESS),
         p => Ok(p),
     }

@@ -56,7 +56,7 @@ pub fn provided(name: &str) -> bool {
 }
 
 fn mem(c: &mut Caller<'_, HostState>) -> Option<wasmtime::Memory> {
-    c.data().exports.memory.or_else(|| c.get_export("memory").and_then(|e| e.into_memory()))
+    c.data().exports.memory
 }
 
 fn rd_u32(data: &[u8], at: usize) -> Option<u32> {
